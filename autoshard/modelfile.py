@@ -1,0 +1,145 @@
+"""Load a user's model file: ``path/to/model.py[:builder]``.
+
+The convention: the file defines ``build(config: str) -> nn.Module`` (or the named builder) and
+``sample_inputs(config: str, batch: int, seq: int) -> tuple``; optionally
+``loss(output, *inputs) -> Tensor`` (default: causal-LM cross-entropy on the shifted inputs) and
+``CONFIGS`` (a mapping whose keys are the valid config names).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autoshard.errors import AutoshardError
+
+
+@dataclass
+class ModelFile:
+    path: Path
+    builder_name: str
+    module: Any
+
+    @property
+    def configs(self) -> list[str] | None:
+        configs = getattr(self.module, "CONFIGS", None)
+        return list(configs) if configs is not None else None
+
+    @property
+    def loss(self) -> Callable | None:
+        return getattr(self.module, "loss", None)
+
+    def build(self, config: str | None, device: str = "meta") -> nn.Module:
+        """Call the builder under ``torch.device(device)``: on meta nothing is allocated."""
+        self._check_config(config)
+        builder = getattr(self.module, self.builder_name)
+        args = () if config is None else (config,)
+        try:
+            with torch.device(device):
+                model = builder(*args)
+        except Exception as e:
+            raise AutoshardError(
+                f"{self.path.name}: {self.builder_name}({config!r}) raised {type(e).__name__}: "
+                f"{_first_line(e)} (at {user_frame(e, self.path)})"
+            ) from e
+        if not isinstance(model, nn.Module):
+            raise AutoshardError(
+                f"{self.path.name}: {self.builder_name}() returned {type(model).__name__}, "
+                "not a torch.nn.Module; return the model"
+            )
+        return model
+
+    def sample_inputs(self, config: str | None, batch: int, seq: int, device: str = "meta") -> tuple:
+        fn = getattr(self.module, "sample_inputs", None)
+        if fn is None:
+            raise AutoshardError(
+                f"{self.path.name} has no sample_inputs(config, batch, seq); define it to return "
+                "the model's inputs as a tuple of tensors"
+            )
+        try:
+            with torch.device(device):
+                inputs = fn(config, batch, seq)
+        except Exception as e:
+            raise AutoshardError(
+                f"{self.path.name}: sample_inputs({config!r}, {batch}, {seq}) raised "
+                f"{type(e).__name__}: {_first_line(e)}"
+            ) from e
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if not isinstance(inputs, tuple) or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise AutoshardError(f"{self.path.name}: sample_inputs() must return a tuple of tensors")
+        return inputs
+
+    def _check_config(self, config: str | None) -> None:
+        known = self.configs
+        if known is not None and config not in known:
+            raise AutoshardError(
+                f"unknown config {config!r} for {self.path.name}; choose one of: {', '.join(known)}"
+            )
+
+
+def load(spec: str) -> ModelFile:
+    """Import ``path.py[:builder]`` as a module (its directory first on ``sys.path``)."""
+    path_text, _, builder = spec.partition(":")
+    builder = builder or "build"
+    path = Path(path_text)
+    if not path.is_file():
+        raise AutoshardError(f"model file not found: {path_text}; pass the path to a .py file")
+    name = f"autoshard_user_{path.stem}"
+    spec_obj = importlib.util.spec_from_file_location(name, path)
+    if spec_obj is None or spec_obj.loader is None:
+        raise AutoshardError(f"cannot import {path_text}: not a Python source file")
+    module = importlib.util.module_from_spec(spec_obj)
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        spec_obj.loader.exec_module(module)
+    except Exception as e:
+        raise AutoshardError(
+            f"importing {path.name} raised {type(e).__name__}: {_first_line(e)} "
+            f"(at {user_frame(e, path)})"
+        ) from e
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    sys.modules[name] = module
+    if not callable(getattr(module, builder, None)):
+        raise AutoshardError(
+            f"{path.name} defines no function {builder}(); define {builder}(config) returning "
+            "the nn.Module, or name the builder as model.py:function"
+        )
+    return ModelFile(path.resolve(), builder, module)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def user_frame(e: BaseException, path: Path | None = None) -> str:
+    """``file:line: code`` of the innermost traceback frame in the user's code.
+
+    The user's code is ``path`` when given, else the innermost frame outside torch, the
+    standard library and autoshard itself.
+    """
+    frames = traceback.extract_tb(e.__traceback__)
+    chosen = None
+    for f in frames:
+        if path is not None and Path(f.filename).resolve() == Path(path).resolve():
+            chosen = f
+        elif path is None and not _library_file(f.filename):
+            chosen = f
+    if chosen is None:
+        return "unknown location"
+    code = f": {chosen.line.strip()}" if chosen.line else ""
+    return f"{Path(chosen.filename).name}:{chosen.lineno}{code}"
+
+
+def _library_file(filename: str) -> bool:
+    parts = Path(filename).parts
+    return any(p in ("torch", "autoshard", "site-packages", "transformers") for p in parts) or filename.startswith("<")
