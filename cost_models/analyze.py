@@ -1,0 +1,500 @@
+"""Analyze: per repeated layer kind (and for the embedding and output regions), FLOPs, bytes moved,
+parameters, the tensors saved for backward and the communication volumes each parallel dimension
+implies, all symbolic in batch ``b`` and sequence ``s``.
+
+The result, ``ModelCost``, is what the planner searches over; it never looks at the graph again.
+
+Saved tensors are counted once per storage (views share it) with the rules of ``ops.RULES`` and
+grouped into *checkpoint categories*, the unit of selective recomputation:
+
+``layer_input``   the tensor entering the layer (always kept: the checkpoint boundary)
+``norm_input``    residual-stream tensors a norm keeps
+``norm_output``   norm outputs (inputs of the following projections)
+``linear_output`` projection outputs (Q/K/V, MLP up/gate) kept by what follows
+``activation``    outputs of pointwise ops (activation functions, rotary, gating products)
+``attention``     the attention core: scores, softmax, its dropout, or flash's output and LSE
+``dropout_mask``  dropout masks outside attention
+``experts``       tensors kept inside routed experts
+``loss``          the loss's fp32 log-probabilities (output region)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import sympy
+from torch import fx
+
+from autoshard.capture import Captured
+from autoshard.cost_models import ops, sharding
+from autoshard.ir import B, S
+
+CATEGORIES = (
+    "layer_input",
+    "norm_input",
+    "norm_output",
+    "linear_output",
+    "activation",
+    "attention",
+    "dropout_mask",
+    "experts",
+    "loss",
+)
+RECOMPUTABLE = tuple(c for c in CATEGORIES if c not in ("layer_input", "loss"))
+
+
+def _fn(expr: sympy.Expr):
+    """Compile an expression in b and s to a plain Python function of (b, s)."""
+    return sympy.lambdify((B, S), expr, modules=[{"floor": lambda x: int(x // 1), "FloorDiv": lambda a, b: a // b}, "math"])
+
+
+@dataclass
+class SavedTensor:
+    """One storage autograd keeps for backward."""
+
+    category: str
+    elems: sympy.Expr
+    fixed_bytes: int | None  # None: floating, at the compute dtype's size
+    tp_sharded: bool
+    per_token: bool  # has batch and sequence dims (sequence/context parallelism shards it)
+    producer: str
+
+    def bytes(self, b: float, s: float, float_bytes: int = 2) -> float:
+        size = self.fixed_bytes if self.fixed_bytes is not None else float_bytes
+        return float(self.elems.subs({B: b, S: s})) * size if self.elems.free_symbols else float(self.elems) * size
+
+
+@dataclass
+class Collective:
+    """Communication one forward pass of the block implies on one parallel dimension."""
+
+    axis: str  # tp | ep
+    kind: str  # all_reduce (TP without SP), all_to_all (EP)
+    elems: sympy.Expr
+    backward: bool  # also once in backward
+
+
+@dataclass
+class BlockCost:
+    """Costs of one layer kind (``count`` copies) or of the pre/post region (count 1)."""
+
+    name: str
+    count: int
+    layers: list[int]
+    params: int
+    params_tp: int  # parameters divided among TP ranks
+    params_experts: int  # parameters of routed experts (divided among EP ranks)
+    flops: sympy.Expr  # forward FLOPs
+    flops_tp: sympy.Expr  # the part TP divides
+    flops_experts: sympy.Expr  # the part inside routed experts
+    flops_attention: sympy.Expr  # the attention core (quadratic in s)
+    bytes_moved: sympy.Expr
+    flops_by_class: dict[str, sympy.Expr]
+    bytes_by_class: dict[str, sympy.Expr]
+    saved: list[SavedTensor]
+    collectives: list[Collective]
+    boundary_elems: sympy.Expr  # elements of the block's output activation (pipeline p2p)
+    _closure: dict = field(default_factory=dict, repr=False)
+    _nodes: list = field(default_factory=list, repr=False)
+
+    @cached_property
+    def _compiled(self):
+        return {
+            "flops": _fn(self.flops),
+            "flops_tp": _fn(self.flops_tp),
+            "flops_experts": _fn(self.flops_experts),
+            "flops_attention": _fn(self.flops_attention),
+            "bytes_moved": _fn(self.bytes_moved),
+            "boundary": _fn(self.boundary_elems),
+            "saved": [(t, _fn(t.elems)) for t in self.saved],
+        }
+
+    def eval(self, what: str, b: float, s: float) -> float:
+        return float(self._compiled[what](b, s))
+
+    def saved_bytes(self, b: float, s: float, float_bytes: int = 2) -> dict[str, float]:
+        """Bytes kept per category at micro-batch ``b`` and sequence ``s`` (no parallelism)."""
+        out = dict.fromkeys(CATEGORIES, 0.0)
+        for t, f in self._compiled["saved"]:
+            size = t.fixed_bytes if t.fixed_bytes is not None else float_bytes
+            out[t.category] += float(f(b, s)) * size
+        return out
+
+    def activation_bytes(
+        self,
+        b: float,
+        s: float,
+        *,
+        tp: int = 1,
+        sp: bool = False,
+        recompute: frozenset[str] | set[str] = frozenset(),
+        float_bytes: int = 2,
+    ) -> float:
+        """Bytes one copy of this block keeps for backward on one GPU.
+
+        ``tp`` divides tensors inside TP regions; with ``sp`` the replicated per-token tensors are
+        divided too (sequence parallelism). Categories in ``recompute`` are dropped and rebuilt in
+        backward, except the layer input, which is the checkpoint.
+        """
+        total = 0.0
+        for t, f in self._compiled["saved"]:
+            if t.category in recompute and t.category != "layer_input":
+                continue
+            size = t.fixed_bytes if t.fixed_bytes is not None else float_bytes
+            split = tp if (t.tp_sharded or (sp and t.per_token)) else 1
+            total += float(f(b, s)) * size / split
+        return total
+
+    def recompute_flops(self, recompute: frozenset[str] | set[str]) -> sympy.Expr:
+        """Forward FLOPs rerun in backward to rebuild the dropped categories."""
+        key = frozenset(recompute) - {"layer_input"}
+        if key not in self._closure:
+            self._closure[key] = _closure_flops(self, key)
+        return self._closure[key]
+
+    def recompute_fn(self, recompute):
+        key = ("fn", frozenset(recompute) - {"layer_input"})
+        if key not in self._closure:
+            self._closure[key] = _fn(self.recompute_flops(recompute))
+        return self._closure[key]
+
+    @property
+    def categories(self) -> list[str]:
+        present = {t.category for t in self.saved}
+        return [c for c in RECOMPUTABLE if c in present]
+
+
+@dataclass
+class ModelCost:
+    captured: Captured
+    blocks: list[BlockCost]  # layer kinds, in order of first appearance
+    pre: BlockCost
+    post: BlockCost
+
+    @property
+    def params(self) -> int:
+        return self.captured.parameters
+
+    @property
+    def num_layers(self) -> int:
+        return sum(k.count for k in self.blocks)
+
+    def all_blocks(self) -> list[BlockCost]:
+        return [self.pre, *self.blocks, self.post]
+
+    def flops_forward(self, b: float, s: float) -> float:
+        return sum(blk.count * blk.eval("flops", b, s) for blk in self.all_blocks())
+
+    def flops_per_token(self, s: float) -> dict[str, float]:
+        """Model FLOPs per token at sequence ``s``: forward, and training (forward + 2x backward)."""
+        fwd = self.flops_forward(1, s) / s
+        return {"forward": fwd, "training": 3 * fwd}
+
+    def block_of_layer(self, layer: int) -> BlockCost:
+        return next(b for b in self.blocks if layer in b.layers)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def analyze(captured: Captured) -> ModelCost:
+    gm = captured.graph_module
+    sharding.annotate(gm)
+    float_bytes = 2
+    for n in gm.graph.nodes:
+        n.meta["cost"] = ops.node_cost(n, gm, float_bytes)
+    blocks = []
+    for kind in captured.kinds:
+        nodes = _with_params(captured.layer_nodes[kind.template], gm)
+        blocks.append(_block(f"layer kind {kind.id}", kind.count, kind.layers, nodes, gm))
+    pre = _block("embedding", 1, [], captured.region_nodes("pre"), gm)
+    post = _block("output", 1, [], captured.region_nodes("post"), gm)
+    return ModelCost(captured, blocks, pre, post)
+
+
+def _with_params(nodes: list[fx.Node], gm: fx.GraphModule) -> list[fx.Node]:
+    layer = nodes[0].meta["layer"]
+    params = [n for n in gm.graph.nodes if n.op == "get_attr" and n.meta.get("layer") == layer]
+    return params + nodes
+
+
+def _param_tensors(node: fx.Node, gm: fx.GraphModule):
+    if node.op == "call_module":
+        return list(gm.get_submodule(node.target).named_parameters())
+    if node.op == "get_attr" and node.meta.get("is_param"):
+        return [("", gm.get_parameter(node.target))]
+    return []
+
+
+def _block(name: str, count: int, layers: list[int], nodes: list[fx.Node], gm: fx.GraphModule) -> BlockCost:
+    zero = sympy.Integer(0)
+    inside = set(nodes)
+    flops = flops_tp = flops_experts = flops_attn = moved = zero
+    by_class: dict[str, sympy.Expr] = {}
+    bytes_by_class: dict[str, sympy.Expr] = {}
+    params = params_tp = params_experts = 0
+    seen_params: set[int] = set()
+    for n in nodes:
+        cost: ops.NodeCost = n.meta["cost"]
+        flops += cost.flops
+        moved += cost.bytes_moved
+        by_class[n.meta["op_class"]] = by_class.get(n.meta["op_class"], zero) + cost.flops
+        bytes_by_class[n.meta["op_class"]] = bytes_by_class.get(n.meta["op_class"], zero) + cost.bytes_moved
+        if sharding.splits_work(n):
+            flops_tp += cost.flops
+        if n.meta["op_class"] == "experts":
+            flops_experts += cost.flops
+        if n.meta["op_class"] == "attention":
+            flops_attn += cost.flops
+        for pname, p in _param_tensors(n, gm):
+            if id(p) in seen_params:
+                continue
+            seen_params.add(id(p))
+            params += p.numel()
+            if _param_tp_sharded(n, pname):
+                params_tp += p.numel()
+        if n.op == "get_attr" and n.meta.get("is_param"):
+            users = list(n.users)
+            if any(u.meta.get("op_class") == "experts" for u in users) or any(
+                ops.is_weight(u) and any(w.meta.get("op_class") == "experts" for w in u.users) for u in users
+            ):
+                params_experts += gm.get_parameter(n.target).numel()
+            if any(_param_tp_sharded(u, "weight") for u in _weight_users(n)):
+                params_tp += gm.get_parameter(n.target).numel()
+    saved = _saved_tensors(nodes, inside, gm)
+    outputs = [n for n in nodes if n.meta.get("shape") is not None and any(u not in inside for u in n.users)]
+    boundary = ops.numel(outputs[-1].meta["shape"]) if outputs else zero
+    blk = BlockCost(
+        name=name,
+        count=count,
+        layers=layers,
+        params=params,
+        params_tp=params_tp,
+        params_experts=params_experts,
+        flops=sympy.expand(flops),
+        flops_tp=sympy.expand(flops_tp),
+        flops_experts=sympy.expand(flops_experts),
+        flops_attention=sympy.expand(flops_attn),
+        bytes_moved=sympy.expand(moved),
+        flops_by_class={k: sympy.expand(v) for k, v in by_class.items()},
+        bytes_by_class={k: sympy.expand(v) for k, v in bytes_by_class.items()},
+        saved=saved,
+        collectives=_collectives(nodes),
+        boundary_elems=boundary,
+    )
+    blk._nodes = nodes
+    return blk
+
+
+def _weight_users(param: fx.Node) -> list[fx.Node]:
+    """Matmuls that use this parameter, directly or through a view/cast."""
+    out = []
+    for u in param.users:
+        if ops.is_weight(u) and u.op != "get_attr":
+            out.extend(_weight_users(u))
+        else:
+            out.append(u)
+    return out
+
+
+def _param_tp_sharded(node: fx.Node, pname: str) -> bool:
+    role = node.meta.get("tp_role")
+    if role in ("column", "vocab"):
+        return True
+    return role == "row" and pname != "bias"
+
+
+# ---------------------------------------------------------------------------------------------
+# Saved tensors
+
+
+def _storage_producers(nodes: list[fx.Node]) -> dict[int, fx.Node]:
+    first: dict[int, fx.Node] = {}
+    for n in nodes:
+        st = n.meta.get("storage")
+        if st is not None and st not in first:
+            first[st] = n
+    return first
+
+
+def _root(node: fx.Node, producers: dict[int, fx.Node]) -> fx.Node:
+    st = node.meta.get("storage")
+    return producers.get(st, node) if st is not None else node
+
+
+def _saved_inputs(n: fx.Node) -> list[tuple[str, fx.Node | None, str]]:
+    """(code, tensor, why) for what ``n`` keeps; tensor None for masks and LSE (new tensors)."""
+    r = ops.rule(n.meta.get("op", ""))
+    if r is None or not n.meta.get("requires_grad"):
+        return []
+    args = ops.tensor_args(n)
+    kept = []
+    for code in r.saves:
+        if code == "partner":
+            # a module's own weight is the implicit second operand (and needs a gradient)
+            owns_weight = n.op == "call_module"
+            for i, a in enumerate(args):
+                others = args[:i] + args[i + 1 :]
+                if owns_weight or any(o.meta.get("requires_grad") for o in others):
+                    kept.append(("in", a, "partner"))
+        elif code.startswith("in") and code[2:].isdigit():
+            idx = int(code[2:])
+            if idx < len(args):
+                kept.append(("in", args[idx], code))
+        elif code == "out":
+            kept.append(("out", n, code))
+        elif code == "mask":
+            if _dropout_active(n):
+                kept.append(("mask", None, code))
+        elif code == "sdpa":
+            kept.extend(("in", a, "sdpa") for a in args[:3])
+            kept.append(("out", n, "sdpa"))
+            kept.append(("lse", None, "sdpa"))
+        elif code == "logprobs":
+            kept.append(("logprobs", None, code))
+    return kept
+
+
+def _dropout_active(n: fx.Node) -> bool:
+    p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+    training = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", True)
+    if n.op == "call_module":
+        return False  # nn.Dropout's p is read from the module in _module_dropout
+    return bool(training) and isinstance(p, (int, float)) and p > 0
+
+
+def _saved_tensors(nodes: list[fx.Node], inside: set[fx.Node], gm: fx.GraphModule) -> list[SavedTensor]:
+    producers = _storage_producers(nodes)
+    records: dict[object, SavedTensor] = {}
+    for n in nodes:
+        for code, t, why in _saved_inputs(n) + _module_dropout(n, gm):
+            if code in ("mask", "lse", "logprobs"):
+                records[(code, n.name)] = _virtual(code, n)
+                continue
+            if t is None or t.meta.get("shape") is None or ops.is_weight(t) or t.op == "get_attr":
+                continue
+            root = _root(t, producers)
+            key = root.meta.get("storage", root.name)
+            if key in records:
+                continue
+            external = root not in inside or root.op == "placeholder"
+            records[key] = SavedTensor(
+                category=_category(root, n, external),
+                elems=ops.numel(root.meta["shape"]),
+                fixed_bytes=None if root.meta["dtype"].is_floating_point else ops.elem_bytes(root.meta["dtype"], 2),
+                tp_sharded=root.meta.get("tp") == "sharded",
+                per_token=_per_token(root.meta["shape"]),
+                producer=root.name,
+            )
+    return list(records.values())
+
+
+def _module_dropout(n: fx.Node, gm: fx.GraphModule):
+    if n.op == "call_module" and n.meta.get("op") == "dropout" and n.meta.get("requires_grad"):
+        mod = gm.get_submodule(n.target)
+        if mod.training and mod.p > 0:
+            return [("mask", None, "mask")]
+    return []
+
+
+def _virtual(code: str, n: fx.Node) -> SavedTensor:
+    shape = n.meta["shape"]
+    if code == "mask":
+        return SavedTensor(
+            "attention" if n.meta["op_class"] == "attention" else "dropout_mask",
+            ops.numel(shape), 1, n.meta.get("tp") == "sharded", _per_token(shape), n.name,
+        )
+    if code == "lse":
+        return SavedTensor("attention", ops.numel(shape[:-1]), 4, n.meta.get("tp") == "sharded", True, n.name)
+    logits = ops.tensor_args(n)[0]
+    return SavedTensor("loss", ops.numel(logits.meta["shape"]), 4, logits.meta.get("tp") == "sharded", True, n.name)
+
+
+def _per_token(shape) -> bool:
+    syms = set().union(*(sympy.sympify(d).free_symbols for d in shape)) if shape else set()
+    return {B, S} <= syms
+
+
+def _category(root: fx.Node, saver: fx.Node, external: bool) -> str:
+    """Checkpoint category of a kept tensor, by the op that produced it (and, for pointwise
+    results, by who keeps it)."""
+    if external:
+        return "layer_input"
+    producer = root.meta.get("op_class")
+    if producer in ("norm", "matmul", "router", "attention", "experts"):
+        return {"norm": "norm_output", "matmul": "linear_output", "router": "linear_output"}.get(producer, producer)
+    if saver.meta.get("op_class") == "experts" or any(
+        a.meta.get("op_class") == "experts" for a in root.all_input_nodes
+    ):
+        return "experts"
+    if saver.meta.get("op_class") == "norm":
+        return "norm_input"
+    return "activation"
+
+
+# ---------------------------------------------------------------------------------------------
+# Recompute closure and communication
+
+
+def _closure_flops(blk: BlockCost, dropped: frozenset[str]) -> sympy.Expr:
+    """FLOPs to rebuild every dropped saved tensor from the kept ones (and the layer input)."""
+    nodes = blk._nodes
+    inside = set(nodes)
+    by_name = {n.name: n for n in nodes}
+    producers = _storage_producers(nodes)
+    kept_storages = set()
+    need: list[fx.Node] = []
+    for t in blk.saved:
+        node = by_name.get(t.producer)
+        if node is None:
+            continue
+        if t.category in dropped and t.category != "layer_input":
+            need.append(node)
+        else:
+            kept_storages.add(node.meta.get("storage"))
+    rerun: set[fx.Node] = set()
+    while need:
+        n = need.pop()
+        if n in rerun or n not in inside or n.op in ("placeholder", "get_attr"):
+            continue
+        rerun.add(n)
+        for a in n.all_input_nodes:
+            root = _root(a, producers)
+            if root not in inside or root.meta.get("storage") in kept_storages and root is not n:
+                continue
+            need.append(a)
+    return sympy.expand(sum((n.meta["cost"].flops for n in rerun), sympy.Integer(0)))
+
+
+def _collectives(nodes: list[fx.Node]) -> list[Collective]:
+    out = []
+    column_inputs = set()
+    for n in nodes:
+        role = n.meta.get("tp_role")
+        if role == "row":
+            out.append(Collective("tp", "all_reduce", ops.numel(n.meta["shape"]), backward=False))
+        elif role == "column":
+            act = [a for a in ops.tensor_args(n) if not ops.is_weight(a)]
+            key = act[0].meta.get("storage") if act else None
+            if key not in column_inputs:
+                column_inputs.add(key)
+                out.append(Collective("tp", "all_reduce", ops.numel(act[0].meta["shape"]), backward=True))
+    expert_inputs = set()
+    for n in nodes:
+        if n.meta.get("op_class") == "experts" and n.meta.get("tp_role") != "row":
+            act = [a for a in ops.tensor_args(n) if not ops.is_weight(a)]
+            key = act[0].meta.get("storage") if act else None
+            if act and key not in expert_inputs:
+                expert_inputs.add(key)
+                out.append(Collective("ep", "all_to_all", ops.numel(act[0].meta["shape"]), backward=True))
+        if n.meta.get("op_class") == "experts" and n.meta.get("tp_role") == "row":
+            out.append(Collective("ep", "all_to_all", ops.numel(n.meta["shape"]), backward=True))
+    return out
+
+
+def category_subsets(categories: list[str]):
+    """Every subset of the recomputable categories, smallest first."""
+    for r in range(len(categories) + 1):
+        yield from (frozenset(c) for c in itertools.combinations(categories, r))

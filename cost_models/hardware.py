@@ -1,0 +1,171 @@
+"""Hardware profiles: TOML data files, one per machine (``cost_models/hardware/*.toml``).
+
+Fields (all per GPU; GB = 1e9 bytes):
+
+==================== ======== =====================================================================
+``name``             str      profile name
+``extends``          str      optional: another profile whose fields this one inherits
+``peak_tflops``      table    dense peak TFLOP/s per dtype, e.g. ``{ bf16 = 989, fp8 = 1979 }``
+``hbm_gb``           float    device memory, GB
+``hbm_gbps``         float    device memory bandwidth, GB/s
+``nvlink_gbps``      float    intra-node (NVLink) bandwidth per GPU per direction, GB/s
+``nvlink_domain``    int      GPUs sharing one NVLink domain (8 for HGX, 72 for NVL72)
+``network_gbps``     float    inter-node bandwidth per GPU per direction, GB/s
+``price_per_gpu_hour`` float  USD
+``matmul_efficiency`` float   optional (default 0.8): best achievable share of peak for large GEMMs
+``nvlink_latency_us`` float   optional (default 3): per-step latency of an NVLink collective, us
+``network_latency_us`` float  optional (default 10): per-step latency of an inter-node collective, us
+``memory_reserve_gb`` float   optional (default 6): HBM kept free for the allocator, CUDA context,
+                              NCCL buffers and fragmentation
+==================== ======== =====================================================================
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from autoshard.errors import AutoshardError
+
+PROFILE_DIR = Path(__file__).parent / "hardware"
+
+_REQUIRED = {
+    "name": str,
+    "peak_tflops": dict,
+    "hbm_gb": float,
+    "hbm_gbps": float,
+    "nvlink_gbps": float,
+    "nvlink_domain": int,
+    "network_gbps": float,
+    "price_per_gpu_hour": float,
+}
+_OPTIONAL = {
+    "matmul_efficiency": (float, 0.8),
+    "nvlink_latency_us": (float, 3.0),
+    "network_latency_us": (float, 10.0),
+    "memory_reserve_gb": (float, 6.0),
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: dict[str, float]
+    hbm_gb: float
+    hbm_gbps: float
+    nvlink_gbps: float
+    nvlink_domain: int
+    network_gbps: float
+    price_per_gpu_hour: float
+    matmul_efficiency: float = 0.8
+    nvlink_latency_us: float = 3.0
+    network_latency_us: float = 10.0
+    memory_reserve_gb: float = 6.0
+    source: str = ""
+
+    def peak_flops(self, dtype: str = "bf16") -> float:
+        """Dense peak FLOP/s for ``dtype``."""
+        if dtype not in self.peak_tflops:
+            raise AutoshardError(
+                f"hardware {self.name!r} lists no peak for {dtype}; add it to peak_tflops in {self.source}"
+            )
+        return self.peak_tflops[dtype] * 1e12
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.hbm_gb * 1e9
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.hbm_gb - self.memory_reserve_gb) * 1e9
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
+
+
+def known() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+
+
+def load(name_or_path: str) -> Hardware:
+    """A profile by name (``h100``) or by path to a TOML file."""
+    path = Path(name_or_path)
+    if name_or_path.endswith(".toml") or path.is_file():
+        if not path.is_file():
+            raise AutoshardError(f"hardware profile not found: {name_or_path}")
+    else:
+        path = PROFILE_DIR / f"{name_or_path}.toml"
+        if not path.is_file():
+            raise AutoshardError(
+                f"unknown hardware {name_or_path!r}; known profiles: {', '.join(known())} "
+                "(or pass a path to a .toml profile)"
+            )
+    return Hardware(**_resolve(path, set()), source=str(path))
+
+
+def _read(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise AutoshardError(f"malformed TOML in {path}: {e}") from e
+
+
+def _resolve(path: Path, seen: set[Path]) -> dict:
+    if path.resolve() in seen:
+        raise AutoshardError(f"{path}: 'extends' forms a cycle")
+    seen.add(path.resolve())
+    data = _read(path)
+    base: dict = {}
+    if "extends" in data:
+        parent = data.pop("extends")
+        if not isinstance(parent, str):
+            raise AutoshardError(f"{path}: field 'extends' must be a profile name (a string)")
+        parent_path = path.parent / f"{parent}.toml"
+        if not parent_path.is_file():
+            parent_path = PROFILE_DIR / f"{parent}.toml"
+        if not parent_path.is_file():
+            raise AutoshardError(f"{path}: extends unknown profile {parent!r}; known: {', '.join(known())}")
+        base = _resolve(parent_path, seen)
+    merged = {**base, **data}
+    return _validate(merged, path)
+
+
+def _validate(data: dict, path: Path) -> dict:
+    allowed = set(_REQUIRED) | set(_OPTIONAL)
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; allowed fields: {', '.join(sorted(allowed))}"
+            raise AutoshardError(f"{path}: unknown field {key!r}{hint}")
+    out = {}
+    for key, kind in _REQUIRED.items():
+        if key not in data:
+            raise AutoshardError(f"{path}: missing field {key!r}")
+        out[key] = _typed(key, data[key], kind, path)
+    for key, (kind, default) in _OPTIONAL.items():
+        out[key] = _typed(key, data.get(key, default), kind, path)
+    if not out["peak_tflops"]:
+        raise AutoshardError(f"{path}: peak_tflops is empty; give at least one dtype, e.g. {{ bf16 = 989 }}")
+    out["peak_tflops"] = {k: _typed(f"peak_tflops.{k}", v, float, path) for k, v in out["peak_tflops"].items()}
+    return out
+
+
+def _typed(key: str, value, kind, path: Path):
+    if kind is str:
+        if not isinstance(value, str):
+            raise AutoshardError(f"{path}: field {key!r} must be a string")
+        return value
+    if kind is dict:
+        if not isinstance(value, dict):
+            raise AutoshardError(f"{path}: field {key!r} must be a table like {{ bf16 = 989 }}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AutoshardError(f"{path}: field {key!r} must be a number, got {value!r}")
+    if kind is int and value != int(value):
+        raise AutoshardError(f"{path}: field {key!r} must be a whole number, got {value!r}")
+    if value < 0 or (value == 0 and key not in ("price_per_gpu_hour", "memory_reserve_gb", "nvlink_latency_us", "network_latency_us")):
+        raise AutoshardError(f"{path}: field {key!r} must be positive, got {value!r}")
+    return kind(value)

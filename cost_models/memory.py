@@ -1,0 +1,27 @@
+"""Model-state memory: mixed-precision Adam and ZeRO (Rajbhandari et al., arXiv 1910.02054).
+
+Per parameter: bf16 weights 2 B, bf16 gradients 2 B, fp32 master weights 4 B, Adam moments 4 + 4 B
+= 16 B. ZeRO-1 shards the optimizer's 12 B over the data-parallel ranks, ZeRO-2 the gradients as
+well, ZeRO-3 the weights too.
+"""
+
+from __future__ import annotations
+
+WEIGHT_BYTES = 2
+GRAD_BYTES = 2
+OPTIMIZER_BYTES = 12  # fp32 master copy + Adam m + Adam v
+BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
+
+
+def model_state_bytes(params: float, zero: int = 0, dp: int = 1) -> dict[str, float]:
+    """Bytes per GPU for ``params`` parameters replicated over ``dp`` ranks at ZeRO stage ``zero``."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
+    shard = lambda stage: dp if zero >= stage else 1  # noqa: E731
+    out = {
+        "params": params * WEIGHT_BYTES / shard(3),
+        "grads": params * GRAD_BYTES / shard(2),
+        "optimizer": params * OPTIMIZER_BYTES / shard(1),
+    }
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,111 @@
+"""Tensor-parallel structure, found from the graph (never from module names).
+
+A weighted matmul whose input is replicated is *column-parallel* when every path from its output
+passes only through ops a head/feature shard can cross (pointwise ops, views, attention) and ends
+in weighted matmuls, which are then *row-parallel* (Megatron's pairing: QKV -> attention -> output
+projection; up/gate -> activation -> down). A weighted matmul whose output reaches the loss that
+way is the *vocab-parallel* output head; an embedding indexed by a model input is vocab-parallel.
+Everything else stays replicated (norms, routers, low-rank projections feeding a norm).
+
+Writes ``node.meta["tp"]`` (``replicated`` | ``sharded`` | ``partial``) and, on weighted matmuls
+and embeddings, ``node.meta["tp_role"]`` (``column`` | ``row`` | ``vocab`` | ``replicated``).
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from autoshard.cost_models import ops
+
+_TRANSPARENT_CLASSES = ("attention",)
+
+
+def _weighted(node: fx.Node, gm: fx.GraphModule) -> bool:
+    r = ops.rule(node.meta.get("op", ""))
+    return r is not None and r.flops == "matmul" and ops.weight_of(node, gm) is not None
+
+
+def _transparent(node: fx.Node) -> bool:
+    if node.meta.get("op_class") in _TRANSPARENT_CLASSES:
+        return True
+    r = ops.rule(node.meta.get("op", ""))
+    return r is not None and r.tp in ("pointwise", "view") and r.flops != "matmul"
+
+
+def _explore(start: fx.Node, gm: fx.GraphModule):
+    """Nodes reachable through transparent ops, the weighted matmuls and losses that end the
+    paths, and whether every path ended in one of those."""
+    region, rows, losses = set(), [], []
+    frontier = [start]
+    while frontier:
+        n = frontier.pop()
+        for u in n.users:
+            if u in region or u in rows or _metadata_query(u):
+                continue
+            if _weighted(u, gm) and u.meta.get("op_class") != "router":
+                rows.append(u)
+            elif u.meta.get("op_class") == "loss":
+                losses.append(u)
+            elif u.op != "output" and _transparent(u):
+                region.add(u)
+                frontier.append(u)
+            else:
+                return region, rows, losses, False
+    return region, rows, losses, True
+
+
+def annotate(gm: fx.GraphModule) -> None:
+    nodes = list(gm.graph.nodes)
+    for n in nodes:
+        n.meta["tp"] = "replicated"
+        n.meta.pop("tp_role", None)
+    for n in nodes:
+        if n.meta.get("op_class") == "embedding":
+            indices = ops.tensor_args(n)
+            n.meta["tp_role"] = "vocab" if any(_from_input(a) for a in indices) else "replicated"
+            continue
+        if not _weighted(n, gm) or "tp_role" in n.meta:
+            continue
+        if n.meta.get("op_class") == "router":
+            n.meta["tp_role"] = "replicated"
+            continue
+        region, rows, losses, ok = _explore(n, gm)
+        if ok and rows and not losses and all(_only_from(r, region | {n}, gm) for r in rows):
+            n.meta["tp_role"] = "column"
+            for r in rows:
+                r.meta["tp_role"] = "row"
+                r.meta["tp"] = "partial"
+        elif ok and losses and not rows:
+            n.meta["tp_role"] = "vocab"
+        else:
+            n.meta["tp_role"] = "replicated"
+            continue
+        n.meta["tp"] = "sharded"
+        for m in region:
+            m.meta["tp"] = "sharded"
+
+
+def _metadata_query(node: fx.Node) -> bool:
+    """``x.size(-1)``, ``x.dtype``: reads no data (the TP pass rewrites the sizes it returns)."""
+    return node.meta.get("op") in ("size", "sym_size", "getattr", "dim", "numel")
+
+
+def _from_input(node: fx.Node) -> bool:
+    """Does this tensor come straight (through views) from a model input?"""
+    while node.op != "placeholder":
+        r = ops.rule(node.meta.get("op", ""))
+        if not (r and r.alias) or not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
+    return True
+
+
+def _only_from(row: fx.Node, region: set[fx.Node], gm: fx.GraphModule) -> bool:
+    """A row-parallel matmul must take its activation from the sharded region."""
+    acts = [a for a in ops.tensor_args(row) if not ops.is_weight(a)]
+    return all(a in region for a in acts)
+
+
+def splits_work(node: fx.Node) -> bool:
+    """Is this node's compute divided among the TP ranks?"""
+    return node.meta.get("tp") in ("sharded", "partial") or node.meta.get("tp_role") in ("column", "row", "vocab")
