@@ -1,0 +1,140 @@
+"""The ``autoshard`` command line. Bad input ends in one line on stderr and exit code 2;
+``--debug`` shows the traceback instead."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from autoshard.errors import AutoshardError
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(float(text)) if kind is int and "e" in text.lower() else kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value = _positive(float)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"autoshard: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser = _Parser(prog="autoshard", description=__doc__, parents=[common])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("inspect", parents=[common], help="capture a model file and print what it costs")
+    p.add_argument("model", help="path/to/model.py[:builder]")
+    p.add_argument("--config", help="config name passed to the builder")
+    p.add_argument("--seq-len", type=_positive(int), required=True, help="sequence length, tokens")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_inspect)
+
+    p = sub.add_parser("estimate", parents=[common], help="training FLOPs, GPU time, cost and memory")
+    p.add_argument("--params", type=_positive(float), required=True, help="parameters, e.g. 2e12")
+    p.add_argument("--tokens", type=_positive(float), required=True, help="training tokens, e.g. 40e12")
+    p.add_argument("--hardware", required=True, help="profile name or path to a .toml profile")
+    p.add_argument("--mfu", type=_fraction, default=0.5, help="model FLOPs utilisation (default 0.5)")
+    p.add_argument("--gpus", type=_positive(int), help="GPUs sharing the model states")
+    p.add_argument("--zero", type=int, choices=range(4), default=3, help="ZeRO stage for --gpus (default 3)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_estimate)
+
+    p = sub.add_parser("hardware", parents=[common], help="list hardware profiles")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_hardware)
+    return parser
+
+
+def _inspect(args) -> int:
+    from autoshard.capture import capture_file
+    from autoshard.cost_models.analyze import analyze
+    from autoshard.summary import format_inspection, inspect_model
+
+    captured = capture_file(args.model, args.config, args.seq_len)
+    info = inspect_model(analyze(captured), args.seq_len)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        title = args.model + (f" --config {args.config}" if args.config else "")
+        print(format_inspection(info, title))
+    return 0
+
+
+def _estimate(args) -> int:
+    from autoshard.cost_models import hardware
+    from autoshard.cost_models.estimate import estimate
+
+    hw = hardware.load(args.hardware)
+    out = estimate(args.params, args.tokens, hw, args.mfu, args.gpus, args.zero)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{args.params:.3g} parameters x {args.tokens:.3g} tokens on {hw.name} at {args.mfu:.0%} MFU")
+    print(f"  training FLOPs (6ND)       {out['flops']:.3g}")
+    print(f"  GPU-hours                  {out['gpu_hours']:,.0f}  ({out['gpu_years']:,.0f} GPU-years)")
+    print(f"  cost at ${hw.price_per_gpu_hour}/GPU-hour     ${out['cost_usd']:,.0f}")
+    print(f"  model states (16 B/param)  {out['model_state_bytes'] / 1e12:,.2f} TB")
+    print(f"  GPUs to hold them          {out['gpus_for_model_states']:,} x {hw.hbm_gb:g} GB")
+    if args.gpus:
+        print(
+            f"  on {args.gpus:,} GPUs, ZeRO-{args.zero}: {out['model_state_bytes_per_gpu'] / 1e9:,.2f} GB of model "
+            f"states per GPU; {out['wall_clock_days']:,.1f} days of training"
+        )
+    return 0
+
+
+def _hardware(args) -> int:
+    from autoshard.cost_models import hardware
+
+    profiles = [hardware.load(n) for n in hardware.known()]
+    if args.json:
+        print(json.dumps([p.to_dict() for p in profiles], indent=2))
+        return 0
+    print(f"{'name':12s} {'bf16 TF':>8s} {'fp8 TF':>7s} {'HBM GB':>7s} {'HBM GB/s':>9s} {'NVLink GB/s':>12s} {'domain':>7s} {'net GB/s':>9s} {'$/h':>5s}")
+    for p in profiles:
+        fp8 = p.peak_tflops.get("fp8")
+        print(
+            f"{p.name:12s} {p.peak_tflops.get('bf16', 0):8g} {fp8 if fp8 else '-':>7} {p.hbm_gb:7g} {p.hbm_gbps:9g} "
+            f"{p.nvlink_gbps:12g} {p.nvlink_domain:7d} {p.network_gbps:9g} {p.price_per_gpu_hour:5g}"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except AutoshardError as e:
+        if args.debug:
+            raise
+        print(f"autoshard: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("autoshard: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
