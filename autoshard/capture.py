@@ -14,8 +14,12 @@ results, which is what makes a 126-layer model quick to capture.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import re
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -137,13 +141,14 @@ def capture(
     kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
     wrapper = TrainingForward.wrap(model, names, loss, kwargs)
     wrapper.train()
-    try:
-        gm, tracer = _symbolic_trace(wrapper), "symbolic_trace"
-    except Exception as fx_error:
+    with _quiet():
         try:
-            gm, tracer = _export(wrapper, inputs), "export"
-        except Exception as export_error:
-            raise AutoshardError(_trace_failure(fx_error, export_error, source)) from export_error
+            gm, tracer = _symbolic_trace(wrapper), "symbolic_trace"
+        except Exception as fx_error:
+            try:
+                gm, tracer = _export(wrapper, inputs), "export"
+            except Exception as export_error:
+                raise AutoshardError(_trace_failure(fx_error, export_error, source)) from export_error
     stack = _layer_stack(model)
     _annotate_modules(gm, model, stack)
     layer_nodes = _layer_nodes(gm)
@@ -164,6 +169,18 @@ def capture(
         source=source,
         layer_nodes=layer_nodes,
     )
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch.export logs graphs and warnings while it fails; the user gets one error line."""
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def _check_inputs(inputs: tuple) -> None:
@@ -210,8 +227,9 @@ def _trace_failure(fx_error: Exception, export_error: Exception, source: str | N
     where = modelfile.user_frame(export_error, source) if source else modelfile.user_frame(export_error)
     if where == "unknown location":
         where = modelfile.user_frame(fx_error, source) if source else modelfile.user_frame(fx_error)
+    reason = modelfile._first_line(export_error).split("  (")[0].rstrip(". ")
     return (
-        f"cannot trace the model at {where}: {modelfile._first_line(export_error)} "
+        f"cannot trace the model at {where}: {reason} "
         f"(torch.fx: {modelfile._first_line(fx_error)}); make that code shape-static or "
         "data-independent"
     )
@@ -256,7 +274,13 @@ def _annotate_modules(gm: fx.GraphModule, model: nn.Module, stack) -> None:
             entries = [v for v in stack_meta.values() if isinstance(v, tuple) and not str(v[0]).startswith("_")]
             path = _strip(str(entries[-1][0])) if entries else ""
             raw_type = entries[-1][1] if entries else None
-            mtype = raw_type.__name__ if isinstance(raw_type, type) else str(raw_type).rsplit(".", 1)[-1] if raw_type else ""
+            mtype = (
+                raw_type.__name__
+                if isinstance(raw_type, type)
+                else str(raw_type).rsplit(".", 1)[-1]
+                if raw_type
+                else ""
+            )
         if n.op == "call_module":
             path = _strip(n.target)
             mtype = type(gm.get_submodule(n.target)).__name__
@@ -360,7 +384,9 @@ def _structure(gm: fx.GraphModule, nodes: list[fx.Node], tensors_only: bool = Fa
             target = (rel(_strip(n.target)), type(mod).__name__, tuple(tuple(p.shape) for p in mod.parameters()))
         elif n.op == "get_attr":
             target = rel(_strip(n.target))
-        sig.append((n.op, target if isinstance(target, (str, tuple)) else id(target), arg_key(n.args), arg_key(n.kwargs)))
+        sig.append(
+            (n.op, target if isinstance(target, (str, tuple)) else id(target), arg_key(n.args), arg_key(n.kwargs))
+        )
     return tuple(sig), external
 
 
@@ -424,9 +450,7 @@ def _propagate(gm, inputs, layer_nodes, model) -> dict[int, tuple]:
     fake0 = mode.from_tensor(first, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dynamic))
     b_sym, s_sym = fake0.shape[0], fake0.shape[1]
     with mode:
-        fakes = [fake0] + [
-            torch.zeros((b_sym, s_sym, *t.shape[2:]), dtype=t.dtype, device=device) for t in inputs[1:]
-        ]
+        fakes = [fake0] + [torch.zeros((b_sym, s_sym, *t.shape[2:]), dtype=t.dtype, device=device) for t in inputs[1:]]
     shapes = _Shapes({b_sym.node.expr: B, s_sym.node.expr: S})
 
     structures = {i: _structure(gm, nodes) for i, nodes in layer_nodes.items()}
@@ -521,7 +545,9 @@ def _requires_grad(gm: fx.GraphModule, params: set[str]) -> None:
             n.meta["requires_grad"] = n.target in params
         elif n.op == "call_module":
             owns = any(True for _ in gm.get_submodule(n.target).parameters())
-            n.meta["requires_grad"] = floating and (owns or any(a.meta.get("requires_grad") for a in ops.tensor_args(n)))
+            n.meta["requires_grad"] = floating and (
+                owns or any(a.meta.get("requires_grad") for a in ops.tensor_args(n))
+            )
         elif n.op == "placeholder":
             n.meta["requires_grad"] = False
         else:

@@ -15,7 +15,9 @@ def _positive(kind):
         try:
             value = kind(float(text)) if kind is int and "e" in text.lower() else kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {'whole ' if kind is int else ''}number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected a {'whole ' if kind is int else ''}number, got {text!r}"
+            ) from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
@@ -112,7 +114,10 @@ def _hardware(args) -> int:
     if args.json:
         print(json.dumps([p.to_dict() for p in profiles], indent=2))
         return 0
-    print(f"{'name':12s} {'bf16 TF':>8s} {'fp8 TF':>7s} {'HBM GB':>7s} {'HBM GB/s':>9s} {'NVLink GB/s':>12s} {'domain':>7s} {'net GB/s':>9s} {'$/h':>5s}")
+    print(
+        f"{'name':12s} {'bf16 TF':>8s} {'fp8 TF':>7s} {'HBM GB':>7s} {'HBM GB/s':>9s} "
+        f"{'NVLink GB/s':>12s} {'domain':>7s} {'net GB/s':>9s} {'$/h':>5s}"
+    )
     for p in profiles:
         fp8 = p.peak_tflops.get("fp8")
         print(

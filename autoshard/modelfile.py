@@ -11,9 +11,10 @@ from __future__ import annotations
 import importlib.util
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,9 +81,7 @@ class ModelFile:
     def _check_config(self, config: str | None) -> None:
         known = self.configs
         if known is not None and config not in known:
-            raise AutoshardError(
-                f"unknown config {config!r} for {self.path.name}; choose one of: {', '.join(known)}"
-            )
+            raise AutoshardError(f"unknown config {config!r} for {self.path.name}; choose one of: {', '.join(known)}")
 
 
 def load(spec: str) -> ModelFile:
@@ -102,8 +101,7 @@ def load(spec: str) -> ModelFile:
         spec_obj.loader.exec_module(module)
     except Exception as e:
         raise AutoshardError(
-            f"importing {path.name} raised {type(e).__name__}: {_first_line(e)} "
-            f"(at {user_frame(e, path)})"
+            f"importing {path.name} raised {type(e).__name__}: {_first_line(e)} (at {user_frame(e, path)})"
         ) from e
     finally:
         sys.path.remove(str(path.resolve().parent))
@@ -130,9 +128,8 @@ def user_frame(e: BaseException, path: Path | None = None) -> str:
     frames = traceback.extract_tb(e.__traceback__)
     chosen = None
     for f in frames:
-        if path is not None and Path(f.filename).resolve() == Path(path).resolve():
-            chosen = f
-        elif path is None and not _library_file(f.filename):
+        ours = Path(f.filename).resolve() == Path(path).resolve() if path is not None else not _library_file(f.filename)
+        if ours:
             chosen = f
     if chosen is None:
         return "unknown location"

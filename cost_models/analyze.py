@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import sympy
+from autoshard.cost_models import ops, sharding
 from torch import fx
 
 from autoshard.capture import Captured
-from autoshard.cost_models import ops, sharding
 from autoshard.ir import B, S
 
 CATEGORIES = (
@@ -47,7 +47,9 @@ RECOMPUTABLE = tuple(c for c in CATEGORIES if c not in ("layer_input", "loss"))
 
 def _fn(expr: sympy.Expr):
     """Compile an expression in b and s to a plain Python function of (b, s)."""
-    return sympy.lambdify((B, S), expr, modules=[{"floor": lambda x: int(x // 1), "FloorDiv": lambda a, b: a // b}, "math"])
+    return sympy.lambdify(
+        (B, S), expr, modules=[{"floor": lambda x: int(x // 1), "FloorDiv": lambda a, b: a // b}, "math"]
+    )
 
 
 @dataclass
@@ -369,7 +371,7 @@ def _saved_tensors(nodes: list[fx.Node], inside: set[fx.Node], gm: fx.GraphModul
     producers = _storage_producers(nodes)
     records: dict[object, SavedTensor] = {}
     for n in nodes:
-        for code, t, why in _saved_inputs(n) + _module_dropout(n, gm):
+        for code, t, _why in _saved_inputs(n) + _module_dropout(n, gm):
             if code in ("mask", "lse", "logprobs"):
                 records[(code, n.name)] = _virtual(code, n)
                 continue
@@ -404,7 +406,11 @@ def _virtual(code: str, n: fx.Node) -> SavedTensor:
     if code == "mask":
         return SavedTensor(
             "attention" if n.meta["op_class"] == "attention" else "dropout_mask",
-            ops.numel(shape), 1, n.meta.get("tp") == "sharded", _per_token(shape), n.name,
+            ops.numel(shape),
+            1,
+            n.meta.get("tp") == "sharded",
+            _per_token(shape),
+            n.name,
         )
     if code == "lse":
         return SavedTensor("attention", ops.numel(shape[:-1]), 4, n.meta.get("tp") == "sharded", True, n.name)

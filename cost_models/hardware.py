@@ -166,6 +166,8 @@ def _typed(key: str, value, kind, path: Path):
         raise AutoshardError(f"{path}: field {key!r} must be a number, got {value!r}")
     if kind is int and value != int(value):
         raise AutoshardError(f"{path}: field {key!r} must be a whole number, got {value!r}")
-    if value < 0 or (value == 0 and key not in ("price_per_gpu_hour", "memory_reserve_gb", "nvlink_latency_us", "network_latency_us")):
+    if value < 0 or (
+        value == 0 and key not in ("price_per_gpu_hour", "memory_reserve_gb", "nvlink_latency_us", "network_latency_us")
+    ):
         raise AutoshardError(f"{path}: field {key!r} must be positive, got {value!r}")
     return kind(value)

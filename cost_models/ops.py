@@ -77,7 +77,10 @@ RULES: dict[str, OpRule] = {
     **dict.fromkeys(["mul", "mul_", "imul", "div", "truediv", "div_", "floordiv"], _pw(("partner",))),
     **dict.fromkeys(["gelu", "silu", "pow", "log", "square", "abs", "sin", "cos"], _pw(("in0",), 4)),
     **dict.fromkeys(["exp", "sigmoid", "tanh", "relu", "rsqrt", "sqrt", "reciprocal"], _pw(("out",), 4)),
-    **dict.fromkeys(["softmax", "_softmax", "log_softmax", "_log_softmax"], OpRule("elementwise", "pointwise", ("out",), flops_per_elem=5)),
+    **dict.fromkeys(
+        ["softmax", "_softmax", "log_softmax", "_log_softmax"],
+        OpRule("elementwise", "pointwise", ("out",), flops_per_elem=5),
+    ),
     "dropout": OpRule("elementwise", "pointwise", ("mask",), tp="pointwise"),
     "native_dropout": OpRule("elementwise", "pointwise", ("mask",), tp="pointwise"),
     **dict.fromkeys(["masked_fill", "masked_fill_"], _pw(("in1",))),
@@ -85,7 +88,9 @@ RULES: dict[str, OpRule] = {
     **dict.fromkeys(["to", "float", "half", "bfloat16", "type_as", "_to_copy", "contiguous", "clone"], _pw()),
     **dict.fromkeys(["eq", "ne", "lt", "le", "gt", "ge", "logical_not", "invert", "bitwise_not"], _pw()),
     # reductions and routing (a feature shard cannot pass through them)
-    **dict.fromkeys(["sum", "mean", "amax", "max", "min", "norm", "var", "std", "cumsum", "prod"], OpRule("elementwise", "reduce")),
+    **dict.fromkeys(
+        ["sum", "mean", "amax", "max", "min", "norm", "var", "std", "cumsum", "prod"], OpRule("elementwise", "reduce")
+    ),
     **dict.fromkeys(["topk", "sort", "argsort", "argmax", "histc", "bincount"], OpRule("other", "reduce")),
     # indexing: moves data, keeps integer indices for backward
     **dict.fromkeys(["index_select", "gather", "index"], OpRule("other", saves=("in2",))),
@@ -94,19 +99,76 @@ RULES: dict[str, OpRule] = {
     # views and copies
     **dict.fromkeys(
         [
-            "view", "reshape", "_unsafe_view", "transpose", "permute", "t", "expand", "expand_as",
-            "unsqueeze", "squeeze", "flatten", "unflatten", "split", "split_with_sizes", "chunk",
-            "unbind", "getitem", "narrow", "select", "slice", "alias", "detach", "view_as", "as_strided",
+            "view",
+            "reshape",
+            "_unsafe_view",
+            "transpose",
+            "permute",
+            "t",
+            "expand",
+            "expand_as",
+            "unsqueeze",
+            "squeeze",
+            "flatten",
+            "unflatten",
+            "split",
+            "split_with_sizes",
+            "chunk",
+            "unbind",
+            "getitem",
+            "narrow",
+            "select",
+            "slice",
+            "alias",
+            "detach",
+            "view_as",
+            "as_strided",
         ],
         _VIEW,
     ),
-    **dict.fromkeys(["cat", "concat", "stack", "repeat", "repeat_interleave", "pad", "constant_pad_nd", "tril", "triu", "flip", "roll"], _COPY),
     **dict.fromkeys(
-        ["zeros", "ones", "full", "empty", "arange", "zeros_like", "ones_like", "full_like", "empty_like",
-         "new_zeros", "new_ones", "new_full", "new_empty", "outer", "one_hot", "rand", "randn", "randint", "lift_fresh_copy"],
+        [
+            "cat",
+            "concat",
+            "stack",
+            "repeat",
+            "repeat_interleave",
+            "pad",
+            "constant_pad_nd",
+            "tril",
+            "triu",
+            "flip",
+            "roll",
+        ],
+        _COPY,
+    ),
+    **dict.fromkeys(
+        [
+            "zeros",
+            "ones",
+            "full",
+            "empty",
+            "arange",
+            "zeros_like",
+            "ones_like",
+            "full_like",
+            "empty_like",
+            "new_zeros",
+            "new_ones",
+            "new_full",
+            "new_empty",
+            "outer",
+            "one_hot",
+            "rand",
+            "randn",
+            "randint",
+            "lift_fresh_copy",
+        ],
         _ZERO,
     ),
-    **dict.fromkeys(["size", "sym_size", "dim", "getattr", "numel", "_assert_tensor_metadata", "sym_numel", "_guards_fn"], _ZERO),
+    **dict.fromkeys(
+        ["size", "sym_size", "dim", "getattr", "numel", "_assert_tensor_metadata", "sym_numel", "_guards_fn"], _ZERO
+    ),
 }
 
 # Modules torch.fx keeps as leaves (torch.nn's own), by class name.
@@ -128,9 +190,18 @@ MODULE_OPS = {
 }
 RULES["alias"] = _VIEW
 
-_FUNCTION_NAMES = {operator.add: "add", operator.mul: "mul", operator.sub: "sub", operator.truediv: "div",
-                   operator.floordiv: "floordiv", operator.neg: "neg", operator.getitem: "getitem",
-                   operator.pow: "pow", operator.matmul: "matmul", getattr: "getattr"}
+_FUNCTION_NAMES = {
+    operator.add: "add",
+    operator.mul: "mul",
+    operator.sub: "sub",
+    operator.truediv: "div",
+    operator.floordiv: "floordiv",
+    operator.neg: "neg",
+    operator.getitem: "getitem",
+    operator.pow: "pow",
+    operator.matmul: "matmul",
+    getattr: "getattr",
+}
 
 
 def op_name(node: fx.Node, gm: fx.GraphModule) -> str:
@@ -346,6 +417,11 @@ def classify(gm: fx.GraphModule) -> None:
                 n.meta["op_class"] = "attention"
 
 
+def _carries_values(r: OpRule | None) -> bool:
+    """Pointwise ops and views: what lies between a matmul and what consumes its result."""
+    return r is not None and r.flops != "matmul" and (r.op_class == "elementwise" or r.tp in ("pointwise", "view"))
+
+
 def _pointwise_users(node: fx.Node):
     for u in node.users:
         r = rule(u.meta.get("op", ""))
@@ -360,7 +436,7 @@ def _reaches_topk(start: fx.Node, limit: int = 12) -> bool:
             for u, r in _pointwise_users(n):
                 if u.meta.get("op") == "topk":
                     return True
-                if u not in seen and r is not None and (r.tp in ("pointwise", "view")) and r.flops != "matmul":
+                if u not in seen and _carries_values(r):
                     seen.add(u)
                     nxt.append(u)
         frontier = nxt
@@ -378,7 +454,7 @@ def _forward_until(start: fx.Node, stops: set[fx.Node], limit: int = 16) -> set[
         for u, r in _pointwise_users(n):
             if u in stops:
                 hit = True
-            elif r is not None and (r.op_class == "elementwise" or r.alias) and walk(u, depth + 1):
+            elif _carries_values(r) and walk(u, depth + 1):
                 on_path.add(u)
                 hit = True
         return hit

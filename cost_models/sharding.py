@@ -13,9 +13,8 @@ and embeddings, ``node.meta["tp_role"]`` (``column`` | ``row`` | ``vocab`` | ``r
 
 from __future__ import annotations
 
-from torch import fx
-
 from autoshard.cost_models import ops
+from torch import fx
 
 _TRANSPARENT_CLASSES = ("attention",)
 

@@ -1,0 +1,33 @@
+import os
+import sys
+from pathlib import Path
+
+# Triton kernels must see this before their modules are imported (KERNELS.md).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+
+@pytest.fixture(scope="session")
+def examples_dir() -> Path:
+    return EXAMPLES
+
+
+_CACHE: dict = {}
+
+
+def captured(name: str, config: str, seq: int):
+    """Capture + analyze an example once per test session."""
+    key = (name, config, seq)
+    if key not in _CACHE:
+        from autoshard.cost_models.analyze import analyze
+
+        from autoshard.capture import capture_file
+
+        cap = capture_file(str(EXAMPLES / f"{name}.py"), config, seq)
+        _CACHE[key] = (cap, analyze(cap))
+    return _CACHE[key]

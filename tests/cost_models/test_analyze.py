@@ -1,0 +1,96 @@
+"""The cost model against numbers worked by hand from published formulas (FACTS.md)."""
+
+import pytest
+from conftest import captured
+
+# GPT-3 175B layer (Korthikanti et al. 2022, Table 2): s=2048, b=1, h=12288, a=96, 16-bit.
+S, BATCH, H, A, T = 2048, 1, 12288, 96, 8
+SBH = S * BATCH * H
+
+
+@pytest.fixture(scope="module")
+def gpt3_layer():
+    _, cost = captured("gpt", "175b", S)
+    return cost.blocks[0]
+
+
+@pytest.mark.parametrize(
+    "tp,sp,recompute,expected",
+    [
+        (1, False, set(), SBH * (34 + 5 * A * S / H)),
+        (T, False, set(), SBH * (10 + 24 / T + 5 * A * S / (H * T))),
+        (T, True, set(), SBH * (34 / T + 5 * A * S / (H * T))),
+        (T, False, {"attention"}, SBH * (10 + 24 / T)),
+        (T, True, {"attention"}, SBH * 34 / T),
+    ],
+    ids=["none", "tp", "tp+sp", "tp+selective", "tp+sp+selective"],
+)
+def test_activation_memory_matches_korthikanti(gpt3_layer, tp, sp, recompute, expected):
+    got = gpt3_layer.activation_bytes(BATCH, S, tp=tp, sp=sp, recompute=recompute)
+    assert got == pytest.approx(expected, rel=0.05)
+
+
+def test_full_recompute_keeps_only_layer_input_and_costs_one_forward(gpt3_layer):
+    everything = set(gpt3_layer.categories)
+    assert gpt3_layer.activation_bytes(BATCH, S, recompute=everything) == pytest.approx(2 * SBH)
+    fwd = gpt3_layer.eval("flops", BATCH, S)
+    extra = gpt3_layer.recompute_fn(everything)(BATCH, S)
+    assert extra / (3 * fwd) == pytest.approx(1 / 3, rel=0.01)  # "full recompute about 33%"
+
+
+def test_selective_recompute_reruns_only_the_attention_core(gpt3_layer):
+    extra = gpt3_layer.recompute_fn({"attention"})(BATCH, S)
+    qk = 2 * BATCH * S * S * H  # the QK^T product; softmax and dropout are pointwise
+    assert qk < extra < 1.1 * qk
+
+
+def test_gpt3_flops_match_megatron_formula():
+    _, cost = captured("gpt", "175b", S)
+    v, L = 50257, 96
+    per_token = 72 * L * H * H * (1 + S / (6 * H) + v / (12 * H * L))  # 72BLsh^2(...)/(Bs)
+    assert cost.flops_per_token(S)["training"] == pytest.approx(per_token, rel=0.01)
+
+
+def test_parameter_counts():
+    assert captured("gpt", "175b", S)[1].params == pytest.approx(175e9, rel=0.01)
+    assert captured("llama3", "405b", 8192)[1].params == pytest.approx(405.8e9, rel=0.001)
+    assert captured("deepseek_v3", "671b", 4096)[1].params == pytest.approx(671e9, rel=0.001)
+
+
+def test_training_flops_per_token_match_deepseek_isca_figures():
+    # DeepSeek ISCA paper (arXiv 2505.09343): 2,448 GFLOPs/token for LLaMA-405B and 250 for V3 at 4K.
+    llama = captured("llama3", "405b", 4096)[1].flops_per_token(4096)["training"]
+    ds = captured("deepseek_v3", "671b", 4096)[1].flops_per_token(4096)["training"]
+    assert llama == pytest.approx(2448e9, rel=0.03)
+    assert ds == pytest.approx(250e9, rel=0.03)
+
+
+def test_tensor_parallel_structure_from_the_graph():
+    cap, cost = captured("llama3", "405b", 8192)
+    roles = {n.meta["module_path"]: n.meta.get("tp_role") for n in cap.layer_nodes[0] if "tp_role" in n.meta}
+    assert roles == {
+        "layers.0.attn.wq": "column",
+        "layers.0.attn.wk": "column",
+        "layers.0.attn.wv": "column",
+        "layers.0.attn.wo": "row",
+        "layers.0.ffn.w1": "column",
+        "layers.0.ffn.w3": "column",
+        "layers.0.ffn.w2": "row",
+    }
+    blk = cost.blocks[0]
+    assert blk.params - blk.params_tp == 2 * 16384  # only the two norm weights stay replicated
+    tp_volumes = sorted(str(c.elems) for c in blk.collectives if c.axis == "tp")
+    assert tp_volumes == ["16384*b*s"] * 4  # 2 all-reduces forward, 2 backward (Megatron f/g)
+
+
+def test_deepseek_latent_projections_stay_replicated_and_experts_use_expert_parallelism():
+    cap, cost = captured("deepseek_v3", "671b", 4096)
+    moe = cost.blocks[1]
+    roles = {
+        n.meta["module_path"].split(".", 2)[2]: n.meta.get("tp_role") for n in cap.layer_nodes[3] if "tp_role" in n.meta
+    }
+    assert roles["attn.wq_a"] == "replicated" and roles["attn.wkv_a"] == "replicated"  # feed a norm
+    assert roles["attn.wq_b"] == "column" and roles["attn.wo"] == "row"
+    assert roles["ffn.gate"] == "replicated"
+    assert moe.params_experts == 256 * 3 * 7168 * 2048
+    assert [c.axis for c in moe.collectives].count("ep") == 2  # dispatch and combine

@@ -1,0 +1,24 @@
+import pytest
+from autoshard.cost_models.estimate import estimate
+from autoshard.cost_models.hardware import load
+from autoshard.cost_models.memory import model_state_bytes
+
+
+def test_zero_stages_match_the_zero_paper_example():
+    # Rajbhandari et al.: 7.5B parameters, N_d = 64: 120 GB -> 31.4 / 16.6 / 1.9 GB.
+    p = 7.5e9
+    assert model_state_bytes(p, 0, 64)["total"] == pytest.approx(120e9)
+    assert model_state_bytes(p, 1, 64)["total"] == pytest.approx(31.4e9, rel=0.01)
+    assert model_state_bytes(p, 2, 64)["total"] == pytest.approx(16.6e9, rel=0.01)
+    assert model_state_bytes(p, 3, 64)["total"] == pytest.approx(1.875e9)
+
+
+def test_worked_estimate_example():
+    # 2e12 params, 40e12 tokens, H100 at 50% MFU (issue #2).
+    out = estimate(2e12, 40e12, load("h100"), mfu=0.5, gpus=2048, zero=3)
+    assert out["flops"] == pytest.approx(4.8e26)
+    assert out["model_state_bytes"] == pytest.approx(32e12)
+    assert out["gpus_for_model_states"] == 400
+    assert out["gpu_years"] == pytest.approx(30_700, rel=0.01)
+    assert out["model_state_bytes_per_gpu"] == pytest.approx(15.6e9, rel=0.01)
+    assert out["cost_usd"] == pytest.approx(out["gpu_hours"] * 2.0)
