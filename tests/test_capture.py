@@ -152,3 +152,25 @@ def test_costs_scale_with_batch_and_sequence():
 def test_capture_file_uses_model_file_convention():
     cap = capture_file(str(EXAMPLES / "gpt.py:build"), "tiny", 32)
     assert cap.input_names == ["tokens"]
+
+
+def test_model_file_loss_replaces_the_default(tmp_path):
+    f = tmp_path / "withloss.py"
+    f.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = torch.nn.Embedding(10, 4)\n"
+        "    def forward(self, tokens):\n"
+        "        return self.emb(tokens)\n"
+        "def build(config=None):\n"
+        "    return M()\n"
+        "def sample_inputs(config, batch, seq):\n"
+        "    return (torch.zeros(batch, seq, dtype=torch.long),)\n"
+        "def loss(output, tokens):\n"
+        "    return output.pow(2).mean()\n"
+    )
+    cap = capture_file(str(f), None, 16)
+    ops = [n.meta["op"] for n in cap.graph_module.graph.nodes]
+    assert "pow" in ops and "cross_entropy" not in ops
