@@ -18,7 +18,9 @@ import contextlib
 import inspect
 import io
 import logging
+import os
 import re
+import sys
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -203,9 +205,22 @@ def _input_names(model: nn.Module, count: int) -> list[str]:
     return [n if n.isidentifier() and n != "self" else f"input_{i}" for i, n in enumerate(names)]
 
 
+class _Tracer(fx.Tracer):
+    """fx's tracer, recording on each node the innermost frame of the user's code (much cheaper
+    than ``record_stack_traces``, which formats a whole traceback per node)."""
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        frame = sys._getframe(1)
+        while frame is not None and modelfile._library_file(frame.f_code.co_filename):
+            frame = frame.f_back
+        if frame is not None:
+            node.meta["source"] = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        return node
+
+
 def _symbolic_trace(wrapper: nn.Module) -> fx.GraphModule:
-    tracer = fx.Tracer()
-    tracer.record_stack_traces = True
+    tracer = _Tracer()
     graph = tracer.trace(wrapper)
     return fx.GraphModule(tracer.root, graph, "TrainingForward")
 
@@ -288,7 +303,8 @@ def _annotate_modules(gm: fx.GraphModule, model: nn.Module, stack) -> None:
         n.meta["module_type"] = mtype
         m = layer_re.match(path) if stack else None
         n.meta["layer"] = index.get(m.group(1)) if m else None
-        n.meta["source"] = _source(n.meta.get("stack_trace"))
+        if "source" not in n.meta:
+            n.meta["source"] = _source(n.meta.get("stack_trace"))
     first = next((i for i, n in enumerate(nodes) if n.meta["layer"] is not None and n.op != "get_attr"), None)
     last = max((i for i, n in enumerate(nodes) if n.meta["layer"] is not None and n.op != "get_attr"), default=None)
     current = None

@@ -8,7 +8,9 @@ The convention: the file defines ``build(config: str) -> nn.Module`` (or the nam
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -137,6 +139,21 @@ def user_frame(e: BaseException, path: Path | None = None) -> str:
     return f"{Path(chosen.filename).name}:{chosen.lineno}{code}"
 
 
+def _package_dir(module) -> str:
+    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+# torch, and autoshard's three package directories (autoshard/, passes/, cost_models/)
+_LIBRARY_DIRS = (
+    _package_dir(torch),
+    _package_dir(sys.modules[__name__]),
+    _package_dir(importlib.import_module("autoshard.passes")),
+    _package_dir(importlib.import_module("autoshard.cost_models")),
+)
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
 def _library_file(filename: str) -> bool:
-    parts = Path(filename).parts
-    return any(p in ("torch", "autoshard", "site-packages", "transformers") for p in parts) or filename.startswith("<")
+    """Code of torch, autoshard (package, passes, cost models) or an installed package: not the
+    user's model."""
+    return filename.startswith("<") or filename.startswith(_LIBRARY_DIRS) or any(d in filename for d in _INSTALLED)

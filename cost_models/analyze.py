@@ -78,6 +78,18 @@ class Collective:
     backward: bool  # also once in backward
 
 
+@dataclass(frozen=True)
+class Gemm:
+    """One weighted matrix product of a block, at full (unsharded) size."""
+
+    m: sympy.Expr  # rows: tokens (or per-expert capacity)
+    n: int  # output features
+    k: int  # contraction
+    batch: int  # stacked experts (1 for a plain linear)
+    role: str  # TP role: column | row | vocab | replicated
+    experts: bool
+
+
 @dataclass
 class BlockCost:
     """Costs of one layer kind (``count`` copies) or of the pre/post region (count 1)."""
@@ -98,6 +110,10 @@ class BlockCost:
     saved: list[SavedTensor]
     collectives: list[Collective]
     boundary_elems: sympy.Expr  # elements of the block's output activation (pipeline p2p)
+    gemms: list[Gemm] = field(default_factory=list)
+    bytes_pointwise: sympy.Expr = sympy.Integer(0)  # HBM traffic of everything but weighted matmuls
+    bytes_pointwise_tp: sympy.Expr = sympy.Integer(0)  # the part inside TP regions
+    kv_elems: sympy.Expr = sympy.Integer(0)  # keys + values entering attention (context parallel traffic)
     _closure: dict = field(default_factory=dict, repr=False)
     _nodes: list = field(default_factory=list, repr=False)
 
@@ -110,6 +126,11 @@ class BlockCost:
             "flops_attention": _fn(self.flops_attention),
             "bytes_moved": _fn(self.bytes_moved),
             "boundary": _fn(self.boundary_elems),
+            "bytes_pointwise": _fn(self.bytes_pointwise),
+            "bytes_pointwise_tp": _fn(self.bytes_pointwise_tp),
+            "kv_elems": _fn(self.kv_elems),
+            "gemm_m": [_fn(g.m) for g in self.gemms],
+            "collectives": [(c, _fn(c.elems)) for c in self.collectives],
             "saved": [(t, _fn(t.elems)) for t in self.saved],
         }
 
@@ -174,6 +195,7 @@ class ModelCost:
     blocks: list[BlockCost]  # layer kinds, in order of first appearance
     pre: BlockCost
     post: BlockCost
+    facts: dict = field(default_factory=dict)  # heads, kv_heads, experts, tp_dims, hidden, vocab
 
     @property
     def params(self) -> int:
@@ -213,7 +235,42 @@ def analyze(captured: Captured) -> ModelCost:
         blocks.append(_block(f"layer kind {kind.id}", kind.count, kind.layers, nodes, gm))
     pre = _block("embedding", 1, [], captured.region_nodes("pre"), gm)
     post = _block("output", 1, [], captured.region_nodes("post"), gm)
-    return ModelCost(captured, blocks, pre, post)
+    return ModelCost(captured, blocks, pre, post, _facts(gm, [pre, *blocks, post]))
+
+
+def _facts(gm: fx.GraphModule, blocks: list[BlockCost]) -> dict:
+    """What divisibility constraints and sizes the planner needs, read off the graph."""
+    heads, kv_heads = set(), set()
+    for n in gm.graph.nodes:
+        if n.meta.get("op_class") == "attention" and ops.rule(n.meta["op"]).flops == "sdpa":
+            q, k = ops.tensor_args(n)[:2]
+            heads.add(int(q.meta["shape"][1]))
+            kv_heads.add(int(k.meta["shape"][1]))
+        elif n.meta.get("op_class") == "attention" and ops.rule(n.meta["op"]).flops == "matmul":
+            shape = n.meta["shape"]
+            if len(shape) == 4 and shape[-1] == shape[-2]:  # scores (b, heads, s, s)
+                heads.add(int(shape[1]))
+                kv_heads.add(int(shape[1]))
+    tp_dims, expert_counts, vocab = set(), set(), None
+    for blk in blocks:
+        for g in blk.gemms:
+            if g.experts:
+                expert_counts.add(g.batch)
+            if g.role == "column":
+                tp_dims.add(g.n)
+            elif g.role == "row":
+                tp_dims.add(g.k)
+            elif g.role == "vocab":
+                vocab = g.n
+    hidden = int(blocks[0].boundary_elems.subs({B: 1, S: 1})) if blocks[0].boundary_elems.free_symbols else None
+    return {
+        "heads": sorted(heads),
+        "kv_heads": sorted(kv_heads),
+        "experts": max(expert_counts) if expert_counts else 0,
+        "tp_dims": sorted(tp_dims | heads | kv_heads),
+        "hidden": hidden,
+        "vocab": vocab,
+    }
 
 
 def _with_params(nodes: list[fx.Node], gm: fx.GraphModule) -> list[fx.Node]:
@@ -265,6 +322,13 @@ def _block(name: str, count: int, layers: list[int], nodes: list[fx.Node], gm: f
                 params_experts += gm.get_parameter(n.target).numel()
             if any(_param_tp_sharded(u, "weight") for u in _weight_users(n)):
                 params_tp += gm.get_parameter(n.target).numel()
+    gemms = [g for n in nodes if (g := _gemm(n, gm)) is not None]
+    pointwise = pointwise_tp = zero
+    for n in nodes:
+        if _gemm(n, gm) is None:
+            pointwise += n.meta["cost"].bytes_moved
+            if sharding.splits_work(n):
+                pointwise_tp += n.meta["cost"].bytes_moved
     saved = _saved_tensors(nodes, inside, gm)
     outputs = [n for n in nodes if n.meta.get("shape") is not None and any(u not in inside for u in n.users)]
     boundary = ops.numel(outputs[-1].meta["shape"]) if outputs else zero
@@ -285,9 +349,49 @@ def _block(name: str, count: int, layers: list[int], nodes: list[fx.Node], gm: f
         saved=saved,
         collectives=_collectives(nodes),
         boundary_elems=boundary,
+        gemms=gemms,
+        bytes_pointwise=sympy.expand(pointwise),
+        bytes_pointwise_tp=sympy.expand(pointwise_tp),
+        kv_elems=sympy.expand(_kv_elems(nodes)),
     )
     blk._nodes = nodes
     return blk
+
+
+def _gemm(n: fx.Node, gm: fx.GraphModule) -> Gemm | None:
+    r = ops.rule(n.meta.get("op", ""))
+    if r is None or r.flops != "matmul" or n.meta.get("shape") is None:
+        return None
+    w = ops.weight_of(n, gm)
+    if w is None:
+        return None
+    out = n.meta["shape"]
+    role = n.meta.get("tp_role", "replicated")
+    experts = n.meta.get("op_class") == "experts"
+    if len(w) == 3 and len(out) == 3:  # (E, C, k) @ (E, k, n)
+        return Gemm(m=sympy.sympify(out[1]), n=int(out[2]), k=int(w[1]), batch=int(w[0]), role=role, experts=experts)
+    n_out = int(out[-1])
+    k = (
+        int(ops.tensor_args(n)[0].meta["shape"][-1])
+        if n.op != "call_module"
+        else gm.get_submodule(n.target).in_features
+    )
+    return Gemm(m=sympy.expand(ops.numel(out) / n_out), n=n_out, k=k, batch=1, role=role, experts=experts)
+
+
+def _kv_elems(nodes: list[fx.Node]) -> sympy.Expr:
+    """Keys and values entering attention: what context parallelism moves between ranks."""
+    total = sympy.Integer(0)
+    for n in nodes:
+        if n.meta.get("op_class") != "attention":
+            continue
+        r = ops.rule(n.meta["op"])
+        args = ops.tensor_args(n)
+        if r.flops == "sdpa":
+            total += ops.numel(args[1].meta["shape"]) + ops.numel(args[2].meta["shape"])
+        elif r.flops == "matmul" and len(args) >= 2:
+            total += ops.numel(args[1].meta["shape"])  # K^T for the scores, V for the output
+    return total
 
 
 def _weight_users(param: fx.Node) -> list[fx.Node]:

@@ -12,7 +12,8 @@ Formulas, for B bytes (the full tensor on each rank) and n ranks:
   reduce-scatter   (n-1)/n * B           (B = the size before scattering)
   all-to-all       (n-1)/n * B           (B = what one rank sends), split by where the peers are
   p2p              B
-each plus a per-step latency (one step per ring hop).
+each plus a per-step latency (one step per ring hop). Bandwidths are the profile's link rates
+times its ``link_efficiency`` (what NCCL achieves of the nominal rate).
 """
 
 from __future__ import annotations
@@ -45,11 +46,16 @@ def _ring(volume: float, steps: int, where: Placement, hw: Hardware) -> float:
     if where.size <= 1 or volume <= 0:
         return 0.0
     m = where.per_domain(hw)
-    nvlink, network = hw.nvlink_gbps * 1e9, hw.network_gbps * 1e9
+    nvlink, network = _bandwidths(hw)
     if where.domains(hw) == 1:
         return volume / nvlink + steps * hw.nvlink_latency_us * 1e-6
     bandwidth_time = max(volume / m / network, volume * (m - 1) / m / nvlink)
     return bandwidth_time + steps * hw.network_latency_us * 1e-6
+
+
+def _bandwidths(hw: Hardware) -> tuple[float, float]:
+    """Achievable NVLink and network bytes/s per GPU per direction."""
+    return hw.nvlink_gbps * 1e9 * hw.link_efficiency, hw.network_gbps * 1e9 * hw.link_efficiency
 
 
 def all_reduce(nbytes: float, where: Placement, hw: Hardware) -> float:
@@ -70,8 +76,9 @@ def all_to_all(nbytes: float, where: Placement, hw: Hardware) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     m = where.per_domain(hw)
-    inside = (m - 1) / n * nbytes / (hw.nvlink_gbps * 1e9)
-    outside = (n - m) / n * nbytes / (hw.network_gbps * 1e9)
+    nvlink, network = _bandwidths(hw)
+    inside = (m - 1) / n * nbytes / nvlink
+    outside = (n - m) / n * nbytes / network
     latency = hw.nvlink_latency_us if m == n else hw.network_latency_us
     return max(inside, outside) + (n - 1) * latency * 1e-6
 
@@ -82,6 +89,7 @@ def p2p(nbytes: float, span: int, hw: Hardware) -> float:
     network."""
     if nbytes <= 0:
         return 0.0
+    nvlink, network = _bandwidths(hw)
     if span < hw.nvlink_domain:
-        return nbytes / (hw.nvlink_gbps * 1e9) + hw.nvlink_latency_us * 1e-6
-    return nbytes / (hw.network_gbps * 1e9) + hw.network_latency_us * 1e-6
+        return nbytes / nvlink + hw.nvlink_latency_us * 1e-6
+    return nbytes / network + hw.network_latency_us * 1e-6

@@ -13,6 +13,13 @@ Fields (all per GPU; GB = 1e9 bytes):
 ``network_gbps``     float    inter-node bandwidth per GPU per direction, GB/s
 ``price_per_gpu_hour`` float  USD
 ``matmul_efficiency`` float   optional (default 0.8): best achievable share of peak for large GEMMs
+``matmul_efficiency_fp8`` float optional (default: matmul_efficiency): the same for FP8 GEMMs
+``attention_efficiency`` float optional (default 0.5): share of bf16 peak flash attention reaches
+                              on long sequences (shorter ones are slower, see planner.costs)
+``sm_count``         int      optional (default 132): streaming multiprocessors, for GEMM wave
+                              quantisation (H100/H800/H200 132; DeepSeek-V3 §3.2.2 "20 of 132 SMs")
+``link_efficiency``  float    optional (default 0.8): share of nvlink_gbps / network_gbps collectives
+                              achieve (DeepSeek-V3 measured 160 of 200 GB/s on H800 NVLink)
 ``nvlink_latency_us`` float   optional (default 3): per-step latency of an NVLink collective, us
 ``network_latency_us`` float  optional (default 10): per-step latency of an inter-node collective, us
 ``memory_reserve_gb`` float   optional (default 6): HBM kept free for the allocator, CUDA context,
@@ -43,6 +50,10 @@ _REQUIRED = {
 }
 _OPTIONAL = {
     "matmul_efficiency": (float, 0.8),
+    "matmul_efficiency_fp8": (float, None),
+    "attention_efficiency": (float, 0.5),
+    "link_efficiency": (float, 0.8),
+    "sm_count": (int, 132),
     "nvlink_latency_us": (float, 3.0),
     "network_latency_us": (float, 10.0),
     "memory_reserve_gb": (float, 6.0),
@@ -60,6 +71,10 @@ class Hardware:
     network_gbps: float
     price_per_gpu_hour: float
     matmul_efficiency: float = 0.8
+    matmul_efficiency_fp8: float | None = None
+    attention_efficiency: float = 0.5
+    link_efficiency: float = 0.8
+    sm_count: int = 132
     nvlink_latency_us: float = 3.0
     network_latency_us: float = 10.0
     memory_reserve_gb: float = 6.0
@@ -146,7 +161,10 @@ def _validate(data: dict, path: Path) -> dict:
             raise AutoshardError(f"{path}: missing field {key!r}")
         out[key] = _typed(key, data[key], kind, path)
     for key, (kind, default) in _OPTIONAL.items():
-        out[key] = _typed(key, data.get(key, default), kind, path)
+        if key in data or default is not None:
+            out[key] = _typed(key, data.get(key, default), kind, path)
+    if out.get("matmul_efficiency_fp8") is None:
+        out["matmul_efficiency_fp8"] = out["matmul_efficiency"]
     if not out["peak_tflops"]:
         raise AutoshardError(f"{path}: peak_tflops is empty; give at least one dtype, e.g. {{ bf16 = 989 }}")
     out["peak_tflops"] = {k: _typed(f"peak_tflops.{k}", v, float, path) for k, v in out["peak_tflops"].items()}

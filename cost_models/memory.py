@@ -13,14 +13,16 @@ OPTIMIZER_BYTES = 12  # fp32 master copy + Adam m + Adam v
 BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
 
 
-def model_state_bytes(params: float, zero: int = 0, dp: int = 1) -> dict[str, float]:
-    """Bytes per GPU for ``params`` parameters replicated over ``dp`` ranks at ZeRO stage ``zero``."""
+def model_state_bytes(params: float, zero: int = 0, dp: int = 1, grad_bytes: int = GRAD_BYTES) -> dict[str, float]:
+    """Bytes per GPU for ``params`` parameters replicated over ``dp`` ranks at ZeRO stage ``zero``.
+    ``grad_bytes`` is 2 for bf16 gradients (the 16 B/param rule) and 4 when gradients accumulate
+    and reduce in fp32, as LLaMA-3 did and autoshard's emitted programs do."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
     shard = lambda stage: dp if zero >= stage else 1  # noqa: E731
     out = {
         "params": params * WEIGHT_BYTES / shard(3),
-        "grads": params * GRAD_BYTES / shard(2),
+        "grads": params * grad_bytes / shard(2),
         "optimizer": params * OPTIMIZER_BYTES / shard(1),
     }
     out["total"] = sum(out.values())

@@ -328,9 +328,11 @@ def node_cost(node: fx.Node, gm: fx.GraphModule, float_bytes: int = 2) -> NodeCo
     moved = out * elem_bytes(node.meta.get("dtype"), float_bytes)
     for a in tensor_args(node):
         moved += numel(a.meta["shape"]) * elem_bytes(a.meta.get("dtype"), float_bytes)
-    if node.op == "call_module":
+    if node.op == "call_module" and r.op_class != "embedding":  # a lookup reads rows, not the table
         for p in gm.get_submodule(node.target).parameters():
             moved += p.numel() * float_bytes
+    elif r.op_class == "embedding":
+        moved -= sum((numel(a.meta["shape"]) * float_bytes for a in tensor_args(node) if a.op == "get_attr"), 0)
     return NodeCost(sympy.sympify(flops), sympy.sympify(moved))
 
 

@@ -1,0 +1,206 @@
+"""The Plan: the single contract between planning and rewriting. A JSON-serialisable dataclass;
+every quantity carries its unit in its name (``_s`` seconds, ``_bytes``, ``_per_s``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from autoshard.errors import AutoshardError
+
+PLAN_VERSION = 1
+AXES = ("tp", "pp", "cp", "ep", "dp")
+SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "zbv", "dualpipev")
+ATTENTION = ("flash", "ring", "allgather-kv")
+CHECKPOINT_CATEGORIES = (
+    "norm_input",
+    "norm_output",
+    "linear_output",
+    "activation",
+    "attention",
+    "dropout_mask",
+    "experts",
+)
+
+
+@dataclass
+class Mesh:
+    """Parallel degrees. ``tp*pp*cp*dp`` GPUs; expert layers take their ``ep`` ranks out of the
+    ``dp*cp`` ranks of a stage (expert data parallelism ``dp*cp/ep``). ``order`` lists tp, cp,
+    pp, dp from innermost (consecutive ranks, NVLink) to outermost."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    order: list[str] = field(default_factory=lambda: ["tp", "cp", "pp", "dp"])
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def product_form(self) -> str:
+        return " x ".join(f"{a.upper()}{getattr(self, a)}" for a in AXES)
+
+    def degrees(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+
+@dataclass
+class Predicted:
+    step_time_s: float
+    mfu: float  # model FLOPs (no recompute) / (step time x GPUs x bf16 peak)
+    tokens_per_s: float
+    bubble_fraction: float  # pipeline idle share of the step
+    memory_bytes_per_gpu: dict[str, float]  # params, grads, optimizer, activations, buffers, total
+    comm_s: dict[str, dict[str, float]]  # axis -> {"total": s, "exposed": s}, per step, busiest GPU
+    compute_s: float  # arithmetic + memory-bound work per step, busiest GPU
+    recompute_s: float  # of which recomputation
+    memory_limit_bytes: float  # usable HBM: capacity minus the profile's reserve
+
+
+@dataclass
+class Alternative:
+    mesh: dict
+    schedule: str
+    zero_stage: int
+    step_time_s: float | None  # None: infeasible
+    mfu: float | None
+    reason: str  # why it lost, in words with numbers
+
+
+@dataclass
+class Plan:
+    version: int
+    model: dict  # name, params, layers, hidden, heads, kv_heads, experts, vocab, training FLOPs/token
+    hardware: str
+    gpus: int
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    mesh: Mesh
+    zero_stage: int
+    schedule: str
+    virtual_stages: int
+    microbatches: int
+    microbatch_size: int  # sequences per micro-batch per data-parallel rank
+    stage_layers: list[int]  # layers per virtual stage, in pipeline order; embedding on the first, head on the last
+    sequence_parallel: bool
+    checkpoint: dict[str, str]  # saved-tensor category -> "save" | "recompute"
+    precision: dict  # {"compute": "bf16", "fp8_matmuls": [...], "grad_reduce": "fp32"}
+    attention: str
+    predicted: Predicted
+    alternatives: list[Alternative] = field(default_factory=list)
+    forced: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    # -- serialisation ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "plan.json") -> Plan:
+        if not isinstance(data, dict):
+            raise AutoshardError(f"{source}: not a plan (expected a JSON object)")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise AutoshardError(
+                f"{source}: plan format version {version!r}, this autoshard reads version {PLAN_VERSION}; "
+                "recompile the plan with this version"
+            )
+        names = {f.name for f in fields(cls)}
+        missing = [n for n in names if n not in data and n not in ("alternatives", "forced", "notes")]
+        if missing:
+            raise AutoshardError(f"{source}: missing field(s) {', '.join(sorted(missing))}; recompile the plan")
+        unknown = set(data) - names
+        if unknown:
+            raise AutoshardError(f"{source}: unknown field(s) {', '.join(sorted(unknown))}")
+        try:
+            kwargs = dict(data)
+            kwargs["mesh"] = Mesh(**data["mesh"])
+            kwargs["predicted"] = Predicted(**data["predicted"])
+            kwargs["alternatives"] = [Alternative(**a) for a in data.get("alternatives", [])]
+            plan = cls(**kwargs)
+        except TypeError as e:
+            raise AutoshardError(f"{source}: malformed plan ({e}); recompile the plan") from e
+        plan.validate(source)
+        return plan
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "plan.json"
+        if not path.is_file():
+            raise AutoshardError(f"plan not found: {path}; run `autoshard compile ... -o DIR` first")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise AutoshardError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
+        return cls.from_dict(data, str(path))
+
+    def validate(self, source: str = "plan") -> None:
+        """Internal consistency, so that a hand-edited plan fails here and not at run time."""
+        m = self.mesh
+        problems = []
+        for a in AXES:
+            if not isinstance(getattr(m, a), int) or getattr(m, a) < 1:
+                problems.append(f"mesh.{a} must be a positive integer")
+        if problems:
+            raise AutoshardError(f"{source}: {problems[0]}")
+        if m.gpus != self.gpus:
+            problems.append(f"tp*pp*cp*dp = {m.gpus} but gpus = {self.gpus}")
+        if (m.dp * m.cp) % m.ep:
+            problems.append(f"ep = {m.ep} does not divide dp*cp = {m.dp * m.cp}")
+        if sorted(m.order) != ["cp", "dp", "pp", "tp"]:
+            problems.append(f"mesh.order must list tp, cp, pp, dp once each, got {m.order}")
+        if self.schedule not in SCHEDULES:
+            problems.append(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if len(self.stage_layers) != m.pp * self.virtual_stages:
+            problems.append(
+                f"stage_layers has {len(self.stage_layers)} entries, expected pp*virtual_stages = "
+                f"{m.pp * self.virtual_stages}"
+            )
+        if sum(self.stage_layers) != self.model.get("layers", sum(self.stage_layers)):
+            problems.append(
+                f"stage_layers sum to {sum(self.stage_layers)}, the model has {self.model.get('layers')} layers"
+            )
+        if any(n < 0 for n in self.stage_layers):
+            problems.append("stage_layers has a negative entry")
+        if self.microbatches * self.microbatch_size * m.dp != self.global_batch:
+            problems.append(
+                f"microbatches x microbatch_size x dp = {self.microbatches * self.microbatch_size * m.dp}, "
+                f"global_batch = {self.global_batch}"
+            )
+        if self.seq_len % (2 * m.cp) and m.cp > 1:
+            problems.append(f"seq_len {self.seq_len} is not divisible by 2*cp = {2 * m.cp}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            problems.append(f"zero_stage must be 0-3, got {self.zero_stage}")
+        if self.attention not in ATTENTION:
+            problems.append(f"attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
+        bad = [
+            k for k, v in self.checkpoint.items() if k not in CHECKPOINT_CATEGORIES or v not in ("save", "recompute")
+        ]
+        if bad:
+            problems.append(f"checkpoint entry {bad[0]!r} is not category -> save|recompute")
+        if problems:
+            raise AutoshardError(f"{source}: inconsistent plan: {problems[0]}; recompile instead of editing by hand")
+
+    # -- views -------------------------------------------------------------------------------
+
+    @property
+    def recompute(self) -> frozenset[str]:
+        return frozenset(k for k, v in self.checkpoint.items() if v == "recompute")
+
+    def stage_ranges(self) -> list[tuple[int, int]]:
+        """[start, end) layer range of each virtual stage."""
+        out, start = [], 0
+        for n in self.stage_layers:
+            out.append((start, start + n))
+            start += n
+        return out

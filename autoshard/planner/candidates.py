@@ -1,0 +1,281 @@
+"""The search space: what a plan chooses, the problem it is chosen for, and ``--force`` pins."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from itertools import permutations
+
+from autoshard.cost_models.analyze import ModelCost, category_subsets
+from autoshard.cost_models.hardware import Hardware
+
+from autoshard.errors import AutoshardError
+from autoshard.plan import ATTENTION, CHECKPOINT_CATEGORIES, SCHEDULES
+
+ORDER_AXES = ("tp", "cp", "pp", "dp")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space (everything but the stage partition, which CP-SAT picks)."""
+
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    dp: int
+    mbs: int  # sequences per micro-batch
+    fp8: bool
+    attention: str
+    recompute: frozenset[str]
+    schedule: str = "1f1b"
+    v: int = 1
+    order: tuple[str, ...] = ("tp", "cp", "pp", "dp")
+    zero: int = 1
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism whenever TP > 1: the same communication volume as TP's all-reduces
+        (all-gather + reduce-scatter) and strictly less memory and pointwise work, so it is never
+        worse in this cost model and is not searched separately."""
+        return self.tp > 1
+
+    def mesh_key(self) -> tuple[int, ...]:
+        return (self.tp, self.pp, self.cp, self.ep, self.dp)
+
+
+@dataclass
+class Problem:
+    cost: ModelCost
+    hw: Hardware
+    gpus: int
+    seq: int
+    global_batch: int
+    precision: str = "bf16"  # bf16 | fp8 | auto
+    forced: dict = field(default_factory=dict)
+    model_name: str = "model"
+
+    @property
+    def layer_kinds(self) -> list[int]:
+        kinds = [0] * self.cost.num_layers
+        for i, blk in enumerate(self.cost.blocks):
+            for layer in blk.layers:
+                kinds[layer] = i
+        return kinds
+
+    @property
+    def num_layers(self) -> int:
+        return self.cost.num_layers
+
+
+# ---------------------------------------------------------------------------------------------
+# --force
+
+
+FORCE_FIELDS = {
+    "tp": int,
+    "pp": int,
+    "cp": int,
+    "ep": int,
+    "dp": int,
+    "zero": int,
+    "schedule": str,
+    "v": int,
+    "microbatches": int,
+    "mbs": int,
+    "recompute": str,
+    "fp8": str,
+    "attention": str,
+    "order": str,
+    "stage_layers": str,
+}
+
+
+def parse_force(text: str | None) -> dict:
+    """``tp=8,pp=16,schedule=interleaved,recompute=attention+activation`` -> typed pins."""
+    if not text:
+        return {}
+    out: dict = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" not in item:
+            raise AutoshardError(f"--force expects name=value pairs, got {item!r}")
+        key, value = (x.strip() for x in item.split("=", 1))
+        key = {"zero_stage": "zero", "virtual_stages": "v", "microbatch_size": "mbs"}.get(key, key)
+        if key not in FORCE_FIELDS:
+            raise AutoshardError(f"--force: unknown field {key!r}; fields: {', '.join(FORCE_FIELDS)}")
+        if FORCE_FIELDS[key] is int:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise AutoshardError(f"--force {key}={value}: expected a whole number") from None
+            if out[key] < (0 if key == "zero" else 1):
+                raise AutoshardError(f"--force {key}={value}: must be positive")
+        else:
+            out[key] = value
+    return _normalise_force(out)
+
+
+def _normalise_force(pins: dict) -> dict:
+    if "schedule" in pins and pins["schedule"] not in SCHEDULES:
+        raise AutoshardError(f"--force schedule={pins['schedule']}: choose one of {', '.join(SCHEDULES)}")
+    if "attention" in pins and pins["attention"] not in ATTENTION:
+        raise AutoshardError(f"--force attention={pins['attention']}: choose one of {', '.join(ATTENTION)}")
+    if "zero" in pins and pins["zero"] not in (0, 1, 2, 3):
+        raise AutoshardError(f"--force zero={pins['zero']}: ZeRO stage must be 0, 1, 2 or 3")
+    if "fp8" in pins:
+        if pins["fp8"] not in ("on", "off", "true", "false"):
+            raise AutoshardError(f"--force fp8={pins['fp8']}: use on or off")
+        pins["fp8"] = pins["fp8"] in ("on", "true")
+    if "recompute" in pins:
+        value = pins["recompute"]
+        cats = (
+            set() if value in ("none", "") else set(CHECKPOINT_CATEGORIES) if value == "full" else set(value.split("+"))
+        )
+        bad = cats - set(CHECKPOINT_CATEGORIES)
+        if bad:
+            raise AutoshardError(
+                f"--force recompute: unknown category {sorted(bad)[0]!r}; use none, full, or "
+                f"categories joined by + from {', '.join(CHECKPOINT_CATEGORIES)}"
+            )
+        pins["recompute"] = frozenset(cats)
+    if "order" in pins:
+        order = tuple(pins["order"].split("-"))
+        if sorted(order) != sorted(ORDER_AXES):
+            raise AutoshardError(f"--force order={pins['order']}: list tp, cp, pp, dp joined by -, innermost first")
+        pins["order"] = order
+    if "stage_layers" in pins:
+        try:
+            pins["stage_layers"] = tuple(int(x) for x in pins["stage_layers"].split("+"))
+        except ValueError:
+            raise AutoshardError("--force stage_layers: layer counts joined by +, e.g. 7+8+8+...+7") from None
+    return pins
+
+
+# ---------------------------------------------------------------------------------------------
+# enumeration
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def tp_choices(problem: Problem) -> list[int]:
+    dims = problem.cost.facts.get("tp_dims") or [1]
+    g = 0
+    for d in dims:
+        g = math.gcd(g, d)
+    return [t for t in divisors(g) if problem.gpus % t == 0]
+
+
+def check_problem(problem: Problem) -> None:
+    """Inputs that admit no plan at all, reported before any search."""
+    pins = problem.forced
+    if problem.global_batch < 1 or problem.seq < 1 or problem.gpus < 1:
+        raise AutoshardError("gpus, seq-len and global-batch must be positive")
+    for axis in ("tp", "pp", "cp", "dp"):
+        if axis in pins and problem.gpus % pins[axis]:
+            raise AutoshardError(f"--force {axis}={pins[axis]} does not divide --gpus {problem.gpus}")
+    if "tp" in pins and pins["tp"] not in tp_choices(problem):
+        allowed = ", ".join(map(str, tp_choices(problem)))
+        raise AutoshardError(
+            f"--force tp={pins['tp']} does not divide the model's heads and feature sizes "
+            f"{problem.cost.facts.get('tp_dims')}; TP can be {allowed}"
+        )
+    if "cp" in pins and pins["cp"] > 1 and problem.seq % (2 * pins["cp"]):
+        raise AutoshardError(f"--force cp={pins['cp']}: --seq-len {problem.seq} is not divisible by 2*cp")
+    experts = problem.cost.facts.get("experts", 0)
+    if "ep" in pins and pins["ep"] > 1 and (not experts or experts % pins["ep"]):
+        raise AutoshardError(f"--force ep={pins['ep']} does not divide the model's {experts} experts")
+    if "dp" in pins and problem.global_batch % pins["dp"]:
+        raise AutoshardError(f"--force dp={pins['dp']}: --global-batch {problem.global_batch} is not divisible by DP")
+    if not meshes(problem):
+        unbatched = meshes(replace_batch(problem, problem.gpus))
+        smallest_dp = min((m[4] for m in unbatched), default=None)
+        if smallest_dp and problem.global_batch < smallest_dp:
+            raise AutoshardError(
+                f"--global-batch {problem.global_batch} is smaller than the smallest data-parallel degree "
+                f"({smallest_dp}) that {problem.gpus} GPUs allow{_pin_text(pins)}; raise it to a multiple of {smallest_dp}"
+            )
+        raise AutoshardError(
+            f"{problem.gpus} GPUs admit no factorisation tp*pp*cp*dp with tp in {tp_choices(problem)}, "
+            f"pp <= {problem.num_layers + 2}, 2*cp dividing --seq-len {problem.seq} and dp dividing "
+            f"--global-batch {problem.global_batch}{_pin_text(pins)}; try a power-of-two GPU count"
+        )
+
+
+def replace_batch(problem: Problem, batch: int) -> Problem:
+    return replace(problem, global_batch=batch)
+
+
+def _pin_text(pins: dict) -> str:
+    shown = {k: v for k, v in pins.items() if k in ("tp", "pp", "cp", "dp", "ep")}
+    return f" under --force {shown}" if shown else ""
+
+
+def meshes(problem: Problem) -> list[tuple[int, int, int, int, int]]:
+    """(tp, pp, cp, ep, dp) that satisfy every divisibility rule."""
+    pins, out = problem.forced, []
+    experts = problem.cost.facts.get("experts", 0)
+    max_stages = problem.num_layers + 2
+    for tp in tp_choices(problem):
+        rest = problem.gpus // tp
+        for cp in divisors(rest):
+            if cp > 1 and problem.seq % (2 * cp):
+                continue
+            for pp in divisors(rest // cp):
+                if pp > max_stages:
+                    continue
+                dp = rest // (cp * pp)
+                if problem.global_batch % dp:
+                    continue
+                eps = [e for e in divisors(math.gcd(experts, dp * cp))] if experts else [1]
+                for ep in eps:
+                    mesh = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp": dp}
+                    if all(mesh[k] == pins[k] for k in mesh if k in pins):
+                        out.append((tp, pp, cp, ep, dp))
+    return out
+
+
+def recompute_options(problem: Problem) -> list[frozenset[str]]:
+    cats = sorted({c for blk in problem.cost.blocks for c in blk.categories})
+    if "recompute" in problem.forced:
+        return [frozenset(problem.forced["recompute"] & set(cats))]
+    return list(category_subsets(cats))
+
+
+def schedules(problem: Problem, pp: int, m: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) valid for ``pp`` stages and ``m`` micro-batches."""
+    pins = problem.forced
+    if pp == 1:
+        out = [("1f1b", 1)]
+    else:
+        vmax = max(1, (problem.num_layers + 2) // pp)
+        rounds = max(1, m // pp)
+        interleave_ok = m % rounds == 0
+        out = [("1f1b", 1)]
+        for v in range(2, vmax + 1):
+            if interleave_ok:
+                out += [("interleaved", v), ("zero-bubble", v)]
+        if vmax >= 2:
+            out.append(("zbv", 2))
+            if m >= 2 * pp and pp % 2 == 0 and m % 2 == 0:
+                out.append(("dualpipev", 2))
+    return [(s, v) for s, v in out if pins.get("schedule", s) == s and pins.get("v", v) == v]
+
+
+def orders(c: Candidate, problem: Problem) -> list[tuple[str, ...]]:
+    """Axis orders that differ in where some axis of size > 1 lands."""
+    if "order" in problem.forced:
+        return [problem.forced["order"]]
+    sizes = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp}
+    active = [a for a in ORDER_AXES if sizes[a] > 1]
+    idle = [a for a in ORDER_AXES if sizes[a] == 1]
+    return [tuple(p) + tuple(idle) for p in permutations(active)] or [ORDER_AXES]
+
+
+def with_fields(c: Candidate, **kw) -> Candidate:
+    return replace(c, **kw)

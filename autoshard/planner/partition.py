@@ -1,0 +1,430 @@
+"""Stage partition with CP-SAT: how many layers each virtual stage takes, so that the slowest
+pipeline rank is as fast as possible, every rank's memory fits, and the data-parallel
+communication each rank exposes after its last backward is counted.
+
+Layers come in runs of one kind (3 dense then 58 MoE layers, say). A boundary ``e`` (the index of
+the first layer of the next stage) enters every per-layer sum through ``clamp(e - start, 0, len)``
+per run, so all sums stay linear and one set of auxiliary variables serves every quantity.
+The embedding sits on the first virtual stage and the output head with the loss on the last; they
+may hold no layers at all (LLaMA-3 put only the embedding on its first chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+US = 1e6  # CP-SAT works in integers: times in microseconds
+MEM_UNIT = 2**20  # memory in MiB
+INFLIGHT_SCALE = 8  # in-flight counts are multiples of 1/v; v <= 8 keeps them exact
+PREFIX_ENUMERATION = 6  # a leading run this short is split by enumeration, not CP-SAT
+
+
+@dataclass
+class Quantities:
+    """Per-layer-kind values (one copy, one micro-batch) and the fixed parts of one candidate."""
+
+    time: list[float]  # critical-path seconds per layer of each kind
+    fwd: list[float]
+    bwd: list[float]  # backward (b + w) per layer
+    act: list[float]  # bytes kept per layer per micro-batch
+    state: list[float]  # model-state bytes per layer
+    dp_time: list[float]  # seconds of gradient reduction per layer (bandwidth part)
+    dp_gather: list[float]  # seconds of parameter gathering per layer
+    dp_micro: list[float]  # ZeRO-3 per micro-batch seconds per layer
+    pre: dict  # same keys, for the embedding block
+    post: dict
+    p2p: float  # per chunk boundary, both directions
+    dp_latency: tuple[float, float, float]  # constant part: after backward, before forward, per micro-batch
+    buffers: float  # bytes every rank needs besides states and activations
+    post_buffers: float  # extra bytes on the rank holding the output head
+    capacity: float  # usable bytes per GPU
+
+
+@dataclass
+class Partition:
+    stage_layers: list[int]
+    t_max: float  # slowest rank, one micro-batch, seconds
+    dp_exposed: float  # slowest rank's exposed data-parallel time per step
+    memory: list[float]  # bytes per rank
+    optimal: bool
+
+
+def _runs(kinds: list[int]) -> list[tuple[int, int, int]]:
+    runs, start = [], 0
+    for i in range(1, len(kinds) + 1):
+        if i == len(kinds) or kinds[i] != kinds[start]:
+            runs.append((kinds[start], start, i - start))
+            start = i
+    return runs
+
+
+def solve(
+    kinds: list[int],
+    q: Quantities,
+    pp: int,
+    v: int,
+    chunk_rank,
+    in_flight: list[float],
+    microbatches: int,
+    fixed: tuple[int, ...] | None = None,
+    time_limit_s: float = 20.0,
+) -> Partition | None:
+    """Optimal contiguous split of the layers into ``pp*v`` virtual stages, or None if no split
+    fits in memory."""
+    layers = len(kinds)
+    chunks = pp * v
+    runs = _runs(kinds)
+    if fixed is None and len(runs) == 1:
+        return _solve_per_rank(layers, q, pp, v, chunk_rank, in_flight, microbatches, time_limit_s)
+    if fixed is None and len(runs) == 2 and runs[0][2] <= PREFIX_ENUMERATION:
+        return _solve_prefix(kinds, q, pp, v, chunk_rank, in_flight, microbatches)
+    model = cp_model.CpModel()
+    bound = [model.NewIntVar(0, layers, f"e{c}") for c in range(chunks + 1)]
+    model.Add(bound[0] == 0)
+    model.Add(bound[chunks] == layers)
+    for c in range(chunks):
+        model.Add(bound[c] <= bound[c + 1])
+    if fixed is not None:
+        acc = 0
+        for c, n in enumerate(fixed):
+            acc += n
+            model.Add(bound[c + 1] == acc)
+
+    # clamp(e - start, 0, len) per run and boundary
+    clamps = []
+    for c, e in enumerate(bound):
+        row = []
+        for j, (_, start, length) in enumerate(runs):
+            y = model.NewIntVar(0, length, f"y{c}_{j}")
+            shifted = model.NewIntVar(-layers, layers, f"d{c}_{j}")
+            model.Add(shifted == e - start)
+            pos = model.NewIntVar(0, layers, f"p{c}_{j}")
+            model.AddMaxEquality(pos, [shifted, 0])
+            model.AddMinEquality(y, [pos, length])
+            row.append(y)
+        clamps.append(row)
+
+    def prefix(values: list[float], scale: float):
+        """Linear expression per boundary: sum of values of the layers before it."""
+        coef = [round(values[kind] * scale) for kind, _, _ in runs]
+        return [sum(a * y for a, y in zip(coef, row)) for row in clamps]
+
+    def chunk_sum(pref, c):
+        return pref[c + 1] - pref[c]
+
+    time_p = prefix(q.time, US)
+    fwd_p = prefix(q.fwd, US)
+    bwd_p = prefix(q.bwd, US)
+    act_p = prefix(q.act, INFLIGHT_SCALE / MEM_UNIT)
+    state_p = prefix(q.state, 1 / MEM_UNIT)
+    dpt_p = prefix(q.dp_time, US)
+    dpg_p = prefix(q.dp_gather, US)
+    dpm_p = prefix(q.dp_micro, US)
+
+    ranks: dict[int, list[int]] = {}
+    for c in range(chunks):
+        ranks.setdefault(chunk_rank(c), []).append(c)
+
+    def extra(c: int, key: str, scale: float) -> int:
+        val = 0.0
+        if c == 0:
+            val += q.pre[key]
+        if c == chunks - 1:
+            val += q.post[key]
+        return round(val * scale)
+
+    horizon = int(sum(q.time) * US * layers + (q.pre["time"] + q.post["time"]) * US + q.p2p * US * chunks) + 1
+    t_max = model.NewIntVar(0, horizon, "t_max")
+    d_max = model.NewIntVar(0, horizon * max(1, microbatches), "d_max")
+    p2p_us = round(q.p2p * US)
+    last_rank = chunk_rank(chunks - 1)
+    for r, cs in ranks.items():
+        t_r = sum(chunk_sum(time_p, c) + extra(c, "time", US) for c in cs) + p2p_us * len(
+            [c for c in cs if c < chunks - 1]
+        )
+        model.Add(t_max >= t_r)
+        f_r = sum(chunk_sum(fwd_p, c) + extra(c, "fwd", US) for c in cs)
+        b_r = sum(chunk_sum(bwd_p, c) + extra(c, "bwd", US) for c in cs)
+        mem = sum(chunk_sum(act_p, c) + extra(c, "act", INFLIGHT_SCALE / MEM_UNIT) for c in cs)
+        inflight = round(in_flight[r] * INFLIGHT_SCALE)
+        states = sum(chunk_sum(state_p, c) + extra(c, "state", 1 / MEM_UNIT) for c in cs)
+        buffers = q.buffers + (q.post_buffers if r == last_rank else 0.0)
+        cap = int((q.capacity - buffers) / MEM_UNIT)
+        # act is scaled by INFLIGHT_SCALE, in-flight too: divide once
+        model.Add(mem * inflight + states * INFLIGHT_SCALE * INFLIGHT_SCALE <= cap * INFLIGHT_SCALE * INFLIGHT_SCALE)
+        # data parallelism: gradient reduction after the last backward, parameter gather before the
+        # first forward, ZeRO-3 traffic per micro-batch; each hidden behind the compute it overlaps
+        exposed = []
+        for lat_s, (traffic, window, times) in zip(
+            q.dp_latency,
+            (
+                (sum(chunk_sum(dpt_p, c) + extra(c, "dp_time", US) for c in cs), b_r, 1),
+                (sum(chunk_sum(dpg_p, c) + extra(c, "dp_gather", US) for c in cs), f_r, 1),
+                (sum(chunk_sum(dpm_p, c) + extra(c, "dp_micro", US) for c in cs), f_r + b_r, microbatches),
+            ),
+        ):
+            if lat_s == 0:
+                continue
+            x = model.NewIntVar(0, horizon, "")
+            model.Add(x >= traffic + round(lat_s * US) - window)
+            exposed.append(x * times if times > 1 else x)
+        model.Add(d_max >= sum(exposed))
+    model.Minimize(microbatches * t_max + d_max)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.random_seed = 0
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    cuts = [solver.Value(e) for e in bound]
+    stage_layers = [cuts[c + 1] - cuts[c] for c in range(chunks)]
+    memory = []
+    for r, cs in sorted(ranks.items()):
+        total = 0.0
+        for c in cs:
+            n_by_kind = _count(kinds, cuts[c], cuts[c + 1])
+            act = (
+                sum(n * q.act[k] for k, n in n_by_kind.items())
+                + (q.pre["act"] if c == 0 else 0)
+                + (q.post["act"] if c == chunks - 1 else 0)
+            )
+            st = (
+                sum(n * q.state[k] for k, n in n_by_kind.items())
+                + (q.pre["state"] if c == 0 else 0)
+                + (q.post["state"] if c == chunks - 1 else 0)
+            )
+            total += act * in_flight[r] + st
+        memory.append(total + q.buffers + (q.post_buffers if r == last_rank else 0.0))
+    return Partition(
+        stage_layers=stage_layers,
+        t_max=solver.Value(t_max) / US,
+        dp_exposed=solver.Value(d_max) / US,
+        memory=memory,
+        optimal=status == cp_model.OPTIMAL,
+    )
+
+
+def _count(kinds: list[int], start: int, end: int) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for k in kinds[start:end]:
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+KEYS = ("time", "fwd", "bwd", "act", "state", "dp_time", "dp_gather", "dp_micro")
+
+
+def _per_rank_terms(layers, kind, q: Quantities, pp, v, chunk_rank, in_flight, microbatches, extras, closed):
+    """Per-rank functions of n (layers of ``kind`` on the rank), in integer microseconds / bytes:
+    the fixed time, the memory cap on n, and the exposed data-parallel time D(n). ``extras[r]``
+    adds fixed quantities to rank r (embedding, head, a prefix of other layers); ranks in
+    ``closed`` take none of these layers."""
+    chunks = pp * v
+    last = chunk_rank(chunks - 1)
+    t_layer = round(q.time[kind] * US)
+    ranks = []
+    for r in range(pp):
+        fixed = extras[r]
+        sends = v - (1 if r == last else 0)
+        const_t = round((fixed["time"] + q.p2p * sends) * US)
+        per_layer = q.act[kind] * in_flight[r] + q.state[kind]
+        const_mem = fixed["act"] * in_flight[r] + fixed["state"] + q.buffers + (q.post_buffers if r == last else 0)
+        room = q.capacity - const_mem
+        if room < 0:
+            return None
+        cap = 0 if r in closed else layers if per_layer <= 0 else min(layers, int(room // per_layer))
+        f_per, b_per = round(q.fwd[kind] * US), round(q.bwd[kind] * US)
+        f0, b0 = round(fixed["fwd"] * US), round(fixed["bwd"] * US)
+        terms = []  # (slope, offset, multiplier) of max(0, slope * n + offset)
+        for lat_s, key, times in zip(q.dp_latency, ("dp_time", "dp_gather", "dp_micro"), (1, 1, microbatches)):
+            per = round(getattr(q, key)[kind] * US)
+            extra = round((fixed[key] + lat_s) * US)
+            if per == 0 and extra == 0:
+                continue
+            window_per, window0 = {"dp_time": (b_per, b0), "dp_gather": (f_per, f0)}.get(key, (f_per + b_per, f0 + b0))
+            terms.append((per - window_per, extra - window0, times))
+        ranks.append({"const_t": const_t, "cap": cap, "terms": terms, "mem": (per_layer, const_mem)})
+    return t_layer, ranks
+
+
+def _exposed(terms, n: int) -> int:
+    return sum(times * max(0, slope * n + offset) for slope, offset, times in terms)
+
+
+def _base_extras(q: Quantities, pp: int, chunks: int, chunk_rank) -> list[dict]:
+    first, last = chunk_rank(0), chunk_rank(chunks - 1)
+    out = []
+    for r in range(pp):
+        out.append({k: (q.pre[k] if r == first else 0.0) + (q.post[k] if r == last else 0.0) for k in KEYS})
+    return out
+
+
+def _solve_per_rank(
+    layers, q: Quantities, pp, v, chunk_rank, in_flight, microbatches, time_limit_s
+) -> Partition | None:
+    """All layers alike: only how many each rank holds matters (any split of a rank's layers over
+    its chunks gives the same totals)."""
+    chunks = pp * v
+    extras = _base_extras(q, pp, chunks, chunk_rank)
+    found = _best_counts(layers, 0, q, pp, v, chunk_rank, in_flight, microbatches, extras, set())
+    if found is None:
+        return None
+    value, t_max, d_max, counts = found
+    stage_layers = _spread(counts, pp, chunks, chunk_rank, {})
+    memory = [_rank_memory(q, r, counts[r], 0, extras[r], in_flight, chunk_rank(chunks - 1)) for r in range(pp)]
+    return Partition(stage_layers=stage_layers, t_max=t_max / US, dp_exposed=d_max / US, memory=memory, optimal=True)
+
+
+def _solve_prefix(kinds, q: Quantities, pp, v, chunk_rank, in_flight, microbatches) -> Partition | None:
+    """A short run of one kind, then layers of another (DeepSeek-V3: 3 dense layers, then MoE).
+    The prefix fills chunks 0..J in order (chunk J may also hold later layers, earlier ones may
+    not), so every way of splitting it is enumerated; for each, the rest is the all-alike problem
+    with the prefix's cost added to the ranks that hold it."""
+    chunks = pp * v
+    head_kind, rest_kind = kinds[0], kinds[-1]
+    prefix = sum(1 for k in kinds if k == head_kind)
+    rest = len(kinds) - prefix
+    base = _base_extras(q, pp, chunks, chunk_rank)
+    best = None
+    for split in _compositions(prefix, min(chunks, prefix + 1)):
+        j = len(split) - 1  # the last chunk holding prefix layers
+        extras = [dict(e) for e in base]
+        for chunk, count in enumerate(split):
+            for key in KEYS:
+                extras[chunk_rank(chunk)][key] += count * getattr(q, key)[head_kind]
+        closed = {r for r in range(pp) if all(c < j for c in range(chunks) if chunk_rank(c) == r)}
+        found = _best_counts(rest, rest_kind, q, pp, v, chunk_rank, in_flight, microbatches, extras, closed)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (*found, split, extras)
+    if best is None:
+        return None
+    _, t_max, d_max, counts, split, extras = best
+    stage_layers = _spread(counts, pp, chunks, chunk_rank, dict(enumerate(split)), first_open=len(split) - 1)
+    last = chunk_rank(chunks - 1)
+    memory = [_rank_memory(q, r, counts[r], rest_kind, extras[r], in_flight, last) for r in range(pp)]
+    return Partition(stage_layers=stage_layers, t_max=t_max / US, dp_exposed=d_max / US, memory=memory, optimal=True)
+
+
+def _compositions(total: int, parts_max: int):
+    """Ways to put ``total`` prefix layers into chunks 0..J (J < parts_max), the last one non-empty."""
+    for parts in range(1, parts_max + 1):
+        for cut in _weak(total, parts - 1):
+            rest = total - sum(cut)
+            if rest >= 1:
+                yield (*cut, rest)
+
+
+def _weak(total: int, parts: int):
+    if parts == 0:
+        yield ()
+        return
+    for first in range(total + 1):
+        for tail in _weak(total - first, parts - 1):
+            yield (first, *tail)
+
+
+def _rank_memory(q, r, n, kind, extra, in_flight, last) -> float:
+    act = n * q.act[kind] + extra["act"]
+    state = n * q.state[kind] + extra["state"]
+    return act * in_flight[r] + state + q.buffers + (q.post_buffers if r == last else 0.0)
+
+
+def _spread(counts, pp, chunks, chunk_rank, prefix: dict, first_open: int = 0) -> list[int]:
+    """Chunk sizes from per-rank counts: each rank's layers spread over its chunks that may hold
+    them (from ``first_open`` on), the embedding's and head's chunks taking the smaller shares;
+    ``prefix`` adds the prefix layers already placed per chunk."""
+    stage_layers = [prefix.get(c, 0) for c in range(chunks)]
+    for r in range(pp):
+        mine = [c for c in range(chunks) if chunk_rank(c) == r and c >= first_open]
+        if not mine:
+            continue
+        base, extra = divmod(counts[r], len(mine))
+        for i, c in enumerate(sorted(mine, key=lambda c: (c in (0, chunks - 1), c))):
+            stage_layers[c] += base + (1 if i < extra else 0)
+    return stage_layers
+
+
+def _best_counts(layers, kind, q, pp, v, chunk_rank, in_flight, microbatches, extras, closed):
+    """Exact: the slowest rank's time can only be one of the values const_r + n * t; for each, in
+    increasing order, the least data-parallel exposure with every rank under that time and within
+    memory is found by bisection over the finitely many exposure values (each rank's exposure is
+    convex in n, so the counts allowed under a bound form an interval). The scan stops once a
+    larger time cannot pay for itself: microbatches x (T - T_first) >= the exposure at T_first.
+    Returns (objective, t_max, d_max, counts) in microseconds, or None."""
+    terms = _per_rank_terms(layers, kind, q, pp, v, chunk_rank, in_flight, microbatches, extras, closed)
+    if terms is None:
+        return None
+    t_layer, ranks = terms
+    if sum(r["cap"] for r in ranks) < layers:
+        return None
+    times = sorted({r["const_t"] + n * t_layer for r in ranks for n in range(r["cap"] + 1)})
+
+    def allowed(t_max: int) -> list[int]:
+        if t_layer == 0:
+            return [r["cap"] if t_max >= r["const_t"] else -1 for r in ranks]
+        return [min(r["cap"], (t_max - r["const_t"]) // t_layer) if t_max >= r["const_t"] else -1 for r in ranks]
+
+    lo, hi = 0, len(times) - 1
+    if sum(max(0, a) for a in allowed(times[hi])) < layers:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(max(0, a) for a in allowed(times[mid])) >= layers:
+            hi = mid
+        else:
+            lo = mid + 1
+    best = None
+    for t_max in times[lo:]:
+        if best is not None and microbatches * t_max >= best[0]:
+            break
+        tops = allowed(t_max)
+        if any(top < 0 for top in tops):
+            continue
+        exposure = _least_exposure(ranks, tops, layers)
+        if exposure is None:
+            continue
+        d_max, counts = exposure
+        value = microbatches * t_max + d_max
+        if best is None or value < best[0]:
+            best = (value, t_max, d_max, counts)
+    return best
+
+
+def _least_exposure(ranks, tops: list[int], layers: int):
+    """Smallest max_r D_r(n_r) with sum n_r = layers, 0 <= n_r <= tops[r], and counts achieving it."""
+    values = [[_exposed(r["terms"], n) for n in range(top + 1)] for r, top in zip(ranks, tops)]
+    candidates = sorted({x for vals in values for x in vals})
+
+    def window(bound: int):
+        lows, highs = [], []
+        for vals in values:
+            ok = [n for n, x in enumerate(vals) if x <= bound]
+            if not ok:
+                return None
+            lows.append(ok[0])
+            highs.append(ok[-1])
+        return lows, highs
+
+    lo, hi = 0, len(candidates) - 1
+    found = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        w = window(candidates[mid])
+        if w is not None and sum(w[0]) <= layers <= sum(w[1]):
+            found = (candidates[mid], w)
+            hi = mid - 1
+        else:
+            lo = mid + 1
+    if found is None:
+        return None
+    d_max, (lows, highs) = found
+    counts, short = list(lows), layers - sum(lows)
+    for r in range(len(counts)):  # fill the earliest ranks first: deterministic
+        take = min(short, highs[r] - lows[r])
+        counts[r] += take
+        short -= take
+    return d_max, counts

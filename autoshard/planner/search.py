@@ -1,0 +1,660 @@
+"""Branch and bound over the search space, CP-SAT at the leaves.
+
+The tree: (mesh, micro-batch size, FP8, attention variant) -> axis order -> recompute set ->
+pipeline schedule and virtual stages -> ZeRO stage -> stage partition (CP-SAT, ``partition.py``).
+Every node carries a lower bound on the step time of every plan below it. Choices not yet made are
+minimised over where that is cheap (schedule, ZeRO stage) and relaxed where it is not:
+
+- before the axis order is fixed, every axis is priced at the fastest placement any order can
+  give it (its ranks consecutive);
+- until the recompute set is chosen: nothing recomputed for time, everything for memory;
+- until the schedule is chosen: its cheapest fill/drain, and for memory the fewest in-flight
+  micro-batches any schedule keeps on each rank; until the ZeRO stage is: the most sharded;
+- the slowest rank is at least the average rank, and, once the schedule and ZeRO stage are known,
+  at least what whole layers allow under every rank's memory limit (``tmax_bound``);
+- exposed data-parallel time on the busiest rank is at least its average over ranks;
+- a memory lower bound (``memory_bound``) prunes nodes that cannot fit.
+
+Nodes are expanded best bound first (deepest first among equal bounds); a node's own bound is
+computed lazily, when it reaches the top of the heap. The search stops when the best bound left
+cannot beat the k-th best distinct mesh found, so the returned plan is optimal for the cost model
+and the runners-up are the best plans of their meshes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from autoshard.errors import AutoshardError
+from autoshard.planner import partition
+from autoshard.planner.candidates import (
+    Candidate,
+    Problem,
+    check_problem,
+    divisors,
+    meshes,
+    orders,
+    recompute_options,
+    schedules,
+)
+from autoshard.planner.costs import (
+    LayerCost,
+    LayerCosts,
+    ScheduleShape,
+    dp_comm,
+    placements,
+    state_bytes,
+    state_total,
+)
+
+PRE, POST = -1, -2
+LEVELS = 5  # root, axis order, recompute set, schedule, ZeRO stage; leaves below
+
+
+@dataclass
+class Evaluation:
+    """A fully specified plan and what the cost model predicts for it."""
+
+    candidate: Candidate
+    feasible: bool
+    step_time_s: float = math.inf
+    stage_layers: list[int] = field(default_factory=list)
+    breakdown: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)  # the busiest rank
+    memory_ranks: list[float] = field(default_factory=list)
+    mfu: float = 0.0
+    reason: str = ""  # why infeasible
+    optimal: bool = True
+
+
+@dataclass
+class SearchResult:
+    best: Evaluation
+    ranked: list[Evaluation]  # best plan per distinct mesh, best first
+    infeasible: list[Evaluation]
+    nodes: int
+    leaves: int
+
+
+@dataclass
+class Work:
+    """Per-micro-batch totals of one candidate (all layers, embedding and head), one GPU."""
+
+    kinds: list[LayerCost]
+    pre: LayerCost
+    post: LayerCost
+    total: float  # critical-path time of everything
+    f: float
+    b: float
+    w: float
+    act: float
+    params_dense: float
+    params_expert: float
+    p2p: float
+    states: dict = field(default_factory=dict)  # zero -> per-kind state bytes, cached
+
+
+@lru_cache(maxsize=4096)
+def _shape(name: str, v: int) -> ScheduleShape:
+    return ScheduleShape(name, v)
+
+
+class Planner:
+    def __init__(self, problem: Problem, alternatives: int = 5):
+        self.p = problem
+        self.k = alternatives
+        self.costs = LayerCosts(problem)
+        self.kinds = problem.layer_kinds
+        self.kind_counts = [blk.count for blk in problem.cost.blocks]
+        self.model_flops = 3 * problem.cost.flops_forward(1, problem.seq) * problem.global_batch
+        self.recompute_sets = recompute_options(problem)
+        self.all_categories = frozenset().union(*self.recompute_sets)
+        self._work: dict = {}
+        self._places: dict = {}
+        self._cache: dict = {}
+
+    # -- per-candidate quantities --------------------------------------------------------------
+
+    def microbatches(self, c: Candidate) -> int:
+        return self.p.global_batch // (c.dp * c.mbs)
+
+    def where(self, c: Candidate, exact_order: bool):
+        key = (c.tp, c.pp, c.cp, c.ep, c.dp, c.order if exact_order else None)
+        if key not in self._places:
+            where = placements(c, c.order if exact_order else None, self.p.hw)
+            self._places[key] = (tuple(sorted(where.items())), where)
+        return self._places[key]
+
+    def work(self, c: Candidate, where_key, where, overlap: bool, recompute: frozenset | None = None) -> Work:
+        rc = c.recompute if recompute is None else recompute
+        key = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, where_key, overlap)
+        w = self._work.get(key)
+        if w is None:
+            c2 = c if rc == c.recompute else replace(c, recompute=rc)
+            kinds = [self.costs.layer(i, c2, where) for i in range(len(self.p.cost.blocks))]
+            pre, post = self.costs.layer(PRE, c2, where), self.costs.layer(POST, c2, where)
+            counts = self.kind_counts
+
+            def tot(attr):
+                return (
+                    sum(n * getattr(k, attr) for n, k in zip(counts, kinds)) + getattr(pre, attr) + getattr(post, attr)
+                )
+
+            total = sum(n * k.time(overlap) for n, k in zip(counts, kinds)) + pre.time(overlap) + post.time(overlap)
+            half = (tot("tp") + tot("cp") + (0 if overlap else tot("ep"))) / 2
+            w = Work(
+                kinds,
+                pre,
+                post,
+                total,
+                tot("f") + half,
+                tot("b") + half,
+                tot("w"),
+                tot("activation_bytes"),
+                tot("params_dense"),
+                tot("params_expert"),
+                max(k.p2p for k in kinds),
+            )
+            self._work[key] = w
+        return w
+
+    def states(self, c: Candidate, w: Work, zero: int) -> tuple[list[float], float, float]:
+        """(per-kind, embedding, head) model-state bytes at this ZeRO stage."""
+        if zero not in w.states:
+            dpcp = c.dp * c.cp
+            per = [state_total(k.params_dense, k.params_expert, zero, dpcp, c.ep) for k in w.kinds]
+            pre = state_total(w.pre.params_dense, w.pre.params_expert, zero, dpcp, c.ep)
+            post = state_total(w.post.params_dense, w.post.params_expert, zero, dpcp, c.ep)
+            w.states[zero] = (per, pre, post)
+        return w.states[zero]
+
+    def buffers(self, c: Candidate, w: Work, zero: int) -> tuple[float, float]:
+        """Bytes every rank needs besides model states and saved activations: the largest transient
+        (gathered K/V, expert dispatch buffers, ZeRO-3's gathered layer and its prefetch) and the
+        pipeline's send/receive buffers; then the extra on the rank holding the output head."""
+        transient = max([k.transient_bytes for k in w.kinds] + [w.pre.transient_bytes])
+        if zero == 3:
+            transient += 2 * max(k.params_dense + k.params_expert for k in w.kinds) * 2
+        boundary = 2 * self.costs._block(0).eval("boundary", c.mbs, self.p.seq / c.cp) / (c.tp if c.sp else 1)
+        return transient + (4 * boundary if c.pp > 1 else 0.0), w.post.transient_bytes
+
+    # -- bounds -----------------------------------------------------------------------------------
+
+    def bound(self, c: Candidate, level: int) -> float:
+        """Lower bound on the step time of any plan below this node (inf: none can fit).
+
+        Levels: 0 root, 1 axis order, 2 recompute set, 3 schedule, 4 ZeRO stage."""
+        m = self.microbatches(c)
+        where_key, where = self.where(c, level >= 1)
+        zeros = [c.zero] if level >= 4 else self.zero_options(c)
+        if level < 3:
+            # Overlapping EP traffic (as DualPipeV does) only ever lowers a layer's time, so the
+            # overlapped costs bound every schedule from below.
+            works = {True: self.work(c, where_key, where, True, frozenset() if level < 2 else None)}
+            wm = works[True] if level >= 2 else self.work(c, where_key, where, True, self.all_categories)
+            shapes, least = self.schedule_shapes(c.pp, m)
+            if not shapes or self.memory_bound(c, max(zeros), wm, least) > self.p.hw.usable_bytes:
+                return math.inf
+        else:
+            works = {
+                _shape(c.schedule, c.v).overlaps_ep: self.work(c, where_key, where, _shape(c.schedule, c.v).overlaps_ep)
+            }
+        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros for w in works.values())
+        if level < 3:
+            # schedule still open: the cheapest fill/drain over schedules, the average rank, and a
+            # memory test with the fewest in-flight micro-batches any schedule has on each rank
+            key = ("pipe", tuple(id(w) for w in works.values()), c.pp, m)
+            best = self._cache.get(key)
+            if best is None:
+                best = math.inf
+                for shape, _ in shapes:
+                    w = works[True]
+                    v = shape.v
+                    p2p = v * w.p2p * (c.pp * v - 1) / (c.pp * v) if c.pp > 1 else 0.0
+                    bubble = shape.bubble(c.pp, m, w.f / c.pp, w.b / c.pp, w.w / c.pp, w.total / c.pp)
+                    t_max = max(w.total / c.pp, w.pre.time(shape.overlaps_ep), w.post.time(shape.overlaps_ep))
+                    best = min(best, m * (t_max + p2p) + bubble)
+                self._cache[key] = best
+            return best + dp
+        shape = _shape(c.schedule, c.v)
+        w = works[shape.overlaps_ep]
+        m_flight = self.in_flight(shape, c.pp, m)
+        p2p = c.v * w.p2p * (c.pp * c.v - 1) / (c.pp * c.v) if c.pp > 1 else 0.0
+        bubble = shape.bubble(c.pp, m, w.f / c.pp, w.b / c.pp, w.w / c.pp, w.total / c.pp)
+        z_mem = max(zeros)  # most sharded: the loosest memory test
+        if self.memory_bound(c, z_mem, w, m_flight) > self.p.hw.usable_bytes:
+            return math.inf
+        t_max = self.tmax_bound(c, w, shape, z_mem, m_flight, shape.overlaps_ep)
+        if t_max == math.inf:
+            return math.inf
+        return m * (t_max + p2p) + bubble + dp
+
+    def in_flight(self, shape: ScheduleShape, pp: int, m: int) -> tuple:
+        key = ("flight", shape, pp, m)
+        if key not in self._cache:
+            self._cache[key] = tuple(shape.in_flight(r, pp, m) for r in range(pp))
+        return self._cache[key]
+
+    def schedule_shapes(self, pp: int, m: int):
+        """The schedules valid for (pp, m) with their in-flight counts, and the per-rank least."""
+        key = ("shapes", pp, m)
+        if key not in self._cache:
+            shapes = [(_shape(n, v), None) for n, v in schedules(self.p, pp, m)]
+            shapes = [(sh, self.in_flight(sh, pp, m)) for sh, _ in shapes]
+            least = tuple(map(min, *[f for _, f in shapes])) if len(shapes) > 1 else (shapes[0][1] if shapes else ())
+            self._cache[key] = (shapes, least)
+        return self._cache[key]
+
+    def quick_bound(self, c: Candidate) -> float:
+        """A cheap root bound: compute and TP/CP/EP traffic at their best placements (EP hidden as
+        far as compute can hide it), nothing recomputed, a perfect split over the pipeline ranks;
+        and a memory test that every rank keeps at least its share
+        of the layers' inputs, everything else recomputed, and the head's rank its loss tensors."""
+        key = ("quick", c.tp, c.cp, c.ep, c.mbs, c.fp8, c.attention)
+        if key not in self._cache:
+            blocks = [*range(len(self.p.cost.blocks)), PRE, POST]
+            counts = [*self.kind_counts, 1, 1]
+            where = self.where(c, False)[1]
+            compute = least = 0.0
+            for block, n in zip(blocks, counts):
+                f, b, w, _, _, _ = self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, frozenset())
+                tp, cp, ep, _ = self.costs.comm(
+                    block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, where["tp"], where["cp"], where["ep"]
+                )
+                compute += n * (max(f + b + w, ep) + tp + cp)
+                least += n * self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, self.all_categories)[4]
+            post_act = self.costs.compute(POST, c.mbs, c.tp, c.cp, c.fp8, self.all_categories)[4]
+            self._cache[key] = (compute, least, post_act)
+        compute, least, post_act = self._cache[key]
+        if least / c.pp > self.p.hw.usable_bytes or post_act > self.p.hw.usable_bytes:
+            return math.inf
+        return self.microbatches(c) * compute / c.pp
+
+    def zero_options(self, c: Candidate) -> list[int]:
+        zs = (0, 1, 2, 3) if c.dp * c.cp > 1 else (0,)
+        return [z for z in zs if self.p.forced.get("zero", z) == z]
+
+    def dp_bound(self, c: Candidate, zero: int, w: Work, where_key, where, m: int) -> float:
+        """Data-parallel time exposed on the busiest rank is at least its average over ranks."""
+        key = ("dp", id(w), zero, where_key, m)
+        if key not in self._cache:
+            d = dp_comm(w.params_dense, w.params_expert, replace(c, zero=zero), where, self.p.hw)
+            avg = max(0.0, d["after_backward"] - w.b - w.w) + max(0.0, d["before_forward"] - w.f)
+            avg += m * max(0.0, d["per_microbatch"] - w.total)
+            self._cache[key] = avg / c.pp
+        return self._cache[key]
+
+    def memory_bound(self, c: Candidate, zero: int, w: Work, in_flight: tuple) -> float:
+        """A lower bound on the busiest rank's memory over every stage partition.
+
+        For weights l_r >= 0 summing to one, max_r mem_r >= sum_r l_r mem_r, and the right side
+        is smallest when each layer sits on the rank where l_r x (its memory there) is least. The
+        weights are the ones that would balance identical average layers exactly."""
+        key = ("mem", id(w), zero, in_flight)
+        if key in self._cache:
+            return self._cache[key]
+        per, pre, post = self.states(c, w, zero)
+        items = [(n, k.activation_bytes, st) for n, k, st in zip(self.kind_counts, w.kinds, per)]
+        items += [(1, w.pre.activation_bytes, pre), (1, w.post.activation_bytes, post)]
+        layers = sum(n for n, _, _ in items)
+        act_avg = sum(n * a for n, a, _ in items) / layers
+        st_avg = sum(n * st for n, _, st in items) / layers
+        inverse = [1.0 / max(act_avg * i + st_avg, 1e-9) for i in in_flight]
+        total = sum(inverse)
+        lam = [x / total for x in inverse]
+        bound = sum(n * min(lr * (a * i + st) for lr, i in zip(lam, in_flight)) for n, a, st in items)
+        value = bound + self.buffers(c, w, zero)[0]
+        self._cache[key] = value
+        return value
+
+    def tmax_bound(self, c: Candidate, w: Work, shape: ScheduleShape, zero: int, in_flight, overlap) -> float:
+        """Lower bound on the slowest rank's time per micro-batch over all partitions, with whole
+        layers and each rank's memory limit (inf when no split fits). Every layer is given the
+        smallest time and memory of any layer kind, and the embedding/head time is rounded down
+        to whole layers, which can only lower the bound."""
+        key = ("tmax", id(w), zero, shape, in_flight)
+        if key in self._cache:
+            return self._cache[key]
+        per, pre_state, post_state = self.states(c, w, zero)
+        layers = self.p.num_layers
+        chunks = c.pp * shape.v
+        first, last = shape.chunk_rank(0, c.pp), shape.chunk_rank(chunks - 1, c.pp)
+        t_min = min(k.time(overlap) for k in w.kinds)
+        a_min = min(k.activation_bytes for k in w.kinds)
+        s_min = min(per)
+        buffers, post_buffers = self.buffers(c, w, zero)
+        caps, lead = [], []
+        value = None
+        for r in range(c.pp):
+            fixed, t_fixed = buffers, 0.0
+            if r == first:
+                fixed += w.pre.activation_bytes * in_flight[r] + pre_state
+                t_fixed += w.pre.time(overlap)
+            if r == last:
+                fixed += w.post.activation_bytes * in_flight[r] + post_state + post_buffers
+                t_fixed += w.post.time(overlap)
+            room = self.p.hw.usable_bytes - fixed
+            if room < 0:
+                value = math.inf
+                break
+            unit = a_min * in_flight[r] + s_min
+            caps.append(layers if unit <= 0 else min(layers, int(room // unit)))
+            lead.append(int(t_fixed // t_min) if t_min > 0 else 0)
+        if value is None:
+            if sum(caps) < layers:
+                value = math.inf
+            else:
+                lo, hi = 0, layers + max(lead)
+                while lo < hi:  # least k with sum_r min(cap_r, k - lead_r) >= layers
+                    mid = (lo + hi) // 2
+                    if sum(min(cap, max(0, mid - d)) for cap, d in zip(caps, lead)) >= layers:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                value = max(w.total / c.pp, lo * t_min)
+        self._cache[key] = value
+        return value
+
+    # -- exact evaluation ---------------------------------------------------------------------------
+
+    def evaluate(self, c: Candidate, fixed_stages: tuple[int, ...] | None = None) -> Evaluation:
+        p, hw = self.p, self.p.hw
+        m = self.microbatches(c)
+        where_key, where = self.where(c, True)
+        shape = _shape(c.schedule, c.v)
+        overlap = shape.overlaps_ep
+        w = self.work(c, where_key, where, overlap)
+        per_state, pre_state, post_state = self.states(c, w, c.zero)
+
+        def entry(layer: LayerCost, state: float) -> dict:
+            after, before, micro = _dp_linear(layer, c, where, hw)
+            return {
+                "time": layer.time(overlap),
+                "fwd": layer.f,
+                "bwd": layer.b + layer.w,
+                "act": layer.activation_bytes,
+                "state": state,
+                "dp_time": after,
+                "dp_gather": before,
+                "dp_micro": micro,
+            }
+
+        entries = [entry(k, st) for k, st in zip(w.kinds, per_state)]
+        buffers, post_buffers = self.buffers(c, w, c.zero)
+        q = partition.Quantities(
+            time=[e["time"] for e in entries],
+            fwd=[e["fwd"] for e in entries],
+            bwd=[e["bwd"] for e in entries],
+            act=[e["act"] for e in entries],
+            state=[e["state"] for e in entries],
+            dp_time=[e["dp_time"] for e in entries],
+            dp_gather=[e["dp_gather"] for e in entries],
+            dp_micro=[e["dp_micro"] for e in entries],
+            pre=entry(w.pre, pre_state),
+            post=entry(w.post, post_state),
+            p2p=w.p2p if c.pp > 1 else 0.0,
+            dp_latency=_latency(c, where, hw, w),
+            buffers=buffers,
+            post_buffers=post_buffers,
+            capacity=hw.usable_bytes,
+        )
+        in_flight = [shape.in_flight(r, c.pp, m) for r in range(c.pp)]
+        part = partition.solve(
+            self.kinds, q, c.pp, c.v, lambda ch: shape.chunk_rank(ch, c.pp), in_flight, m, fixed_stages
+        )
+        if part is None:
+            acts = sum(n * k.activation_bytes for n, k in zip(self.kind_counts, w.kinds))
+            states = sum(n * s for n, s in zip(self.kind_counts, per_state)) + pre_state + post_state
+            need = (acts * max(in_flight) + states) / c.pp + buffers
+            return Evaluation(
+                c,
+                False,
+                reason=f"does not fit: needs about {need / 1e9:.0f} GB per GPU, {hw.usable_bytes / 1e9:.0f} GB usable",
+            )
+        bubble = shape.bubble(c.pp, m, w.f / c.pp, w.b / c.pp, w.w / c.pp, w.total / c.pp)
+        step = m * part.t_max + bubble + part.dp_exposed
+        ev = Evaluation(c, True, step, part.stage_layers, optimal=part.optimal)
+        ev.memory_ranks = part.memory
+        ev.breakdown = self._breakdown(c, w, part, bubble, m, where)
+        ev.memory = self._memory_breakdown(c, part, in_flight, w)
+        ev.mfu = self.model_flops / (step * p.gpus * hw.peak_flops("bf16"))
+        return ev
+
+    def _breakdown(self, c: Candidate, w: Work, part, bubble: float, m: int, where) -> dict:
+        counts = self.kind_counts
+        overlap = _shape(c.schedule, c.v).overlaps_ep
+
+        def per_rank(attr):
+            tot = (
+                sum(n * getattr(k, attr) for n, k in zip(counts, w.kinds))
+                + getattr(w.pre, attr)
+                + getattr(w.post, attr)
+            )
+            return m * tot / c.pp
+
+        ep_total = per_rank("ep")
+        ep_exposed = ep_total
+        if overlap:
+            ep_exposed -= m * sum(n * min(k.ep, k.compute) for n, k in zip(counts, w.kinds)) / c.pp
+        pp_total = m * c.v * w.p2p if c.pp > 1 else 0.0
+        d = dp_comm(w.params_dense / c.pp, w.params_expert / c.pp, c, where, self.p.hw)
+        dp_total = d["after_backward"] + d["before_forward"] + m * d["per_microbatch"]
+        return {
+            "compute_s": per_rank("f") + per_rank("b") + per_rank("w"),
+            "recompute_s": per_rank("recompute"),
+            "bubble_s": bubble,
+            "imbalance_s": m * part.t_max - m * w.total / c.pp,
+            "comm_s": {
+                "tp": {"total": per_rank("tp"), "exposed": per_rank("tp")},
+                "cp": {"total": per_rank("cp"), "exposed": per_rank("cp")},
+                "ep": {"total": ep_total, "exposed": ep_exposed},
+                "pp": {"total": pp_total, "exposed": 0.0 if overlap else pp_total},
+                "dp": {"total": dp_total, "exposed": part.dp_exposed},
+            },
+            "links": {a: ("nvlink" if where[a].domains == 1 else "network") for a in ("tp", "cp", "pp", "ep", "dpcp")},
+        }
+
+    def _memory_breakdown(self, c: Candidate, part, in_flight, w: Work) -> dict:
+        worst = max(range(len(part.memory)), key=lambda r: part.memory[r])
+        shape = _shape(c.schedule, c.v)
+        cuts = [0]
+        for n in part.stage_layers:
+            cuts.append(cuts[-1] + n)
+        chunks = len(part.stage_layers)
+        dense = expert = act = 0.0
+        for ch in range(chunks):
+            if shape.chunk_rank(ch, c.pp) != worst:
+                continue
+            for layer in range(cuts[ch], cuts[ch + 1]):
+                k = w.kinds[self.kinds[layer]]
+                dense, expert, act = dense + k.params_dense, expert + k.params_expert, act + k.activation_bytes
+            for extra, here in ((w.pre, ch == 0), (w.post, ch == chunks - 1)):
+                if here:
+                    dense += extra.params_dense
+                    expert += extra.params_expert
+                    act += extra.activation_bytes
+        states = state_bytes(dense, expert, c)
+        activations = act * in_flight[worst]
+        return {
+            "rank": worst,
+            "params": states["params"],
+            "grads": states["grads"],
+            "optimizer": states["optimizer"],
+            "activations": activations,
+            "buffers": max(0.0, part.memory[worst] - states["total"] - activations),
+            "total": part.memory[worst],
+        }
+
+    # -- the search ---------------------------------------------------------------------------------
+
+    def roots(self):
+        p, pins = self.p, self.p.forced
+        fp8_options = [False]
+        if "fp8" in p.hw.peak_tflops:
+            fp8_options = {"bf16": [False], "fp8": [True], "auto": [False, True]}[p.precision]
+        if "fp8" in pins:
+            fp8_options = [pins["fp8"]]
+        for tp, pp, cp, ep, dp in meshes(p):
+            per_rank = p.global_batch // dp
+            for mbs in divisors(per_rank):
+                m = per_rank // mbs
+                if pins.get("mbs", mbs) != mbs or pins.get("microbatches", m) != m:
+                    continue
+                attentions = ["flash"] if cp == 1 else ["ring", "allgather-kv"]
+                attentions = [a for a in attentions if pins.get("attention", a) == a]
+                for fp8, attn in itertools.product(fp8_options, attentions):
+                    yield Candidate(tp, pp, cp, ep, dp, mbs, fp8, attn, frozenset())
+
+    def children(self, c: Candidate, level: int):
+        if level == 0:
+            seen = set()
+            for order in orders(c, self.p):
+                child = replace(c, order=order)
+                layout = self.where(child, True)[0]
+                if layout not in seen:  # orders that put every axis on the same links cost the same
+                    seen.add(layout)
+                    yield child
+        elif level == 1:
+            yield from self._undominated_recompute(c)
+        elif level == 2:
+            for name, v in schedules(self.p, c.pp, self.microbatches(c)):
+                yield replace(c, schedule=name, v=v)
+        elif level == 3:
+            for z in self.zero_options(c):
+                yield replace(c, zero=z)
+
+    def _undominated_recompute(self, c: Candidate):
+        """Recompute sets not dominated by another (no less recompute time and no less memory
+        for every block): a dominated set can never be part of a strictly better plan."""
+        scored = []
+        for rc in self.recompute_sets:
+            vec = tuple(
+                self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, rc)[3:5]
+                for block in [*range(len(self.p.cost.blocks)), PRE, POST]
+            )
+            scored.append((rc, vec))
+        seen = set()
+        for rc, vec in scored:
+            if vec in seen:
+                continue
+            dominated = any(
+                ov != vec and all(o[0] <= x[0] and o[1] <= x[1] for o, x in zip(ov, vec)) for _, ov in scored
+            )
+            seen.add(vec)
+            if not dominated:
+                yield replace(c, recompute=rc)
+
+    def run(self) -> SearchResult:
+        check_problem(self.p)
+        heap: list = []
+        tick = itertools.count()
+        for c in self.roots():
+            quick = self.quick_bound(c)
+            if quick < math.inf:
+                heapq.heappush(heap, (quick, 1, next(tick), 0, c))  # fully bounded when popped
+        best_by_mesh: dict[tuple, Evaluation] = {}
+        infeasible: list[Evaluation] = []
+        does_not_fit: set[Candidate] = set()
+        nodes = leaves = 0
+        fixed = self.p.forced.get("stage_layers")
+        kth = math.inf
+        while heap:
+            lb, bounded, _, level, c = heapq.heappop(heap)
+            if lb >= kth:
+                break
+            if bounded:  # pushed with its parent's bound: bound it now
+                own = self.bound(c, level)
+                if own < math.inf and own < kth:
+                    heapq.heappush(heap, (own, 0, next(tick), level, c))
+                continue
+            nodes += 1
+            if level < LEVELS - 1:
+                for child in self.children(c, level):
+                    heapq.heappush(heap, (lb, 1, next(tick), level + 1, child))
+                continue
+            if fixed is not None and len(fixed) != c.pp * c.v:
+                continue
+            memory_key = replace(c, order=())  # memory does not depend on the axis order
+            if memory_key in does_not_fit:
+                continue
+            leaves += 1
+            ev = self.evaluate(c, fixed)
+            if not ev.feasible:
+                does_not_fit.add(memory_key)
+                infeasible.append(ev)
+                continue
+            key = c.mesh_key()
+            if key not in best_by_mesh or ev.step_time_s < best_by_mesh[key].step_time_s:
+                best_by_mesh[key] = ev
+                ranked = sorted(e.step_time_s for e in best_by_mesh.values())
+                if len(ranked) >= self.k:
+                    kth = ranked[self.k - 1]
+        ranked = sorted(best_by_mesh.values(), key=lambda e: e.step_time_s)
+        if not ranked:
+            raise AutoshardError(self._nothing_fits(infeasible))
+        return SearchResult(ranked[0], ranked, infeasible, nodes, leaves)
+
+    def _nothing_fits(self, infeasible: list[Evaluation]) -> str:
+        pins = dict(self.p.forced)
+        if pins:
+            why = infeasible[0].reason if infeasible else "no candidate fits in memory"
+            return f"no plan satisfies --force {_pins_text(pins)}: {why}; relax a pin or add GPUs"
+        more = smallest_gpus_that_fit(self.p)
+        hint = f"the smallest GPU count that fits is {more}" if more else "no GPU count up to 64x this many fits"
+        return (
+            f"nothing fits on {self.p.gpus} x {self.p.hw.name} ({self.p.hw.usable_bytes / 1e9:.0f} GB usable each): "
+            f"{hint}; or shorten --seq-len / lower --global-batch"
+        )
+
+
+def _pins_text(pins: dict) -> str:
+    def text(v):
+        if isinstance(v, frozenset):
+            return "+".join(sorted(v)) or "none"
+        if isinstance(v, tuple):
+            return "-".join(map(str, v))
+        return str(v)
+
+    return ",".join(f"{k}={text(v)}" for k, v in pins.items())
+
+
+def _dp_linear(layer: LayerCost, c: Candidate, where, hw) -> tuple[float, float, float]:
+    """Data-parallel seconds for this layer's parameters. Gradient reduction and parameter
+    gathering once per step are bucketed over the whole stage (their latency is paid once, in
+    ``_latency``); ZeRO-2/3 per-micro-batch collectives run per layer, latency included."""
+    full = dp_comm(layer.params_dense, layer.params_expert, c, where, hw)
+    tiny = dp_comm(1e-9, 1e-9 if layer.params_expert else 0, c, where, hw)
+    return (
+        max(0.0, full["after_backward"] - tiny["after_backward"]),
+        max(0.0, full["before_forward"] - tiny["before_forward"]),
+        full["per_microbatch"],
+    )
+
+
+def _latency(c: Candidate, where, hw, w: Work) -> tuple[float, float, float]:
+    """Latency of the once-per-step data-parallel collectives (independent of their size): after
+    the backward and before the forward; per-micro-batch ones carry theirs per layer."""
+    tiny = dp_comm(1e-9, 1e-9 if w.params_expert else 0, c, where, hw)
+    return tiny["after_backward"], tiny["before_forward"], 0.0
+
+
+def smallest_gpus_that_fit(problem: Problem) -> int | None:
+    """The least multiple (2x, 4x, ... 64x) of the GPU count on which some plan fits."""
+    for factor in (2, 4, 8, 16, 32, 64):
+        bigger = replace(problem, gpus=problem.gpus * factor, forced={})
+        try:
+            check_problem(bigger)
+        except AutoshardError:
+            continue
+        planner = Planner(bigger, alternatives=1)
+        for root in planner.roots():
+            ordered = replace(next(planner.children(root, 0)), recompute=planner.all_categories)
+            for sched in planner.children(ordered, 2):
+                leaf = replace(sched, zero=max(planner.zero_options(sched)))
+                if planner.bound(leaf, LEVELS - 1) < math.inf and planner.evaluate(leaf).feasible:
+                    return bigger.gpus
+    return None
