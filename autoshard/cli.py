@@ -63,6 +63,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_estimate)
 
+    p = sub.add_parser("compile", parents=[common], help="plan the parallelisation of a model (and write it)")
+    p.add_argument("model", help="path/to/model.py[:builder]")
+    p.add_argument("--config", help="config name passed to the builder")
+    p.add_argument("--hardware", required=True, help="profile name or path to a .toml profile")
+    p.add_argument("--gpus", type=_positive(int), required=True, help="GPUs to plan for")
+    p.add_argument("--seq-len", type=_positive(int), required=True, help="sequence length, tokens")
+    p.add_argument("--global-batch", type=_positive(int), required=True, help="sequences per optimizer step")
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "fp8", "auto"),
+        default="bf16",
+        help="bf16 (default), fp8 matmuls, or auto: let the planner decide",
+    )
+    p.add_argument("--force", metavar="PINS", help="pin fields, e.g. tp=8,pp=16,schedule=interleaved,zero=1")
+    p.add_argument("--compare", metavar="PINS", help="also evaluate this pinned plan and explain the difference")
+    p.add_argument("--plan-only", action="store_true", help="write plan.json and plan.md only")
+    p.add_argument("-o", "--out", required=True, help="output directory")
+    p.set_defaults(run=_compile)
+
+    p = sub.add_parser("explain", parents=[common], help="why a plan is what it is")
+    p.add_argument("plan", help="OUT/plan.json (or the OUT directory)")
+    p.set_defaults(run=_explain)
+
     p = sub.add_parser("hardware", parents=[common], help="list hardware profiles")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_hardware)
@@ -104,6 +127,51 @@ def _estimate(args) -> int:
             f"  on {args.gpus:,} GPUs, ZeRO-{args.zero}: {out['model_state_bytes_per_gpu'] / 1e9:,.2f} GB of model "
             f"states per GPU; {out['wall_clock_days']:,.1f} days of training"
         )
+    return 0
+
+
+def _compile(args) -> int:
+    from pathlib import Path
+
+    from autoshard import planner
+    from autoshard.capture import capture_file
+    from autoshard.codegen import write_plan
+    from autoshard.cost_models import hardware
+    from autoshard.cost_models.analyze import analyze
+
+    if not args.plan_only:
+        raise AutoshardError(
+            "emitting the training program is not implemented yet; pass --plan-only to write plan.json and plan.md"
+        )
+    hw = hardware.load(args.hardware)
+    pins = planner.parse_force(args.force)
+    reference = planner.parse_force(args.compare) if args.compare else None
+    captured = capture_file(args.model, args.config, args.seq_len)
+    name = Path(args.model.partition(":")[0]).stem + (f":{args.config}" if args.config else "")
+    problem = planner.Problem(
+        analyze(captured), hw, args.gpus, args.seq_len, args.global_batch, args.precision, pins, name
+    )
+    plan, result = planner.solve(problem)
+    comparison = None
+    if reference is not None:
+        comparison = planner.compare(problem, result, reference)
+        plan.notes.append(comparison)
+    out = write_plan(plan, args.out, comparison)
+    p = plan.predicted
+    print(
+        f"{plan.mesh.product_form()}, ZeRO-{plan.zero_stage}, {plan.schedule} (v={plan.virtual_stages}), "
+        f"{plan.microbatches} micro-batches: {p.step_time_s:.3f} s/step, {p.mfu * 100:.1f}% MFU, "
+        f"{p.memory_bytes_per_gpu['total'] / 1e9:.1f} GB/GPU"
+    )
+    print(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
+    return 0
+
+
+def _explain(args) -> int:
+    from autoshard.plan import Plan
+    from autoshard.planner.explain import rationale
+
+    print(rationale(Plan.load(args.plan)))
     return 0
 
 

@@ -8,7 +8,6 @@ from itertools import permutations
 
 from autoshard.cost_models.analyze import ModelCost, category_subsets
 from autoshard.cost_models.hardware import Hardware
-
 from autoshard.errors import AutoshardError
 from autoshard.plan import ATTENTION, CHECKPOINT_CATEGORIES, SCHEDULES
 
@@ -198,7 +197,8 @@ def check_problem(problem: Problem) -> None:
         if smallest_dp and problem.global_batch < smallest_dp:
             raise AutoshardError(
                 f"--global-batch {problem.global_batch} is smaller than the smallest data-parallel degree "
-                f"({smallest_dp}) that {problem.gpus} GPUs allow{_pin_text(pins)}; raise it to a multiple of {smallest_dp}"
+                f"({smallest_dp}) that {problem.gpus} GPUs allow{_pin_text(pins)}; "
+                f"raise it to a multiple of {smallest_dp}"
             )
         raise AutoshardError(
             f"{problem.gpus} GPUs admit no factorisation tp*pp*cp*dp with tp in {tp_choices(problem)}, "

@@ -15,7 +15,9 @@ Modelling choices (each can be checked against the formula it names):
 - Everything else is memory-bound: bytes moved / HBM bandwidth; backward moves about twice as much.
 - Recomputation reruns the closure of the dropped tensors' producers (``BlockCost.recompute_flops``).
 - TP with sequence parallelism: all-gather before and reduce-scatter after each TP region in forward
-  and the mirror in backward (Korthikanti et al.), on the critical path.
+  and the mirror in backward, plus a second all-gather of each region's input in backward for the
+  weight gradient (the input is saved sharded, as Korthikanti et al. count memory); on the
+  critical path.
 - CP ring: K/V blocks move around the ring while the previous block is computed; only the part of
   each step's transfer longer than its compute is exposed. All-gather K/V: exposed.
 - EP: all-to-all dispatch and combine, forward and backward; hidden behind the other micro-batch's
@@ -38,7 +40,6 @@ from autoshard.cost_models import comm
 from autoshard.cost_models.analyze import BlockCost
 from autoshard.cost_models.hardware import Hardware
 from autoshard.cost_models.memory import model_state_bytes
-
 from autoshard.planner.candidates import Candidate, Problem
 
 TILE = 128
@@ -278,8 +279,12 @@ class LayerCosts:
         for coll, elems_fn in blk._compiled["collectives"]:
             nbytes = 2 * float(elems_fn(mbs, sl))
             if coll.axis == "tp" and tp > 1:
-                if sp:  # all-gather + reduce-scatter, once forward and once backward
-                    t_tp += 2 * comm.all_gather(nbytes, where_tp.placement(), hw)
+                if sp:
+                    # all-gather or reduce-scatter once forward and once backward; a column
+                    # group's input is kept sharded (Korthikanti et al.'s activation memory), so
+                    # backward gathers it again for the weight gradient
+                    regather = 1 if coll.backward else 0
+                    t_tp += (2 + regather) * comm.all_gather(nbytes, where_tp.placement(), hw)
                 else:
                     t_tp += comm.all_reduce(nbytes, where_tp.placement(), hw)
             elif coll.axis == "ep" and ep > 1:
@@ -382,7 +387,8 @@ class ScheduleShape:
         """Pipeline fill/drain time, from per-rank per-micro-batch averages of forward ``f``,
         input-gradient ``b``, weight-gradient ``w`` and overlapped forward+backward ``fb``.
         With enough micro-batches: 1F1B (p-1)(F+B+W); interleaved /v (Narayanan et al.);
-        zero-bubble, ZB-V and DualPipeV (p-1)(F+B-W)/v (ZB-H1, Qi et al.; see below). With fewer micro-batches than stages no schedule can keep
+        zero-bubble, ZB-V and DualPipeV (p-1)(F+B-W)/v (ZB-H1, Qi et al.; see below). With fewer
+        micro-batches than stages no schedule can keep
         every rank busy: a micro-batch still crosses all p ranks, so each missing micro-batch adds
         the share of a rank's time that interleaving cannot hide."""
         if pp == 1:
@@ -391,14 +397,11 @@ class ScheduleShape:
         t = f + b + w
         if self.name == "1f1b":
             return (pp - 1) * t
-        if self.name == "interleaved":
-            fill = (pp - 1) * t / v
-        else:
-            # ZB-H1's (p-1)(F+B-W): the lower ZB-H2, ZB-V and DualPipe bubbles need "optimizer
-            # post-validation" to skip the step-end synchronisation (Qi et al. lose ~8% without
-            # it), and torch.distributed.pipelining synchronises at every step. DualPipeV's gain
-            # is its overlap of one micro-batch's communication with another's compute.
-            fill = (pp - 1) * max(0.0, f + b - w) / v
+        # Zero-bubble schedules get ZB-H1's (p-1)(F+B-W): the lower ZB-H2, ZB-V and DualPipe
+        # bubbles need "optimizer post-validation" to skip the step-end synchronisation (Qi et al.
+        # lose ~8% without it), and torch.distributed.pipelining synchronises at every step.
+        # DualPipeV's gain is its overlap of one micro-batch's communication with another's compute.
+        fill = (pp - 1) * (t if self.name == "interleaved" else max(0.0, f + b - w)) / v
         return fill + max(0, pp - m) * max(0.0, t - fill / max(1, pp - 1))
 
     @property

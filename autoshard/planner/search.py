@@ -104,7 +104,7 @@ def _shape(name: str, v: int) -> ScheduleShape:
 
 
 class Planner:
-    def __init__(self, problem: Problem, alternatives: int = 5):
+    def __init__(self, problem: Problem, alternatives: int = 4):
         self.p = problem
         self.k = alternatives
         self.costs = LayerCosts(problem)
@@ -145,7 +145,10 @@ class Planner:
                 )
 
             total = sum(n * k.time(overlap) for n, k in zip(counts, kinds)) + pre.time(overlap) + post.time(overlap)
-            half = (tot("tp") + tot("cp") + (0 if overlap else tot("ep"))) / 2
+            # communication on the fill/drain path: half in forward, half in backward; a rank's
+            # pipeline sends (one per virtual stage) lie on it too
+            sends = 0.0 if overlap else c.v * c.pp * max(k.p2p for k in kinds)
+            half = (tot("tp") + tot("cp") + (0 if overlap else tot("ep")) + sends) / 2
             w = Work(
                 kinds,
                 pre,
@@ -251,28 +254,46 @@ class Planner:
 
     def quick_bound(self, c: Candidate) -> float:
         """A cheap root bound: compute and TP/CP/EP traffic at their best placements (EP hidden as
-        far as compute can hide it), nothing recomputed, a perfect split over the pipeline ranks;
-        and a memory test that every rank keeps at least its share
+        far as compute can hide it), nothing recomputed, a perfect split over the pipeline ranks,
+        the smallest fill/drain of any schedule (from compute alone); and a memory test that
+        every rank keeps at least its share
         of the layers' inputs, everything else recomputed, and the head's rank its loss tensors."""
         key = ("quick", c.tp, c.cp, c.ep, c.mbs, c.fp8, c.attention)
         if key not in self._cache:
             blocks = [*range(len(self.p.cost.blocks)), PRE, POST]
             counts = [*self.kind_counts, 1, 1]
             where = self.where(c, False)[1]
-            compute = least = 0.0
+            compute = least = fs = bs = ws = 0.0
             for block, n in zip(blocks, counts):
                 f, b, w, _, _, _ = self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, frozenset())
                 tp, cp, ep, _ = self.costs.comm(
                     block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, where["tp"], where["cp"], where["ep"]
                 )
                 compute += n * (max(f + b + w, ep) + tp + cp)
+                fs, bs, ws = fs + n * f, bs + n * b, ws + n * w
                 least += n * self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, self.all_categories)[4]
             post_act = self.costs.compute(POST, c.mbs, c.tp, c.cp, c.fp8, self.all_categories)[4]
-            self._cache[key] = (compute, least, post_act)
-        compute, least, post_act = self._cache[key]
+            self._cache[key] = (compute, least, post_act, fs, bs, ws)
+        compute, least, post_act, fs, bs, ws = self._cache[key]
         if least / c.pp > self.p.hw.usable_bytes or post_act > self.p.hw.usable_bytes:
             return math.inf
-        return self.microbatches(c) * compute / c.pp
+        m = self.microbatches(c)
+        shapes = self.least_bubble_shapes(c.pp, m)
+        if not shapes:
+            return math.inf
+        bubble = min(sh.bubble(c.pp, m, fs / c.pp, bs / c.pp, ws / c.pp, compute / c.pp) for sh in shapes)
+        return m * compute / c.pp + bubble
+
+    def least_bubble_shapes(self, pp: int, m: int) -> list[ScheduleShape]:
+        """Per schedule family, its shape with the most virtual stages: a bubble shrinks as v grows."""
+        key = ("least-bubble", pp, m)
+        if key not in self._cache:
+            best: dict[str, ScheduleShape] = {}
+            for shape, _ in self.schedule_shapes(pp, m)[0]:
+                if shape.name not in best or shape.v > best[shape.name].v:
+                    best[shape.name] = shape
+            self._cache[key] = list(best.values())
+        return self._cache[key]
 
     def zero_options(self, c: Candidate) -> list[int]:
         zs = (0, 1, 2, 3) if c.dp * c.cp > 1 else (0,)
@@ -282,9 +303,16 @@ class Planner:
         """Data-parallel time exposed on the busiest rank is at least its average over ranks."""
         key = ("dp", id(w), zero, where_key, m)
         if key not in self._cache:
-            d = dp_comm(w.params_dense, w.params_expert, replace(c, zero=zero), where, self.p.hw)
+            cz = replace(c, zero=zero)
+            d = dp_comm(w.params_dense, w.params_expert, cz, where, self.p.hw)
             avg = max(0.0, d["after_backward"] - w.b - w.w) + max(0.0, d["before_forward"] - w.f)
-            avg += m * max(0.0, d["per_microbatch"] - w.total)
+            if d["per_microbatch"] > 0:  # ZeRO-2/3 collectives run layer by layer, latency each
+                blocks = [(n, k) for n, k in zip(self.kind_counts, w.kinds)] + [(1, w.pre), (1, w.post)]
+                micro = sum(
+                    n * dp_comm(k.params_dense, k.params_expert, cz, where, self.p.hw)["per_microbatch"]
+                    for n, k in blocks
+                )
+                avg += m * max(0.0, micro - w.total)
             self._cache[key] = avg / c.pp
         return self._cache[key]
 
@@ -500,7 +528,12 @@ class Planner:
             fp8_options = [pins["fp8"]]
         for tp, pp, cp, ep, dp in meshes(p):
             per_rank = p.global_batch // dp
+            # the head's rank keeps at least one micro-batch of the loss's tensors (linear in mbs)
+            per_sequence = self.costs.compute(POST, 1, tp, cp, False, self.all_categories)[4]
+            largest = p.hw.usable_bytes // per_sequence if per_sequence > 0 else per_rank
             for mbs in divisors(per_rank):
+                if mbs > largest:
+                    break
                 m = per_rank // mbs
                 if pins.get("mbs", mbs) != mbs or pins.get("microbatches", m) != m:
                     continue
@@ -530,45 +563,78 @@ class Planner:
     def _undominated_recompute(self, c: Candidate):
         """Recompute sets not dominated by another (no less recompute time and no less memory
         for every block): a dominated set can never be part of a strictly better plan."""
-        scored = []
-        for rc in self.recompute_sets:
-            vec = tuple(
-                self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, rc)[3:5]
-                for block in [*range(len(self.p.cost.blocks)), PRE, POST]
-            )
-            scored.append((rc, vec))
-        seen = set()
-        for rc, vec in scored:
-            if vec in seen:
-                continue
-            dominated = any(
-                ov != vec and all(o[0] <= x[0] and o[1] <= x[1] for o, x in zip(ov, vec)) for _, ov in scored
-            )
-            seen.add(vec)
-            if not dominated:
-                yield replace(c, recompute=rc)
+        key = ("pareto", c.mbs, c.tp, c.cp, c.fp8)
+        if key not in self._cache:
+            scored = {}
+            for rc in self.recompute_sets:
+                vec = tuple(
+                    x
+                    for block in [*range(len(self.p.cost.blocks)), PRE, POST]
+                    for x in self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, rc)[3:5]
+                )
+                scored.setdefault(vec, rc)  # equal costs: keep the first (smallest) set
+            vecs = sorted(scored)
+            keep = []
+            for i, vec in enumerate(vecs):
+                if not any(all(o <= x for o, x in zip(other, vec)) for other in vecs[:i]):
+                    keep.append(scored[vec])
+            self._cache[key] = keep
+        for rc in self._cache[key]:
+            yield replace(c, recompute=rc)
 
     def run(self) -> SearchResult:
+        """The optimal plan; then, for each neighbouring mesh (one of TP, PP, CP, EP doubled or
+        halved, DP absorbing the change), the best plan of that mesh: the alternatives a person
+        weighs against the choice."""
         check_problem(self.p)
+        best, infeasible, nodes, leaves, _ = self._branch_and_bound()
+        ranked = [best]
+        if self.k > 1:
+            valid = set(meshes(replace(self.p, forced={})))
+            for mesh in _neighbours(best.candidate, self.p.gpus):
+                if mesh not in valid or any(
+                    self.p.forced.get(k, v) != v for k, v in zip(("tp", "pp", "cp", "ep", "dp"), mesh)
+                ):
+                    continue
+                pins = dict(zip(("tp", "pp", "cp", "ep", "dp"), mesh)) | {
+                    k: v for k, v in self.p.forced.items() if k not in ("tp", "pp", "cp", "ep", "dp")
+                }
+                sub = Planner(replace(self.p, forced=pins), alternatives=1)
+                sub.costs = self.costs  # share the memoised layer costs
+                try:
+                    alt, alt_infeasible, n, lv, _ = sub._branch_and_bound()
+                except AutoshardError:
+                    infeasible.append(
+                        Evaluation(_root_of(mesh), False, reason="does not fit in memory with any setting")
+                    )
+                    continue
+                nodes, leaves = nodes + n, leaves + lv
+                ranked.append(alt)
+            ranked = [ranked[0]] + sorted(ranked[1:], key=lambda e: e.step_time_s)
+        return SearchResult(best, ranked, infeasible, nodes, leaves)
+
+    def _branch_and_bound(self):
         heap: list = []
         tick = itertools.count()
+        root_bounds: dict[Candidate, float] = {}  # full bounds of the roots the search looked at
         for c in self.roots():
             quick = self.quick_bound(c)
             if quick < math.inf:
                 heapq.heappush(heap, (quick, 1, next(tick), 0, c))  # fully bounded when popped
-        best_by_mesh: dict[tuple, Evaluation] = {}
+        best: Evaluation | None = None
         infeasible: list[Evaluation] = []
         does_not_fit: set[Candidate] = set()
         nodes = leaves = 0
         fixed = self.p.forced.get("stage_layers")
-        kth = math.inf
         while heap:
-            lb, bounded, _, level, c = heapq.heappop(heap)
-            if lb >= kth:
+            lb, needs_bound, _, level, c = heapq.heappop(heap)
+            if best is not None and lb >= best.step_time_s:
                 break
-            if bounded:  # pushed with its parent's bound: bound it now
+            if needs_bound:  # pushed with its parent's bound: bound it now
                 own = self.bound(c, level)
-                if own < math.inf and own < kth:
+                if level == 0:
+                    root_bounds[c] = own
+                if own < math.inf and (best is None or own < best.step_time_s):
                     heapq.heappush(heap, (own, 0, next(tick), level, c))
                 continue
             nodes += 1
@@ -586,17 +652,15 @@ class Planner:
             if not ev.feasible:
                 does_not_fit.add(memory_key)
                 infeasible.append(ev)
-                continue
-            key = c.mesh_key()
-            if key not in best_by_mesh or ev.step_time_s < best_by_mesh[key].step_time_s:
-                best_by_mesh[key] = ev
-                ranked = sorted(e.step_time_s for e in best_by_mesh.values())
-                if len(ranked) >= self.k:
-                    kth = ranked[self.k - 1]
-        ranked = sorted(best_by_mesh.values(), key=lambda e: e.step_time_s)
-        if not ranked:
+            elif best is None or ev.step_time_s < best.step_time_s:
+                best = ev
+        if best is None:
             raise AutoshardError(self._nothing_fits(infeasible))
-        return SearchResult(ranked[0], ranked, infeasible, nodes, leaves)
+        mesh_bounds: dict[tuple, float] = {}
+        for root, bound in root_bounds.items():
+            key = root.mesh_key()
+            mesh_bounds[key] = min(mesh_bounds.get(key, math.inf), bound)
+        return best, infeasible, nodes, leaves, mesh_bounds
 
     def _nothing_fits(self, infeasible: list[Evaluation]) -> str:
         pins = dict(self.p.forced)
@@ -609,6 +673,28 @@ class Planner:
             f"nothing fits on {self.p.gpus} x {self.p.hw.name} ({self.p.hw.usable_bytes / 1e9:.0f} GB usable each): "
             f"{hint}; or shorten --seq-len / lower --global-batch"
         )
+
+
+def _neighbours(c: Candidate, gpus: int):
+    """Meshes one step from ``c``: one of TP, PP, CP, EP doubled or halved (DP takes up the GPUs)."""
+    for axis in ("tp", "pp", "cp", "ep"):
+        for up in (True, False):
+            mesh = {"tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep}
+            if up:
+                mesh[axis] *= 2
+            elif mesh[axis] % 2 == 0:
+                mesh[axis] //= 2
+            else:
+                continue
+            inner = mesh["tp"] * mesh["pp"] * mesh["cp"]
+            if gpus % inner:
+                continue
+            yield (mesh["tp"], mesh["pp"], mesh["cp"], mesh["ep"], gpus // inner)
+
+
+def _root_of(mesh: tuple) -> Candidate:
+    tp, pp, cp, ep, dp = mesh
+    return Candidate(tp, pp, cp, ep, dp, 1, False, "flash" if cp == 1 else "ring", frozenset())
 
 
 def _pins_text(pins: dict) -> str:

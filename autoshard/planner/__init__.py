@@ -1,0 +1,159 @@
+"""Plan: choose TP/PP/CP/EP/DP, ZeRO, schedule, micro-batches, stage partition, recompute set,
+FP8 and attention variant for one model on one machine, from the cost model alone."""
+
+from __future__ import annotations
+
+from autoshard.cost_models.analyze import ModelCost
+from autoshard.errors import AutoshardError
+from autoshard.plan import CHECKPOINT_CATEGORIES, PLAN_VERSION, Alternative, Mesh, Plan, Predicted
+from autoshard.planner.candidates import Problem, parse_force
+from autoshard.planner.explain import why_slower
+from autoshard.planner.search import Evaluation, Planner, SearchResult
+
+__all__ = ["Problem", "parse_force", "solve", "to_plan", "model_summary", "compare"]
+
+
+def model_summary(cost: ModelCost, name: str, seq: int) -> dict:
+    facts = cost.facts
+    return {
+        "name": name,
+        "params": cost.params,
+        "layers": cost.num_layers,
+        "layer_kinds": [blk.count for blk in cost.blocks],
+        "hidden": facts.get("hidden"),
+        "heads": (facts.get("heads") or [None])[0],
+        "kv_heads": (facts.get("kv_heads") or [None])[0],
+        "experts": facts.get("experts", 0),
+        "vocab": facts.get("vocab"),
+        "training_flops_per_token": cost.flops_per_token(seq)["training"],
+    }
+
+
+def solve(problem: Problem, alternatives: int = 4) -> tuple[Plan, SearchResult]:
+    """Search, then describe the winner (and the runners-up) as a Plan."""
+    result = Planner(problem, alternatives).run()
+    return to_plan(problem, result), result
+
+
+def to_plan(problem: Problem, result: SearchResult) -> Plan:
+    best = result.best
+    plan = _plan_of(problem, best)
+    for alt in result.ranked[1:]:
+        plan.alternatives.append(
+            Alternative(
+                mesh={**_mesh(alt).degrees(), "order": list(alt.candidate.order)},
+                schedule=alt.candidate.schedule,
+                zero_stage=alt.candidate.zero,
+                step_time_s=alt.step_time_s,
+                mfu=alt.mfu,
+                reason=why_slower(
+                    best.breakdown, best.step_time_s, alt.breakdown, alt.step_time_s, _mesh(alt).degrees()
+                ),
+            )
+        )
+    seen = {tuple(a.mesh[k] for k in ("tp", "pp", "cp", "ep", "dp")) for a in plan.alternatives}
+    for ev in result.infeasible:
+        key = ev.candidate.mesh_key()
+        if key in seen or key == best.candidate.mesh_key() or len(plan.alternatives) >= 2 * max(1, len(result.ranked)):
+            continue
+        seen.add(key)
+        plan.alternatives.append(
+            Alternative(
+                mesh={**_mesh(ev).degrees(), "order": list(ev.candidate.order)},
+                schedule=ev.candidate.schedule,
+                zero_stage=ev.candidate.zero,
+                step_time_s=None,
+                mfu=None,
+                reason=ev.reason,
+            )
+        )
+    return plan
+
+
+def _mesh(ev: Evaluation) -> Mesh:
+    c = ev.candidate
+    return Mesh(tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep, dp=c.dp, order=list(c.order))
+
+
+def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
+    c, hw = ev.candidate, problem.hw
+    b = ev.breakdown
+    cats = sorted({cat for blk in problem.cost.blocks for cat in blk.categories})
+    tokens = problem.global_batch * problem.seq
+    comm = {axis: {"total": v["total"], "exposed": v["exposed"]} for axis, v in b["comm_s"].items()}
+    return Plan(
+        version=PLAN_VERSION,
+        model=model_summary(problem.cost, problem.model_name, problem.seq),
+        hardware=hw.name,
+        gpus=problem.gpus,
+        seq_len=problem.seq,
+        global_batch=problem.global_batch,
+        mesh=_mesh(ev),
+        zero_stage=c.zero,
+        schedule=c.schedule,
+        virtual_stages=c.v,
+        microbatches=problem.global_batch // (c.dp * c.mbs),
+        microbatch_size=c.mbs,
+        stage_layers=list(ev.stage_layers),
+        sequence_parallel=c.sp,
+        checkpoint={
+            cat: ("recompute" if cat in c.recompute else "save") for cat in cats if cat in CHECKPOINT_CATEGORIES
+        },
+        precision={
+            "compute": "bf16",
+            "fp8_matmuls": ["linear"] if c.fp8 else [],
+            "grad_reduce": "fp32",
+        },
+        attention=c.attention,
+        predicted=Predicted(
+            step_time_s=ev.step_time_s,
+            mfu=ev.mfu,
+            tokens_per_s=tokens / ev.step_time_s,
+            bubble_fraction=b["bubble_s"] / ev.step_time_s,
+            memory_bytes_per_gpu={
+                k: ev.memory[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "total")
+            },
+            comm_s=comm,
+            compute_s=b["compute_s"],
+            recompute_s=b["recompute_s"],
+            memory_limit_bytes=hw.usable_bytes,
+        ),
+        forced={k: _jsonable(v) for k, v in problem.forced.items()},
+        notes=[]
+        if ev.optimal
+        else ["The stage partition solver stopped at its time limit: the split may not be optimal."],
+    )
+
+
+def _jsonable(v):
+    if isinstance(v, frozenset):
+        return sorted(v)
+    if isinstance(v, tuple):
+        return list(v)
+    return v
+
+
+def compare(problem: Problem, result: SearchResult, pins: dict) -> str:
+    """The best plan under ``pins`` (a published configuration, say) against the chosen one: what
+    the cost model predicts for it and what separates the two."""
+    from dataclasses import replace
+
+    best = result.best
+    try:
+        ref = Planner(replace(problem, forced={**problem.forced, **pins}), alternatives=1).run().best
+    except AutoshardError as e:
+        return f"Reference plan {_pins(pins)}: {e}"
+    c = ref.candidate
+    head = (
+        f"Reference {_pins(pins)} evaluated as {_mesh(ref).product_form()}, {c.schedule} (v={c.v}), ZeRO-{c.zero}, "
+        f"recompute {'+'.join(sorted(c.recompute)) or 'nothing'}: "
+        f"{ref.step_time_s:.3f} s/step, {ref.mfu * 100:.1f}% MFU"
+    )
+    if ref.step_time_s <= best.step_time_s * (1 + 1e-9):
+        return f"{head}; the chosen plan is the same or equivalent."
+    why = why_slower(best.breakdown, best.step_time_s, ref.breakdown, ref.step_time_s, _mesh(ref).degrees())
+    return f"{head}; it is {why}."
+
+
+def _pins(pins: dict) -> str:
+    return ",".join(f"{k}={'+'.join(sorted(v)) if isinstance(v, frozenset) else v}" for k, v in pins.items())
