@@ -17,6 +17,14 @@ def examples_dir() -> Path:
     return EXAMPLES
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--regen-golden",
+        action="store_true",
+        help="rewrite tests/golden/*.json from the current planner (review the diff like code)",
+    )
+
+
 _CACHE: dict = {}
 
 

@@ -16,13 +16,16 @@ Modelling choices (each can be checked against the formula it names):
 - Recomputation reruns the closure of the dropped tensors' producers (``BlockCost.recompute_flops``).
 - TP with sequence parallelism: all-gather before and reduce-scatter after each TP region in forward
   and the mirror in backward, plus a second all-gather of each region's input in backward for the
-  weight gradient (the input is saved sharded, as Korthikanti et al. count memory); on the
-  critical path.
+  weight gradient (the input is saved sharded, as Korthikanti et al. count memory). Forward
+  collectives and the row layers' backward gather are on the critical path; the column layers'
+  backward re-gather and gradient reduce-scatter overlap the input- and weight-gradient GEMMs
+  (Megatron-LM's asynchronous overlap), exposing only what is longer than those GEMMs.
 - CP ring: K/V blocks move around the ring while the previous block is computed; only the part of
   each step's transfer longer than its compute is exposed. All-gather K/V: exposed.
 - EP: all-to-all dispatch and combine, forward and backward; hidden behind the other micro-batch's
   compute only by DualPipeV, whose F&B chunks pair one micro-batch's forward with another's backward.
-- PP: one activation send per stage boundary per micro-batch each way (bsh/t with SP).
+- PP: one activation send per stage boundary per micro-batch each way (bsh/t with SP); sends are
+  asynchronous and overlap compute in the steady state, but lie on the fill/drain path.
 - DP: gradients all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1) in fp32 once per step, overlapped
   with the last micro-batch's backward; parameters all-gathered in bf16 after the step, overlapped
   with the first forward. ZeRO-2 keeps only a gradient shard, so it reduce-scatters after every
@@ -156,6 +159,7 @@ class LayerCost:
     params_expert: float
     transient_bytes: float  # largest short-lived buffer (gathered K/V, dispatch buffers, logits grad)
     flops_model: float  # model FLOPs (forward + 2x backward, no recompute) for MFU
+    tp_total: float = 0.0  # TP collectives including the ones hidden behind GEMMs
 
     @property
     def compute(self) -> float:
@@ -202,40 +206,69 @@ class LayerCosts:
         self._layers: dict = {}
 
     @cache  # noqa: B019 - one instance per planning run
-    def compute(self, block: int, mbs: int, tp: int, cp: int, fp8: bool, recompute: frozenset) -> tuple:
-        """(f, b, w, recompute_s, act_bytes, flops_model) of one copy of ``block``."""
+    def activation(self, block: int, mbs: int, tp: int, cp: int, recompute: frozenset) -> float:
+        """Bytes one copy of ``block`` keeps for backward for one micro-batch."""
+        return self._block(block).activation_bytes(mbs, self.p.seq / cp, tp=tp, sp=tp > 1, recompute=recompute)
+
+    @cache  # noqa: B019
+    def _gemms(self, block: int, mbs: int, tp: int, cp: int, fp8: bool, ep: int, experts: bool) -> tuple:
+        """(forward time, column-parallel part) of the block's dense GEMMs (``experts`` False) or
+        of its routed-expert GEMMs (True, the only ones EP changes)."""
         blk = self._block(block)
-        hw, s = self.hw, self.p.seq
-        sl = s / cp
-        sp = tp > 1
-        f_gemm = 0.0
+        hw, sl, sp = self.hw, self.p.seq / cp, tp > 1
+        total = column = 0.0
         for g, mfn in zip(blk.gemms, blk._compiled["gemm_m"]):
+            if g.experts != experts:
+                continue
             m = float(mfn(mbs, sl))
             n, k, batch = g.n, g.k, g.batch
             if g.experts:
-                # experts keep whole weights (expert TP = 1); SP splits the tokens among TP ranks
-                m = m / tp if sp else m
+                # Experts keep whole weights (expert TP = 1); SP splits the tokens among TP ranks.
+                # With EP each rank holds batch/ep experts, each receiving tokens from ep ranks.
+                m = (m / tp if sp else m) * ep
+                batch = batch / ep
             elif g.role in ("column", "vocab"):
                 n = n / tp
             elif g.role == "row":
                 k = k / tp
             use_fp8 = fp8 and g.role != "vocab" and "fp8" in hw.peak_tflops
-            f_gemm += gemm_time(batch, m, n, k, hw, use_fp8)
+            t = gemm_time(batch, m, n, k, hw, use_fp8)
             if use_fp8:  # quantise activations (read 2 B, write 1 B) forward and gradients backward
-                f_gemm += 3 * batch * m * k / (hw.hbm_gbps * 1e9)
+                t += 3 * batch * m * k / (hw.hbm_gbps * 1e9)
+            total += t
+            if g.role == "column" and not g.experts:
+                column += t
+        return total, column
+
+    @cache  # noqa: B019
+    def _rest(self, block: int, mbs: int, tp: int, cp: int) -> tuple:
+        """(attention forward time, memory-bound forward time, forward FLOPs, model FLOPs)."""
+        blk = self._block(block)
+        hw, s = self.hw, self.p.seq
+        sl, sp = s / cp, tp > 1
         attn = attention_time(blk.eval("flops_attention", mbs, s) / (tp * cp), s / cp, hw)
         pw_tp = blk.eval("bytes_pointwise_tp", mbs, sl)
         pw_rep = blk.eval("bytes_pointwise", mbs, sl) - pw_tp
         pointwise = (pw_tp / tp + pw_rep / (tp if sp else 1)) / (hw.hbm_gbps * 1e9)
+        return attn, pointwise, blk.eval("flops", mbs, sl), 3 * (blk.eval("flops", mbs, s) / (tp * cp))
+
+    @cache  # noqa: B019
+    def compute(self, block: int, mbs: int, tp: int, cp: int, fp8: bool, recompute: frozenset, ep: int = 1) -> tuple:
+        """(f, b, w, recompute_s, act_bytes, flops_model, column_gemm_s) of one copy of ``block``;
+        column_gemm_s is the forward time of its column-parallel GEMMs (the backward's input- and
+        weight-gradient GEMMs of those layers take as long each)."""
+        blk = self._block(block)
+        dense, column = self._gemms(block, mbs, tp, cp, fp8, 1, False)
+        routed = self._gemms(block, mbs, tp, cp, fp8, ep, True)[0] if blk.params_experts else 0.0
+        f_gemm = dense + routed
+        attn, pointwise, fwd_flops, model_flops = self._rest(block, mbs, tp, cp)
         f = f_gemm + attn + pointwise
-        fwd_flops = blk.eval("flops", mbs, sl)
-        extra = blk.recompute_fn(recompute)(mbs, sl) if recompute else 0.0
+        extra = blk.recompute_fn(recompute)(mbs, self.p.seq / cp) if recompute else 0.0
         rc = f * (extra / fwd_flops) if fwd_flops else 0.0
         b = f_gemm + FLASH_BACKWARD * attn + 2 * pointwise + rc
         w = f_gemm
-        act = blk.activation_bytes(mbs, sl, tp=tp, sp=sp, recompute=recompute)
-        model_flops = 3 * (blk.eval("flops", mbs, s) / (tp * cp))
-        return f, b, w, rc, act, model_flops
+        act = self.activation(block, mbs, tp, cp, recompute)
+        return f, b, w, rc, act, model_flops, column
 
     def _block(self, block: int) -> BlockCost:
         cost = self.p.cost
@@ -269,22 +302,28 @@ class LayerCosts:
         where_cp: Where,
         where_ep: Where,
     ) -> tuple:
-        """(tp, cp_exposed, ep, transient_bytes) of one copy of ``block``."""
+        """(tp_exposed, tp_behind_gemms, cp_exposed, ep, transient_bytes) of one copy of ``block``.
+        ``tp_behind_gemms`` is (re-gather, reduce-scatter) of the column groups' backward, which
+        run while the input- and weight-gradient GEMMs compute (Megatron's overlap)."""
         blk = self._block(block)
         hw, s = self.hw, self.p.seq
         sl = s / cp
         sp = tp > 1
-        t_tp = t_ep = 0.0
+        t_tp = t_ep = regather = scatter = 0.0
         transient = 0.0
         for coll, elems_fn in blk._compiled["collectives"]:
             nbytes = 2 * float(elems_fn(mbs, sl))
             if coll.axis == "tp" and tp > 1:
                 if sp:
-                    # all-gather or reduce-scatter once forward and once backward; a column
-                    # group's input is kept sharded (Korthikanti et al.'s activation memory), so
-                    # backward gathers it again for the weight gradient
-                    regather = 1 if coll.backward else 0
-                    t_tp += (2 + regather) * comm.all_gather(nbytes, where_tp.placement(), hw)
+                    one = comm.all_gather(nbytes, where_tp.placement(), hw)
+                    if coll.backward:  # a column group: gather its input forward, and backward
+                        # gather it again for the weight gradient (it is saved sharded, as
+                        # Korthikanti et al. count memory) and reduce-scatter its gradient
+                        t_tp += one
+                        regather += one
+                        scatter += one
+                    else:  # a row: reduce-scatter forward, gather the output gradient backward
+                        t_tp += 2 * one
                 else:
                     t_tp += comm.all_reduce(nbytes, where_tp.placement(), hw)
             elif coll.axis == "ep" and ep > 1:
@@ -310,7 +349,7 @@ class LayerCosts:
                     2 * full, where_cp.placement(), hw
                 )
                 transient = max(transient, 2 * full)
-        return t_tp, t_cp, t_ep, transient
+        return t_tp, (regather, scatter), t_cp, t_ep, transient
 
     def params(self, block: int, tp: int, ep: int) -> tuple[float, float]:
         """(dense, expert) parameters one GPU holds of one copy of ``block``."""
@@ -341,8 +380,8 @@ class LayerCosts:
         return cached
 
     def _layer(self, block: int, c: Candidate, where: dict[str, Where]) -> LayerCost:
-        f, b, w, rc, act, flops = self.compute(block, c.mbs, c.tp, c.cp, c.fp8, c.recompute)
-        t_tp, t_cp, t_ep, transient = self.comm(
+        f, b, w, rc, act, flops, column = self.compute(block, c.mbs, c.tp, c.cp, c.fp8, c.recompute, c.ep)
+        t_tp, (regather, scatter), t_cp, t_ep, transient = self.comm(
             block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, where["tp"], where["cp"], where["ep"]
         )
         p2p = self.p2p(block, c.mbs, c.tp, c.cp, where["pp"])
@@ -350,7 +389,12 @@ class LayerCosts:
         if block == -2:  # the logits' gradient lives next to the saved log-probabilities
             blk = self._block(block)
             transient = max(transient, blk.activation_bytes(c.mbs, self.p.seq / c.cp, tp=c.tp, sp=c.sp))
-        return LayerCost(f, b, w, rc, t_tp, t_cp, t_ep, p2p, act, dense, expert, transient, flops)
+        # the re-gather hides behind the input-gradient GEMMs, the gradient's reduce-scatter
+        # behind the weight-gradient GEMMs; what is longer than they are shows
+        exposed = t_tp + max(0.0, regather - column) + max(0.0, scatter - column)
+        return LayerCost(
+            f, b, w, rc, exposed, t_cp, t_ep, p2p, act, dense, expert, transient, flops, t_tp + regather + scatter
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -145,9 +145,10 @@ class Planner:
                 )
 
             total = sum(n * k.time(overlap) for n, k in zip(counts, kinds)) + pre.time(overlap) + post.time(overlap)
-            # communication on the fill/drain path: half in forward, half in backward; a rank's
-            # pipeline sends (one per virtual stage) lie on it too
-            sends = 0.0 if overlap else c.v * c.pp * max(k.p2p for k in kinds)
+            # communication on the fill/drain path: half in forward, half in backward. A rank's
+            # pipeline sends (one per virtual stage) lie on it too; in the steady state they are
+            # asynchronous and overlap the next micro-batch's compute (LLaMA-3 section 3.3.2).
+            sends = c.v * c.pp * max(k.p2p for k in kinds)
             half = (tot("tp") + tot("cp") + (0 if overlap else tot("ep")) + sends) / 2
             w = Work(
                 kinds,
@@ -217,16 +218,14 @@ class Planner:
                 for shape, _ in shapes:
                     w = works[True]
                     v = shape.v
-                    p2p = v * w.p2p * (c.pp * v - 1) / (c.pp * v) if c.pp > 1 else 0.0
                     bubble = shape.bubble(c.pp, m, w.f / c.pp, w.b / c.pp, w.w / c.pp, w.total / c.pp)
                     t_max = max(w.total / c.pp, w.pre.time(shape.overlaps_ep), w.post.time(shape.overlaps_ep))
-                    best = min(best, m * (t_max + p2p) + bubble)
+                    best = min(best, m * t_max + bubble)
                 self._cache[key] = best
             return best + dp
         shape = _shape(c.schedule, c.v)
         w = works[shape.overlaps_ep]
         m_flight = self.in_flight(shape, c.pp, m)
-        p2p = c.v * w.p2p * (c.pp * c.v - 1) / (c.pp * c.v) if c.pp > 1 else 0.0
         bubble = shape.bubble(c.pp, m, w.f / c.pp, w.b / c.pp, w.w / c.pp, w.total / c.pp)
         z_mem = max(zeros)  # most sharded: the loosest memory test
         if self.memory_bound(c, z_mem, w, m_flight) > self.p.hw.usable_bytes:
@@ -234,7 +233,7 @@ class Planner:
         t_max = self.tmax_bound(c, w, shape, z_mem, m_flight, shape.overlaps_ep)
         if t_max == math.inf:
             return math.inf
-        return m * (t_max + p2p) + bubble + dp
+        return m * t_max + bubble + dp
 
     def in_flight(self, shape: ScheduleShape, pp: int, m: int) -> tuple:
         key = ("flight", shape, pp, m)
@@ -265,14 +264,15 @@ class Planner:
             where = self.where(c, False)[1]
             compute = least = fs = bs = ws = 0.0
             for block, n in zip(blocks, counts):
-                f, b, w, _, _, _ = self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, frozenset())
-                tp, cp, ep, _ = self.costs.comm(
+                f, b, w, _, _, _, column = self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, frozenset(), c.ep)
+                tp, (regather, scatter), cp, ep, _ = self.costs.comm(
                     block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, where["tp"], where["cp"], where["ep"]
                 )
+                tp += max(0.0, regather - column) + max(0.0, scatter - column)
                 compute += n * (max(f + b + w, ep) + tp + cp)
                 fs, bs, ws = fs + n * f, bs + n * b, ws + n * w
-                least += n * self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, self.all_categories)[4]
-            post_act = self.costs.compute(POST, c.mbs, c.tp, c.cp, c.fp8, self.all_categories)[4]
+                least += n * self.costs.activation(block, c.mbs, c.tp, c.cp, self.all_categories)
+            post_act = self.costs.activation(POST, c.mbs, c.tp, c.cp, self.all_categories)
             self._cache[key] = (compute, least, post_act, fs, bs, ws)
         compute, least, post_act, fs, bs, ws = self._cache[key]
         if least / c.pp > self.p.hw.usable_bytes or post_act > self.p.hw.usable_bytes:
@@ -424,7 +424,7 @@ class Planner:
             dp_micro=[e["dp_micro"] for e in entries],
             pre=entry(w.pre, pre_state),
             post=entry(w.post, post_state),
-            p2p=w.p2p if c.pp > 1 else 0.0,
+            p2p=0.0,  # pipeline sends overlap compute in the steady state; fill/drain counts them
             dp_latency=_latency(c, where, hw, w),
             buffers=buffers,
             post_buffers=post_buffers,
@@ -469,6 +469,9 @@ class Planner:
         if overlap:
             ep_exposed -= m * sum(n * min(k.ep, k.compute) for n, k in zip(counts, w.kinds)) / c.pp
         pp_total = m * c.v * w.p2p if c.pp > 1 else 0.0
+        shape = _shape(c.schedule, c.v)
+        sends = c.v * w.p2p / 2 if c.pp > 1 else 0.0
+        pp_exposed = bubble - shape.bubble(c.pp, m, w.f / c.pp - sends, w.b / c.pp - sends, w.w / c.pp, w.total / c.pp)
         d = dp_comm(w.params_dense / c.pp, w.params_expert / c.pp, c, where, self.p.hw)
         dp_total = d["after_backward"] + d["before_forward"] + m * d["per_microbatch"]
         return {
@@ -477,10 +480,10 @@ class Planner:
             "bubble_s": bubble,
             "imbalance_s": m * part.t_max - m * w.total / c.pp,
             "comm_s": {
-                "tp": {"total": per_rank("tp"), "exposed": per_rank("tp")},
+                "tp": {"total": per_rank("tp_total"), "exposed": per_rank("tp")},
                 "cp": {"total": per_rank("cp"), "exposed": per_rank("cp")},
                 "ep": {"total": ep_total, "exposed": ep_exposed},
-                "pp": {"total": pp_total, "exposed": 0.0 if overlap else pp_total},
+                "pp": {"total": pp_total, "exposed": max(0.0, pp_exposed)},
                 "dp": {"total": dp_total, "exposed": part.dp_exposed},
             },
             "links": {a: ("nvlink" if where[a].domains == 1 else "network") for a in ("tp", "cp", "pp", "ep", "dpcp")},
@@ -529,7 +532,7 @@ class Planner:
         for tp, pp, cp, ep, dp in meshes(p):
             per_rank = p.global_batch // dp
             # the head's rank keeps at least one micro-batch of the loss's tensors (linear in mbs)
-            per_sequence = self.costs.compute(POST, 1, tp, cp, False, self.all_categories)[4]
+            per_sequence = self.costs.activation(POST, 1, tp, cp, self.all_categories)
             largest = p.hw.usable_bytes // per_sequence if per_sequence > 0 else per_rank
             for mbs in divisors(per_rank):
                 if mbs > largest:

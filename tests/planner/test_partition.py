@@ -1,0 +1,96 @@
+"""The stage partition: the exact enumeration and CP-SAT against brute force on small instances."""
+
+import itertools
+import random
+
+import pytest
+
+from autoshard.planner import partition
+from autoshard.planner.costs import ScheduleShape
+
+
+def _quantities(kinds: int, rng: random.Random, capacity: float = 1e12) -> partition.Quantities:
+    def per_kind(lo, hi):
+        return [rng.uniform(lo, hi) for _ in range(kinds)]
+
+    zero = {k: 0.0 for k in partition.KEYS}
+    return partition.Quantities(
+        time=per_kind(1e-3, 5e-3), fwd=per_kind(3e-4, 1e-3), bwd=per_kind(6e-4, 2e-3),
+        act=per_kind(1e8, 5e8), state=per_kind(1e8, 1e9),
+        dp_time=per_kind(0, 2e-3), dp_gather=per_kind(0, 1e-3), dp_micro=[0.0] * kinds,
+        pre={**zero, "time": 2e-3, "fwd": 5e-4, "bwd": 1e-3, "act": 1e8, "state": 5e8},
+        post={**zero, "time": 3e-3, "fwd": 1e-3, "bwd": 2e-3, "act": 3e8, "state": 5e8},
+        p2p=0.0, dp_latency=(1e-4, 5e-5, 0.0), buffers=1e8, post_buffers=2e8, capacity=capacity,
+    )
+
+
+def brute_force(kinds_list, q, pp, v, shape, in_flight, m):
+    """Every split of the layers into pp*v contiguous chunks, scored like the solver scores it."""
+    layers, chunks = len(kinds_list), pp * v
+    best = None
+    for cuts in itertools.combinations_with_replacement(range(layers + 1), chunks - 1):
+        bounds = [0, *cuts, layers]
+        per_rank = {r: {k: 0.0 for k in partition.KEYS} for r in range(pp)}
+        for c in range(chunks):
+            r = shape.chunk_rank(c, pp)
+            for layer in range(bounds[c], bounds[c + 1]):
+                for key in partition.KEYS:
+                    per_rank[r][key] += getattr(q, key)[kinds_list[layer]]
+            for extra, here in ((q.pre, c == 0), (q.post, c == chunks - 1)):
+                if here:
+                    for key in partition.KEYS:
+                        per_rank[r][key] += extra[key]
+        last = shape.chunk_rank(chunks - 1, pp)
+        fits = all(
+            per_rank[r]["act"] * in_flight[r] + per_rank[r]["state"] + q.buffers + (q.post_buffers if r == last else 0)
+            <= q.capacity
+            for r in range(pp)
+        )
+        if not fits:
+            continue
+        us = partition.US
+        t_max = max(round(per_rank[r]["time"] * us) for r in range(pp))
+        d_max = 0
+        for r in range(pp):
+            x = per_rank[r]
+            exposed = max(0, round(x["dp_time"] * us) + round(q.dp_latency[0] * us) - round(x["bwd"] * us))
+            exposed += max(0, round(x["dp_gather"] * us) + round(q.dp_latency[1] * us) - round(x["fwd"] * us))
+            d_max = max(d_max, exposed)
+        value = m * t_max + d_max
+        best = value if best is None else min(best, value)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("shape_name,v", [("1f1b", 1), ("interleaved", 2), ("zbv", 2)])
+def test_all_alike_layers_match_brute_force(seed, shape_name, v):
+    rng = random.Random(seed)
+    q = _quantities(1, rng, capacity=rng.uniform(2e9, 8e9))
+    pp, m, layers = 3, 4, 7
+    shape = ScheduleShape(shape_name, v)
+    flight = [shape.in_flight(r, pp, m) for r in range(pp)]
+    got = partition.solve([0] * layers, q, pp, v, lambda c: shape.chunk_rank(c, pp), flight, m)
+    want = brute_force([0] * layers, q, pp, v, shape, flight, m)
+    if want is None:
+        assert got is None
+    else:
+        us = partition.US
+        assert round(m * got.t_max * us + got.dp_exposed * us) == pytest.approx(want, abs=m + 2)
+        assert sum(got.stage_layers) == layers
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kinds", [[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 1]], ids=["prefix", "cp-sat"])
+def test_mixed_layers_match_brute_force(seed, kinds):
+    rng = random.Random(100 + seed)
+    q = _quantities(2, rng, capacity=rng.uniform(3e9, 8e9))
+    pp, v, m = 2, 2, 3
+    shape = ScheduleShape("interleaved", v)
+    flight = [shape.in_flight(r, pp, m) for r in range(pp)]
+    got = partition.solve(kinds, q, pp, v, lambda c: shape.chunk_rank(c, pp), flight, m)
+    want = brute_force(kinds, q, pp, v, shape, flight, m)
+    if want is None:
+        assert got is None
+    else:
+        us = partition.US
+        assert round(m * got.t_max * us + got.dp_exposed * us) == pytest.approx(want, abs=m + 2)

@@ -1,0 +1,88 @@
+"""The search returns the optimum of its own cost model (checked against exhaustive enumeration)
+and behaves the way the hardware says it should (property tests)."""
+
+import itertools
+import math
+import os
+import tempfile
+from dataclasses import replace
+
+import pytest
+from conftest import captured
+
+from autoshard.cost_models import hardware
+from autoshard.planner import Problem
+from autoshard.planner.candidates import divisors, meshes, orders, recompute_options, schedules
+from autoshard.planner.search import Candidate, Planner
+
+
+def _profile(**fields) -> hardware.Hardware:
+    path = os.path.join(tempfile.mkdtemp(), "custom.toml")
+    base = fields.pop("extends", "h100")
+    body = "".join(f"{k} = {v}\n" for k, v in fields.items())
+    with open(path, "w") as f:
+        f.write(f'name = "custom"\nextends = "{base}"\n{body}')
+    return hardware.load(path)
+
+
+def _plan(name, config, seq, hw, gpus, batch, **pins):
+    _, cost = captured(name, config, seq)
+    return Planner(Problem(cost, hw, gpus, seq, batch, "bf16", pins), alternatives=1).run().best
+
+
+def test_search_finds_the_exhaustive_optimum():
+    """Every point of a small space evaluated exactly; the branch and bound must match the best."""
+    _, cost = captured("llama3", "tiny", 64)
+    problem = Problem(cost, hardware.load("h100"), 8, 64, 8)
+    planner = Planner(problem, alternatives=1)
+    best = math.inf
+    for tp, pp, cp, ep, dp in meshes(problem):
+        for mbs in divisors(problem.global_batch // dp):
+            m = problem.global_batch // (dp * mbs)
+            for attn in (["flash"] if cp == 1 else ["ring", "allgather-kv"]):
+                root = Candidate(tp, pp, cp, ep, dp, mbs, False, attn, frozenset())
+                for rc, (name, v), z in itertools.product(
+                    recompute_options(problem), schedules(problem, pp, m), planner.zero_options(root)
+                ):
+                    for order in orders(root, problem):
+                        leaf = replace(root, recompute=rc, schedule=name, v=v, zero=z, order=order)
+                        ev = planner.evaluate(leaf)
+                        if ev.feasible:
+                            best = min(best, ev.step_time_s)
+    found = Planner(problem, alternatives=1).run().best
+    assert found.step_time_s == pytest.approx(best, rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def llama405b():
+    return captured("llama3", "405b", 8192)[1]
+
+
+def test_slower_nvlink_never_raises_tensor_parallelism(llama405b):
+    tps = []
+    for nvlink in (900, 450, 200, 100, 50):
+        hw = _profile(nvlink_gbps=nvlink)
+        best = Planner(Problem(llama405b, hw, 16384, 8192, 2048), alternatives=1).run().best
+        tps.append(best.candidate.tp)
+    assert tps == sorted(tps, reverse=True), tps
+    assert tps[0] > tps[-1]  # and it does react
+
+
+@pytest.mark.parametrize("name,config,seq,gpus,batch", [("llama3", "405b", 8192, 16384, 2048), ("gpt", "175b", 2048, 1024, 1536)])
+def test_h800_never_gets_more_tensor_parallelism_than_h100(name, config, seq, gpus, batch):
+    on_h100 = _plan(name, config, seq, hardware.load("h100"), gpus, batch)
+    on_h800 = _plan(name, config, seq, hardware.load("h800"), gpus, batch)
+    assert on_h800.candidate.tp <= on_h100.candidate.tp
+
+
+@pytest.mark.parametrize("name,config,seq,gpus,batch", [("llama3", "8b", 8192, 64, 128), ("llama3", "70b", 8192, 512, 256)])
+def test_less_memory_never_buys_a_bigger_footprint(name, config, seq, gpus, batch):
+    """Shrinking HBM can only move the plan to less memory per GPU (more ZeRO, recompute or
+    pipeline stages): a plan that needed more would have fitted the larger device too."""
+    used = []
+    for hbm in (141, 96, 80, 64, 48):
+        hw = _profile(hbm_gb=hbm)
+        best = _plan(name, config, seq, hw, gpus, batch)
+        assert best.memory["total"] <= hw.usable_bytes
+        used.append(best.memory["total"])
+    assert all(a >= b - 1 for a, b in zip(used, used[1:])), used
