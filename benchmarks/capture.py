@@ -21,9 +21,8 @@ CASES = [("llama3", "405b", 8192), ("deepseek_v3", "671b", 4096), ("gpt", "175b"
 
 def child(name: str, config: str, seq: int) -> None:
     start = time.perf_counter()
-    from autoshard.cost_models.analyze import analyze
-
     from autoshard.capture import capture_file
+    from autoshard.cost_models.analyze import analyze
 
     cost = analyze(capture_file(str(EXAMPLES / f"{name}.py"), config, seq))
     cost.flops_per_token(seq)

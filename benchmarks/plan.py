@@ -35,8 +35,17 @@ def child(name: str) -> None:
     problem = planner.Problem(cost, hardware.load(hw), gpus, seq, batch, precision)
     plan, result = planner.solve(problem)
     done = time.perf_counter()
-    print(json.dumps({"capture": captured - start, "search": done - captured, "total": done - start,
-                      "plan": plan.mesh.product_form(), "leaves": result.leaves}))
+    print(
+        json.dumps(
+            {
+                "capture": captured - start,
+                "search": done - captured,
+                "total": done - start,
+                "plan": plan.mesh.product_form(),
+                "leaves": result.leaves,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -47,16 +56,23 @@ def main() -> None:
     if args.child:
         child(args.child)
         return
-    print(f"{'problem':34s} {'capture s':>9s} {'search s':>9s} {'total s':>8s} {'min-max s':>12s}  plan   (median of {args.runs})")
+    print(
+        f"{'problem':34s} {'capture s':>9s} {'search s':>9s} {'total s':>8s} {'min-max s':>12s}  plan",
+        f"  (median of {args.runs})",
+    )
     for name in CASES:
         runs = []
         for _ in range(args.runs):
-            out = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", name], capture_output=True, text=True, check=True
+            )
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         med = {k: statistics.median(r[k] for r in runs) for k in ("capture", "search", "total")}
         totals = [r["total"] for r in runs]
-        print(f"{name:34s} {med['capture']:9.2f} {med['search']:9.2f} {med['total']:8.2f} "
-              f"{min(totals):5.2f}-{max(totals):5.2f}  {runs[0]['plan']}")
+        print(
+            f"{name:34s} {med['capture']:9.2f} {med['search']:9.2f} {med['total']:8.2f} "
+            f"{min(totals):5.2f}-{max(totals):5.2f}  {runs[0]['plan']}"
+        )
 
 
 if __name__ == "__main__":

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import sympy
-from autoshard.cost_models import ops, sharding
 from torch import fx
 
 from autoshard.capture import Captured
+from autoshard.cost_models import ops, sharding
 from autoshard.ir import B, S
 
 CATEGORIES = (

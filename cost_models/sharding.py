@@ -13,8 +13,9 @@ and embeddings, ``node.meta["tp_role"]`` (``column`` | ``row`` | ``vocab`` | ``r
 
 from __future__ import annotations
 
-from autoshard.cost_models import ops
 from torch import fx
+
+from autoshard.cost_models import ops
 
 _TRANSPARENT_CLASSES = ("attention",)
 

@@ -32,9 +32,8 @@ def captured(name: str, config: str, seq: int):
     """Capture + analyze an example once per test session."""
     key = (name, config, seq)
     if key not in _CACHE:
-        from autoshard.cost_models.analyze import analyze
-
         from autoshard.capture import capture_file
+        from autoshard.cost_models.analyze import analyze
 
         cap = capture_file(str(EXAMPLES / f"{name}.py"), config, seq)
         _CACHE[key] = (cap, analyze(cap))

@@ -3,11 +3,12 @@
 import pytest
 import sympy
 import torch
-from conftest import EXAMPLES, captured
 
 from autoshard.capture import capture, capture_file
 from autoshard.errors import AutoshardError
 from autoshard.ir import OP_CLASSES, B, S
+
+from conftest import EXAMPLES, captured
 
 META_KEYS = ("shape", "dtype", "module_path", "module_type", "layer", "region", "op", "op_class")
 

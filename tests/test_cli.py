@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import EXAMPLES
 
 from autoshard.cli import main
+
+from conftest import EXAMPLES
 
 
 def run(capsys, *argv):

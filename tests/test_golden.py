@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import captured
 
 from autoshard import planner
 from autoshard.cost_models import hardware
+
+from conftest import captured
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -42,20 +43,72 @@ CASES = [
     # rate (80% of peak, MAMF), and it prefers TP2-4 with CP and a zero-bubble schedule to the
     # published TP8 (whose exposed TP traffic and interleaved bubble it prices at 12-14%). Both
     # margins are measured and reported, not asserted; see the closing note of issue #3.
-    Case("llama3_405b_16k_h100", "llama3", "405b", "h100", 16384, 8192, 2048,
-         "tp=8,pp=16,cp=1,dp=128,schedule=interleaved", 0.41, published_within=None, mfu_within=None),
-    Case("llama3_405b_8k_h100", "llama3", "405b", "h100", 8192, 8192, 2048,
-         "tp=8,pp=16,cp=1,dp=64,schedule=interleaved", 0.43, published_within=None, mfu_within=None),
-    Case("llama3_405b_131k_h100", "llama3", "405b", "h100", 16384, 131072, 128,
-         "tp=8,pp=16,cp=16,dp=8,schedule=interleaved", 0.38),
+    Case(
+        "llama3_405b_16k_h100",
+        "llama3",
+        "405b",
+        "h100",
+        16384,
+        8192,
+        2048,
+        "tp=8,pp=16,cp=1,dp=128,schedule=interleaved",
+        0.41,
+        published_within=None,
+        mfu_within=None,
+    ),
+    Case(
+        "llama3_405b_8k_h100",
+        "llama3",
+        "405b",
+        "h100",
+        8192,
+        8192,
+        2048,
+        "tp=8,pp=16,cp=1,dp=64,schedule=interleaved",
+        0.43,
+        published_within=None,
+        mfu_within=None,
+    ),
+    Case(
+        "llama3_405b_131k_h100",
+        "llama3",
+        "405b",
+        "h100",
+        16384,
+        131072,
+        128,
+        "tp=8,pp=16,cp=16,dp=8,schedule=interleaved",
+        0.38,
+    ),
     # DeepSeek-V3 (arXiv 2412.19437, section 3): FP8 training, DualPipe, ZeRO-1, no TP; MFU 38.94%
     # from the DeepSeek ISCA paper (arXiv 2505.09343)
-    Case("deepseek_v3_671b_2k_h800", "deepseek_v3", "671b", "h800", 2048, 4096, 15360,
-         "tp=1,pp=16,ep=64,dp=128,zero=1,schedule=dualpipev", 0.3894, "fp8"),
+    Case(
+        "deepseek_v3_671b_2k_h800",
+        "deepseek_v3",
+        "671b",
+        "h800",
+        2048,
+        4096,
+        15360,
+        "tp=1,pp=16,ep=64,dp=128,zero=1,schedule=dualpipev",
+        0.3894,
+        "fp8",
+    ),
 ]
 
-DECISIONS = ("mesh", "zero_stage", "schedule", "virtual_stages", "microbatches", "microbatch_size",
-             "stage_layers", "sequence_parallel", "checkpoint", "precision", "attention")
+DECISIONS = (
+    "mesh",
+    "zero_stage",
+    "schedule",
+    "virtual_stages",
+    "microbatches",
+    "microbatch_size",
+    "stage_layers",
+    "sequence_parallel",
+    "checkpoint",
+    "precision",
+    "attention",
+)
 
 _RESULTS: dict = {}
 
@@ -63,13 +116,26 @@ _RESULTS: dict = {}
 def plan_case(case: Case):
     if case.name not in _RESULTS:
         _, cost = captured(case.model, case.config, case.seq)
-        problem = planner.Problem(cost, hardware.load(case.hardware), case.gpus, case.seq, case.batch,
-                                  case.precision, {}, f"{case.model}:{case.config}")
+        problem = planner.Problem(
+            cost,
+            hardware.load(case.hardware),
+            case.gpus,
+            case.seq,
+            case.batch,
+            case.precision,
+            {},
+            f"{case.model}:{case.config}",
+        )
         plan, result = planner.solve(problem)
         pins = planner.parse_force(case.published)
         comparison = planner.compare(problem, result, pins)
-        published = planner.Planner(planner.Problem(cost, problem.hw, case.gpus, case.seq, case.batch,
-                                                    case.precision, pins), alternatives=1).run().best
+        published = (
+            planner.Planner(
+                planner.Problem(cost, problem.hw, case.gpus, case.seq, case.batch, case.precision, pins), alternatives=1
+            )
+            .run()
+            .best
+        )
         _RESULTS[case.name] = (plan, comparison, published)
     return _RESULTS[case.name]
 
@@ -98,7 +164,9 @@ def test_plan_matches_golden(case, request):
     golden, current = _golden(case, request)
     for key in DECISIONS:
         assert current["plan"][key] == golden["plan"][key], f"{key} changed; rerun with --regen-golden if intended"
-    assert current["plan"]["predicted"]["step_time_s"] == pytest.approx(golden["plan"]["predicted"]["step_time_s"], rel=1e-6)
+    assert current["plan"]["predicted"]["step_time_s"] == pytest.approx(
+        golden["plan"]["predicted"]["step_time_s"], rel=1e-6
+    )
     assert current["published"]["step_time_s"] == pytest.approx(golden["published"]["step_time_s"], rel=1e-6)
 
 

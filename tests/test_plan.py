@@ -5,11 +5,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import EXAMPLES
 
 from autoshard.cli import main
 from autoshard.errors import AutoshardError
 from autoshard.plan import Plan
+
+from conftest import EXAMPLES
 
 TINY = [str(EXAMPLES / "llama3.py"), "--config", "tiny", "--hardware", "h100", "--seq-len", "64"]
 
@@ -29,8 +30,13 @@ def test_compile_writes_a_plan_that_round_trips(compiled):
     assert plan.mesh.gpus == 8 and sum(plan.stage_layers) == 2
     assert plan.predicted.memory_bytes_per_gpu["total"] <= plan.predicted.memory_limit_bytes
     md = (compiled / "plan.md").read_text()
-    for section in ("The mesh on the hardware", "Where the step time goes", "Memory on the busiest GPU",
-                    "Alternatives that lost", "Rationale"):
+    for section in (
+        "The mesh on the hardware",
+        "Where the step time goes",
+        "Memory on the busiest GPU",
+        "Alternatives that lost",
+        "Rationale",
+    ):
         assert section in md
 
 
@@ -41,8 +47,21 @@ def test_explain_prints_the_rationale(compiled, capsys):
 
 
 def test_force_pins_fields(tmp_path):
-    code = main(["compile", *TINY, "--gpus", "8", "--global-batch", "16", "--plan-only",
-                 "--force", "tp=2,pp=2,schedule=1f1b,zero=1", "-o", str(tmp_path)])
+    code = main(
+        [
+            "compile",
+            *TINY,
+            "--gpus",
+            "8",
+            "--global-batch",
+            "16",
+            "--plan-only",
+            "--force",
+            "tp=2,pp=2,schedule=1f1b,zero=1",
+            "-o",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     plan = Plan.load(tmp_path)
     assert (plan.mesh.tp, plan.mesh.pp, plan.schedule, plan.zero_stage) == (2, 2, "1f1b", 1)
@@ -82,9 +101,15 @@ def _run(*argv):
     "extra,message",
     [
         (["--gpus", "13", "--global-batch", "27"], "13 GPUs admit no factorisation"),
-        (["--gpus", "32", "--global-batch", "1", "--seq-len", "4"], "--global-batch 1 is smaller than the smallest data-parallel degree"),
+        (
+            ["--gpus", "32", "--global-batch", "1", "--seq-len", "4"],
+            "--global-batch 1 is smaller than the smallest data-parallel degree",
+        ),
         (["--gpus", "8", "--global-batch", "8", "--force", "tp=3"], "--force tp=3 does not divide --gpus 8"),
-        (["--gpus", "8", "--global-batch", "8", "--seq-len", "30", "--force", "cp=4"], "--seq-len 30 is not divisible by 2*cp"),
+        (
+            ["--gpus", "8", "--global-batch", "8", "--seq-len", "30", "--force", "cp=4"],
+            "--seq-len 30 is not divisible by 2*cp",
+        ),
         (["--gpus", "8", "--global-batch", "8", "--force", "tp=4"], "--force tp=4 does not divide the model's heads"),
         (["--gpus", "8", "--global-batch", "8", "--force", "warp=2"], "--force: unknown field 'warp'"),
         (["--gpus", "8", "--global-batch", "8", "--force", "dp=3"], "--force dp=3 does not divide --gpus 8"),
@@ -106,8 +131,22 @@ def test_compile_bad_input(tmp_path, extra, message):
 def test_nothing_fits_names_a_gpu_count_that_would(tmp_path):
     profile = tmp_path / "tiny.toml"
     profile.write_text('name = "small"\nextends = "h100"\nhbm_gb = 0.0003\nmemory_reserve_gb = 0\n')
-    args = [str(EXAMPLES / "llama3.py"), "--config", "tiny", "--hardware", str(profile), "--seq-len", "64",
-            "--gpus", "1", "--global-batch", "8", "--plan-only", "-o", str(tmp_path / "out")]
+    args = [
+        str(EXAMPLES / "llama3.py"),
+        "--config",
+        "tiny",
+        "--hardware",
+        str(profile),
+        "--seq-len",
+        "64",
+        "--gpus",
+        "1",
+        "--global-batch",
+        "8",
+        "--plan-only",
+        "-o",
+        str(tmp_path / "out"),
+    ]
     code, err = _run("compile", *args)
     assert code == 2
     assert "nothing fits on 1 x small" in err and "smallest GPU count that fits is" in err

@@ -217,7 +217,6 @@ class Planner:
                 best = math.inf
                 for shape, _ in shapes:
                     w = works[True]
-                    v = shape.v
                     bubble = shape.bubble(c.pp, m, w.f / c.pp, w.b / c.pp, w.w / c.pp, w.total / c.pp)
                     t_max = max(w.total / c.pp, w.pre.time(shape.overlaps_ep), w.post.time(shape.overlaps_ep))
                     best = min(best, m * t_max + bubble)

@@ -1,6 +1,7 @@
 """The cost model against numbers worked by hand from published formulas (FACTS.md)."""
 
 import pytest
+
 from conftest import captured
 
 # GPT-3 175B layer (Korthikanti et al. 2022, Table 2): s=2048, b=1, h=12288, a=96, 16-bit.

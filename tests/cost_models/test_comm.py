@@ -2,6 +2,7 @@
 the profile's 80% link efficiency: 360 and 40 GB/s achieved)."""
 
 import pytest
+
 from autoshard.cost_models import comm, hardware
 from autoshard.cost_models.compute import roofline
 

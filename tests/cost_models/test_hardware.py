@@ -1,6 +1,6 @@
 import pytest
-from autoshard.cost_models import hardware
 
+from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
 
 

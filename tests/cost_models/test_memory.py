@@ -1,4 +1,5 @@
 import pytest
+
 from autoshard.cost_models.estimate import estimate
 from autoshard.cost_models.hardware import load
 from autoshard.cost_models.memory import model_state_bytes

@@ -15,12 +15,21 @@ def _quantities(kinds: int, rng: random.Random, capacity: float = 1e12) -> parti
 
     zero = {k: 0.0 for k in partition.KEYS}
     return partition.Quantities(
-        time=per_kind(1e-3, 5e-3), fwd=per_kind(3e-4, 1e-3), bwd=per_kind(6e-4, 2e-3),
-        act=per_kind(1e8, 5e8), state=per_kind(1e8, 1e9),
-        dp_time=per_kind(0, 2e-3), dp_gather=per_kind(0, 1e-3), dp_micro=[0.0] * kinds,
+        time=per_kind(1e-3, 5e-3),
+        fwd=per_kind(3e-4, 1e-3),
+        bwd=per_kind(6e-4, 2e-3),
+        act=per_kind(1e8, 5e8),
+        state=per_kind(1e8, 1e9),
+        dp_time=per_kind(0, 2e-3),
+        dp_gather=per_kind(0, 1e-3),
+        dp_micro=[0.0] * kinds,
         pre={**zero, "time": 2e-3, "fwd": 5e-4, "bwd": 1e-3, "act": 1e8, "state": 5e8},
         post={**zero, "time": 3e-3, "fwd": 1e-3, "bwd": 2e-3, "act": 3e8, "state": 5e8},
-        p2p=0.0, dp_latency=(1e-4, 5e-5, 0.0), buffers=1e8, post_buffers=2e8, capacity=capacity,
+        p2p=0.0,
+        dp_latency=(1e-4, 5e-5, 0.0),
+        buffers=1e8,
+        post_buffers=2e8,
+        capacity=capacity,
     )
 
 

@@ -8,12 +8,13 @@ import tempfile
 from dataclasses import replace
 
 import pytest
-from conftest import captured
 
 from autoshard.cost_models import hardware
 from autoshard.planner import Problem
 from autoshard.planner.candidates import divisors, meshes, orders, recompute_options, schedules
 from autoshard.planner.search import Candidate, Planner
+
+from conftest import captured
 
 
 def _profile(**fields) -> hardware.Hardware:
@@ -39,7 +40,7 @@ def test_search_finds_the_exhaustive_optimum():
     for tp, pp, cp, ep, dp in meshes(problem):
         for mbs in divisors(problem.global_batch // dp):
             m = problem.global_batch // (dp * mbs)
-            for attn in (["flash"] if cp == 1 else ["ring", "allgather-kv"]):
+            for attn in ["flash"] if cp == 1 else ["ring", "allgather-kv"]:
                 root = Candidate(tp, pp, cp, ep, dp, mbs, False, attn, frozenset())
                 for rc, (name, v), z in itertools.product(
                     recompute_options(problem), schedules(problem, pp, m), planner.zero_options(root)
@@ -68,14 +69,18 @@ def test_slower_nvlink_never_raises_tensor_parallelism(llama405b):
     assert tps[0] > tps[-1]  # and it does react
 
 
-@pytest.mark.parametrize("name,config,seq,gpus,batch", [("llama3", "405b", 8192, 16384, 2048), ("gpt", "175b", 2048, 1024, 1536)])
+@pytest.mark.parametrize(
+    "name,config,seq,gpus,batch", [("llama3", "405b", 8192, 16384, 2048), ("gpt", "175b", 2048, 1024, 1536)]
+)
 def test_h800_never_gets_more_tensor_parallelism_than_h100(name, config, seq, gpus, batch):
     on_h100 = _plan(name, config, seq, hardware.load("h100"), gpus, batch)
     on_h800 = _plan(name, config, seq, hardware.load("h800"), gpus, batch)
     assert on_h800.candidate.tp <= on_h100.candidate.tp
 
 
-@pytest.mark.parametrize("name,config,seq,gpus,batch", [("llama3", "8b", 8192, 64, 128), ("llama3", "70b", 8192, 512, 256)])
+@pytest.mark.parametrize(
+    "name,config,seq,gpus,batch", [("llama3", "8b", 8192, 64, 128), ("llama3", "70b", 8192, 512, 256)]
+)
 def test_less_memory_never_buys_a_bigger_footprint(name, config, seq, gpus, batch):
     """Shrinking HBM can only move the plan to less memory per GPU (more ZeRO, recompute or
     pipeline stages): a plan that needed more would have fitted the larger device too."""
