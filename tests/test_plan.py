@@ -155,3 +155,21 @@ def test_nothing_fits_names_a_gpu_count_that_would(tmp_path):
 def test_explain_missing_plan(tmp_path):
     code, err = _run("explain", str(tmp_path / "nope"))
     assert code == 2 and "plan not found" in err
+
+
+def test_python_api_plans_a_live_module_and_honours_pins():
+    import torch
+
+    import autoshard
+    import llama3
+
+    torch.manual_seed(0)
+    model = llama3.build("tiny")  # a live CPU module: planned without moving it anywhere
+    plan = autoshard.plan(model, hardware="h100", gpus=8, seq_len=64, global_batch=16)
+    assert isinstance(plan, autoshard.Plan) and plan.mesh.gpus == 8
+    pinned = autoshard.plan(model, hardware="h100", gpus=8, seq_len=64, global_batch=16, tp=2, pp=2, recompute="full")
+    assert (pinned.mesh.tp, pinned.mesh.pp) == (2, 2)
+    assert set(pinned.checkpoint.values()) == {"recompute"}
+    assert pinned.predicted.step_time_s >= plan.predicted.step_time_s
+    with pytest.raises(AutoshardError, match="tp=3 does not divide"):
+        autoshard.plan(model, hardware="h100", gpus=8, seq_len=64, global_batch=16, tp=3)
