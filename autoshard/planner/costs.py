@@ -160,6 +160,7 @@ class LayerCost:
     transient_bytes: float  # largest short-lived buffer (gathered K/V, dispatch buffers, logits grad)
     flops_model: float  # model FLOPs (forward + 2x backward, no recompute) for MFU
     tp_total: float = 0.0  # TP collectives including the ones hidden behind GEMMs
+    cp_total: float = 0.0  # CP traffic including the ring steps hidden behind attention
 
     @property
     def compute(self) -> float:
@@ -333,7 +334,7 @@ class LayerCosts:
                     local, where_ep.placement(), hw
                 )
                 transient = max(transient, 2 * local)
-        t_cp = 0.0
+        t_cp = cp_total = 0.0
         if cp > 1:
             kv_bytes = 2 * blk.eval("kv_elems", mbs, sl)
             attn_f = attention_time(blk.eval("flops_attention", mbs, s) / (tp * cp), s / cp, hw)
@@ -342,14 +343,16 @@ class LayerCosts:
                 fwd = (cp - 1) * max(0.0, step - attn_f / cp)
                 bwd = (cp - 1) * max(0.0, 2 * step - FLASH_BACKWARD * attn_f / cp)
                 t_cp = fwd + bwd
+                cp_total = 3 * (cp - 1) * step
                 transient = max(transient, 2 * kv_bytes)
             else:  # all-gather K/V forward, reduce-scatter their gradients backward
                 full = kv_bytes * cp / (tp if sp else 1)
                 t_cp = comm.all_gather(full, where_cp.placement(), hw) + comm.reduce_scatter(
                     2 * full, where_cp.placement(), hw
                 )
+                cp_total = t_cp
                 transient = max(transient, 2 * full)
-        return t_tp, (regather, scatter), t_cp, t_ep, transient
+        return t_tp, (regather, scatter), (t_cp, cp_total), t_ep, transient
 
     def params(self, block: int, tp: int, ep: int) -> tuple[float, float]:
         """(dense, expert) parameters one GPU holds of one copy of ``block``."""
@@ -381,7 +384,7 @@ class LayerCosts:
 
     def _layer(self, block: int, c: Candidate, where: dict[str, Where]) -> LayerCost:
         f, b, w, rc, act, flops, column = self.compute(block, c.mbs, c.tp, c.cp, c.fp8, c.recompute, c.ep)
-        t_tp, (regather, scatter), t_cp, t_ep, transient = self.comm(
+        t_tp, (regather, scatter), (t_cp, cp_total), t_ep, transient = self.comm(
             block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, where["tp"], where["cp"], where["ep"]
         )
         p2p = self.p2p(block, c.mbs, c.tp, c.cp, where["pp"])
@@ -393,7 +396,21 @@ class LayerCosts:
         # behind the weight-gradient GEMMs; what is longer than they are shows
         exposed = t_tp + max(0.0, regather - column) + max(0.0, scatter - column)
         return LayerCost(
-            f, b, w, rc, exposed, t_cp, t_ep, p2p, act, dense, expert, transient, flops, t_tp + regather + scatter
+            f,
+            b,
+            w,
+            rc,
+            exposed,
+            t_cp,
+            t_ep,
+            p2p,
+            act,
+            dense,
+            expert,
+            transient,
+            flops,
+            t_tp + regather + scatter,
+            cp_total,
         )
 
 

@@ -264,7 +264,7 @@ class Planner:
             compute = least = fs = bs = ws = 0.0
             for block, n in zip(blocks, counts):
                 f, b, w, _, _, _, column = self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, frozenset(), c.ep)
-                tp, (regather, scatter), cp, ep, _ = self.costs.comm(
+                tp, (regather, scatter), (cp, _), ep, _ = self.costs.comm(
                     block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, where["tp"], where["cp"], where["ep"]
                 )
                 tp += max(0.0, regather - column) + max(0.0, scatter - column)
@@ -480,7 +480,7 @@ class Planner:
             "imbalance_s": m * part.t_max - m * w.total / c.pp,
             "comm_s": {
                 "tp": {"total": per_rank("tp_total"), "exposed": per_rank("tp")},
-                "cp": {"total": per_rank("cp"), "exposed": per_rank("cp")},
+                "cp": {"total": per_rank("cp_total"), "exposed": per_rank("cp")},
                 "ep": {"total": ep_total, "exposed": ep_exposed},
                 "pp": {"total": pp_total, "exposed": max(0.0, pp_exposed)},
                 "dp": {"total": dp_total, "exposed": part.dp_exposed},
