@@ -131,6 +131,17 @@ class Plan:
         plan.validate(source)
         return plan
 
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON (``path`` may be a directory: then ``path/plan.json``)."""
+        path = Path(path)
+        if path.is_dir() or not path.suffix:
+            path = path / "plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json() + "\n")
+        tmp.replace(path)
+        return path
+
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)

@@ -157,7 +157,7 @@ def test_explain_missing_plan(tmp_path):
     assert code == 2 and "plan not found" in err
 
 
-def test_python_api_plans_a_live_module_and_honours_pins():
+def test_python_api_plans_a_live_module_and_honours_pins(tmp_path):
     import torch
 
     import autoshard
@@ -171,5 +171,6 @@ def test_python_api_plans_a_live_module_and_honours_pins():
     assert (pinned.mesh.tp, pinned.mesh.pp) == (2, 2)
     assert set(pinned.checkpoint.values()) == {"recompute"}
     assert pinned.predicted.step_time_s >= plan.predicted.step_time_s
+    assert Plan.load(pinned.save(tmp_path / "api")) == pinned
     with pytest.raises(AutoshardError, match="tp=3 does not divide"):
         autoshard.plan(model, hardware="h100", gpus=8, seq_len=64, global_batch=16, tp=3)
