@@ -158,10 +158,10 @@ def test_explain_missing_plan(tmp_path):
 
 
 def test_python_api_plans_a_live_module_and_honours_pins(tmp_path):
+    import llama3
     import torch
 
     import autoshard
-    import llama3
 
     torch.manual_seed(0)
     model = llama3.build("tiny")  # a live CPU module: planned without moving it anywhere
