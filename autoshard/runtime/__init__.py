@@ -1,0 +1,27 @@
+"""What emitted training programs import: process groups, autograd-aware collectives and the
+vocabulary-parallel embedding and loss. Depends on torch only."""
+
+from autoshard.runtime.collectives import (
+    copy_to_tp,
+    gather_from_sp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_sp,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
+from autoshard.runtime.groups import set_groups, tp_group, tp_rank, tp_size
+
+__all__ = [
+    "copy_to_tp",
+    "reduce_from_tp",
+    "gather_from_sp",
+    "scatter_to_sp",
+    "reduce_scatter_to_sp",
+    "vocab_parallel_embedding",
+    "vocab_parallel_cross_entropy",
+    "set_groups",
+    "tp_group",
+    "tp_rank",
+    "tp_size",
+]

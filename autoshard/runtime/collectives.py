@@ -1,0 +1,189 @@
+"""Autograd-aware tensor-parallel collectives (Megatron's f and g and their sequence-parallel
+forms), the vocabulary-parallel embedding and the vocabulary-parallel cross-entropy.
+
+``torch.distributed.nn.functional.all_reduce`` all-reduces in both directions, which is neither f
+(identity forward, all-reduce backward) nor g (all-reduce forward, identity backward), so these are
+small ``autograd.Function``s over the plain collectives. All take the tensor-parallel group from
+``autoshard.runtime.groups`` and are the identity on a group of one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autoshard.runtime.groups import tp_group, tp_rank, tp_size
+
+# torch 2.13 renamed the tensor forms; older releases (pyproject allows torch>=2.6) have only these
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_scatter_from = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=tp_group())
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((tp_size() * x.size(0), *x.shape[1:]))
+    _gather_into(out, x, group=tp_group())
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
+    x = x.movedim(dim, 0).contiguous()
+    if x.size(0) % tp_size():
+        raise RuntimeError(f"reduce-scatter over tp={tp_size()}: dimension {dim} of size {x.size(0)} does not divide")
+    out = x.new_empty((x.size(0) // tp_size(), *x.shape[1:]))
+    _scatter_from(out, x, group=tp_group())
+    return out.movedim(0, dim)
+
+
+def _split(x: torch.Tensor, dim: int) -> torch.Tensor:
+    size = x.size(dim) // tp_size()
+    return x.narrow(dim, tp_rank() * size, size).contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone())
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim = dim
+        return _all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim = dim
+        return _reduce_scatter(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim = dim
+        return _split(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim), None
+
+
+def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
+    """Megatron's f: enter a tensor-parallel region (identity; all-reduce the gradient)."""
+    return x if tp_size() == 1 else _CopyToTP.apply(x)
+
+
+def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
+    """Megatron's g: leave a tensor-parallel region (all-reduce the partial sums; identity backward)."""
+    return x if tp_size() == 1 else _ReduceFromTP.apply(x)
+
+
+def gather_from_sp(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Sequence parallel's entry to a TP region: all-gather the token shards (reduce-scatter backward)."""
+    return x if tp_size() == 1 else _GatherFromSP.apply(x, dim)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Sequence parallel's exit: reduce-scatter partial sums onto token shards (all-gather backward)."""
+    return x if tp_size() == 1 else _ReduceScatterToSP.apply(x, dim)
+
+
+def scatter_to_sp(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Keep this rank's token shard of a replicated tensor (all-gather backward)."""
+    return x if tp_size() == 1 else _ScatterToSP.apply(x, dim)
+
+
+def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Embedding lookup with the table's rows split over the TP group: each rank looks up the
+    tokens in its vocabulary range, zeroes the rest, and the partial results are summed."""
+    if tp_size() == 1:
+        return torch.nn.functional.embedding(tokens, weight)
+    start = tp_rank() * weight.size(0)
+    local = tokens - start
+    outside = (local < 0) | (local >= weight.size(0))
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_tp(out)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index):
+        # logits: (N, V/tp) this rank's vocabulary slice; target: (N,) global ids
+        group = tp_group()
+        vocab = logits.size(-1)
+        start = tp_rank() * vocab
+        peak = logits.max(dim=-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - peak.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        local = target - start
+        inside = (local >= 0) & (local < vocab) & (target != ignore_index)
+        picked = shifted.gather(-1, local.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
+        picked = picked.masked_fill(~inside, 0.0)
+        dist.all_reduce(picked, group=group)
+        loss = total.log() - picked
+        ignored = target == ignore_index
+        loss = loss.masked_fill(ignored, 0.0)
+        ctx.save_for_backward(exp / total.unsqueeze(-1), local, inside, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, inside, ignored = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.size(0), device=g.device)[inside]
+        g[rows, local[inside]] -= 1.0
+        g = g.masked_fill(ignored.unsqueeze(-1), 0.0)
+        return g * grad.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """``F.cross_entropy`` over logits whose class dimension is split across the TP group; the
+    same result on every rank of the group as the unsplit loss."""
+    if tp_size() == 1:
+        return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+    flat = logits.reshape(-1, logits.size(-1))
+    losses = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), ignore_index)
+    if reduction == "none":
+        return losses.view(target.shape)
+    if reduction == "sum":
+        return losses.sum()
+    if reduction != "mean":
+        raise ValueError(f"reduction={reduction!r}: use mean, sum or none")
+    return losses.sum() / (target != ignore_index).sum()
