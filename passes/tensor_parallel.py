@@ -437,7 +437,7 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
         result.shards[f"{node.target}.weight"] = ParamShard(1, layout.factors, layout.index)
         with graph.inserting_after(node):
             g = graph.call_function(runtime.reduce_from_tp, (node,))
-        node.replace_all_uses_with(g, delete_user_cb=lambda u: u is not g)
+        _redirect(node, g)
         if module.bias is not None:
             bias_name = f"{node.target}_bias".replace(".", "_")
             gm.register_parameter(bias_name, module.bias)
@@ -446,7 +446,7 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
                 b = graph.get_attr(bias_name)
             with graph.inserting_after(b):
                 add = graph.call_function(operator.add, (g, b))
-            g.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+            _redirect(g, add)
         result.notes[node.name] = (
             f"tp={tp}: row-parallel, in_features {module.in_features} -> {local.in_features}, "
             "partial sums all-reduced by reduce_from_tp"
@@ -505,6 +505,16 @@ def load_local(sharded: ShardedGraph, full: dict[str, torch.Tensor], rank: int) 
     sharded.gm.load_state_dict(local, strict=True, assign=True)
 
 
+def _local_size(node: fx.Node) -> bool:
+    """``x.size(d)`` of a split tensor: already the local size at run time."""
+    return _op_name(node) == "size" and node.args[0].meta.get("tp") != "replicated"
+
+
+def _redirect(old: fx.Node, new: fx.Node) -> None:
+    """Every user of ``old`` except ``new`` (which consumes it) reads ``new`` instead."""
+    old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+
+
 def _linear(gm: fx.GraphModule, node: fx.Node) -> nn.Linear:
     if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), nn.Linear):
         raise _fail(node, "only nn.Linear matmuls with weights are split so far")
@@ -527,9 +537,8 @@ def _rewrite_sizes(node: fx.Node, s: Shard, tp: int) -> None:
         if value == -1:
             return
         sizes[s.dim] = value // tp
-    elif isinstance(value, fx.Node):
-        if not (_op_name(value) == "size" and value.args[0].meta.get("tp") != "replicated"):
-            raise _fail(node, "the split dimension's size is computed, not a constant; write it as a constant")
+    elif isinstance(value, fx.Node) and not _local_size(value):
+        raise _fail(node, "the split dimension's size is computed, not a constant; write it as a constant")
     node.args = (args[0], type(args[1])(sizes)) if packed else (args[0], *sizes)
 
 
