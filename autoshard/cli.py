@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="OUT/plan.json (or the OUT directory)")
     p.set_defaults(run=_explain)
 
+    p = sub.add_parser("verify", parents=[common], help="run an emitted program on CPU against single-device")
+    p.add_argument("out", help="the directory autoshard compile wrote")
+    p.add_argument("--steps", type=_positive(int), default=3, help="training steps to compare (default 3)")
+    p.add_argument("--tolerance", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600, help="seconds before the run counts as hung")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_verify)
+
     p = sub.add_parser("hardware", parents=[common], help="list hardware profiles")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_hardware)
@@ -139,10 +148,6 @@ def _compile(args) -> int:
     from autoshard.cost_models import hardware
     from autoshard.cost_models.analyze import analyze
 
-    if not args.plan_only:
-        raise AutoshardError(
-            "emitting the training program is not implemented yet; pass --plan-only to write plan.json and plan.md"
-        )
     hw = hardware.load(args.hardware)
     pins = planner.parse_force(args.force)
     reference = planner.parse_force(args.compare) if args.compare else None
@@ -156,15 +161,34 @@ def _compile(args) -> int:
     if reference is not None:
         comparison = planner.compare(problem, result, reference)
         plan.notes.append(comparison)
-    out = write_plan(plan, args.out, comparison)
+    extra = None
+    if not args.plan_only:
+        from autoshard.codegen import program_files
+
+        path, _, builder = args.model.partition(":")
+        extra = program_files(plan, captured, path, builder or None, args.config)
+    out = write_plan(plan, args.out, comparison, extra)
     p = plan.predicted
     print(
         f"{plan.mesh.product_form()}, ZeRO-{plan.zero_stage}, {plan.schedule} (v={plan.virtual_stages}), "
         f"{plan.microbatches} micro-batches: {p.step_time_s:.3f} s/step, {p.mfu * 100:.1f}% MFU, "
         f"{p.memory_bytes_per_gpu['total'] / 1e9:.1f} GB/GPU"
     )
-    print(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
+    if extra:
+        last = len(plan.stage_layers) - 1
+        print(f"wrote {out}/: plan.json, plan.md, train.py, program.json, loss.py, stage0..{last}.py")
+        print(f"run: torchrun --nproc-per-node {plan.gpus} {out / 'train.py'} --steps 10")
+    else:
+        print(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
     return 0
+
+
+def _verify(args) -> int:
+    from autoshard.verify import format_report, verify
+
+    result = verify(args.out, args.steps, args.tolerance, args.seed, args.timeout)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0 if result["ok"] else 1
 
 
 def _explain(args) -> int:

@@ -18,8 +18,9 @@ from autoshard.planner.explain import rationale
 GB = 1e9
 
 
-def write_plan(plan: Plan, out: str | Path, comparison: str | None = None) -> Path:
-    """``out/plan.json`` and ``out/plan.md``; replaces those two files, keeps anything else."""
+def write_plan(plan: Plan, out: str | Path, comparison: str | None = None, extra: dict | None = None) -> Path:
+    """``out/plan.json``, ``out/plan.md`` and the ``extra`` files (name -> text); replaces those
+    files, keeps anything else."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise AutoshardError(f"-o {out}: exists and is not a directory; choose another path")
@@ -29,10 +30,11 @@ def write_plan(plan: Plan, out: str | Path, comparison: str | None = None) -> Pa
     except OSError as e:
         raise AutoshardError(f"cannot write to {out.parent}: {e.strerror}") from e
     try:
-        (staging / "plan.json").write_text(plan.to_json() + "\n")
-        (staging / "plan.md").write_text(plan_markdown(plan, comparison))
+        files = {"plan.json": plan.to_json() + "\n", "plan.md": plan_markdown(plan, comparison), **(extra or {})}
+        for name, text in files.items():
+            (staging / name).write_text(text)
         out.mkdir(exist_ok=True)
-        for name in ("plan.json", "plan.md"):
+        for name in files:
             os.replace(staging / name, out / name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -193,3 +195,64 @@ def _stages_text(plan: Plan) -> str:
         lines.append(f"rank {rank:>3}: " + " | ".join(parts))
     lines.append("```")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# the training program
+
+
+def program_files(plan: Plan, captured, model_file: str, builder: str | None, config: str | None) -> dict[str, str]:
+    """Stage files, the loss, ``program.json`` and ``train.py`` for ``plan`` (file name -> text)."""
+    import json
+
+    from autoshard import passes
+    from autoshard.stagecode import stage_source
+    from autoshard.train_program import TRAIN_PY
+
+    rewritten = passes.apply(captured, plan)
+    split = rewritten.split
+    files: dict[str, str] = {}
+    chunks = []
+    n = len(split.chunks)
+    for c, gm in enumerate(split.chunks):
+        first, last = split.layers[c]
+        parts = ([f"layers {first}-{last - 1}"] if last > first else ["no repeated layers"]) + (
+            ["the embedding"] if c == 0 else []
+        )
+        if c == n - 1:
+            parts.append("the output head")
+        rank = _chunk_rank(plan, c)
+        doc = f"Pipeline chunk {c} of {n} (pipeline rank {rank}): {', '.join(parts)}."
+        name = f"stage{c}.py"
+        files[name] = stage_source(gm, f"Chunk{c}", doc, rewritten.notes, rewritten.shards, rewritten.origin)
+        chunks.append({"file": name, "class": f"Chunk{c}", "layers": [first, last], "rank": rank})
+    files["loss.py"] = stage_source(
+        split.loss,
+        "Loss",
+        "The training loss on the last chunk's output and the micro-batch's tokens.",
+        rewritten.notes,
+    )
+    vocab = plan.model.get("vocab")
+    if not vocab:
+        raise AutoshardError("the model's vocabulary size is unknown, so no synthetic data can be drawn")
+    program = {
+        "model_file": str(Path(model_file).resolve()),
+        "builder": builder,
+        "config": config,
+        "vocab": vocab,
+        "chunks": chunks,
+        "loss": {"file": "loss.py", "class": "Loss"},
+        "target": split.target,
+    }
+    files["program.json"] = json.dumps(program, indent=2) + "\n"
+    name = plan.model.get("name", "the model")
+    title = f"Train {name} as {plan.mesh.product_form()}, ZeRO-{plan.zero_stage}, {plan.schedule}."
+    files["train.py"] = TRAIN_PY.format(title=title, gpus=plan.gpus, out="OUT")
+    return files
+
+
+def _chunk_rank(plan: Plan, chunk: int) -> int:
+    pp = plan.mesh.pp
+    if plan.schedule in ("zbv", "dualpipev"):
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
+    return chunk % pp

@@ -1,0 +1,41 @@
+"""Graph rewrites, one job per file, run in the order ``apply`` lists them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.errors import AutoshardError
+
+
+@dataclass
+class Rewritten:
+    """The per-rank program: pipeline chunks and the loss, with what the passes decided."""
+
+    split: object  # pipeline_split.SplitProgram
+    shards: dict  # parameter -> ParamShard (tensor parallelism)
+    origin: dict  # renamed parameter -> name in the model
+    notes: dict  # node name -> decision, shown as comments in the emitted code
+
+
+def apply(captured, plan) -> Rewritten:
+    """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, in this order:
+    tensor parallel, then the pipeline split. Features of the plan that no pass implements yet
+    are refused here with the reason rather than silently dropped."""
+    from autoshard.passes.pipeline_split import pipeline_split
+    from autoshard.passes.tensor_parallel import tensor_parallel
+
+    m = plan.mesh
+    if m.cp > 1:
+        raise AutoshardError(
+            "emitting context parallelism (ring attention) is not implemented yet; "
+            "compile with --force cp=1 or use --plan-only"
+        )
+    if m.ep > 1:
+        raise AutoshardError(
+            "emitting expert parallelism is not implemented yet; compile with --force ep=1 or use --plan-only"
+        )
+    if plan.precision.get("fp8_matmuls"):
+        raise AutoshardError("emitting FP8 matmuls is not implemented yet; compile with --precision bf16")
+    sharded = tensor_parallel(captured.graph_module, m.tp)
+    split = pipeline_split(sharded.gm, plan.stage_layers)
+    return Rewritten(split, sharded.shards, sharded.origin, sharded.notes)

@@ -417,7 +417,7 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
         x = node.args[0]
         if x not in f_of:
             with graph.inserting_after(x):
-                f_of[x] = graph.call_function(runtime.copy_to_tp, (x,))
+                f_of[x] = _inherit(graph.call_function(runtime.copy_to_tp, (x,)), node, "replicated")
         node.replace_input_with(x, f_of[x])
         local = nn.Linear(module.in_features, module.out_features // tp, bias=module.bias is not None, device="meta")
         _swap(gm, node.target, local)
@@ -436,16 +436,16 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
         _swap(gm, node.target, local)
         result.shards[f"{node.target}.weight"] = ParamShard(1, layout.factors, layout.index)
         with graph.inserting_after(node):
-            g = graph.call_function(runtime.reduce_from_tp, (node,))
+            g = _inherit(graph.call_function(runtime.reduce_from_tp, (node,)), node, "replicated")
         _redirect(node, g)
         if module.bias is not None:
             bias_name = f"{node.target}_bias".replace(".", "_")
             gm.register_parameter(bias_name, module.bias)
             result.origin[bias_name] = f"{node.target}.bias"
             with graph.inserting_after(g):
-                b = graph.get_attr(bias_name)
+                b = _inherit(graph.get_attr(bias_name), node, "replicated")
             with graph.inserting_after(b):
-                add = graph.call_function(operator.add, (g, b))
+                add = _inherit(graph.call_function(operator.add, (g, b)), node, "replicated")
             _redirect(g, add)
         result.notes[node.name] = (
             f"tp={tp}: row-parallel, in_features {module.in_features} -> {local.in_features}, "
@@ -461,9 +461,11 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
             local = nn.Embedding(module.num_embeddings // tp, module.embedding_dim, device="meta")
             _swap(gm, node.target, local)
             with graph.inserting_before(node):
-                w = graph.get_attr(weight_name)
+                w = _inherit(graph.get_attr(weight_name), node, "sharded")
             with graph.inserting_after(node):
-                emb = graph.call_function(runtime.vocab_parallel_embedding, (node.args[0], w))
+                emb = _inherit(
+                    graph.call_function(runtime.vocab_parallel_embedding, (node.args[0], w)), node, "replicated"
+                )
             node.replace_all_uses_with(emb)
             graph.erase_node(node)
             result.shards[weight_name] = ParamShard(0, (module.num_embeddings,), 0)
@@ -480,6 +482,7 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
             ce = graph.call_function(
                 runtime.vocab_parallel_cross_entropy, (node.args[0], node.args[1], ignore, reduction)
             )
+            _inherit(ce, node, "replicated")
         node.replace_all_uses_with(ce)
         graph.erase_node(node)
         result.notes[ce.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
@@ -508,6 +511,16 @@ def load_local(sharded: ShardedGraph, full: dict[str, torch.Tensor], rank: int) 
 def _local_size(node: fx.Node) -> bool:
     """``x.size(d)`` of a split tensor: already the local size at run time."""
     return _op_name(node) == "size" and node.args[0].meta.get("tp") != "replicated"
+
+
+_INHERITED = ("nn_module_stack", "module_path", "module_type", "layer", "region", "source")
+
+
+def _inherit(new: fx.Node, anchor: fx.Node, tp_state: str) -> fx.Node:
+    """Give an inserted node its anchor's place in the model (layer, region, module, source)."""
+    new.meta.update({k: anchor.meta[k] for k in _INHERITED if k in anchor.meta})
+    new.meta["tp"] = tp_state
+    return new
 
 
 def _redirect(old: fx.Node, new: fx.Node) -> None:

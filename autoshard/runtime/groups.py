@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-_GROUPS: dict[str, dist.ProcessGroup | None] = {"tp": None}
+_GROUPS: dict[str, dist.ProcessGroup | None] = {"tp": None, "pp": None, "dp": None}
 
 
 def set_groups(**groups: dist.ProcessGroup | None) -> None:
@@ -33,3 +33,11 @@ def tp_size() -> int:
 def tp_rank() -> int:
     group = _GROUPS["tp"]
     return 0 if group is None else dist.get_rank(group)
+
+
+def pp_group() -> dist.ProcessGroup | None:
+    return _GROUPS["pp"]
+
+
+def dp_group() -> dist.ProcessGroup | None:
+    return _GROUPS["dp"]

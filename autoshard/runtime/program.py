@@ -1,0 +1,243 @@
+"""The pieces of an emitted ``train.py``: the device mesh from the plan, which pipeline chunks a
+rank holds, building and filling them, the pipeline schedule, data parallelism at the plan's ZeRO
+stage, deterministic data, and saving parameters for verification. Depends on torch only (and on
+the user's model file when ``--init-from-model`` asks for the single-device initialisation)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoshard.runtime import groups
+from autoshard.runtime.stages import load_stage_file, materialise
+
+AXES = ("tp", "cp", "pp", "dp")
+
+
+class ProgramError(SystemExit):
+    """A one-line error for the person running the program; exits with code 2."""
+
+    def __init__(self, message: str):
+        print(f"train.py: error: {message}", file=sys.stderr)
+        super().__init__(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# mesh
+
+
+@dataclass
+class Ranks:
+    world: int
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+
+
+def check_world(plan: dict) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != plan["gpus"]:
+        raise ProgramError(
+            f"the plan is for {plan['gpus']} processes but WORLD_SIZE is {world}; "
+            f"run torchrun --nproc-per-node {plan['gpus']} (or recompile for {world} GPUs)"
+        )
+    return world
+
+
+def build_mesh(plan: dict, device_type: str):
+    """A device mesh whose dimensions follow the plan's axis order (innermost = consecutive ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    order = plan["mesh"]["order"]  # inside out
+    names = tuple(reversed(order))
+    shape = tuple(plan["mesh"][a] for a in names)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    coords = {a: mesh.get_local_rank(a) for a in names}
+    ranks = Ranks(
+        dist.get_world_size(),
+        dist.get_rank(),
+        coords["tp"],
+        coords["pp"],
+        coords["dp"],
+        plan["mesh"]["tp"],
+        plan["mesh"]["pp"],
+        plan["mesh"]["dp"],
+    )
+    groups.set_groups(
+        tp=mesh["tp"].get_group() if plan["mesh"]["tp"] > 1 else None,
+        pp=mesh["pp"].get_group(),
+        dp=mesh["dp"].get_group(),
+    )
+    return mesh, ranks
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline chunks
+
+
+def chunks_of_rank(schedule: str, pp: int, v: int, pp_rank: int) -> list[int]:
+    """Pipeline chunks (virtual stages) rank ``pp_rank`` holds: round robin, or a V for the
+    schedules built on it (chunk i and 2p-1-i on rank i)."""
+    if schedule in ("zbv", "dualpipev"):
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(v)]
+
+
+def build_chunks(
+    out: Path, program: dict, chunk_ids: list[int], device, ranks: Ranks, full_state=None, seed: int = 0
+) -> list[nn.Module]:
+    modules = []
+    for c in chunk_ids:
+        info = program["chunks"][c]
+        stage_file = load_stage_file(out / info["file"])
+        with torch.device("meta"):
+            module = getattr(stage_file, info["class"])()
+        materialise(module, stage_file, device, ranks.tp, ranks.tp_size, full_state, seed)
+        module.stage_file = stage_file
+        modules.append(module)
+    return modules
+
+
+def load_loss(out: Path, program: dict, device) -> nn.Module:
+    stage_file = load_stage_file(out / program["loss"]["file"])
+    return getattr(stage_file, program["loss"]["class"])().to(device)
+
+
+def loss_fn(loss_module: nn.Module):
+    """The pipeline's ``loss_fn(output, target)`` over the emitted loss graph."""
+
+    def fn(output, target):
+        outputs = output if isinstance(output, tuple) else (output,)
+        return loss_module(*outputs, target)
+
+    return fn
+
+
+def full_state_from_model(program: dict, seed: int) -> dict[str, torch.Tensor]:
+    """The seeded single-device initialisation, named as in the traced graph (``model.*``)."""
+    path = Path(program["model_file"])
+    spec = importlib.util.spec_from_file_location(f"autoshard_user_model_{path.stem}", path)
+    if spec is None or not path.exists():
+        raise ProgramError(f"--init-from-model: model file {path} not found")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    spec.loader.exec_module(module)
+    builder = getattr(module, program.get("builder") or "build")
+    torch.manual_seed(seed)
+    model = builder(program["config"]) if program.get("config") is not None else builder()
+    return {f"model.{k}": v.detach().float() for k, v in model.state_dict().items()}
+
+
+def pipeline_schedule(plan: dict, stages: list[nn.Module], ranks: Ranks, device, microbatches: int, loss):
+    """``torch.distributed.pipelining`` stages and the plan's schedule over them."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleDualPipeV,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    pp, v = plan["mesh"]["pp"], plan["virtual_stages"]
+    ids = chunks_of_rank(plan["schedule"], pp, v, ranks.pp)
+    group = groups.pp_group()
+    pipeline = [PipelineStage(m, i, pp * v, device, group=group) for m, i in zip(stages, ids)]
+    name = plan["schedule"]
+    if name == "1f1b" and v == 1:
+        return Schedule1F1B(pipeline[0], microbatches, loss_fn=loss)
+    multi = {
+        "1f1b": ScheduleInterleaved1F1B,
+        "interleaved": ScheduleInterleaved1F1B,
+        "zero-bubble": ScheduleInterleavedZeroBubble,
+        "zbv": ScheduleZBVZeroBubble,
+        "dualpipev": ScheduleDualPipeV,
+    }[name]
+    return multi(pipeline, microbatches, loss_fn=loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# data parallelism
+
+
+def average_gradients(params: list[nn.Parameter], group) -> None:
+    """ZeRO-0/1: all-reduce the gradients over the data-parallel group, averaged, in one flat
+    buffer per dtype (the bucketing DDP does, without its hooks, which a pipeline schedule's
+    split backward would fire at the wrong time)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def optimizer(params: list[nn.Parameter], zero: int, dp_group, lr: float, weight_decay: float, eps: float = 1e-8):
+    kwargs = {"lr": lr, "betas": (0.9, 0.95), "eps": eps, "weight_decay": weight_decay}
+    if zero >= 1 and dist.get_world_size(dp_group) > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int, data: Path | None = None) -> torch.Tensor:
+    """The step's whole batch of token ids, the same on every rank (each takes its DP rows):
+    synthetic tokens from a generator seeded by (seed, step), or windows of a token file (int32
+    little-endian ids) at offsets drawn the same way."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if data is None:
+        return torch.randint(0, vocab, (batch, seq), generator=gen)
+    import numpy as np
+
+    tokens = np.memmap(data, dtype="<i4", mode="r")
+    if len(tokens) <= seq:
+        raise ProgramError(f"--data {data}: {len(tokens)} tokens, fewer than one sequence of {seq}")
+    starts = torch.randint(0, len(tokens) - seq, (batch,), generator=gen).tolist()
+    return torch.from_numpy(np.stack([tokens[s : s + seq] for s in starts]).astype("int64"))
+
+
+def save_parameters(path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids: list[int]) -> None:
+    """This rank's parameters, named as in the single-device model, with how each was split."""
+    out = {}
+    for module, c in zip(stages, chunk_ids):
+        shards, origin = module.stage_file.SHARDS, module.stage_file.ORIGIN
+        for name, p in module.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            source = origin.get(name, name)
+            out[source] = (full.detach().cpu().clone(), shards.get(source), c)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save({"tp_rank": ranks.tp, "tp": ranks.tp_size, "params": out}, path / f"rank{ranks.rank}.pt")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProgramError(f"{path} is missing; recompile with autoshard compile ... -o {path.parent}") from None

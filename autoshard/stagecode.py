@@ -1,0 +1,177 @@
+"""Python source for one rewritten graph: a module file a person can read and the training program
+imports. The forward is fx's generated code, with the decision behind each rewritten line as a
+comment; ``__init__`` builds the submodules at their local (sharded) shapes; ``SHARDS`` says how
+each parameter is cut out of the single-device model's."""
+
+from __future__ import annotations
+
+import math
+import re
+import types
+
+import torch
+from torch import fx, nn
+
+import autoshard.runtime as runtime
+from autoshard.errors import AutoshardError
+
+_RUNTIME_EXPORTS = {getattr(runtime, name): name for name in runtime.__all__}
+
+
+def _imports(globals_: dict, body: str) -> tuple[list[str], dict[str, str]]:
+    """Import lines for the names fx's code uses, and renames to apply to the code."""
+    lines, renames = [], {}
+    used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", body))
+    for name, obj in sorted(globals_.items()):
+        if name not in used or name == "torch" or obj is torch or getattr(obj, "__module__", None) == "builtins":
+            continue
+        if obj in _RUNTIME_EXPORTS if _hashable(obj) else False:
+            renames[name] = f"rt.{_RUNTIME_EXPORTS[obj]}"
+        elif isinstance(obj, types.ModuleType):
+            lines.append(f"import {obj.__name__}" + (f" as {name}" if name != obj.__name__ else ""))
+        elif isinstance(obj, float) and (math.isinf(obj) or math.isnan(obj)):
+            lines.append(f'{name} = float("{obj}")')
+        elif callable(obj) and getattr(obj, "__module__", None) and "." not in obj.__qualname__:
+            module = obj.__module__
+            lines.append(
+                f"from {module} import {obj.__qualname__}" + (f" as {name}" if name != obj.__qualname__ else "")
+            )
+        else:
+            raise AutoshardError(f"cannot emit a reference to {obj!r} ({name}) in generated code")
+    return lines, renames
+
+
+def _hashable(obj) -> bool:
+    try:
+        hash(obj)
+        return True
+    except TypeError:
+        return False
+
+
+_CONSTRUCTORS = {
+    nn.Linear: lambda m: f"{m.in_features}, {m.out_features}, bias={m.bias is not None}",
+    nn.Embedding: lambda m: f"{m.num_embeddings}, {m.embedding_dim}",
+    nn.LayerNorm: lambda m: (
+        f"{tuple(m.normalized_shape)}, eps={m.eps}, elementwise_affine={m.elementwise_affine}, "
+        f"bias={getattr(m, 'bias', None) is not None}"
+    ),
+    nn.RMSNorm: lambda m: f"{tuple(m.normalized_shape)}, eps={m.eps}, elementwise_affine={m.elementwise_affine}",
+}
+
+
+def _constructor(target: str, module: nn.Module) -> str:
+    kind = type(module)
+    if kind in _CONSTRUCTORS:
+        args = _CONSTRUCTORS[kind](module)
+    elif kind.__module__.startswith("torch.nn") and not any(True for _ in module.parameters()):
+        args = module.extra_repr()
+    else:
+        raise AutoshardError(
+            f"cannot emit module {target} of type {kind.__name__}: only torch.nn layers are rebuilt in generated code"
+        )
+    text = f"nn.{kind.__name__}({args})"
+    with torch.device("meta"):
+        rebuilt = eval(text, {"nn": nn})  # noqa: S307 - our own constructor text, checked below
+    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in rebuilt.state_dict().items()}
+    if want != got:
+        raise AutoshardError(f"cannot rebuild {target} ({kind.__name__}): {got} != {want}")
+    return text
+
+
+def stage_source(
+    gm: fx.GraphModule,
+    class_name: str,
+    doc: str,
+    notes: dict[str, str] | None = None,
+    shards: dict | None = None,
+    origin: dict[str, str] | None = None,
+) -> str:
+    """The module file for ``gm``: ``class_name(nn.Module)`` plus ``SHARDS`` and ``ORIGIN``."""
+    notes = notes or {}
+    code = gm.graph.python_code(root_module="self")
+    body = code.src
+    imports, renames = _imports(code.globals, body)
+    for old, new in renames.items():
+        body = body.replace(old, new)
+    lines = []
+    for line in body.strip("\n").splitlines():
+        name = line.strip().split(" = ", 1)[0] if " = " in line else None
+        if name in notes:
+            line = f"{line}  # {notes[name]}"
+        lines.append(f"    {line}".rstrip())
+    forward = "\n".join(lines)
+    init = []
+    built: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target not in built:
+            built.add(node.target)
+            init.append(
+                f'        _put(self, "{node.target}", {_constructor(node.target, gm.get_submodule(node.target))})'
+            )
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner, _, _ = node.target.rpartition(".")
+        if owner in built:
+            continue
+        value = _attr(gm, node.target)
+        owned = owner and isinstance(_attr(gm, owner), nn.Module) and type(_attr(gm, owner)) in _CONSTRUCTORS
+        if owned:
+            built.add(owner)
+            init.append(f'        _put(self, "{owner}", {_constructor(owner, _attr(gm, owner))})')
+        elif isinstance(value, nn.Parameter):
+            empty = f"torch.empty({tuple(value.shape)}, dtype={value.dtype})"
+            init.append(f'        _put(self, "{node.target}", nn.Parameter({empty}))')
+        elif isinstance(value, torch.Tensor):
+            init.append(
+                f'        _put_buffer(self, "{node.target}", torch.empty({tuple(value.shape)}, dtype={value.dtype}))'
+            )
+        else:
+            raise AutoshardError(f"cannot emit attribute {node.target} of type {type(value).__name__}")
+    names = {k for k, _ in gm.named_parameters()} | {k for k, _ in gm.named_buffers()}
+    shard_lines = [
+        f'    "{k}": ({v.dim}, {tuple(v.factors)}, {v.index}),'
+        for k, v in sorted((shards or {}).items())
+        if k in names or k in (origin or {}).values()
+    ]
+    origin_lines = [f'    "{k}": "{v}",' for k, v in sorted((origin or {}).items()) if k in names]
+    return "\n".join(
+        [
+            f'"""{doc}\n\nGenerated by autoshard from plan.json: change the plan and recompile rather than edit '
+            'this file."""',
+            "",
+            "import torch",
+            "from torch import nn",
+            "",
+            "import autoshard.runtime as rt",
+            "from autoshard.runtime.stages import _put, _put_buffer",
+            *imports,
+            "",
+            "# parameter -> (dimension, that dimension viewed as factors, factor split over the TP ranks)",
+            "SHARDS = {",
+            *shard_lines,
+            "}",
+            "# parameter -> its name in the single-device model, where the two differ",
+            "ORIGIN = {",
+            *origin_lines,
+            "}",
+            "",
+            "",
+            f"class {class_name}(nn.Module):",
+            "    def __init__(self):",
+            "        super().__init__()",
+            *(init or ["        pass"]),
+            "",
+            forward,
+            "",
+        ]
+    )
+
+
+def _attr(gm: nn.Module, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

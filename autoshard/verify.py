@@ -1,0 +1,163 @@
+"""``autoshard verify OUT``: run the emitted program on CPU processes (gloo, fp32) from the seeded
+single-device initialisation, run the original model on one device with the same data and
+optimizer, and compare the losses step by step and the parameters at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from autoshard.errors import AutoshardError
+from autoshard.plan import Plan
+
+LR = 1e-3
+WEIGHT_DECAY = 0.1
+# Adam divides each update by the gradient's running size plus eps. A parameter whose true gradient
+# is zero (a key bias: softmax ignores a shift shared by all keys) gets float noise for a gradient,
+# and with eps = 1e-8 Adam turns that noise into updates of size lr, different in any two runs that
+# sum in a different order. eps = 1e-6 bounds that amplification to lr * noise / eps while leaving
+# every real gradient's update as it was; the program's own default stays 1e-8.
+ADAM_EPS = 1e-6
+
+
+def _read_program(out: Path) -> tuple[Plan, dict]:
+    if not out.is_dir():
+        raise AutoshardError(f"{out} is not a directory; run autoshard compile ... -o {out} first")
+    if not (out / "train.py").exists() or not (out / "program.json").exists():
+        raise AutoshardError(f"{out} has no train.py; compile without --plan-only to emit the program")
+    return Plan.load(out / "plan.json"), json.loads((out / "program.json").read_text())
+
+
+def run_distributed(out: Path, plan: Plan, steps: int, seed: int, work: Path, timeout: float) -> list[float]:
+    log, params = work / "log.jsonl", work / "params"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={plan.gpus}",
+        str(out / "train.py"), "--steps", str(steps), "--seed", str(seed), "--init-from-model",
+        "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY), "--adam-eps", str(ADAM_EPS), "--loss-log", str(log), "--save-params", str(params),
+        "--timeout", str(timeout),
+    ]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AutoshardError(f"the emitted program did not finish {steps} steps in {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        tail = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error:" in ln][-3:]
+        raise AutoshardError(
+            f"the emitted program failed (exit {proc.returncode}): {' | '.join(tail) or proc.stderr[-300:]}"
+        )
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return [r["loss"] for r in sorted(records, key=lambda r: r["step"])]
+
+
+def run_reference(plan: Plan, program: dict, steps: int, seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from autoshard import modelfile
+    from autoshard.capture import causal_lm_loss
+    from autoshard.runtime.program import global_batch
+
+    spec = program["model_file"] + (f":{program['builder']}" if program.get("builder") else "")
+    mf = modelfile.load(spec)
+    torch.manual_seed(seed)
+    model = mf.build(program.get("config"), device="cpu").float()
+    model.train()
+    loss_fn = mf.loss or (lambda out, tokens: causal_lm_loss(out, tokens))
+    optim = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for step in range(steps):
+        tokens = global_batch(step, plan.global_batch, plan.seq_len, program["vocab"], seed)
+        optim.zero_grad(set_to_none=True)
+        out = model(tokens)
+        out = out["logits"] if isinstance(out, dict) else out[0] if isinstance(out, (tuple, list)) else out
+        loss = loss_fn(out, tokens)
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+    return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+
+
+def assemble(params_dir: Path) -> dict[str, torch.Tensor]:
+    """Whole parameters from the ranks' saved pieces (TP slices put back together)."""
+    from autoshard.runtime.stages import unslice
+
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    specs: dict[str, tuple | None] = {}
+    for path in sorted(params_dir.glob("rank*.pt")):
+        saved = torch.load(path, weights_only=False)
+        for name, (tensor, spec, _chunk) in saved["params"].items():
+            pieces.setdefault(name, {})[saved["tp_rank"]] = tensor
+            specs[name] = spec
+    whole = {}
+    for name, by_rank in pieces.items():
+        spec = specs[name]
+        whole[name] = unslice([by_rank[r] for r in sorted(by_rank)], spec) if spec else by_rank[min(by_rank)]
+    return whole
+
+
+def verify(out: str | Path, steps: int, tolerance: float, seed: int = 0, timeout: float = 600) -> dict:
+    out = Path(out)
+    plan, program = _read_program(out)
+    if steps < 1:
+        raise AutoshardError(f"--steps {steps}: must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
+        work = Path(tmp)
+        distributed = run_distributed(out, plan, steps, seed, work, timeout)
+        reference, ref_params = run_reference(plan, program, steps, seed)
+        params = assemble(work / "params")
+    rows = []
+    for step, (a, b) in enumerate(zip(distributed, reference)):
+        rows.append({"step": step, "distributed": a, "single_device": b, "rel_diff": abs(a - b) / max(abs(b), 1e-12)})
+    # Parameters are compared absolutely: AdamW divides each gradient by its own running size, so
+    # an element whose gradient is as small as eps (1e-8) turns a 1e-7 relative difference in the
+    # gradient into a visible one in its update; the absolute difference stays bounded by lr.
+    worst_name, worst, worst_rel = None, 0.0, 0.0
+    missing = sorted(set(ref_params) - set(params))
+    for name, ref in ref_params.items():
+        if name not in params or not ref.is_floating_point():
+            continue
+        diff = (params[name] - ref).abs().max().item()
+        worst_rel = max(worst_rel, diff / max(ref.abs().max().item(), 1e-12))
+        if diff >= worst:
+            worst_name, worst = name, diff
+    ok = (
+        len(rows) == steps
+        and all(r["rel_diff"] <= tolerance for r in rows)
+        and worst <= tolerance
+        and not [m for m in missing if ref_params[m].is_floating_point()]
+    )
+    return {
+        "plan": plan.mesh.product_form() + f", ZeRO-{plan.zero_stage}, {plan.schedule}",
+        "steps": rows,
+        "max_param_abs_diff": worst,
+        "max_param_rel_diff": worst_rel,
+        "max_param_name": worst_name,
+        "missing_params": missing,
+        "tolerance": tolerance,
+        "ok": ok,
+    }
+
+
+def format_report(result: dict) -> str:
+    lines = [
+        f"verify: {result['plan']} against single-device, fp32 on CPU, AdamW lr {LR:g} eps {ADAM_EPS:g}",
+        "",
+    ]
+    lines.append(f"{'step':>4}  {'distributed':>14}  {'single-device':>14}  {'rel. diff':>10}")
+    for r in result["steps"]:
+        lines.append(f"{r['step']:>4}  {r['distributed']:>14.8f}  {r['single_device']:>14.8f}  {r['rel_diff']:>10.2e}")
+    lines.append("")
+    lines.append(
+        f"largest parameter difference after {len(result['steps'])} steps: {result['max_param_abs_diff']:.2e} "
+        f"absolute ({result['max_param_name']}); {result['max_param_rel_diff']:.2e} relative to that tensor's "
+        "largest entry"
+    )
+    if result["missing_params"]:
+        lines.append(f"parameters the program never saved: {', '.join(result['missing_params'])}")
+    verdict = "OK" if result["ok"] else "FAILED"
+    lines.append(f"{verdict}: tolerance {result['tolerance']:.0e} (losses relative, parameters absolute)")
+    return "\n".join(lines)

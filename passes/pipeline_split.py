@@ -1,0 +1,139 @@
+"""Pipeline split: one sub-graph per pipeline chunk (virtual stage) following the Plan's
+``stage_layers``, plus the loss as its own graph, with every boundary tensor explicit.
+
+Nodes of repeated layer ``L`` go to the chunk whose layer range holds ``L``; what comes before the
+layer stack (embeddings) to chunk 0, what comes after it inside the model (final norm, output head)
+to the last chunk, and what the training wrapper adds after the model (the loss) to the loss graph,
+which the pipeline runtime calls as ``loss_fn(output, target)`` on the last chunk's output and the
+micro-batch's token ids. A chunk's inputs are exactly the previous chunk's outputs: values a later
+chunk needs are passed through the chunks in between, so each boundary is one explicit tuple.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from torch import fx
+
+from autoshard.errors import AutoshardError
+
+LOSS = -1
+
+
+@dataclass
+class SplitProgram:
+    chunks: list[fx.GraphModule]
+    loss: fx.GraphModule
+    boundaries: list[list[str]] = field(default_factory=list)  # names of each chunk's outputs
+    layers: list[tuple[int, int]] = field(default_factory=list)  # [first, last) layer of each chunk
+    target: str | None = None  # the model input the loss reads (the token ids)
+
+
+def _in_model(node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return True
+    return bool(node.meta.get("nn_module_stack"))
+
+
+def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, int]:
+    """Node -> chunk index (``LOSS`` for the loss graph); placeholders are absent."""
+    bounds = list(accumulate(stage_layers))
+    last = len(stage_layers) - 1
+
+    def chunk_of_layer(layer: int) -> int:
+        return next(c for c, end in enumerate(bounds) if layer < end)
+
+    out: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if not _in_model(node):
+            out[node] = LOSS
+        elif node.meta.get("region") == "layer" and node.meta.get("layer") is not None:
+            if node.meta["layer"] >= bounds[-1]:
+                raise AutoshardError(
+                    f"the plan's stage_layers hold {bounds[-1]} layers but the model has layer {node.meta['layer']}; "
+                    "recompile the plan for this model"
+                )
+            out[node] = chunk_of_layer(node.meta["layer"])
+        elif node.meta.get("region") == "post":
+            out[node] = last
+        else:
+            out[node] = 0
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        users = {out[u] for u in node.users if u in out}
+        if len(users) > 1:
+            raise AutoshardError(
+                f"parameter {node.target} is used by pipeline chunks {sorted(users)} (tied weights); "
+                "untie it or plan with --force pp=1"
+            )
+        out[node] = users.pop() if users else 0
+    return out
+
+
+def pipeline_split(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
+    chunk = assign_chunks(gm, stage_layers)
+    n = len(stage_layers)
+    nodes = list(gm.graph.nodes)
+    placeholders = [p for p in nodes if p.op == "placeholder"]
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg.op == "placeholder" or node.op == "output" or node not in chunk:
+                continue
+            a, b = chunk[arg], chunk[node]
+            if b == LOSS and a not in (LOSS, n - 1):
+                raise AutoshardError(f"the loss reads {arg.name} from pipeline chunk {a}, not the last one")
+            if a != LOSS and b != LOSS and a > b:
+                raise AutoshardError(f"{node.name} in chunk {b} reads {arg.name} from the later chunk {a}")
+    # the value each chunk hands on: produced at or before it, read after it
+    reads_after: list[list[fx.Node]] = []
+    for c in range(n):
+        needed = []
+        for v in [*placeholders, *nodes]:
+            if v.op == "output" or (v.op != "placeholder" and chunk.get(v, 0) > c) or chunk.get(v) == LOSS:
+                continue
+            later = [u for u in v.users if u in chunk and (chunk[u] > c or (chunk[u] == LOSS and c == n - 1))]
+            if v.op == "placeholder":  # the loss takes model inputs as its target, not from the pipeline
+                later = [u for u in later if chunk[u] != LOSS]
+            if later:
+                needed.append(v)
+        reads_after.append(needed)
+    loss_inputs = [p for p in placeholders if any(chunk.get(u) == LOSS for u in p.users)]
+    if len(loss_inputs) > 1:
+        raise AutoshardError(
+            f"the loss reads {len(loss_inputs)} model inputs ({', '.join(p.name for p in loss_inputs)}); "
+            "the pipeline hands it one target"
+        )
+    chunks = []
+    for c in range(n):
+        inputs = [p for p in placeholders if any(chunk.get(u) == 0 for u in p.users)] if c == 0 else reads_after[c - 1]
+        if c == 0:
+            inputs = [p for p in placeholders if p in inputs or p in reads_after[0]]
+        mine = [v for v in nodes if chunk.get(v) == c]
+        chunks.append(_subgraph(gm, inputs, mine, reads_after[c], f"Chunk{c}"))
+    loss_nodes = [v for v in nodes if chunk.get(v) == LOSS]
+    loss = _subgraph(gm, reads_after[-1] + loss_inputs, loss_nodes, None, "Loss")
+    layers = list(zip([0, *accumulate(stage_layers)][:-1], accumulate(stage_layers)))
+    return SplitProgram(
+        chunks, loss, [[v.name for v in r] for r in reads_after], layers, loss_inputs[0].name if loss_inputs else None
+    )
+
+
+def _subgraph(gm, inputs, body, outputs, name) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for v in inputs:
+        env[v] = graph.placeholder(v.name)
+        env[v].meta = dict(v.meta)
+    for v in body:
+        env[v] = graph.node_copy(v, lambda a: env[a])
+    if outputs is None:  # the loss graph returns what the original graph returned
+        (result,) = [v for v in gm.graph.nodes if v.op == "output"]
+        graph.output(fx.map_arg(result.args[0], lambda a: env[a]))
+    else:
+        graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[v] for v in outputs))
+    graph.lint()
+    return fx.GraphModule(gm, graph, class_name=name)
