@@ -39,7 +39,8 @@ def run_distributed(out: Path, plan: Plan, steps: int, seed: int, work: Path, ti
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={plan.gpus}",
         str(out / "train.py"), "--steps", str(steps), "--seed", str(seed), "--init-from-model",
-        "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY), "--adam-eps", str(ADAM_EPS), "--loss-log", str(log), "--save-params", str(params),
+        "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY), "--adam-eps", str(ADAM_EPS),
+        "--loss-log", str(log), "--save-params", str(params),
         "--timeout", str(timeout),
     ]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
