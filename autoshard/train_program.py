@@ -63,9 +63,11 @@ def train(args, plan, program, device):
     chunk_ids = rt.chunks_of_rank(plan["schedule"], plan["mesh"]["pp"], plan["virtual_stages"], ranks.pp)
     full = rt.full_state_from_model(program, args.seed) if args.init_from_model else None
     stages = rt.build_chunks(HERE, program, chunk_ids, device, ranks, full, args.seed)
-    params = [p for m in stages for p in m.parameters()]
     loss = rt.loss_fn(rt.load_loss(HERE, program, device))
-    # 3. data parallelism at the plan's ZeRO stage, and AdamW
+    # 3. data parallelism at the plan's ZeRO stage (FSDP2 for ZeRO-2/3, ZeroRedundancyOptimizer
+    #    for ZeRO-1, a gradient all-reduce for ZeRO-0), and AdamW
+    fsdp = rt.shard_data_parallel(stages, plan, mesh)
+    params = [p for m in stages for p in m.parameters()]
     optim = rt.optimizer(params, plan["zero_stage"], groups.dp_group(), args.lr, args.weight_decay, args.adam_eps)
     # 4. the plan's pipeline schedule (torch.distributed.pipelining) over the chunks
     m, mbs = plan["microbatches"], plan["microbatch_size"]
@@ -89,7 +91,8 @@ def train(args, plan, program, device):
                 value = loss(out, mb)
                 (value / m).backward()
                 losses.append(value.detach())
-        rt.average_gradients(params, groups.dp_group())
+        if not fsdp:
+            rt.average_gradients(params, groups.dp_group())
         optim.step()
         if last:
             mean = torch.stack([x.detach().float() for x in losses]).mean()
@@ -101,7 +104,7 @@ def train(args, plan, program, device):
                 if args.loss_log:
                     with open(args.loss_log, "a") as f:
                         f.write(json.dumps(record) + "\\n")
-    if args.save_params and ranks.dp == 0:
+    if args.save_params:
         rt.save_parameters(args.save_params, stages, ranks, chunk_ids)
 
 

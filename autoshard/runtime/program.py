@@ -194,9 +194,26 @@ def average_gradients(params: list[nn.Parameter], group) -> None:
             offset += g.numel()
 
 
+def shard_data_parallel(stages: list[nn.Module], plan: dict, mesh) -> bool:
+    """ZeRO-2/3: FSDP2 ``fully_shard`` each chunk over the data-parallel axis (ZeRO-3 frees the
+    gathered parameters after forward, ZeRO-2 keeps them until backward is done). Returns whether
+    FSDP owns gradient reduction. On gloo FSDP2 may sum where it should average (pytorch#162338),
+    so the reduction is forced to a sum and divided by the data-parallel size explicitly."""
+    zero, dp = plan["zero_stage"], plan["mesh"]["dp"]
+    if zero < 2 or dp == 1:
+        return False
+    from torch.distributed.fsdp import fully_shard
+
+    for module in stages:
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=zero == 3)
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_gradient_divide_factor(float(dp))
+    return True
+
+
 def optimizer(params: list[nn.Parameter], zero: int, dp_group, lr: float, weight_decay: float, eps: float = 1e-8):
     kwargs = {"lr": lr, "betas": (0.9, 0.95), "eps": eps, "weight_decay": weight_decay}
-    if zero >= 1 and dist.get_world_size(dp_group) > 1:
+    if zero == 1 and dist.get_world_size(dp_group) > 1:  # ZeRO-2/3: FSDP already shards the parameters
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group, **kwargs)
@@ -224,7 +241,8 @@ def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int, data: P
 
 
 def save_parameters(path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids: list[int]) -> None:
-    """This rank's parameters, named as in the single-device model, with how each was split."""
+    """This rank's parameters, named as in the single-device model, with how each was split.
+    Every rank takes part (FSDP gathers its shards); the first data-parallel replica writes."""
     out = {}
     for module, c in zip(stages, chunk_ids):
         shards, origin = module.stage_file.SHARDS, module.stage_file.ORIGIN
@@ -232,6 +250,8 @@ def save_parameters(path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             source = origin.get(name, name)
             out[source] = (full.detach().cpu().clone(), shards.get(source), c)
+    if ranks.dp != 0:
+        return
     path.mkdir(parents=True, exist_ok=True)
     torch.save({"tp_rank": ranks.tp, "tp": ranks.tp_size, "params": out}, path / f"rank{ranks.rank}.pt")
 
