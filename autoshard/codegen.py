@@ -224,7 +224,9 @@ def program_files(plan: Plan, captured, model_file: str, builder: str | None, co
         rank = _chunk_rank(plan, c)
         doc = f"Pipeline chunk {c} of {n} (pipeline rank {rank}): {', '.join(parts)}."
         name = f"stage{c}.py"
-        files[name] = stage_source(gm, f"Chunk{c}", doc, rewritten.notes, rewritten.shards, rewritten.origin)
+        files[name] = stage_source(
+            gm, f"Chunk{c}", doc, rewritten.notes, rewritten.shards, rewritten.origin, rewritten.partial_grads
+        )
         chunks.append({"file": name, "class": f"Chunk{c}", "layers": [first, last], "rank": rank})
     files["loss.py"] = stage_source(
         split.loss,

@@ -91,6 +91,7 @@ def train(args, plan, program, device):
                 value = loss(out, mb)
                 (value / m).backward()
                 losses.append(value.detach())
+        rt.sum_partial_gradients(stages)  # sequence parallel: norms saw 1/tp of the tokens
         if not fsdp:
             rt.average_gradients(params, groups.dp_group())
         optim.step()

@@ -15,13 +15,15 @@ class Rewritten:
     shards: dict  # parameter -> ParamShard (tensor parallelism)
     origin: dict  # renamed parameter -> name in the model
     notes: dict  # node name -> decision, shown as comments in the emitted code
+    partial_grads: list  # parameters whose gradients are partial sums over TP (sequence parallel)
 
 
 def apply(captured, plan) -> Rewritten:
     """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, in this order:
-    tensor parallel, then the pipeline split. Features of the plan that no pass implements yet
+    tensor parallel, sequence parallel, then the pipeline split. Features of the plan that no pass implements yet
     are refused here with the reason rather than silently dropped."""
     from autoshard.passes.pipeline_split import pipeline_split
+    from autoshard.passes.sequence_parallel import sequence_parallel
     from autoshard.passes.tensor_parallel import tensor_parallel
 
     m = plan.mesh
@@ -37,5 +39,6 @@ def apply(captured, plan) -> Rewritten:
     if plan.precision.get("fp8_matmuls"):
         raise AutoshardError("emitting FP8 matmuls is not implemented yet; compile with --precision bf16")
     sharded = tensor_parallel(captured.graph_module, m.tp)
+    partial = sequence_parallel(sharded.gm, m.tp, sharded.notes) if plan.sequence_parallel else []
     split = pipeline_split(sharded.gm, plan.stage_layers)
-    return Rewritten(split, sharded.shards, sharded.origin, sharded.notes)
+    return Rewritten(split, sharded.shards, sharded.origin, sharded.notes, partial)

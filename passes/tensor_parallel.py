@@ -417,7 +417,7 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
         x = node.args[0]
         if x not in f_of:
             with graph.inserting_after(x):
-                f_of[x] = _inherit(graph.call_function(runtime.copy_to_tp, (x,)), node, "replicated")
+                f_of[x] = _inherit(graph.call_function(runtime.copy_to_tp, (x,)), node, "replicated", x)
         node.replace_input_with(x, f_of[x])
         local = nn.Linear(module.in_features, module.out_features // tp, bias=module.bias is not None, device="meta")
         _swap(gm, node.target, local)
@@ -516,10 +516,12 @@ def _local_size(node: fx.Node) -> bool:
 _INHERITED = ("nn_module_stack", "module_path", "module_type", "layer", "region", "source")
 
 
-def _inherit(new: fx.Node, anchor: fx.Node, tp_state: str) -> fx.Node:
-    """Give an inserted node its anchor's place in the model (layer, region, module, source)."""
+def _inherit(new: fx.Node, anchor: fx.Node, tp_state: str, shape_of: fx.Node | None = None) -> fx.Node:
+    """Give an inserted node its anchor's place in the model (layer, region, module, source) and
+    the global shape of ``shape_of`` (default: the anchor)."""
     new.meta.update({k: anchor.meta[k] for k in _INHERITED if k in anchor.meta})
     new.meta["tp"] = tp_state
+    new.meta["shape"] = (shape_of or anchor).meta.get("shape")
     return new
 
 

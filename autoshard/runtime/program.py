@@ -172,6 +172,28 @@ def pipeline_schedule(plan: dict, stages: list[nn.Module], ranks: Ranks, device,
 # data parallelism
 
 
+def sum_partial_gradients(stages: list[nn.Module]) -> None:
+    """Sequence parallel: parameters used on sequence slices hold partial gradients; sum them
+    over the TP group (one flat all-reduce)."""
+    group = groups.tp_group()
+    if group is None:
+        return
+    grads = []
+    for module in stages:
+        wanted = set(getattr(module.stage_file, "PARTIAL_GRADS", ()))
+        for name, p in module.named_parameters():
+            if name in wanted and p.grad is not None:
+                grads.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def average_gradients(params: list[nn.Parameter], group) -> None:
     """ZeRO-0/1: all-reduce the gradients over the data-parallel group, averaged, in one flat
     buffer per dtype (the bucketing DDP does, without its hooks, which a pipeline schedule's
