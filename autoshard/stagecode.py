@@ -91,37 +91,58 @@ def stage_source(
 ) -> str:
     """The module file for ``gm``: ``class_name(nn.Module)`` plus ``SHARDS`` and ``ORIGIN``."""
     notes = notes or {}
-    code = gm.graph.python_code(root_module="self")
-    body = code.src
-    imports, renames = _imports(code.globals, body)
-    for old, new in renames.items():
-        body = body.replace(old, new)
-    lines = []
-    for line in body.strip("\n").splitlines():
-        name = line.strip().split(" = ", 1)[0] if " = " in line else None
-        if name in notes:
-            line = f"{line}  # {notes[name]}"
-        lines.append(f"    {line}".rstrip())
-    forward = "\n".join(lines)
+    from autoshard.runtime.checkpoint import Checkpoint
+
+    graphs = [("forward", gm)]
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), Checkpoint):
+            graphs.append((f"layer_{node.target.rsplit('_', 1)[-1]}", gm.get_submodule(node.target).fn))
+    methods, imports = [], []
+    for method, g in graphs:
+        code = g.graph.python_code(root_module="self")
+        body = code.src
+        more, renames = _imports(code.globals, body)
+        imports += [x for x in more if x not in imports]
+        for old, new in renames.items():
+            body = body.replace(old, new)
+        body = body.replace("def forward(self", f"def {method}(self", 1)
+        lines = []
+        for line in body.strip("\n").splitlines():
+            name = line.strip().split(" = ", 1)[0] if " = " in line else None
+            if name in notes:
+                line = f"{line}  # {notes[name]}"
+            lines.append(f"    {line}".rstrip())
+        methods.append("\n".join(lines))
+    forward = "\n\n".join(methods)
     init = []
     built: set[str] = set()
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and node.target not in built:
+    for _, g in graphs:
+        for node in g.graph.nodes:
+            if node.op != "call_module" or node.target in built:
+                continue
             built.add(node.target)
-            init.append(
-                f'        _put(self, "{node.target}", {_constructor(node.target, gm.get_submodule(node.target))})'
-            )
-    for node in gm.graph.nodes:
+            module = g.get_submodule(node.target)
+            if isinstance(module, Checkpoint):
+                layer = node.target.rsplit("_", 1)[-1]
+                text = f"rt.Checkpoint(self.layer_{layer}, recompute={module.recompute})"
+            else:
+                text = _constructor(node.target, module)
+            init.append(f'        _put(self, "{node.target}", {text})')
+    for node in [n for _, g in graphs for n in g.graph.nodes]:
         if node.op != "get_attr":
             continue
         owner, _, _ = node.target.rpartition(".")
         if owner in built:
             continue
-        value = _attr(gm, node.target)
-        owned = owner and isinstance(_attr(gm, owner), nn.Module) and type(_attr(gm, owner)) in _CONSTRUCTORS
+        if node.target in built:
+            continue
+        built.add(node.target)
+        root = node.graph.owning_module
+        value = _attr(root, node.target)
+        owned = owner and isinstance(_attr(root, owner), nn.Module) and type(_attr(root, owner)) in _CONSTRUCTORS
         if owned:
             built.add(owner)
-            init.append(f'        _put(self, "{owner}", {_constructor(owner, _attr(gm, owner))})')
+            init.append(f'        _put(self, "{owner}", {_constructor(owner, _attr(root, owner))})')
         elif isinstance(value, nn.Parameter):
             empty = f"torch.empty({tuple(value.shape)}, dtype={value.dtype})"
             init.append(f'        _put(self, "{node.target}", nn.Parameter({empty}))')
@@ -131,7 +152,7 @@ def stage_source(
             )
         else:
             raise AutoshardError(f"cannot emit attribute {node.target} of type {type(value).__name__}")
-    names = {k for k, _ in gm.named_parameters()} | {k for k, _ in gm.named_buffers()}
+    names = {k for _, g in graphs for k, _ in [*g.named_parameters(), *g.named_buffers()]}
     shard_lines = [
         f'    "{k}": ({v.dim}, {tuple(v.factors)}, {v.index}),'
         for k, v in sorted((shards or {}).items())

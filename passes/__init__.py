@@ -20,8 +20,9 @@ class Rewritten:
 
 def apply(captured, plan) -> Rewritten:
     """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, in this order:
-    tensor parallel, sequence parallel, then the pipeline split. Features of the plan that no pass implements yet
+    tensor parallel, sequence parallel, activation checkpointing, then the pipeline split. Features of the plan that no pass implements yet
     are refused here with the reason rather than silently dropped."""
+    from autoshard.passes.activation_checkpoint import activation_checkpoint
     from autoshard.passes.pipeline_split import pipeline_split
     from autoshard.passes.sequence_parallel import sequence_parallel
     from autoshard.passes.tensor_parallel import tensor_parallel
@@ -40,5 +41,17 @@ def apply(captured, plan) -> Rewritten:
         raise AutoshardError("emitting FP8 matmuls is not implemented yet; compile with --precision bf16")
     sharded = tensor_parallel(captured.graph_module, m.tp)
     partial = sequence_parallel(sharded.gm, m.tp, sharded.notes) if plan.sequence_parallel else []
+    recompute = sorted(k for k, v in plan.checkpoint.items() if v == "recompute")
+    kept = [k for k, v in plan.checkpoint.items() if v == "save"]
+    if recompute and kept and m.pp > 1 and plan.schedule in ("zero-bubble", "zbv", "dualpipev"):
+        # torch's selective checkpointing allows one backward per region; these schedules run two
+        # (input gradients, then weight gradients)
+        raise AutoshardError(
+            f"the plan pairs the {plan.schedule} schedule with selective recomputation, which "
+            "torch.utils.checkpoint's selective mode cannot run (it allows one backward per region and "
+            "the schedule splits backward in two); recompile with --force recompute=full or "
+            "--force schedule=interleaved"
+        )
+    activation_checkpoint(sharded.gm, recompute, sharded.notes)
     split = pipeline_split(sharded.gm, plan.stage_layers)
     return Rewritten(split, sharded.shards, sharded.origin, sharded.notes, partial)

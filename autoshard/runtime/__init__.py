@@ -1,6 +1,7 @@
 """What emitted training programs import: process groups, autograd-aware collectives and the
 vocabulary-parallel embedding and loss. Depends on torch only."""
 
+from autoshard.runtime.checkpoint import Checkpoint
 from autoshard.runtime.collectives import (
     copy_to_tp,
     gather_from_sp,
@@ -13,6 +14,7 @@ from autoshard.runtime.collectives import (
 from autoshard.runtime.groups import set_groups, tp_group, tp_rank, tp_size
 
 __all__ = [
+    "Checkpoint",
     "copy_to_tp",
     "reduce_from_tp",
     "gather_from_sp",

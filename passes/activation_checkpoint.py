@@ -1,0 +1,70 @@
+"""Activation checkpointing: each repeated layer becomes one call to ``rt.Checkpoint``, which
+recomputes in backward the saved-tensor kinds the plan marks ``recompute``.
+
+Runs after the parallel rewrites and before the pipeline split. A layer's nodes are moved into
+their own graph (inputs: the values it reads from before it; outputs: the values read after it),
+called as ``checkpoint_L(*inputs)``; the layer's parameters stay where they were.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from torch import fx
+
+from autoshard.runtime.checkpoint import Checkpoint
+
+
+def activation_checkpoint(gm: fx.GraphModule, recompute: list[str], notes: dict[str, str] | None = None) -> int:
+    """Wrap every layer of ``gm`` in place; returns how many layers were wrapped."""
+    if not recompute:
+        return 0
+    notes = notes if notes is not None else {}
+    graph = gm.graph
+    layers: dict[int, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.meta.get("region") == "layer" and node.meta.get("layer") is not None and node.op != "get_attr":
+            layers.setdefault(node.meta["layer"], []).append(node)
+    for layer, body in sorted(layers.items()):
+        members = set(body)
+        inputs: list[fx.Node] = []
+        for n in body:
+            for a in n.all_input_nodes:
+                if a not in members and a not in inputs and a.op != "get_attr":
+                    inputs.append(a)
+        outputs = [n for n in body if any(u not in members for u in n.users)]
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for a in inputs:
+            env[a] = sub.placeholder(a.name)
+        for n in body:
+            for a in n.all_input_nodes:
+                if a.op == "get_attr" and a not in env:
+                    env[a] = sub.get_attr(a.target)
+            env[n] = sub.node_copy(n, lambda a: env[a])
+        sub.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
+        fn = fx.GraphModule(gm, sub, class_name=f"Layer{layer}")
+        name = f"checkpoint_{layer}"
+        gm.add_submodule(name, Checkpoint(fn, recompute))
+        anchor = body[-1]
+        with graph.inserting_after(anchor):
+            call = graph.call_module(name, tuple(inputs))
+        call.meta = {k: anchor.meta[k] for k in ("region", "layer", "nn_module_stack", "source") if k in anchor.meta}
+        call.meta["op"] = "checkpoint"
+        notes[call.name] = f"layer {layer} under activation checkpointing: recompute {', '.join(sorted(recompute))}"
+        results = [call]
+        if len(outputs) > 1:
+            results = []
+            last = call
+            for i, o in enumerate(outputs):
+                with graph.inserting_after(last):
+                    last = graph.call_function(operator.getitem, (call, i))
+                last.meta = {**call.meta, "shape": o.meta.get("shape")}
+                results.append(last)
+        for o, r in zip(outputs, results):
+            o.replace_all_uses_with(r, delete_user_cb=lambda u, m=members: u not in m)
+        for n in reversed(body):
+            graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+    return len(layers)
