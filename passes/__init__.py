@@ -20,8 +20,9 @@ class Rewritten:
 
 def apply(captured, plan) -> Rewritten:
     """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, in this order:
-    tensor parallel, sequence parallel, activation checkpointing, then the pipeline split. Features of the plan that no pass implements yet
-    are refused here with the reason rather than silently dropped."""
+    tensor parallel, sequence parallel, activation checkpointing, then the pipeline split.
+    Features of the plan that no pass implements yet are refused here with the reason rather
+    than silently dropped."""
     from autoshard.passes.activation_checkpoint import activation_checkpoint
     from autoshard.passes.pipeline_split import pipeline_split
     from autoshard.passes.sequence_parallel import sequence_parallel

@@ -41,7 +41,7 @@ def activation_checkpoint(gm: fx.GraphModule, recompute: list[str], notes: dict[
             for a in n.all_input_nodes:
                 if a.op == "get_attr" and a not in env:
                     env[a] = sub.get_attr(a.target)
-            env[n] = sub.node_copy(n, lambda a: env[a])
+            env[n] = sub.node_copy(n, env.__getitem__)
         sub.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
         fn = fx.GraphModule(gm, sub, class_name=f"Layer{layer}")
         name = f"checkpoint_{layer}"
