@@ -95,7 +95,7 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
         microbatches=problem.global_batch // (c.dp * c.mbs),
         microbatch_size=c.mbs,
         stage_layers=list(ev.stage_layers),
-        sequence_parallel=c.sp,
+        sequence_parallel=c.tp > 1 and problem.forced.get("sp", True),
         checkpoint={
             cat: ("recompute" if cat in c.recompute else "save") for cat in cats if cat in CHECKPOINT_CATEGORIES
         },

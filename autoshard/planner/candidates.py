@@ -32,13 +32,6 @@ class Candidate:
     order: tuple[str, ...] = ("tp", "cp", "pp", "dp")
     zero: int = 1
 
-    @property
-    def sp(self) -> bool:
-        """Sequence parallelism whenever TP > 1: the same communication volume as TP's all-reduces
-        (all-gather + reduce-scatter) and strictly less memory and pointwise work, so it is never
-        worse in this cost model and is not searched separately."""
-        return self.tp > 1
-
     def mesh_key(self) -> tuple[int, ...]:
         return (self.tp, self.pp, self.cp, self.ep, self.dp)
 
@@ -87,6 +80,7 @@ FORCE_FIELDS = {
     "attention": str,
     "order": str,
     "stage_layers": str,
+    "sp": str,
 }
 
 
@@ -124,6 +118,10 @@ def _normalise_force(pins: dict) -> dict:
         raise AutoshardError(f"--force attention={pins['attention']}: choose one of {', '.join(ATTENTION)}")
     if "zero" in pins and pins["zero"] not in (0, 1, 2, 3):
         raise AutoshardError(f"--force zero={pins['zero']}: ZeRO stage must be 0, 1, 2 or 3")
+    if "sp" in pins:
+        if pins["sp"] not in ("on", "off", "true", "false"):
+            raise AutoshardError(f"--force sp={pins['sp']}: use on or off")
+        pins["sp"] = pins["sp"] in ("on", "true")
     if "fp8" in pins:
         if pins["fp8"] not in ("on", "off", "true", "false"):
             raise AutoshardError(f"--force fp8={pins['fp8']}: use on or off")

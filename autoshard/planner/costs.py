@@ -204,19 +204,22 @@ class LayerCosts:
     def __init__(self, problem: Problem):
         self.p = problem
         self.hw = problem.hw
+        self.sp = problem.forced.get("sp", True)  # sequence parallelism with TP unless pinned off
         self._layers: dict = {}
 
     @cache  # noqa: B019 - one instance per planning run
     def activation(self, block: int, mbs: int, tp: int, cp: int, recompute: frozenset) -> float:
         """Bytes one copy of ``block`` keeps for backward for one micro-batch."""
-        return self._block(block).activation_bytes(mbs, self.p.seq / cp, tp=tp, sp=tp > 1, recompute=recompute)
+        return self._block(block).activation_bytes(
+            mbs, self.p.seq / cp, tp=tp, sp=tp > 1 and self.sp, recompute=recompute
+        )
 
     @cache  # noqa: B019
     def _gemms(self, block: int, mbs: int, tp: int, cp: int, fp8: bool, ep: int, experts: bool) -> tuple:
         """(forward time, column-parallel part) of the block's dense GEMMs (``experts`` False) or
         of its routed-expert GEMMs (True, the only ones EP changes)."""
         blk = self._block(block)
-        hw, sl, sp = self.hw, self.p.seq / cp, tp > 1
+        hw, sl, sp = self.hw, self.p.seq / cp, tp > 1 and self.sp
         total = column = 0.0
         for g, mfn in zip(blk.gemms, blk._compiled["gemm_m"]):
             if g.experts != experts:
@@ -246,7 +249,7 @@ class LayerCosts:
         """(attention forward time, memory-bound forward time, forward FLOPs, model FLOPs)."""
         blk = self._block(block)
         hw, s = self.hw, self.p.seq
-        sl, sp = s / cp, tp > 1
+        sl, sp = s / cp, tp > 1 and self.sp
         attn = attention_time(blk.eval("flops_attention", mbs, s) / (tp * cp), s / cp, hw)
         pw_tp = blk.eval("bytes_pointwise_tp", mbs, sl)
         pw_rep = blk.eval("bytes_pointwise", mbs, sl) - pw_tp
@@ -309,7 +312,7 @@ class LayerCosts:
         blk = self._block(block)
         hw, s = self.hw, self.p.seq
         sl = s / cp
-        sp = tp > 1
+        sp = tp > 1 and self.sp
         t_tp = t_ep = regather = scatter = 0.0
         transient = 0.0
         for coll, elems_fn in blk._compiled["collectives"]:
@@ -391,7 +394,7 @@ class LayerCosts:
         dense, expert = self.params(block, c.tp, c.ep)
         if block == -2:  # the logits' gradient lives next to the saved log-probabilities
             blk = self._block(block)
-            transient = max(transient, blk.activation_bytes(c.mbs, self.p.seq / c.cp, tp=c.tp, sp=c.sp))
+            transient = max(transient, blk.activation_bytes(c.mbs, self.p.seq / c.cp, tp=c.tp, sp=c.tp > 1 and self.sp))
         # the re-gather hides behind the input-gradient GEMMs, the gradient's reduce-scatter
         # behind the weight-gradient GEMMs; what is longer than they are shows
         exposed = t_tp + max(0.0, regather - column) + max(0.0, scatter - column)

@@ -183,7 +183,11 @@ class Planner:
         transient = max([k.transient_bytes for k in w.kinds] + [w.pre.transient_bytes])
         if zero == 3:
             transient += 2 * max(k.params_dense + k.params_expert for k in w.kinds) * 2
-        boundary = 2 * self.costs._block(0).eval("boundary", c.mbs, self.p.seq / c.cp) / (c.tp if c.sp else 1)
+        boundary = (
+            2
+            * self.costs._block(0).eval("boundary", c.mbs, self.p.seq / c.cp)
+            / (c.tp if c.tp > 1 and self.costs.sp else 1)
+        )
         return transient + (4 * boundary if c.pp > 1 else 0.0), w.post.transient_bytes
 
     # -- bounds -----------------------------------------------------------------------------------
@@ -701,6 +705,8 @@ def _root_of(mesh: tuple) -> Candidate:
 
 def _pins_text(pins: dict) -> str:
     def text(v):
+        if isinstance(v, bool):
+            return "on" if v else "off"
         if isinstance(v, frozenset):
             return "+".join(sorted(v)) or "none"
         if isinstance(v, tuple):

@@ -29,7 +29,7 @@ def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((tp_size() * x.size(0), *x.shape[1:]))
     _gather_into(out, x, group=tp_group())
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -38,7 +38,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
         raise RuntimeError(f"reduce-scatter over tp={tp_size()}: dimension {dim} of size {x.size(0)} does not divide")
     out = x.new_empty((x.size(0) // tp_size(), *x.shape[1:]))
     _scatter_from(out, x, group=tp_group())
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _split(x: torch.Tensor, dim: int) -> torch.Tensor:
