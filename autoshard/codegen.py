@@ -237,7 +237,10 @@ def program_files(plan: Plan, captured, model_file: str, builder: str | None, co
     vocab = plan.model.get("vocab")
     if not vocab:
         raise AutoshardError("the model's vocabulary size is unknown, so no synthetic data can be drawn")
+    import hashlib
+
     program = {
+        "plan_sha256": hashlib.sha256((plan.to_json() + "\n").encode()).hexdigest(),
         "model_file": str(Path(model_file).resolve()),
         "builder": builder,
         "config": config,

@@ -44,6 +44,7 @@ def parse_args():
 def main():
     args = parse_args()
     plan, program = rt.read_json(HERE / "plan.json"), rt.read_json(HERE / "program.json")
+    rt.check_program(HERE, plan, program)
     rt.check_world(plan)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

@@ -46,6 +46,21 @@ class Ranks:
     dp_size: int
 
 
+def check_program(here: Path, plan: dict, program: dict) -> None:
+    """plan.json must be the one the stage files were generated from."""
+    import hashlib
+
+    digest = hashlib.sha256((here / "plan.json").read_bytes()).hexdigest()
+    if program.get("plan_sha256") not in (None, digest):
+        raise ProgramError(
+            f"{here / 'plan.json'} changed after the program was generated; "
+            "recompile (autoshard compile ... -o DIR) instead of editing the plan"
+        )
+    chunks = plan["mesh"]["pp"] * plan["virtual_stages"]
+    if len(program["chunks"]) != chunks:
+        raise ProgramError(f"program.json has {len(program['chunks'])} pipeline chunks but the plan needs {chunks}")
+
+
 def check_world(plan: dict) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan["gpus"]:
@@ -104,7 +119,10 @@ def build_chunks(
         stage_file = load_stage_file(out / info["file"])
         with torch.device("meta"):
             module = getattr(stage_file, info["class"])()
-        materialise(module, stage_file, device, ranks.tp, ranks.tp_size, full_state, seed)
+        try:
+            materialise(module, stage_file, device, ranks.tp, ranks.tp_size, full_state, seed)
+        except ValueError as e:
+            raise ProgramError(f"{e}; recompile with autoshard compile") from None
         module.stage_file = stage_file
         modules.append(module)
     return modules

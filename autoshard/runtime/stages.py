@@ -94,9 +94,16 @@ def materialise(
         if full_state is not None:
             for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
                 source = origin.get(name, name)
+                if source not in full_state:
+                    raise ValueError(f"the model has no parameter {source}: it changed since this program was compiled")
                 value = full_state[source]
                 if source in shards:
                     value = slice_full(value, shards[source], tp_rank, tp)
+                if tuple(value.shape) != tuple(t.shape):
+                    raise ValueError(
+                        f"{source}: the model's piece is {tuple(value.shape)}, the program's {tuple(t.shape)}: "
+                        "the model changed since this program was compiled"
+                    )
                 t.copy_(value)
             return stage
         for path, module in stage.named_modules():

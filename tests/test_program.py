@@ -1,0 +1,93 @@
+"""The emitted program's bad inputs and failures: clear one-line errors, exit 2, never a hang."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autoshard.cli import main
+from autoshard.errors import AutoshardError
+from autoshard.verify import verify
+
+from conftest import EXAMPLES
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prog") / "out"
+    args = [str(EXAMPLES / "gpt.py"), "--config", "tiny", "--hardware", "cpu", "--gpus", "2"]
+    args += ["--seq-len", "32", "--global-batch", "4", "--force", "pp=2", "-o", str(out)]
+    assert main(["compile", *args]) == 0
+    return out
+
+
+def _torchrun(out, nproc, *extra, timeout=120):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += [str(out / "train.py"), "--steps", "1", *extra]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_compile_writes_the_program_files(program):
+    names = {p.name for p in program.iterdir()}
+    assert {"plan.json", "plan.md", "train.py", "program.json", "loss.py", "stage0.py", "stage1.py"} <= names
+    text = (program / "stage0.py").read_text()
+    assert "class Chunk0(nn.Module)" in text and "SHARDS = {" in text
+    import ast
+
+    for name in ("train.py", "stage0.py", "loss.py"):
+        tree = ast.parse((program / name).read_text())
+        modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        foreign = {m for m in modules if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "torch"}
+        assert {m for m in foreign if not m.startswith("autoshard.runtime")} == set(), name
+
+
+def test_wrong_world_size_is_a_clear_error(program):
+    proc = _torchrun(program, 1)
+    assert proc.returncode != 0
+    assert "the plan is for 2 processes but WORLD_SIZE is 1" in proc.stderr
+
+
+def test_edited_plan_is_refused(program, tmp_path):
+    import shutil
+
+    copy = tmp_path / "edited"
+    shutil.copytree(program, copy)
+    (copy / "plan.json").write_text((copy / "plan.json").read_text().replace('"zero_stage": 0', '"zero_stage": 1'))
+    proc = _torchrun(copy, 2)
+    assert proc.returncode != 0 and "changed after the program was generated" in proc.stderr
+
+
+def test_a_rank_that_dies_takes_the_others_down(program, tmp_path):
+    import shutil
+
+    copy = tmp_path / "dies"
+    shutil.copytree(program, copy)
+    stage = copy / "stage1.py"
+    text = stage.read_text().replace(
+        "    def forward(self, ",
+        "    def forward(self, *a, **k):\n        raise SystemExit(7)\n\n    def _unused(self, ",
+        1,
+    )
+    stage.write_text(text)
+    with pytest.raises(AutoshardError, match="the emitted program failed"):
+        verify(copy, steps=1, tolerance=1e-5, timeout=120)
+
+
+def test_verify_needs_an_emitted_program(tmp_path):
+    with pytest.raises(AutoshardError, match="is not a directory"):
+        verify(tmp_path / "missing", steps=1, tolerance=1e-5)
+    assert main(["compile", str(EXAMPLES / "gpt.py"), "--config", "tiny", "--hardware", "cpu", "--gpus", "2",
+                 "--seq-len", "32", "--global-batch", "4", "--plan-only", "-o", str(tmp_path / "p")]) == 0  # fmt: skip
+    with pytest.raises(AutoshardError, match="has no train.py"):
+        verify(tmp_path / "p", steps=1, tolerance=1e-5)
+
+
+def test_features_without_a_pass_are_refused_at_compile(tmp_path, capsys):
+    args = [str(EXAMPLES / "llama3.py"), "--config", "tiny", "--hardware", "cpu", "--gpus", "2"]
+    args += ["--seq-len", "64", "--global-batch", "4", "--force", "cp=2", "-o", str(tmp_path / "o")]
+    assert main(["compile", *args]) == 2
+    assert "context parallelism" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
