@@ -27,6 +27,7 @@ class Config:
 
 CONFIGS = {
     "tiny": Config(layers=2, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=256),
+    "small": Config(layers=4, hidden=256, ffn=688, heads=8, kv_heads=4, vocab=4096),  # CPU benchmarks
     "8b": Config(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256),
     "70b": Config(layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256),
     "405b": Config(layers=126, hidden=16384, ffn=53248, heads=128, kv_heads=8, vocab=128256),

@@ -1,0 +1,104 @@
+"""Hand-written torch.distributed training of examples/llama3.py, for benchmarks/emit.py to
+compare the emitted program against. Same model, data, micro-batching and AdamW as the emitted
+program of the same plan; what a person would write by hand with the standard tools:
+
+    torchrun --nproc-per-node 4 benchmarks/handwritten.py --mode dp --plan OUT/plan.json --steps 20
+    torchrun --nproc-per-node 2 benchmarks/handwritten.py --mode pp --plan OUT/plan.json --steps 20
+
+--mode dp: DistributedDataParallel (no_sync on all but the last micro-batch).
+--mode pp: the model cut by hand into two stages, torch.distributed.pipelining Schedule1F1B.
+Prints one JSON line per step with its wall time.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import llama3  # noqa: E402
+
+from autoshard.capture import causal_lm_loss  # noqa: E402
+from autoshard.runtime.program import global_batch  # noqa: E402
+
+
+class First(nn.Module):
+    def __init__(self, model, layers):
+        super().__init__()
+        self.embed, self.layers = model.embed, nn.ModuleList(model.layers[:layers])
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Last(nn.Module):
+    def __init__(self, model, layers):
+        super().__init__()
+        self.layers, self.norm, self.output = nn.ModuleList(model.layers[layers:]), model.norm, model.output
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["dp", "pp"], required=True)
+    p.add_argument("--plan", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    plan = json.loads(args.plan.read_text())
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = llama3.build(plan["model"]["name"].split(":")[1])
+    m, mbs, seq, batch = plan["microbatches"], plan["microbatch_size"], plan["seq_len"], plan["global_batch"]
+    vocab = plan["model"]["vocab"]
+    if args.mode == "dp":
+        net = nn.parallel.DistributedDataParallel(model)
+        params = net.parameters()
+    else:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        half = len(model.layers) // 2
+        part = First(model, half) if rank == 0 else Last(model, half)
+        stage = PipelineStage(part, rank, world, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, m, loss_fn=lambda out, tokens: causal_lm_loss(out, tokens))
+        params = part.parameters()
+    optim = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    dp_rank = rank if args.mode == "dp" else 0
+    rows = m * mbs
+    for step in range(args.steps):
+        start = time.perf_counter()
+        tokens = global_batch(step, batch, seq, vocab, 0)[dp_rank * rows : (dp_rank + 1) * rows]
+        optim.zero_grad(set_to_none=True)
+        if args.mode == "dp":
+            for i, mb in enumerate(tokens.split(mbs)):
+                if i < m - 1:
+                    with net.no_sync():
+                        (causal_lm_loss(net(mb), mb) / m).backward()
+                else:
+                    (causal_lm_loss(net(mb), mb) / m).backward()
+        else:
+            losses = []
+            if rank == 0:
+                schedule.step(tokens)
+            else:
+                schedule.step(target=tokens, losses=losses)
+        optim.step()
+        if rank == world - 1:
+            print(json.dumps({"step": step, "seconds": time.perf_counter() - start}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
