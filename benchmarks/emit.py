@@ -44,9 +44,9 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "out"
             subprocess.run(
-                [sys.executable, "-m", "autoshard", "compile", str(ROOT / "examples" / "llama3.py"), "--config", "small",
-                 "--hardware", "cpu", "--gpus", str(gpus), "--seq-len", "256", "--global-batch", "16",
-                 "--force", pins, "-o", str(out)],
+                [sys.executable, "-m", "autoshard", "compile", str(ROOT / "examples" / "llama3.py"),
+                 "--config", "small", "--hardware", "cpu", "--gpus", str(gpus), "--seq-len", "256",
+                 "--global-batch", "16", "--force", pins, "-o", str(out)],
                 check=True, capture_output=True,
             )  # fmt: skip
             ratios, emitted_all, hand_all = [], [], []
