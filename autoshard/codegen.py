@@ -224,8 +224,9 @@ def program_files(plan: Plan, captured, model_file: str, builder: str | None, co
         rank = _chunk_rank(plan, c)
         doc = f"Pipeline chunk {c} of {n} (pipeline rank {rank}): {', '.join(parts)}."
         name = f"stage{c}.py"
+        inits = _bare_inits(gm, captured.model, rewritten.origin)
         files[name] = stage_source(
-            gm, f"Chunk{c}", doc, rewritten.notes, rewritten.shards, rewritten.origin, rewritten.partial_grads
+            gm, f"Chunk{c}", doc, rewritten.notes, rewritten.shards, rewritten.origin, rewritten.partial_grads, inits
         )
         chunks.append({"file": name, "class": f"Chunk{c}", "layers": [first, last], "rank": rank})
     files["loss.py"] = stage_source(
@@ -254,6 +255,39 @@ def program_files(plan: Plan, captured, model_file: str, builder: str | None, co
     title = f"Train {name} as {plan.mesh.product_form()}, ZeRO-{plan.zero_stage}, {plan.schedule}."
     files["train.py"] = TRAIN_PY.format(title=title, gpus=plan.gpus, out="OUT")
     return files
+
+
+def _bare_inits(gm, model, origin: dict[str, str]) -> dict[str, tuple]:
+    """Initialisers for the parameters a stage holds outside a torch.nn layer (a vocabulary-split
+    embedding table, a row matmul's bias), from the layer they came from in the model: torch's own
+    defaults for that layer type."""
+    import math
+
+    from torch import nn
+
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        source = origin.get(node.target, node.target)
+        owner_path, _, leaf = source.removeprefix("model.").rpartition(".")
+        try:
+            owner = model.get_submodule(owner_path)
+        except AttributeError:
+            continue
+        if isinstance(owner, nn.Embedding) and leaf == "weight":
+            out[node.target] = ("normal", 0.0, 1.0)
+        elif isinstance(owner, nn.Linear):
+            bound = 1 / math.sqrt(owner.in_features)
+            out[node.target] = ("uniform", -bound, bound)
+        elif isinstance(owner, (nn.LayerNorm, nn.RMSNorm)):
+            out[node.target] = ("constant", 1.0 if leaf == "weight" else 0.0)
+        else:
+            raise AutoshardError(
+                f"parameter {source} of {type(owner).__name__} has no default initialiser; "
+                "run the program with --init-from-model"
+            )
+    return out
 
 
 def _chunk_rank(plan: Plan, chunk: int) -> int:

@@ -24,7 +24,7 @@ def program(tmp_path_factory):
 
 def _torchrun(out, nproc, *extra, timeout=120):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += [str(out / "train.py"), "--steps", "1", *extra]
+    cmd += [str(out / "train.py"), *(extra or ("--steps", "1"))]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -91,3 +91,14 @@ def test_features_without_a_pass_are_refused_at_compile(tmp_path, capsys):
     assert main(["compile", *args]) == 2
     assert "context parallelism" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_default_initialisation_trains_from_a_sensible_loss(program):
+    import json
+    import math
+
+    proc = _torchrun(program, 2, "--steps", "2")
+    assert proc.returncode == 0, proc.stderr[-500:]
+    losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(losses) == 2
+    assert all(math.isfinite(x) and abs(x - math.log(256)) < 1.5 for x in losses)  # near uniform over 256 tokens

@@ -120,4 +120,20 @@ def materialise(
                 spec = shards.get(origin.get(f"{path}.{name}" if path else name, ""))
                 if is_split and spec and spec[0] == 1 and p.dim() == 2:  # fan-in was split: rescale
                     p.mul_(1.0 / math.sqrt(tp))
+        params = dict(stage.named_parameters())
+        for name, spec in getattr(stage_file, "INIT", {}).items():
+            p = params[name]
+            split = origin.get(name, name) in shards
+            gen = torch.Generator(device="cpu").manual_seed(
+                seed * 1_000_003 + zlib.crc32(name.encode()) + (tp_rank + 1) * 7919 * split
+            )
+            kind, *args = spec
+            value = torch.empty(p.shape, dtype=p.dtype)
+            if kind == "normal":
+                value.normal_(args[0], args[1], generator=gen)
+            elif kind == "uniform":
+                value.uniform_(args[0], args[1], generator=gen)
+            else:
+                value.fill_(args[0])
+            p.copy_(value)
     return stage
