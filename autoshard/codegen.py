@@ -280,8 +280,10 @@ def _bare_inits(gm, model, origin: dict[str, str]) -> dict[str, tuple]:
         elif isinstance(owner, nn.Linear):
             bound = 1 / math.sqrt(owner.in_features)
             out[node.target] = ("uniform", -bound, bound)
-        elif isinstance(owner, (nn.LayerNorm, nn.RMSNorm)):
+        elif isinstance(owner, (nn.LayerNorm, nn.RMSNorm)) or type(owner).__name__.endswith("Norm"):
             out[node.target] = ("constant", 1.0 if leaf == "weight" else 0.0)
+        elif leaf not in dict(owner.named_parameters(recurse=False)):  # a buffer: its value comes from the model
+            out[node.target] = ("from_model",)
         else:
             raise AutoshardError(
                 f"parameter {source} of {type(owner).__name__} has no default initialiser; "

@@ -87,7 +87,7 @@ def annotate(gm: fx.GraphModule) -> None:
 
 def _metadata_query(node: fx.Node) -> bool:
     """``x.size(-1)``, ``x.dtype``: reads no data (the TP pass rewrites the sizes it returns)."""
-    return node.meta.get("op") in ("size", "sym_size", "getattr", "dim", "numel")
+    return node.meta.get("op") in ("size", "sym_size", "getattr", "dim", "numel", "_assert_tensor_metadata")
 
 
 def _from_input(node: fx.Node) -> bool:

@@ -31,9 +31,21 @@ class SplitProgram:
 
 
 def _in_model(node: fx.Node) -> bool:
+    """Inside the user's model (not the loss the training wrapper adds after it): fx records
+    ``("model", Model)`` on the module stack, torch.export ``("model", "pkg.Model")``."""
     if node.op == "call_module":
         return True
-    return bool(node.meta.get("nn_module_stack"))
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [str(v[0]) for v in stack.values() if isinstance(v, tuple)]
+    return any(p == "model" or p.startswith("model.") for p in paths)
+
+
+def _input_size(node: fx.Node) -> bool:
+    """``x.size(d)`` / ``sym_size(x, d)`` of a model input: recomputed wherever it is read."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name.startswith(("size", "sym_size")) and node.args[0].op == "placeholder"
 
 
 def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, int]:
@@ -46,7 +58,7 @@ def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, 
 
     out: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output", "get_attr"):
+        if node.op in ("placeholder", "output", "get_attr") or _input_size(node):
             continue
         if not _in_model(node):
             out[node] = LOSS
@@ -75,13 +87,16 @@ def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, 
 
 
 def pipeline_split(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
+    for node in list(gm.graph.nodes):  # torch.export's input-shape guard: the stages check nothing
+        if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
+            gm.graph.erase_node(node)
     chunk = assign_chunks(gm, stage_layers)
     n = len(stage_layers)
-    nodes = list(gm.graph.nodes)
+    nodes = [n for n in gm.graph.nodes if not _input_size(n)]
     placeholders = [p for p in nodes if p.op == "placeholder"]
     for node in nodes:
         for arg in node.all_input_nodes:
-            if arg.op == "placeholder" or node.op == "output" or node not in chunk:
+            if arg.op == "placeholder" or _input_size(arg) or node.op == "output" or node not in chunk:
                 continue
             a, b = chunk[arg], chunk[node]
             if b == LOSS and a not in (LOSS, n - 1):
@@ -101,7 +116,13 @@ def pipeline_split(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
             if later:
                 needed.append(v)
         reads_after.append(needed)
-    loss_inputs = [p for p in placeholders if any(chunk.get(u) == LOSS for u in p.users)]
+
+    def read_by_loss(p: fx.Node) -> bool:
+        return any(
+            chunk.get(u) == LOSS or (_input_size(u) and any(chunk.get(w) == LOSS for w in u.users)) for u in p.users
+        )
+
+    loss_inputs = [p for p in placeholders if read_by_loss(p)]
     if len(loss_inputs) > 1:
         raise AutoshardError(
             f"the loss reads {len(loss_inputs)} model inputs ({', '.join(p.name for p in loss_inputs)}); "
@@ -128,12 +149,77 @@ def _subgraph(gm, inputs, body, outputs, name) -> fx.GraphModule:
     for v in inputs:
         env[v] = graph.placeholder(v.name)
         env[v].meta = dict(v.meta)
+
+    def lookup(a: fx.Node) -> fx.Node:
+        if a not in env and _input_size(a):
+            env[a] = (
+                graph.node_copy(a, lambda x: env[x]) if a.args[0] in env else _size_from_inputs(graph, env, a, name)
+            )
+        return env[a]
+
     for v in body:
-        env[v] = graph.node_copy(v, lambda a: env[a])
+        env[v] = graph.node_copy(v, lookup)
     if outputs is None:  # the loss graph returns what the original graph returned
         (result,) = [v for v in gm.graph.nodes if v.op == "output"]
         graph.output(fx.map_arg(result.args[0], lambda a: env[a]))
     else:
         graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[v] for v in outputs))
+    _run_anywhere(graph)
     graph.lint()
     return fx.GraphModule(gm, graph, class_name=name)
+
+
+def _size_from_inputs(graph: fx.Graph, env: dict, size: fx.Node, name: str) -> fx.Node:
+    """A later chunk reads the batch or sequence length of a model input it does not have: read it
+    off one of its own inputs with that symbolic dimension (times the TP degree where sequence
+    parallelism has sliced that dimension)."""
+    import operator
+
+    dim = size.args[1] if len(size.args) > 1 else 0
+    want = size.args[0].meta["shape"][dim]
+    best = None
+    for original, node in env.items():
+        if node.op != "placeholder" or not isinstance(original.meta.get("shape"), (tuple, list)):
+            continue
+        for d, extent in enumerate(original.meta["shape"]):
+            if extent == want and getattr(want, "free_symbols", None):
+                sliced = original.meta.get("sp_sliced_dim") == d
+                if best is None or (best[2] and not sliced):
+                    best = (node, d, sliced, original.meta.get("sp_tp", 1))
+    if best is None:
+        raise AutoshardError(
+            f"{name} reads the size of model input {size.args[0].name}, which only the first pipeline chunk has; "
+            "plan with --force pp=1 for this model"
+        )
+    node, d, sliced, tp = best
+    from autoshard import runtime
+
+    out = graph.call_function(runtime.size_of, (node, d))
+    return graph.call_function(operator.mul, (out, tp)) if sliced else out
+
+
+def _run_anywhere(graph: fx.Graph) -> None:
+    """torch.export records the capture's device (meta) as a constant in factory calls and in
+    metadata asserts: read the device off the first input instead, and drop the asserts."""
+    import torch
+
+    for node in list(graph.nodes):
+        target = getattr(node.target, "__name__", "")
+        if node.op == "call_function" and target.startswith("_assert_tensor_metadata") and not node.users:
+            graph.erase_node(node)
+    first = next((n for n in graph.nodes if n.op == "placeholder"), None)
+    device = None
+
+    def is_meta(x) -> bool:
+        return isinstance(x, torch.device) and x.type == "meta"
+
+    for node in list(graph.nodes):
+        if not (any(is_meta(a) for a in node.args) or any(is_meta(v) for v in node.kwargs.values())):
+            continue
+        if first is None:
+            raise AutoshardError(f"{node.name} creates a tensor on a fixed device and its stage has no input")
+        if device is None:
+            with graph.inserting_after(first):
+                device = graph.call_function(getattr, (first, "device"))
+        node.args = tuple(device if is_meta(a) else a for a in node.args)
+        node.kwargs = {k: device if is_meta(v) else v for k, v in node.kwargs.items()}

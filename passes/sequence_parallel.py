@@ -23,8 +23,9 @@ from autoshard.ir import S
 
 _POINTWISE = {
     "add", "sub", "mul", "div", "truediv", "neg", "dropout", "to", "float", "half", "bfloat16", "type_as",
-    "contiguous", "clone", "iadd", "imul",
+    "contiguous", "clone", "iadd", "imul", "pow", "rsqrt", "sqrt", "_to_copy", "alias",
 }  # fmt: skip
+_REDUCTIONS = {"mean", "sum", "amax", "var"}  # per token when they reduce other dimensions
 _NORMS = (nn.LayerNorm, nn.RMSNorm)
 
 
@@ -65,6 +66,7 @@ def sequence_parallel(gm: fx.GraphModule, tp: int, notes: dict[str, str] | None 
                 raise _fail(node, "no sequence dimension")
             node.target, node.args = runtime.reduce_scatter_to_sp, (node.args[0], dim)
             notes[node.name] = f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices"
+            node.meta["sp_sliced_dim"], node.meta["sp_tp"] = dim, tp
             frontier.append(node)
     # the hidden state entering the layer stack: what a layer's first norm and residual add read
     first = [
@@ -82,6 +84,7 @@ def sequence_parallel(gm: fx.GraphModule, tp: int, notes: dict[str, str] | None 
             scatter = graph.call_function(runtime.scatter_to_sp, (a, _seq_dim(a)))
         scatter.meta = {**a.meta, "region": "layer", "tp": "replicated"}
         notes[scatter.name] = f"sequence parallel: keep this rank's 1/{tp} of the sequence from here on"
+        scatter.meta["sp_sliced_dim"], scatter.meta["sp_tp"] = _seq_dim(a), tp
         for user in list(a.users):
             if user is not scatter and user.meta.get("region") in ("layer", "post") and _residual_reader(user):
                 user.replace_input_with(a, scatter)
@@ -105,10 +108,14 @@ def sequence_parallel(gm: fx.GraphModule, tp: int, notes: dict[str, str] | None 
         if user.op == "call_method" and user.target == "size":
             _size_to_full(graph, user, node, tp)
             continue
-        if _op(user) in ("getattr", "dim", "new_ones", "new_zeros", "new_full", "new_empty"):
+        if _op(user) in ("getattr", "dim", "new_ones", "new_zeros", "new_full", "new_empty", "_assert_tensor_metadata"):
             continue  # reads only the dtype, device or rank
         if user.op == "call_module" and isinstance(gm.get_submodule(user.target), _NORMS):
             partial.update(f"{user.target}.{p}" for p, _ in gm.get_submodule(user.target).named_parameters())
+        elif _op(user) in _REDUCTIONS and _seq_dim(user) == _seq_dim(node):
+            pass  # a reduction over features (RMSNorm written out): still one value per token
+        elif _op(user) == "slice" and user.meta.get("shape") == node.meta.get("shape"):
+            pass  # a slice that keeps everything
         elif _op(user) in _POINTWISE:
             for other in user.all_input_nodes:
                 if other in sliced:
@@ -120,6 +127,7 @@ def sequence_parallel(gm: fx.GraphModule, tp: int, notes: dict[str, str] | None 
         else:
             raise _fail(user, f"{_op(user)!r} is not per-token")
         sliced.add(user)
+        user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _seq_dim(user), tp
     graph.lint()
     gm.recompile()
     return sorted(partial)

@@ -195,7 +195,7 @@ class _Propagator:
         if node.meta.get("op_class") == "loss":
             self.losses[node] = s
             return
-        if name in ("size", "getattr", "dim"):
+        if name in ("size", "sym_size", "getattr", "dim", "_assert_tensor_metadata"):
             return  # the local size (what the rewritten views need), dtype, device
         out = self.transfer(node, name, src, s)
         if out is not None:
@@ -224,6 +224,11 @@ class _Propagator:
             return Shard(1 - s.dim, s.factors, s.index)
         if name == "getitem":
             return self._getitem(node, src, s)
+        if name == "slice":  # aten.slice(x, dim, start, end)
+            d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
+            if d == s.dim and _shape(node)[d] != _shape(src)[d]:
+                raise _fail(node, "slices the split dimension")
+            return s
         if name in ("unsqueeze",):
             d = _norm_dim(_dims(node, 1)[0], len(shape))
             return Shard(s.dim + (1 if d <= s.dim else 0), s.factors, s.index)
@@ -408,76 +413,101 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
     graph = gm.graph
     # views: rewrite the constant of the split dimension
     for node, s in prop.shard.items():
-        if _op_name(node) in ("view", "reshape", "expand") and node.op == "call_method":
+        if _op_name(node) in ("view", "reshape", "expand") and node.op in ("call_method", "call_function"):
             _rewrite_sizes(node, s, tp)
     # column (and vocabulary head) matmuls: local weight, f on the input
     f_of: dict[fx.Node, fx.Node] = {}
     for node, layout in prop.layout.items():
-        module = _linear(gm, node)
+        lin = _linear(gm, node)
         x = node.args[0]
         if x not in f_of:
             with graph.inserting_after(x):
                 f_of[x] = _inherit(graph.call_function(runtime.copy_to_tp, (x,)), node, "replicated", x)
         node.replace_input_with(x, f_of[x])
-        local = nn.Linear(module.in_features, module.out_features // tp, bias=module.bias is not None, device="meta")
-        _swap(gm, node.target, local)
+        if lin.module:
+            local = nn.Linear(lin.in_f, lin.out_f // tp, bias=lin.bias is not None, device="meta")
+            _swap(gm, node.target, local)
+        else:
+            _localise(gm, lin.weight, (lin.out_f // tp, lin.in_f))
+            if lin.bias:
+                _localise(gm, lin.bias, (lin.out_f // tp,))
         spec = ParamShard(0, layout.factors, layout.index)
-        result.shards[f"{node.target}.weight"] = spec
-        if module.bias is not None:
-            result.shards[f"{node.target}.bias"] = spec
+        result.shards[lin.weight] = spec
+        if lin.bias is not None:
+            result.shards[lin.bias] = spec
         role = "vocabulary-parallel head" if node.meta.get("tp_role") == "vocab" else "column-parallel"
-        result.notes[node.name] = f"tp={tp}: {role}, out_features {module.out_features} -> {local.out_features}"
+        result.notes[node.name] = f"tp={tp}: {role}, out_features {lin.out_f} -> {lin.out_f // tp}"
     # row matmuls: local weight, g on the output, bias after the reduction
     for node, layout in prop.rows.items():
-        module = _linear(gm, node)
-        if layout.size != module.in_features:
-            raise _fail(node, f"its input features {layout.size} are not the weight's {module.in_features}")
-        local = nn.Linear(module.in_features // tp, module.out_features, bias=False, device="meta")
-        _swap(gm, node.target, local)
-        result.shards[f"{node.target}.weight"] = ParamShard(1, layout.factors, layout.index)
+        lin = _linear(gm, node)
+        if layout.size != lin.in_f:
+            raise _fail(node, f"its input features {layout.size} are not the weight's {lin.in_f}")
+        result.shards[lin.weight] = ParamShard(1, layout.factors, layout.index)
+        bias_name = None
+        if lin.module:
+            module = gm.get_submodule(node.target)
+            _swap(gm, node.target, nn.Linear(lin.in_f // tp, lin.out_f, bias=False, device="meta"))
+            if module.bias is not None:
+                bias_name = f"{node.target}_bias".replace(".", "_")
+                gm.register_parameter(bias_name, module.bias)
+                result.origin[bias_name] = f"{node.target}.bias"
+        else:
+            _localise(gm, lin.weight, (lin.out_f, lin.in_f // tp))
+            if lin.bias is not None:
+                bias_name = lin.bias
+                node.args = node.args[:2]
+                node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
         with graph.inserting_after(node):
             g = _inherit(graph.call_function(runtime.reduce_from_tp, (node,)), node, "replicated")
         _redirect(node, g)
-        if module.bias is not None:
-            bias_name = f"{node.target}_bias".replace(".", "_")
-            gm.register_parameter(bias_name, module.bias)
-            result.origin[bias_name] = f"{node.target}.bias"
+        if bias_name is not None:
             with graph.inserting_after(g):
                 b = _inherit(graph.get_attr(bias_name), node, "replicated")
             with graph.inserting_after(b):
                 add = _inherit(graph.call_function(operator.add, (g, b)), node, "replicated")
             _redirect(g, add)
         result.notes[node.name] = (
-            f"tp={tp}: row-parallel, in_features {module.in_features} -> {local.in_features}, "
+            f"tp={tp}: row-parallel, in_features {lin.in_f} -> {lin.in_f // tp}, "
             "partial sums all-reduced by reduce_from_tp"
         )
     # vocabulary-parallel embeddings
     for node in nodes:
         if node.meta.get("tp_role") == "vocab" and node.meta.get("op_class") == "embedding":
-            module = gm.get_submodule(node.target)
-            if module.num_embeddings % tp:
-                raise _fail(node, f"vocabulary {module.num_embeddings} does not divide by tp={tp}")
-            weight_name = f"{node.target}.weight"
-            local = nn.Embedding(module.num_embeddings // tp, module.embedding_dim, device="meta")
-            _swap(gm, node.target, local)
+            if node.op == "call_module":
+                module = gm.get_submodule(node.target)
+                rows, dim, ids = module.num_embeddings, module.embedding_dim, node.args[0]
+                weight_name = f"{node.target}.weight"
+            elif node.op == "call_function" and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
+                weight_name, ids = node.args[0].target, node.args[1]  # aten.embedding(weight, ids)
+                rows, dim = _param(gm, weight_name).shape
+            else:
+                raise _fail(node, "an embedding whose table is not a parameter")
+            if rows % tp:
+                raise _fail(node, f"vocabulary {rows} does not divide by tp={tp}")
+            if node.op == "call_module":
+                _swap(gm, node.target, nn.Embedding(rows // tp, dim, device="meta"))
+            else:
+                _localise(gm, weight_name, (rows // tp, dim))
             with graph.inserting_before(node):
                 w = _inherit(graph.get_attr(weight_name), node, "sharded")
             with graph.inserting_after(node):
-                emb = _inherit(
-                    graph.call_function(runtime.vocab_parallel_embedding, (node.args[0], w)), node, "replicated"
-                )
+                emb = _inherit(graph.call_function(runtime.vocab_parallel_embedding, (ids, w)), node, "replicated")
             node.replace_all_uses_with(emb)
             graph.erase_node(node)
-            result.shards[weight_name] = ParamShard(0, (module.num_embeddings,), 0)
-            result.notes[emb.name] = (
-                f"tp={tp}: vocabulary-parallel embedding, rows {module.num_embeddings} -> {local.num_embeddings}"
-            )
+            result.shards[weight_name] = ParamShard(0, (rows,), 0)
+            result.notes[emb.name] = f"tp={tp}: vocabulary-parallel embedding, rows {rows} -> {rows // tp}"
     # the loss over vocabulary-split logits
     for node, s in prop.losses.items():
-        if _op_name(node) != "cross_entropy" or s.dim != len(_shape(node.args[0])) - 1:
+        if _op_name(node) not in ("cross_entropy", "cross_entropy_loss") or s.dim != len(_shape(node.args[0])) - 1:
             raise _fail(node, "only cross-entropy over logits split along the vocabulary is supported")
-        ignore = node.kwargs.get("ignore_index", -100)
-        reduction = node.kwargs.get("reduction", "mean")
+        if node.op == "call_function" and _op_name(node) == "cross_entropy_loss":  # aten: positional defaults
+            extra = list(node.args[2:]) + [None, 1, -100][len(node.args[2:]) :]
+            if extra[0] is not None or (len(extra) > 3 and extra[3]):
+                raise _fail(node, "class weights or label smoothing in a vocabulary-split loss")
+            reduction, ignore = {0: "none", 1: "mean", 2: "sum"}[extra[1]], extra[2]
+        else:
+            ignore = node.kwargs.get("ignore_index", -100)
+            reduction = node.kwargs.get("reduction", "mean")
         with graph.inserting_after(node):
             ce = graph.call_function(
                 runtime.vocab_parallel_cross_entropy, (node.args[0], node.args[1], ignore, reduction)
@@ -530,10 +560,44 @@ def _redirect(old: fx.Node, new: fx.Node) -> None:
     old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
 
 
-def _linear(gm: fx.GraphModule, node: fx.Node) -> nn.Linear:
-    if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), nn.Linear):
-        raise _fail(node, "only nn.Linear matmuls with weights are split so far")
-    return gm.get_submodule(node.target)
+@dataclass(frozen=True)
+class _Lin:
+    weight: str  # parameter names
+    bias: str | None
+    out_f: int
+    in_f: int
+    module: bool  # an nn.Linear call (else F.linear / aten.linear on parameters)
+
+
+def _linear(gm: fx.GraphModule, node: fx.Node) -> _Lin:
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear):
+        m = gm.get_submodule(node.target)
+        bias = f"{node.target}.bias" if m.bias is not None else None
+        return _Lin(f"{node.target}.weight", bias, m.out_features, m.in_features, True)
+    if node.op == "call_function" and _op_name(node) == "linear":
+        w = node.args[1]
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        if (
+            isinstance(w, fx.Node)
+            and w.op == "get_attr"
+            and (b is None or (isinstance(b, fx.Node) and b.op == "get_attr"))
+        ):
+            out_f, in_f = _param(gm, w.target).shape
+            return _Lin(w.target, b.target if b is not None else None, out_f, in_f, False)
+    raise _fail(node, "only linear layers whose weight is a parameter are split")
+
+
+def _param(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    owner, _, leaf = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, leaf)
+
+
+def _localise(gm: fx.GraphModule, target: str, shape: tuple[int, ...]) -> None:
+    """Replace parameter ``target`` by an empty one of the local ``shape`` on the meta device."""
+    owner, _, leaf = target.rpartition(".")
+    module = gm.get_submodule(owner) if owner else gm
+    old = getattr(module, leaf)
+    setattr(module, leaf, nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"), old.requires_grad))
 
 
 def _swap(gm: fx.GraphModule, target: str, module: nn.Module) -> None:

@@ -1,6 +1,9 @@
-"""The emitted program trains exactly like the single-device model: ``autoshard compile`` (plans
+"""The emitted program trains exactly like the single-device model (GPT and LLaMA examples, and a
+HuggingFace ``LlamaForCausalLM`` captured through torch.export): ``autoshard compile`` (plans
 forced on ``--hardware cpu``) then ``autoshard verify`` (gloo processes, fp32, 3 steps), which
 compares every step's loss (relative 1e-5) and the parameters after the steps (1e-5)."""
+
+from pathlib import Path
 
 import pytest
 
@@ -21,15 +24,19 @@ CASES = {
     "dp2-zero3": (2, "dp=2,zero=3"),
     "tp2-pp2-dp2": (8, "tp=2,pp=2,dp=2,zero=1"),
 }
-SEQ = {"gpt": 32, "llama3": 64}
+SEQ = {"gpt": 32, "llama3": 64, "hf_llama": 32}
+MODELS = Path(__file__).parent / "models"
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("model", ["gpt", "llama3"])
+@pytest.mark.parametrize("model", ["gpt", "llama3", "hf_llama"])
 def test_emitted_program_matches_single_device(model, case, tmp_path):
+    if model == "hf_llama":
+        pytest.importorskip("transformers")  # a test dependency: pip install -e '.[test]'
+    path = MODELS / f"{model}.py" if model == "hf_llama" else EXAMPLES / f"{model}.py"
     gpus, pins = CASES[case]
     out = tmp_path / "out"
-    args = [str(EXAMPLES / f"{model}.py"), "--config", "tiny", "--hardware", "cpu", "--gpus", str(gpus)]
+    args = [str(path), "--config", "tiny", "--hardware", "cpu", "--gpus", str(gpus)]
     args += ["--seq-len", str(SEQ[model]), "--global-batch", "8", "--force", pins, "-o", str(out)]
     assert main(["compile", *args]) == 0
     result = verify(out, steps=3, tolerance=1e-5, timeout=240)

@@ -254,7 +254,8 @@ def schedules(problem: Problem, pp: int, m: int) -> list[tuple[str, int]]:
         vmax = max(1, (problem.num_layers + 2) // pp)
         rounds = max(1, m // pp)
         interleave_ok = m % rounds == 0
-        out = [("1f1b", 1)]
+        # torch.distributed.pipelining's Schedule1F1B needs at least one micro-batch per stage
+        out = [("1f1b", 1)] if m >= pp else []
         for v in range(2, vmax + 1):
             if interleave_ok:
                 out += [("interleaved", v), ("zero-bubble", v)]

@@ -12,6 +12,7 @@ from autoshard.runtime.collectives import (
     vocab_parallel_embedding,
 )
 from autoshard.runtime.groups import set_groups, tp_group, tp_rank, tp_size
+from autoshard.runtime.stages import size_of
 
 __all__ = [
     "Checkpoint",
@@ -23,6 +24,7 @@ __all__ = [
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
     "set_groups",
+    "size_of",
     "tp_group",
     "tp_rank",
     "tp_size",

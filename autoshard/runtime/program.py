@@ -138,7 +138,8 @@ def loss_fn(loss_module: nn.Module):
 
     def fn(output, target):
         outputs = output if isinstance(output, tuple) else (output,)
-        return loss_module(*outputs, target)
+        loss = loss_module(*outputs, target)
+        return loss[0] if isinstance(loss, (tuple, list)) else loss
 
     return fn
 
@@ -155,7 +156,9 @@ def full_state_from_model(program: dict, seed: int) -> dict[str, torch.Tensor]:
     builder = getattr(module, program.get("builder") or "build")
     torch.manual_seed(seed)
     model = builder(program["config"]) if program.get("config") is not None else builder()
-    return {f"model.{k}": v.detach().float() for k, v in model.state_dict().items()}
+    state = {f"model.{k}": v.detach() for k, v in model.named_buffers()}  # non-persistent ones too
+    state.update({f"model.{k}": v.detach() for k, v in model.state_dict().items()})
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
 def pipeline_schedule(plan: dict, stages: list[nn.Module], ranks: Ranks, device, microbatches: int, loss):

@@ -43,6 +43,11 @@ def _put_buffer(root: nn.Module, path: str, value: torch.Tensor) -> None:
     node.register_buffer(leaf, value)
 
 
+def size_of(x: torch.Tensor, dim: int) -> int:
+    """``x.size(dim)``, as a function a generated graph can call."""
+    return x.size(dim)
+
+
 def load_stage_file(path: str | Path):
     """Import an emitted stage file as a module."""
     path = Path(path)
@@ -120,9 +125,11 @@ def materialise(
                 spec = shards.get(origin.get(f"{path}.{name}" if path else name, ""))
                 if is_split and spec and spec[0] == 1 and p.dim() == 2:  # fan-in was split: rescale
                     p.mul_(1.0 / math.sqrt(tp))
-        params = dict(stage.named_parameters())
+        params = {**dict(stage.named_parameters()), **dict(stage.named_buffers())}
         for name, spec in getattr(stage_file, "INIT", {}).items():
             p = params[name]
+            if spec[0] == "from_model":
+                raise ValueError(f"buffer {name} holds values only the model can compute: run with --init-from-model")
             split = origin.get(name, name) in shards
             gen = torch.Generator(device="cpu").manual_seed(
                 seed * 1_000_003 + zlib.crc32(name.encode()) + (tp_rank + 1) * 7919 * split
