@@ -38,6 +38,8 @@ def parse_args():
     p.add_argument("--loss-log", type=Path, help="append one JSON line per step here")
     p.add_argument("--save-params", type=Path, help="save each rank's parameters here after the last step")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
+    p.add_argument("--compute-dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto: the plan's precision on GPUs (bf16 autocast over fp32 master weights), fp32 on CPUs")
     return p.parse_args()
 
 
@@ -64,6 +66,7 @@ def train(args, plan, program, device):
     chunk_ids = rt.chunks_of_rank(plan["schedule"], plan["mesh"]["pp"], plan["virtual_stages"], ranks.pp)
     full = rt.full_state_from_model(program, args.seed) if args.init_from_model else None
     stages = rt.build_chunks(HERE, program, chunk_ids, device, ranks, full, args.seed)
+    rt.autocast(stages, plan, device, args.compute_dtype)  # bf16 compute; parameters and gradients stay fp32
     loss = rt.loss_fn(rt.load_loss(HERE, program, device))
     # 3. data parallelism at the plan's ZeRO stage (FSDP2 for ZeRO-2/3, ZeroRedundancyOptimizer
     #    for ZeRO-1, a gradient all-reduce for ZeRO-0), and AdamW

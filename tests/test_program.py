@@ -102,3 +102,18 @@ def test_default_initialisation_trains_from_a_sensible_loss(program):
     losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(losses) == 2
     assert all(math.isfinite(x) and abs(x - math.log(256)) < 1.5 for x in losses)  # near uniform over 256 tokens
+
+
+def test_token_file_and_bf16_compute(program, tmp_path):
+    import array
+    import json
+    import math
+    import random
+
+    data = tmp_path / "tokens.bin"
+    rng = random.Random(0)
+    data.write_bytes(array.array("i", [rng.randrange(256) for _ in range(10_000)]).tobytes())
+    proc = _torchrun(program, 2, "--steps", "2", "--data", str(data), "--compute-dtype", "bf16")
+    assert proc.returncode == 0, proc.stderr[-500:]
+    losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)

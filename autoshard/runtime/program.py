@@ -128,6 +128,18 @@ def build_chunks(
     return modules
 
 
+def autocast(stages: list[nn.Module], plan: dict, device, choice: str = "auto") -> str:
+    """Run the chunks' forward (and so their backward) in the plan's compute precision under
+    ``torch.autocast``: parameters, gradients and their reduction stay fp32 (the master copy).
+    ``auto`` is the plan's precision on GPUs and fp32 on CPUs, where verification must be exact."""
+    compute = plan.get("precision", {}).get("compute", "bf16")
+    dtype = {"auto": compute if device.type == "cuda" else "fp32"}.get(choice, choice)
+    if dtype == "bf16":
+        for module in stages:
+            module.forward = torch.autocast(device.type, dtype=torch.bfloat16)(module.forward)
+    return dtype
+
+
 def load_loss(out: Path, program: dict, device) -> nn.Module:
     stage_file = load_stage_file(out / program["loss"]["file"])
     return getattr(stage_file, program["loss"]["class"])().to(device)
@@ -274,13 +286,12 @@ def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int, data: P
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     if data is None:
         return torch.randint(0, vocab, (batch, seq), generator=gen)
-    import numpy as np
-
-    tokens = np.memmap(data, dtype="<i4", mode="r")
-    if len(tokens) <= seq:
-        raise ProgramError(f"--data {data}: {len(tokens)} tokens, fewer than one sequence of {seq}")
-    starts = torch.randint(0, len(tokens) - seq, (batch,), generator=gen).tolist()
-    return torch.from_numpy(np.stack([tokens[s : s + seq] for s in starts]).astype("int64"))
+    count = os.path.getsize(data) // 4
+    if count <= seq:
+        raise ProgramError(f"--data {data}: {count} tokens, fewer than one sequence of {seq}")
+    tokens = torch.from_file(str(data), shared=False, size=count, dtype=torch.int32)  # little-endian hosts
+    starts = torch.randint(0, count - seq, (batch,), generator=gen)
+    return torch.stack([tokens[s : s + seq] for s in starts.tolist()]).long()
 
 
 def save_parameters(path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids: list[int]) -> None:
