@@ -177,7 +177,13 @@ def _compile(args) -> int:
     if extra:
         last = len(plan.stage_layers) - 1
         print(f"wrote {out}/: plan.json, plan.md, train.py, program.json, loss.py, stage0..{last}.py")
-        print(f"run: torchrun --nproc-per-node {plan.gpus} {out / 'train.py'} --steps 10")
+        if plan.gpus <= 8:
+            print(f"run: torchrun --nproc-per-node {plan.gpus} {out / 'train.py'} --steps 10")
+        else:
+            print(
+                f"run on each of {plan.gpus // 8} nodes: torchrun --nnodes {plan.gpus // 8} --nproc-per-node 8 "
+                f"--rdzv-backend c10d --rdzv-endpoint HOST:29500 {out / 'train.py'} --steps 10"
+            )
     else:
         print(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
     return 0
