@@ -40,6 +40,13 @@ def apply(captured, plan) -> Rewritten:
         )
     if plan.precision.get("fp8_matmuls"):
         raise AutoshardError("emitting FP8 matmuls is not implemented yet; compile with --precision bf16")
+    if plan.zero_stage == 3 and m.dp > 1 and m.pp > 1 and plan.schedule in ("zero-bubble", "zbv", "dualpipev"):
+        # measured: FSDP2 resharding after forward loses weight gradients computed in the
+        # schedule's separate weight-gradient pass (autoshard verify fails); ZeRO-2 is exact
+        raise AutoshardError(
+            f"emitting ZeRO-3 under the {plan.schedule} schedule is not supported yet (FSDP2's resharding and "
+            "the split weight-gradient pass disagree); recompile with --force zero=2 or --force schedule=interleaved"
+        )
     sharded = tensor_parallel(captured.graph_module, m.tp)
     partial = sequence_parallel(sharded.gm, m.tp, sharded.notes) if plan.sequence_parallel else []
     recompute = sorted(k for k, v in plan.checkpoint.items() if v == "recompute")

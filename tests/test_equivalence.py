@@ -23,6 +23,7 @@ CASES = {
     "dp2-zero2": (2, "dp=2,zero=2"),
     "dp2-zero3": (2, "dp=2,zero=3"),
     "tp2-pp2-dp2": (8, "tp=2,pp=2,dp=2,zero=1"),
+    "pp2-dp2-zero3": (4, "pp=2,dp=2,zero=3,schedule=interleaved"),
 }
 SEQ = {"gpt": 32, "llama3": 64, "hf_llama": 32}
 MODELS = Path(__file__).parent / "models"

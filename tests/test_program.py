@@ -117,3 +117,10 @@ def test_token_file_and_bf16_compute(program, tmp_path):
     assert proc.returncode == 0, proc.stderr[-500:]
     losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+def test_zero3_under_a_split_backward_schedule_is_refused(tmp_path, capsys):
+    args = [str(EXAMPLES / "gpt.py"), "--config", "tiny", "--hardware", "cpu", "--gpus", "4", "--seq-len", "32"]
+    args += ["--global-batch", "8", "--force", "pp=2,dp=2,zero=3,schedule=zero-bubble", "-o", str(tmp_path / "o")]
+    assert main(["compile", *args]) == 2
+    assert "ZeRO-3 under the zero-bubble schedule" in capsys.readouterr().err
