@@ -1,0 +1,205 @@
+"""Context-parallel attention over a sequence sharded across a CP group.
+
+Layout (causal load balance): the sequence is cut into ``2*cp`` chunks and rank ``i`` holds chunks
+``i`` and ``2*cp-1-i``, so every rank has the same amount of causal work. ``shard_sequence`` and
+``unshard_sequence`` convert between the full sequence and this layout.
+
+``ring_attention``: K/V blocks travel around the ring with ``batch_isend_irecv``; the exchange of
+the next block is started before the current block is computed; partial outputs are merged by
+their log-sum-exp. Backward runs the ring again with the block's dK/dV travelling with it, so they
+arrive back at their owner after ``cp`` steps. ``allgather_attention`` is the variant LLaMA-3 used:
+all-gather K and V, attend locally, reduce-scatter their gradients.
+
+Both take q (batch, heads, local_seq, dim) and k, v (batch, kv_heads, local_seq, dim) in this
+layout and return the output in it. The per-block math is plain PyTorch (exact in fp32 on CPU);
+on GPUs the Triton flash kernel (issue #5) takes its place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 2) -> torch.Tensor:
+    """This rank's two chunks (``rank`` and ``2*cp-1-rank``) of the full sequence along ``dim``."""
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=dim)
+
+
+def unshard_sequence(pieces: list[torch.Tensor], dim: int = 2) -> torch.Tensor:
+    """The full sequence from every rank's ``shard_sequence`` piece (in rank order)."""
+    cp = len(pieces)
+    halves = [p.chunk(2, dim=dim) for p in pieces]
+    order = [halves[i][0] for i in range(cp)] + [halves[i][1] for i in reversed(range(cp))]
+    return torch.cat(order, dim=dim)
+
+
+def _chunks(rank: int, cp: int) -> tuple[int, int]:
+    return rank, 2 * cp - 1 - rank
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.size(1) == heads else x.repeat_interleave(heads // x.size(1), dim=1)
+
+
+def _fold_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    if grad.size(1) == kv_heads:
+        return grad
+    b, h, s, d = grad.shape
+    return grad.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
+
+
+def _scores(q, k, scale, qc, kc, causal):
+    """Scores of query chunk ``qc`` against key chunk ``kc`` (global chunk indices), masked; None
+    when causality hides the whole block."""
+    if causal and kc > qc:
+        return None
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal and kc == qc:
+        n = q.size(-2)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return s
+
+
+def _block_forward(q, k, v, scale, rank, src, cp, causal, out, lse):
+    """Fold the attention of the local queries over the K/V block of rank ``src`` into (out, lse)."""
+    q_parts, k_parts, v_parts = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
+    for qi, qc in enumerate(_chunks(rank, cp)):
+        for ki, kc in enumerate(_chunks(src, cp)):
+            s = _scores(q_parts[qi], k_parts[ki], scale, qc, kc, causal)
+            if s is None:
+                continue
+            block_lse = torch.logsumexp(s, dim=-1)
+            block_out = torch.matmul(torch.exp(s - block_lse.unsqueeze(-1)), v_parts[ki])
+            o, l_ = out[qi], lse[qi]
+            new = torch.logaddexp(l_, block_lse)
+            out[qi] = o * torch.exp(l_ - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1)
+            lse[qi] = new
+
+
+def _block_backward(q, k, v, do, out, lse, scale, rank, src, cp, causal, dq, dk, dv):
+    q_parts, k_parts, v_parts = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
+    do_parts, o_parts, lse_parts = do.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2)
+    for qi, qc in enumerate(_chunks(rank, cp)):
+        delta = (do_parts[qi] * o_parts[qi]).sum(-1, keepdim=True)
+        for ki, kc in enumerate(_chunks(src, cp)):
+            s = _scores(q_parts[qi], k_parts[ki], scale, qc, kc, causal)
+            if s is None:
+                continue
+            p = torch.exp(s - lse_parts[qi].unsqueeze(-1))
+            dv[ki] += torch.matmul(p.transpose(-2, -1), do_parts[qi])
+            dp = torch.matmul(do_parts[qi], v_parts[ki].transpose(-2, -1))
+            ds = p * (dp - delta) * scale
+            dq[qi] += torch.matmul(ds, k_parts[ki])
+            dk[ki] += torch.matmul(ds.transpose(-2, -1), q_parts[qi])
+
+
+def _rotate(tensors: list[torch.Tensor], group) -> tuple[list, list[torch.Tensor]]:
+    """Start sending ``tensors`` to the next rank of the ring and receiving the previous rank's."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    nxt, prv = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
+    return dist.batch_isend_irecv(ops), received
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        heads = q.size(1)
+        b, _, s2, d = q.shape
+        out = [q.new_zeros(b, heads, s2 // 2, d) for _ in range(2)]
+        lse = [q.new_full((b, heads, s2 // 2), float("-inf")) for _ in range(2)]
+        block = [k.contiguous(), v.contiguous()]
+        for step in range(cp):
+            pending = _rotate(block, group) if step < cp - 1 else None
+            src = (rank - step) % cp
+            _block_forward(q, _expand_kv(block[0], heads), _expand_kv(block[1], heads), scale, rank, src, cp, causal,
+                           out, lse)  # fmt: skip
+            if pending is not None:
+                for w in pending[0]:
+                    w.wait()
+                block = pending[1]
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        heads, kv_heads = q.size(1), k.size(1)
+        dq = [torch.zeros_like(x) for x in q.chunk(2, dim=2)]
+        do = do.contiguous()
+        block = [k.contiguous(), v.contiguous(), torch.zeros_like(k), torch.zeros_like(v)]
+        for step in range(cp):
+            src = (rank - step) % cp
+            ek, ev = _expand_kv(block[0], heads), _expand_kv(block[1], heads)
+            dk = [torch.zeros_like(x) for x in ek.chunk(2, dim=2)]
+            dv = [torch.zeros_like(x) for x in ev.chunk(2, dim=2)]
+            _block_backward(q, ek, ev, do, out, lse, scale, rank, src, cp, causal, dq, dk, dv)
+            block[2] = block[2] + _fold_kv(torch.cat(dk, dim=2), kv_heads)
+            block[3] = block[3] + _fold_kv(torch.cat(dv, dim=2), kv_heads)
+            # pass the block and its gradients on; after cp steps they are home
+            work, block = _rotate(block, group)
+            for w in work:
+                w.wait()
+        return torch.cat(dq, dim=2), block[2], block[3], None, None, None
+
+
+def ring_attention(q, k, v, group=None, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole (CP-sharded) sequence, ring style."""
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    if group is None or dist.get_world_size(group) == 1:
+        return _local(q, k, v, causal, scale)
+    return _RingAttention.apply(q, k, v, group, causal, scale)
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return unshard_sequence(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        pieces = [shard_sequence(grad, cp, r, dim=2).contiguous() for r in range(cp)]
+        out = torch.empty_like(pieces[rank])
+        dist.reduce_scatter(out, pieces, group=group)
+        return out, None
+
+
+def allgather_attention(q, k, v, group=None, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """Context parallelism by all-gathering K and V (LLaMA-3's choice for GQA, where K/V are small)."""
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    if group is None or dist.get_world_size(group) == 1:
+        return _local(q, k, v, causal, scale)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    k_full, v_full = _GatherSeq.apply(k, group), _GatherSeq.apply(v, group)
+    heads = q.size(1)
+    k_full, v_full = _expand_kv(k_full, heads), _expand_kv(v_full, heads)
+    s = torch.matmul(q, k_full.transpose(-2, -1)) * scale
+    if causal:
+        n = q.size(2) // 2
+        positions = torch.arange(q.size(2) * cp, device=q.device)
+        mine = torch.cat([positions[c * n : (c + 1) * n] for c in _chunks(rank, cp)])
+        s = s.masked_fill(positions[None, :] > mine[:, None], float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v_full)
+
+
+def _local(q, k, v, causal, scale):
+    heads = q.size(1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, _expand_kv(k, heads), _expand_kv(v, heads), is_causal=causal, scale=scale
+    )
