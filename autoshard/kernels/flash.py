@@ -1,0 +1,232 @@
+"""FlashAttention forward and backward in Triton: tiled online softmax, causal or not, grouped-query
+attention (fewer K/V heads), any sequence length (masked tails), fp32 accumulation.
+
+Inputs are shaped like ``scaled_dot_product_attention``'s: q (batch, heads, seq_q, dim), k and v
+(batch, kv_heads, seq_k, dim), heads a multiple of kv_heads. Every loaded tile is upcast to fp32
+before arithmetic (the Triton interpreter computes bf16 on raw bits, KERNELS.md); outputs take the
+input dtype. The log-sum-exp is returned in natural-log units (what ring attention merges).
+
+Causal attention aligns the last query with the last key (queries are the tail of the keys), so
+with seq_q == seq_k it is the usual lower-triangular mask.
+
+The backward recomputes the probabilities from the saved LSE: one kernel for D = rowsum(dO * O),
+one per K/V block for dK and dV (looping over the query heads of its group and every query block),
+one per query block for dQ.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd(Q, K, V, O, L, scale, sq, sk, H, G, causal_shift,
+         sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+         CAUSAL: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // G
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=offs_m[:, None] < sq, other=0.0)
+    q = q.to(tl.float32)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    hi = sk
+    if CAUSAL:
+        hi = tl.minimum(sk, (pid_m + 1) * BM + causal_shift)
+    for start in range(0, hi, BN):
+        cols = start + offs_n
+        kmask = cols[:, None] < sk
+        k = tl.load(K + b * skb + kvh * skh + cols[:, None] * sks + offs_d[None, :], mask=kmask, other=0.0).to(
+            tl.float32
+        )
+        v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svs + offs_d[None, :], mask=kmask, other=0.0).to(
+            tl.float32
+        )
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        valid = cols[None, :] < sk
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None] + causal_shift)
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = (m_i + tl.log2(l_safe)) / 1.4426950408889634
+    rows = offs_m < sq
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=rows[:, None])  # fmt: skip
+    tl.store(L + bh * sq + offs_m, lse, mask=rows)
+
+
+@triton.jit
+def _bwd_delta(O, DO, Delta, sq, H, sob, soh, sos, BM: tl.constexpr, D: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    ptr = b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :]
+    mask = offs_m[:, None] < sq
+    o = tl.load(O + ptr, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + ptr, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + bh * sq + offs_m, tl.sum(o * do, 1), mask=offs_m < sq)
+
+
+@triton.jit
+def _bwd_dkdv(Q, K, V, DO, L, Delta, DK, DV, scale, sq, sk, H, KVH, G, causal_shift,
+              sqb, sqh, sqs, skb, skh, sks, sob, soh, sos,
+              CAUSAL: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    pid_n, bkv = tl.program_id(0), tl.program_id(1)
+    b, kvh = bkv // KVH, bkv % KVH
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    kmask = offs_n[:, None] < sk
+    kptr = b * skb + kvh * skh + offs_n[:, None] * sks + offs_d[None, :]
+    k = tl.load(K + kptr, mask=kmask, other=0.0).to(tl.float32)
+    v = tl.load(V + kptr, mask=kmask, other=0.0).to(tl.float32)
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(0, (pid_n * BN - causal_shift) // BM * BM)
+    for g in range(0, G):
+        h = kvh * G + g
+        bh = b * H + h
+        for start in range(lo, sq, BM):
+            rows = start + offs_m
+            qmask = rows[:, None] < sq
+            qptr = b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :]
+            q = tl.load(Q + qptr, mask=qmask, other=0.0).to(tl.float32)
+            do = tl.load(DO + b * sob + h * soh + rows[:, None] * sos + offs_d[None, :], mask=qmask,
+                         other=0.0).to(tl.float32)  # fmt: skip
+            lse = tl.load(L + bh * sq + rows, mask=rows < sq, other=0.0)
+            delta = tl.load(Delta + bh * sq + rows, mask=rows < sq, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            valid = (rows[:, None] < sq) & (offs_n[None, :] < sk)
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= rows[:, None] + causal_shift)
+            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None]) * scale
+            dk += tl.dot(tl.trans(ds), q)
+    tl.store(DK + kptr, dk.to(DK.dtype.element_ty), mask=kmask)
+    tl.store(DV + kptr, dv.to(DV.dtype.element_ty), mask=kmask)
+
+
+@triton.jit
+def _bwd_dq(Q, K, V, DO, L, Delta, DQ, scale, sq, sk, H, G, causal_shift,
+            sqb, sqh, sqs, skb, skh, sks, sob, soh, sos,
+            CAUSAL: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // G
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    qmask = offs_m[:, None] < sq
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], mask=qmask,
+                 other=0.0).to(tl.float32)  # fmt: skip
+    lse = tl.load(L + bh * sq + offs_m, mask=offs_m < sq, other=0.0)
+    delta = tl.load(Delta + bh * sq + offs_m, mask=offs_m < sq, other=0.0)
+    dq = tl.zeros([BM, D], tl.float32)
+    hi = sk
+    if CAUSAL:
+        hi = tl.minimum(sk, (pid_m + 1) * BM + causal_shift)
+    for start in range(0, hi, BN):
+        cols = start + offs_n
+        kmask = cols[:, None] < sk
+        k = tl.load(K + b * skb + kvh * skh + cols[:, None] * sks + offs_d[None, :], mask=kmask, other=0.0).to(
+            tl.float32
+        )
+        v = tl.load(V + b * skb + kvh * skh + cols[:, None] * sks + offs_d[None, :], mask=kmask, other=0.0).to(
+            tl.float32
+        )
+        s = tl.dot(q, tl.trans(k)) * scale
+        valid = (offs_m[:, None] < sq) & (cols[None, :] < sk)
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None] + causal_shift)
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None]) * scale
+        dq += tl.dot(ds, k)
+    tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qmask)
+
+
+def _blocks(d: int) -> tuple[int, int]:
+    return (64, 64) if d <= 64 else (64, 32)
+
+
+class _Flash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        b, h, sq, d = q.shape
+        kvh, sk = k.size(1), k.size(2)
+        if h % kvh or d not in (16, 32, 64, 128) or v.shape != k.shape:
+            raise ValueError(f"flash_attention: heads {h} vs kv heads {kvh}, head dim {d} (16/32/64/128), "
+                             f"k {tuple(k.shape)} v {tuple(v.shape)}")  # fmt: skip
+        o = torch.empty_like(q)
+        lse = torch.empty(b * h, sq, device=q.device, dtype=torch.float32)
+        bm, bn = _blocks(d)
+        shift = sk - sq
+        _fwd[(triton.cdiv(sq, bm), b * h)](
+            q, k, v, o, lse, scale, sq, sk, h, h // kvh, shift,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            CAUSAL=causal, D=d, BM=bm, BN=bn,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o, lse.view(b, h, sq)
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        do = do.contiguous()
+        b, h, sq, d = q.shape
+        kvh, sk = k.size(1), k.size(2)
+        bm, bn = _blocks(d)
+        shift = sk - sq
+        delta = torch.empty_like(lse)
+        _bwd_delta[(triton.cdiv(sq, bm), b * h)](o, do, delta, sq, h, o.stride(0), o.stride(1), o.stride(2), BM=bm, D=d)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                   do.stride(0), do.stride(1), do.stride(2))  # fmt: skip
+        _bwd_dkdv[(triton.cdiv(sk, bn), b * kvh)](
+            q, k, v, do, lse, delta, dk, dv, ctx.scale, sq, sk, h, kvh, h // kvh, shift, *strides,
+            CAUSAL=ctx.causal, D=d, BM=bm, BN=bn,
+        )  # fmt: skip
+        _bwd_dq[(triton.cdiv(sq, bm), b * h)](
+            q, k, v, do, lse, delta, dq, ctx.scale, sq, sk, h, h // kvh, shift, *strides,
+            CAUSAL=ctx.causal, D=d, BM=bm, BN=bn,
+        )  # fmt: skip
+        return dq, dk, dv, None, None
+
+
+def flash_attention_with_lse(q, k, v, causal: bool = True, scale: float | None = None):
+    """(output, log-sum-exp in natural-log units, shaped (batch, heads, seq_q))."""
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+    return _Flash.apply(q, k, v, causal, scale)
+
+
+def flash_attention(q, k, v, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """Like ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)``."""
+    return flash_attention_with_lse(q, k, v, causal, scale)[0]

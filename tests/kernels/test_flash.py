@@ -1,0 +1,67 @@
+"""Triton FlashAttention against PyTorch references, forward (output and natural-log LSE) and
+backward, under TRITON_INTERPRET=1 on CPU (set in conftest.py) or compiled on CUDA."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from autoshard.kernels import flash_attention, flash_attention_with_lse  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(q, k, v, causal):
+    h, kvh = q.size(1), k.size(1)
+    k, v = k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1)
+    s = (q @ k.transpose(-2, -1)) / q.size(-1) ** 0.5
+    if causal:
+        n, m = q.size(2), k.size(2)
+        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(m - n + 1), float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize(
+    "b,h,kvh,s,d,causal",
+    [
+        (1, 2, 2, 128, 32, True),  # block multiple
+        (1, 2, 2, 96, 32, False),  # ragged tail, non-causal
+        (2, 4, 2, 70, 64, True),  # GQA, ragged, head dim 64
+        (1, 4, 1, 33, 32, True),  # multi-query, one partial block
+        (1, 2, 2, 64, 128, True),  # head dim 128
+    ],
+)
+def test_fp32_forward_and_backward_match_pytorch(b, h, kvh, s, d, causal):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, s, d, generator=gen).to(DEVICE).requires_grad_() for n in (h, kvh, kvh))
+    out, lse = flash_attention_with_lse(q, k, v, causal=causal)
+    ref, ref_lse = _reference(q, k, v, causal)
+    tol = 1e-5 if DEVICE == "cpu" else 2e-3  # GPU fp32 dots run in tf32
+    assert (out - ref).abs().max().item() < tol
+    assert (lse - ref_lse).abs().max().item() < tol
+    w = torch.randn(ref.shape, generator=gen).to(DEVICE)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for name, a, e in zip("qkv", got, want):
+        assert (a - e).abs().max().item() < 10 * tol, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_accumulate_in_fp32(dtype):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 64, 64, generator=gen).to(DEVICE, dtype).requires_grad_() for _ in range(3))
+    out = flash_attention(q, k, v)
+    assert out.dtype == dtype
+    ref, _ = _reference(q.float(), k.float(), v.float(), True)
+    assert (out.float() - ref).abs().max().item() < 2e-2
+    got = torch.autograd.grad(out.float().sum(), (q, k, v))
+    want = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, e in zip(got, want):
+        assert (a.float() - e).abs().max().item() <= 2e-2 * max(1.0, e.abs().max().item())
+
+
+def test_bad_shapes_are_refused():
+    q = torch.randn(1, 3, 16, 32, device=DEVICE)
+    k = torch.randn(1, 2, 16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="heads 3 vs kv heads 2"):
+        flash_attention(q, k, k)
