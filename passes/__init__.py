@@ -20,10 +20,12 @@ class Rewritten:
 
 def apply(captured, plan) -> Rewritten:
     """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, in this order:
-    tensor parallel, sequence parallel, activation checkpointing, then the pipeline split.
+    tensor parallel, sequence parallel, flash attention, activation checkpointing, then the
+    pipeline split.
     Features of the plan that no pass implements yet are refused here with the reason rather
     than silently dropped."""
     from autoshard.passes.activation_checkpoint import activation_checkpoint
+    from autoshard.passes.flash_attention import flash_attention
     from autoshard.passes.pipeline_split import pipeline_split
     from autoshard.passes.sequence_parallel import sequence_parallel
     from autoshard.passes.tensor_parallel import tensor_parallel
@@ -49,6 +51,8 @@ def apply(captured, plan) -> Rewritten:
         )
     sharded = tensor_parallel(captured.graph_module, m.tp)
     partial = sequence_parallel(sharded.gm, m.tp, sharded.notes) if plan.sequence_parallel else []
+    if plan.attention == "flash":
+        flash_attention(sharded.gm, sharded.notes)
     recompute = sorted(k for k, v in plan.checkpoint.items() if v == "recompute")
     kept = [k for k, v in plan.checkpoint.items() if v == "save"]
     if recompute and kept and m.pp > 1 and plan.schedule in ("zero-bubble", "zbv", "dualpipev"):

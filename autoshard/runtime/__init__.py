@@ -1,6 +1,7 @@
 """What emitted training programs import: process groups, autograd-aware collectives and the
 vocabulary-parallel embedding and loss. Depends on torch only."""
 
+from autoshard.runtime.attention import fused_attention
 from autoshard.runtime.checkpoint import Checkpoint
 from autoshard.runtime.collectives import (
     copy_to_tp,
@@ -16,6 +17,7 @@ from autoshard.runtime.stages import size_of
 
 __all__ = [
     "Checkpoint",
+    "fused_attention",
     "copy_to_tp",
     "reduce_from_tp",
     "gather_from_sp",

@@ -1,0 +1,123 @@
+"""Flash attention: replace attention in the traced graph by one fused call (``rt.fused_attention``: the
+Triton kernel on GPUs, PyTorch's fused attention on CPUs).
+
+Found two ways: calls of ``scaled_dot_product_attention`` without a mask or dropout, and the
+written-out pattern ``softmax(q @ k^T * c [masked_fill(triu(ones(s, s), 1), -inf)]) [dropout p=0] @ v``.
+Attention with dropout > 0, an arbitrary mask or a bias is left alone (the kernel has none of them).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import fx
+
+from autoshard import runtime
+
+
+def _op(node) -> str:
+    if not isinstance(node, fx.Node):
+        return ""
+    return node.meta.get("op") or (
+        node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    )
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _inherit(new: fx.Node, old: fx.Node) -> fx.Node:
+    new.meta = {**old.meta, "op": "attention_fused", "op_class": "attention"}
+    return new
+
+
+def _replace_sdpa(graph: fx.Graph, node: fx.Node, notes: dict) -> bool:
+    if _arg(node, 3, "attn_mask") is not None or _arg(node, 4, "dropout_p", 0.0) not in (0, 0.0):
+        return False
+    causal = bool(_arg(node, 5, "is_causal", False))
+    scale = node.kwargs.get("scale")
+    q, k, v = node.args[:3]
+    with graph.inserting_after(node):
+        new = _inherit(graph.call_function(runtime.fused_attention, (q, k, v, causal, scale)), node)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    notes[new.name] = f"flash attention ({'causal' if causal else 'full'}): Triton kernel on GPUs"
+    return True
+
+
+def _causal_mask(mask: fx.Node) -> bool:
+    """``ones(s, s).triu(1)`` (or ``new_ones``): True above the diagonal."""
+    return _op(mask) == "triu" and _arg(mask, 1, "diagonal", 0) == 1 and _op(mask.args[0]) in ("new_ones", "ones")
+
+
+def _replace_pattern(graph: fx.Graph, out: fx.Node, notes: dict) -> bool:
+    """``out = probs @ v`` where probs = softmax(scores[, causal mask]) [dropout p=0]."""
+    probs, v = out.args[0], out.args[1]
+    if _op(probs) == "dropout":
+        if _arg(probs, 1, "p", 0.5) not in (0, 0.0) or len(probs.users) != 1:
+            return False
+        probs = probs.args[0]
+    if _op(probs) != "softmax" or _arg(probs, 1, "dim") not in (-1, 3) or len(probs.users) != 1:
+        return False
+    scores, causal = probs.args[0], False
+    if _op(scores) == "masked_fill":
+        if not (_causal_mask(scores.args[1]) and scores.args[2] == float("-inf")) or len(scores.users) != 1:
+            return False
+        scores, causal = scores.args[0], True
+    scale = 1.0
+    if _op(scores) in ("mul", "truediv", "div") and isinstance(scores.args[1], (int, float)):
+        scale = scores.args[1] if _op(scores) == "mul" else 1.0 / scores.args[1]
+        if len(scores.users) != 1:
+            return False
+        scores = scores.args[0]
+    if _op(scores) != "matmul" or len(scores.users) != 1:
+        return False
+    q, kt = scores.args
+    if _op(kt) != "transpose" or sorted(int(d) % 4 for d in kt.args[1:3]) != [2, 3]:
+        return False
+    k = kt.args[0]
+    shape = q.meta.get("shape")
+    if shape is not None and len(shape) == 4 and isinstance(shape[-1], int):
+        default = 1.0 / math.sqrt(shape[-1])
+        scale_arg = None if math.isclose(scale, default, rel_tol=1e-12) else scale
+    else:
+        scale_arg = scale
+    with graph.inserting_after(out):
+        new = _inherit(graph.call_function(runtime.fused_attention, (q, k, v, causal, scale_arg)), out)
+    out.replace_all_uses_with(new)
+    _erase_chain(graph, out)
+    notes[new.name] = f"flash attention ({'causal' if causal else 'full'}) in place of the written-out softmax(QK^T)V"
+    return True
+
+
+def _erase_chain(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and, transitively, the inputs it leaves without users (the old pattern)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.users or n.op in ("placeholder", "get_attr", "output"):
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        stack.extend(inputs)
+
+
+def flash_attention(gm: fx.GraphModule, notes: dict | None = None) -> int:
+    """Rewrite ``gm`` in place; returns how many attention computations were fused."""
+    notes = notes if notes is not None else {}
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        if getattr(node, "_erased", False) or node.op != "call_function":
+            continue
+        if (
+            _op(node) == "scaled_dot_product_attention"
+            and _replace_sdpa(graph, node, notes)
+            or _op(node) == "matmul"
+            and _replace_pattern(graph, node, notes)
+        ):
+            count += 1
+    graph.lint()
+    gm.recompile()
+    return count
