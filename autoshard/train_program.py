@@ -97,14 +97,17 @@ def train(args, plan, program, device):
                 (value / m).backward()
                 losses.append(value.detach())
         rt.sum_partial_gradients(stages)  # sequence parallel: norms saw 1/tp of the tokens
+        rt.sum_context_parallel_gradients(params)  # context parallel: each rank saw 2/(2cp) of each sequence
         if not fsdp:
             rt.average_gradients(params, groups.dp_group())
         optim.step()
         if last:
             mean = torch.stack([x.detach().float() for x in losses]).mean()
+            if groups.cp_group() is not None:  # each CP rank holds its share of the sequence mean
+                dist.all_reduce(mean, group=groups.cp_group())
             dist.all_reduce(mean, group=groups.dp_group())
             mean = mean.item() / plan["mesh"]["dp"]
-            if ranks.dp == 0 and ranks.tp == 0:
+            if ranks.dp == 0 and ranks.tp == 0 and ranks.cp == 0:
                 record = {{"step": step, "loss": mean, "seconds": time.perf_counter() - start}}
                 print(json.dumps(record), flush=True)
                 if args.loss_log:

@@ -20,22 +20,18 @@ class Rewritten:
 
 def apply(captured, plan) -> Rewritten:
     """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, in this order:
-    tensor parallel, sequence parallel, flash attention, activation checkpointing, then the
-    pipeline split.
+    flash attention, context parallel, tensor parallel, sequence parallel, activation
+    checkpointing, then the pipeline split.
     Features of the plan that no pass implements yet are refused here with the reason rather
     than silently dropped."""
     from autoshard.passes.activation_checkpoint import activation_checkpoint
+    from autoshard.passes.context_parallel import context_parallel
     from autoshard.passes.flash_attention import flash_attention
     from autoshard.passes.pipeline_split import pipeline_split
     from autoshard.passes.sequence_parallel import sequence_parallel
     from autoshard.passes.tensor_parallel import tensor_parallel
 
     m = plan.mesh
-    if m.cp > 1:
-        raise AutoshardError(
-            "emitting context parallelism (ring attention) is not implemented yet; "
-            "compile with --force cp=1 or use --plan-only"
-        )
     if m.ep > 1:
         raise AutoshardError(
             "emitting expert parallelism is not implemented yet; compile with --force ep=1 or use --plan-only"
@@ -49,10 +45,13 @@ def apply(captured, plan) -> Rewritten:
             f"emitting ZeRO-3 under the {plan.schedule} schedule is not supported yet (FSDP2's resharding and "
             "the split weight-gradient pass disagree); recompile with --force zero=2 or --force schedule=interleaved"
         )
+    notes: dict[str, str] = {}
+    if plan.attention == "flash" or m.cp > 1:
+        flash_attention(captured.graph_module, notes)
+    context_parallel(captured.graph_module, m.cp, plan.attention, notes)
     sharded = tensor_parallel(captured.graph_module, m.tp)
+    sharded.notes.update(notes)
     partial = sequence_parallel(sharded.gm, m.tp, sharded.notes) if plan.sequence_parallel else []
-    if plan.attention == "flash":
-        flash_attention(sharded.gm, sharded.notes)
     recompute = sorted(k for k, v in plan.checkpoint.items() if v == "recompute")
     kept = [k for k, v in plan.checkpoint.items() if v == "save"]
     if recompute and kept and m.pp > 1 and plan.schedule in ("zero-bubble", "zbv", "dualpipev"):

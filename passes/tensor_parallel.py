@@ -145,6 +145,7 @@ _ELEMENTWISE = {
     "iadd", "imul", "clamp", "reciprocal", "eq", "ne", "lt", "le", "gt", "ge",
 }  # fmt: skip
 _WITH_DIM = {"softmax", "log_softmax"}
+_ATTENTION = ("scaled_dot_product_attention", "attention_fused", "cp_attention")
 
 
 @dataclass
@@ -202,9 +203,13 @@ class _Propagator:
             for other in sharded[1:]:
                 o = self.shard[other]
                 shift = len(_shape(node) or ()) - len(_shape(other) or ())
-                if name not in ("scaled_dot_product_attention", "matmul", "cat") and (
-                    o.dim + shift != out.dim or o.factors != out.factors or o.index != out.index
-                ):
+                if name not in (
+                    "scaled_dot_product_attention",
+                    "attention_fused",
+                    "cp_attention",
+                    "matmul",
+                    "cat",
+                ) and (o.dim + shift != out.dim or o.factors != out.factors or o.index != out.index):
                     raise _fail(node, "its inputs are split along different dimensions")
             self.shard[node] = out
             self.root[node] = self.root[src]
@@ -234,7 +239,7 @@ class _Propagator:
             return Shard(s.dim + (1 if d <= s.dim else 0), s.factors, s.index)
         if name in ("expand", "expand_as"):
             return Shard(s.dim + len(shape) - len(_shape(src)), s.factors, s.index)
-        if name == "scaled_dot_product_attention":
+        if name in _ATTENTION:
             if s.dim != len(_shape(src)) - 3:
                 raise _fail(node, "attention's inputs must be split along heads")
             return Shard(len(shape) - 3, s.factors, s.index)
@@ -498,6 +503,10 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
             result.notes[emb.name] = f"tp={tp}: vocabulary-parallel embedding, rows {rows} -> {rows // tp}"
     # the loss over vocabulary-split logits
     for node, s in prop.losses.items():
+        if node.target is runtime.cp_cross_entropy and s.dim == len(_shape(node.args[0])) - 1:
+            node.args = (*node.args[:3], True)  # vocabulary-parallel and context-parallel at once
+            result.notes[node.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
+            continue
         if _op_name(node) not in ("cross_entropy", "cross_entropy_loss") or s.dim != len(_shape(node.args[0])) - 1:
             raise _fail(node, "only cross-entropy over logits split along the vocabulary is supported")
         if node.op == "call_function" and _op_name(node) == "cross_entropy_loss":  # aten: positional defaults

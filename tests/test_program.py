@@ -86,10 +86,10 @@ def test_verify_needs_an_emitted_program(tmp_path):
 
 
 def test_features_without_a_pass_are_refused_at_compile(tmp_path, capsys):
-    args = [str(EXAMPLES / "llama3.py"), "--config", "tiny", "--hardware", "cpu", "--gpus", "2"]
-    args += ["--seq-len", "64", "--global-batch", "4", "--force", "cp=2", "-o", str(tmp_path / "o")]
+    args = [str(EXAMPLES / "deepseek_v3.py"), "--config", "tiny", "--hardware", "cpu", "--gpus", "4"]
+    args += ["--seq-len", "64", "--global-batch", "8", "--force", "ep=2,dp=2,pp=2", "-o", str(tmp_path / "o")]
     assert main(["compile", *args]) == 2
-    assert "context parallelism" in capsys.readouterr().err
+    assert "expert parallelism" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
@@ -124,3 +124,12 @@ def test_zero3_under_a_split_backward_schedule_is_refused(tmp_path, capsys):
     args += ["--global-batch", "8", "--force", "pp=2,dp=2,zero=3,schedule=zero-bubble", "-o", str(tmp_path / "o")]
     assert main(["compile", *args]) == 2
     assert "ZeRO-3 under the zero-bubble schedule" in capsys.readouterr().err
+
+
+def test_context_parallel_needs_causal_attention_without_a_mask(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    model = EXAMPLES.parent / "tests" / "models" / "hf_llama.py"
+    args = [str(model), "--config", "tiny", "--hardware", "cpu", "--gpus", "2", "--seq-len", "32"]
+    args += ["--global-batch", "4", "--force", "cp=2", "-o", str(tmp_path / "o")]
+    assert main(["compile", *args]) == 2
+    assert "context parallelism cannot handle" in capsys.readouterr().err

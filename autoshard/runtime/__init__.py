@@ -12,11 +12,16 @@ from autoshard.runtime.collectives import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
+from autoshard.runtime.context import cp_attention, cp_cross_entropy, cp_positions, cp_shard
 from autoshard.runtime.groups import set_groups, tp_group, tp_rank, tp_size
 from autoshard.runtime.stages import size_of
 
 __all__ = [
     "Checkpoint",
+    "cp_attention",
+    "cp_cross_entropy",
+    "cp_positions",
+    "cp_shard",
     "fused_attention",
     "copy_to_tp",
     "reduce_from_tp",

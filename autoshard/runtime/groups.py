@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-_GROUPS: dict[str, dist.ProcessGroup | None] = {"tp": None, "pp": None, "dp": None}
+_GROUPS: dict[str, dist.ProcessGroup | None] = {"tp": None, "pp": None, "dp": None, "cp": None}
 
 
 def set_groups(**groups: dist.ProcessGroup | None) -> None:
@@ -41,3 +41,7 @@ def pp_group() -> dist.ProcessGroup | None:
 
 def dp_group() -> dist.ProcessGroup | None:
     return _GROUPS["dp"]
+
+
+def cp_group() -> dist.ProcessGroup | None:
+    return _GROUPS["cp"]

@@ -41,6 +41,7 @@ class Ranks:
     tp: int
     pp: int
     dp: int
+    cp: int
     tp_size: int
     pp_size: int
     dp_size: int
@@ -86,6 +87,7 @@ def build_mesh(plan: dict, device_type: str):
         coords["tp"],
         coords["pp"],
         coords["dp"],
+        coords["cp"],
         plan["mesh"]["tp"],
         plan["mesh"]["pp"],
         plan["mesh"]["dp"],
@@ -94,6 +96,7 @@ def build_mesh(plan: dict, device_type: str):
         tp=mesh["tp"].get_group() if plan["mesh"]["tp"] > 1 else None,
         pp=mesh["pp"].get_group(),
         dp=mesh["dp"].get_group(),
+        cp=mesh["cp"].get_group() if plan["mesh"]["cp"] > 1 else None,
     )
     return mesh, ranks
 
@@ -205,6 +208,21 @@ def pipeline_schedule(plan: dict, stages: list[nn.Module], ranks: Ranks, device,
 # data parallelism
 
 
+def sum_context_parallel_gradients(params: list[nn.Parameter]) -> None:
+    """Context parallel: each CP rank's loss is its share of the sequence mean, so the gradients
+    of the CP group add up (one flat all-reduce)."""
+    group = groups.cp_group()
+    if group is None:
+        return
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def sum_partial_gradients(stages: list[nn.Module]) -> None:
     """Sequence parallel: parameters used on sequence slices hold partial gradients; sum them
     over the TP group (one flat all-reduce)."""
@@ -304,7 +322,7 @@ def save_parameters(path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             source = origin.get(name, name)
             out[source] = (full.detach().cpu().clone(), shards.get(source), c)
-    if ranks.dp != 0:
+    if ranks.dp != 0 or ranks.cp != 0:
         return
     path.mkdir(parents=True, exist_ok=True)
     torch.save({"tp_rank": ranks.tp, "tp": ranks.tp_size, "params": out}, path / f"rank{ranks.rank}.pt")

@@ -101,8 +101,9 @@ def _rotate(tensors: list[torch.Tensor], group) -> tuple[list, list[torch.Tensor
     """Start sending ``tensors`` to the next rank of the ring and receiving the previous rank's."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nxt, prv = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
-    received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    tensors = [t.contiguous() for t in tensors]
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
     return dist.batch_isend_irecv(ops), received
 
@@ -166,8 +167,9 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        dist.all_gather(parts, x, group=group)
         return unshard_sequence(parts, dim=2)
 
     @staticmethod
@@ -175,7 +177,7 @@ class _GatherSeq(torch.autograd.Function):
         group = ctx.group
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         pieces = [shard_sequence(grad, cp, r, dim=2).contiguous() for r in range(cp)]
-        out = torch.empty_like(pieces[rank])
+        out = torch.empty(pieces[rank].shape, dtype=grad.dtype, device=grad.device)
         dist.reduce_scatter(out, pieces, group=group)
         return out, None
 
