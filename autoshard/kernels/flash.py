@@ -200,25 +200,34 @@ class _Flash(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        do = do.contiguous()
-        b, h, sq, d = q.shape
-        kvh, sk = k.size(1), k.size(2)
-        bm, bn = _blocks(d)
-        shift = sk - sq
-        delta = torch.empty_like(lse)
-        _bwd_delta[(triton.cdiv(sq, bm), b * h)](o, do, delta, sq, h, o.stride(0), o.stride(1), o.stride(2), BM=bm, D=d)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   do.stride(0), do.stride(1), do.stride(2))  # fmt: skip
-        _bwd_dkdv[(triton.cdiv(sk, bn), b * kvh)](
-            q, k, v, do, lse, delta, dk, dv, ctx.scale, sq, sk, h, kvh, h // kvh, shift, *strides,
-            CAUSAL=ctx.causal, D=d, BM=bm, BN=bn,
-        )  # fmt: skip
-        _bwd_dq[(triton.cdiv(sq, bm), b * h)](
-            q, k, v, do, lse, delta, dq, ctx.scale, sq, sk, h, h // kvh, shift, *strides,
-            CAUSAL=ctx.causal, D=d, BM=bm, BN=bn,
-        )  # fmt: skip
+        dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None
+
+
+def flash_attention_backward(q, k, v, out, lse, do, causal: bool, scale: float):
+    """(dq, dk, dv) of attention of ``q`` over ``k, v``, given the output and natural-log LSE of
+    the *whole* attention the block is part of (so ring attention can use it per K/V block)."""
+    q, k, v, out, do = (t.contiguous() for t in (q, k, v, out, do))
+    b, h, sq, d = q.shape
+    kvh, sk = k.size(1), k.size(2)
+    lse = lse.reshape(b * h, sq).contiguous().float()
+    bm, bn = _blocks(d)
+    shift = sk - sq
+    delta = torch.empty_like(lse)
+    _bwd_delta[(triton.cdiv(sq, bm), b * h)](out, do, delta, sq, h, out.stride(0), out.stride(1), out.stride(2),
+                                             BM=bm, D=d)  # fmt: skip
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               do.stride(0), do.stride(1), do.stride(2))  # fmt: skip
+    _bwd_dkdv[(triton.cdiv(sk, bn), b * kvh)](
+        q, k, v, do, lse, delta, dk, dv, scale, sq, sk, h, kvh, h // kvh, shift, *strides,
+        CAUSAL=causal, D=d, BM=bm, BN=bn,
+    )  # fmt: skip
+    _bwd_dq[(triton.cdiv(sq, bm), b * h)](
+        q, k, v, do, lse, delta, dq, scale, sq, sk, h, h // kvh, shift, *strides,
+        CAUSAL=causal, D=d, BM=bm, BN=bn,
+    )  # fmt: skip
+    return dq, dk, dv
 
 
 def flash_attention_with_lse(q, k, v, causal: bool = True, scale: float | None = None):

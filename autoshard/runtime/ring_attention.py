@@ -64,25 +64,49 @@ def _scores(q, k, scale, qc, kc, causal):
     return s
 
 
-def _block_forward(q, k, v, scale, rank, src, cp, causal, out, lse):
+def _block_forward(q, k, v, scale, rank, src, cp, causal, out, lse, kernel=False):
     """Fold the attention of the local queries over the K/V block of rank ``src`` into (out, lse)."""
     q_parts, k_parts, v_parts = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
     for qi, qc in enumerate(_chunks(rank, cp)):
         for ki, kc in enumerate(_chunks(src, cp)):
-            s = _scores(q_parts[qi], k_parts[ki], scale, qc, kc, causal)
-            if s is None:
+            if causal and kc > qc:
                 continue
-            block_lse = torch.logsumexp(s, dim=-1)
-            block_out = torch.matmul(torch.exp(s - block_lse.unsqueeze(-1)), v_parts[ki])
+            if kernel:  # the Triton kernel (K/V heads may be fewer: it handles the groups)
+                from autoshard.kernels.flash import flash_attention_with_lse
+
+                block_out, block_lse = flash_attention_with_lse(
+                    q_parts[qi], k_parts[ki], v_parts[ki], causal=causal and kc == qc, scale=scale
+                )
+                block_out = block_out.float()
+            else:
+                s = _scores(q_parts[qi], _expand_kv(k_parts[ki], q.size(1)), scale, qc, kc, causal)
+                block_lse = torch.logsumexp(s, dim=-1)
+                block_out = torch.matmul(torch.exp(s - block_lse.unsqueeze(-1)), _expand_kv(v_parts[ki], q.size(1)))
             o, l_ = out[qi], lse[qi]
             new = torch.logaddexp(l_, block_lse)
             out[qi] = o * torch.exp(l_ - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1)
             lse[qi] = new
 
 
-def _block_backward(q, k, v, do, out, lse, scale, rank, src, cp, causal, dq, dk, dv):
+def _block_backward(q, k, v, do, out, lse, scale, rank, src, cp, causal, dq, dk, dv, kernel=False):
     q_parts, k_parts, v_parts = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
     do_parts, o_parts, lse_parts = do.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2)
+    if kernel:
+        from autoshard.kernels.flash import flash_attention_backward
+
+        for qi, qc in enumerate(_chunks(rank, cp)):
+            for ki, kc in enumerate(_chunks(src, cp)):
+                if causal and kc > qc:
+                    continue
+                g = flash_attention_backward(q_parts[qi], k_parts[ki], v_parts[ki], o_parts[qi], lse_parts[qi],
+                                             do_parts[qi], causal and kc == qc, scale)  # fmt: skip
+                dq[qi] += g[0].float()
+                dk[ki] += g[1].float()
+                dv[ki] += g[2].float()
+        return
+    heads = q.size(1)
+    k_parts = [_expand_kv(x, heads) for x in k_parts]
+    v_parts = [_expand_kv(x, heads) for x in v_parts]
     for qi, qc in enumerate(_chunks(rank, cp)):
         delta = (do_parts[qi] * o_parts[qi]).sum(-1, keepdim=True)
         for ki, kc in enumerate(_chunks(src, cp)):
@@ -110,26 +134,25 @@ def _rotate(tensors: list[torch.Tensor], group) -> tuple[list, list[torch.Tensor
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
+    def forward(ctx, q, k, v, group, causal, scale, kernel):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         heads = q.size(1)
         b, _, s2, d = q.shape
-        out = [q.new_zeros(b, heads, s2 // 2, d) for _ in range(2)]
-        lse = [q.new_full((b, heads, s2 // 2), float("-inf")) for _ in range(2)]
+        out = [q.new_zeros(b, heads, s2 // 2, d, dtype=torch.float32) for _ in range(2)]
+        lse = [q.new_full((b, heads, s2 // 2), float("-inf"), dtype=torch.float32) for _ in range(2)]
         block = [k.contiguous(), v.contiguous()]
         for step in range(cp):
             pending = _rotate(block, group) if step < cp - 1 else None
             src = (rank - step) % cp
-            _block_forward(q, _expand_kv(block[0], heads), _expand_kv(block[1], heads), scale, rank, src, cp, causal,
-                           out, lse)  # fmt: skip
+            _block_forward(q, block[0], block[1], scale, rank, src, cp, causal, out, lse, kernel)
             if pending is not None:
                 for w in pending[0]:
                     w.wait()
                 block = pending[1]
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
-        return out
+        ctx.group, ctx.causal, ctx.scale, ctx.kernel = group, causal, scale, kernel
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
@@ -137,30 +160,40 @@ class _RingAttention(torch.autograd.Function):
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         heads, kv_heads = q.size(1), k.size(1)
-        dq = [torch.zeros_like(x) for x in q.chunk(2, dim=2)]
+        kernel = ctx.kernel
+        dq = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in q.chunk(2, dim=2)]
         do = do.contiguous()
-        block = [k.contiguous(), v.contiguous(), torch.zeros_like(k), torch.zeros_like(v)]
+        zeros = lambda t: torch.zeros(t.shape, dtype=torch.float32, device=t.device)  # noqa: E731
+        block = [k.contiguous(), v.contiguous(), zeros(k), zeros(v)]
+        width = kv_heads if kernel else heads  # the kernel returns K/V gradients per K/V head
         for step in range(cp):
             src = (rank - step) % cp
-            ek, ev = _expand_kv(block[0], heads), _expand_kv(block[1], heads)
-            dk = [torch.zeros_like(x) for x in ek.chunk(2, dim=2)]
-            dv = [torch.zeros_like(x) for x in ev.chunk(2, dim=2)]
-            _block_backward(q, ek, ev, do, out, lse, scale, rank, src, cp, causal, dq, dk, dv)
+            dk = [zeros(x) for x in _expand_kv(block[0], width).chunk(2, dim=2)]
+            dv = [zeros(x) for x in _expand_kv(block[1], width).chunk(2, dim=2)]
+            _block_backward(q, block[0], block[1], do, out, lse, scale, rank, src, cp, causal, dq, dk, dv, kernel)
             block[2] = block[2] + _fold_kv(torch.cat(dk, dim=2), kv_heads)
             block[3] = block[3] + _fold_kv(torch.cat(dv, dim=2), kv_heads)
             # pass the block and its gradients on; after cp steps they are home
             work, block = _rotate(block, group)
             for w in work:
                 w.wait()
-        return torch.cat(dq, dim=2), block[2], block[3], None, None, None
+        dq = torch.cat(dq, dim=2).to(q.dtype)
+        return dq, block[2].to(k.dtype), block[3].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, group=None, causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """Attention of this rank's queries over the whole (CP-sharded) sequence, ring style."""
+def ring_attention(
+    q, k, v, group=None, causal: bool = True, scale: float | None = None, kernel: bool | None = None
+) -> torch.Tensor:
+    """Attention of this rank's queries over the whole (CP-sharded) sequence, ring style. Each
+    block runs autoshard's Triton kernel when ``kernel`` (default: on CUDA), PyTorch math otherwise."""
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     if group is None or dist.get_world_size(group) == 1:
         return _local(q, k, v, causal, scale)
-    return _RingAttention.apply(q, k, v, group, causal, scale)
+    if kernel is None:
+        from autoshard.runtime.attention import _triton_ready
+
+        kernel = _triton_ready(q)
+    return _RingAttention.apply(q, k, v, group, causal, scale, kernel)
 
 
 class _GatherSeq(torch.autograd.Function):

@@ -65,3 +65,18 @@ def test_bad_shapes_are_refused():
     k = torch.randn(1, 2, 16, 32, device=DEVICE)
     with pytest.raises(ValueError, match="heads 3 vs kv heads 2"):
         flash_attention(q, k, k)
+
+
+def test_gpu_benchmark_script_runs_its_interpreter_check():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "attention.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(script), "--check"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-500:]
+    assert "interpreter check" in proc.stdout and proc.stdout.strip().splitlines()[-1].split()[0] == "64"

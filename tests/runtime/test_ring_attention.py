@@ -13,7 +13,7 @@ def _reference(q, k, v, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def _worker(rank, world, variant, causal):
+def _worker(rank, world, variant, causal, kernel=False):
     import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(0)
@@ -25,8 +25,10 @@ def _worker(rank, world, variant, causal):
     ref = _reference(q, k, v, causal)
     (ref * w).sum().backward()
     local = [shard_sequence(t.detach(), world, rank).requires_grad_() for t in (q, k, v)]
-    fn = ring_attention if variant == "ring" else allgather_attention
-    out = fn(*local, group=dist.group.WORLD, causal=causal)
+    if variant == "ring":
+        out = ring_attention(*local, group=dist.group.WORLD, causal=causal, kernel=kernel)
+    else:
+        out = allgather_attention(*local, group=dist.group.WORLD, causal=causal)
     (out * shard_sequence(w, world, rank)).sum().backward()
     errs = {"out": (out - shard_sequence(ref, world, rank)).abs().max().item()}
     for name, full, part in zip("qkv", (q, k, v), local):
@@ -41,6 +43,18 @@ def test_context_parallel_attention_matches_full_attention(cp, variant, causal):
     from distributed import run
 
     for errs in run(_worker, cp, variant, causal, timeout=120):
+        for name, err in errs.items():
+            assert err < 1e-5, (name, err)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_with_the_triton_kernel_per_block(causal):
+    """The GPU path (each block through autoshard's Triton kernel, the ring backward through its
+    backward kernels with the global LSE), run under TRITON_INTERPRET=1 on gloo."""
+    pytest.importorskip("triton")
+    from distributed import run
+
+    for errs in run(_worker, 2, "ring", causal, True, timeout=180):
         for name, err in errs.items():
             assert err < 1e-5, (name, err)
 
