@@ -73,7 +73,8 @@ def train(args, plan, program, device):
     #    for ZeRO-1, a gradient all-reduce for ZeRO-0), and AdamW
     fsdp = rt.shard_data_parallel(stages, plan, mesh)
     params = [p for m in stages for p in m.parameters()]
-    optim = rt.optimizer(params, plan["zero_stage"], groups.dp_group(), args.lr, args.weight_decay, args.adam_eps)
+    zero_group = rt.zero_mesh(plan, mesh).get_group()  # ZeRO shards over dp x cp, as planned
+    optim = rt.optimizer(params, plan["zero_stage"], zero_group, args.lr, args.weight_decay, args.adam_eps)
     # 4. the plan's pipeline schedule (torch.distributed.pipelining) over the chunks
     m, mbs = plan["microbatches"], plan["microbatch_size"]
     pipelined = plan["mesh"]["pp"] > 1
@@ -97,8 +98,8 @@ def train(args, plan, program, device):
                 (value / m).backward()
                 losses.append(value.detach())
         rt.sum_partial_gradients(stages)  # sequence parallel: norms saw 1/tp of the tokens
-        rt.sum_context_parallel_gradients(params)  # context parallel: each rank saw 2/(2cp) of each sequence
-        if not fsdp:
+        if not fsdp:  # (FSDP reduces over dp x cp itself)
+            rt.sum_context_parallel_gradients(params)  # context parallel: each rank saw 2/(2cp) of each sequence
             rt.average_gradients(params, groups.dp_group())
         optim.step()
         if last:

@@ -27,6 +27,7 @@ CASES = {
     "cp2-ring": (2, "cp=2,attention=ring"),
     "cp2-tp2-ring": (4, "cp=2,tp=2,attention=ring"),
     "cp2-tp2-allgather": (4, "cp=2,tp=2,attention=allgather-kv"),
+    "cp2-dp2-zero3": (4, "cp=2,dp=2,zero=3"),  # ZeRO over dp x cp
 }
 # HuggingFace Llama builds an explicit (batch, 1, s, s) mask for attention, which context
 # parallelism does not shard: its CP plans are refused at compile (tested in test_program.py)

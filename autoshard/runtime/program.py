@@ -267,29 +267,40 @@ def average_gradients(params: list[nn.Parameter], group) -> None:
             offset += g.numel()
 
 
+def zero_mesh(plan: dict, mesh):
+    """The ranks ZeRO shards over: data parallel x context parallel, as the planner counts memory
+    (the CP ranks of a replica hold the same parameters). A 1-D mesh."""
+    if plan["mesh"]["cp"] == 1:
+        return mesh["dp"]
+    return mesh["dp", "cp"]._flatten("dp_cp")  # DeviceMesh has no public flatten yet
+
+
 def shard_data_parallel(stages: list[nn.Module], plan: dict, mesh) -> bool:
-    """ZeRO-2/3: FSDP2 ``fully_shard`` each chunk over the data-parallel axis (ZeRO-3 frees the
+    """ZeRO-2/3: FSDP2 ``fully_shard`` each chunk over the dp x cp ranks (ZeRO-3 frees the
     gathered parameters after forward, ZeRO-2 keeps them until backward is done). Returns whether
-    FSDP owns gradient reduction. On gloo FSDP2 may sum where it should average (pytorch#162338),
-    so the reduction is forced to a sum and divided by the data-parallel size explicitly."""
-    zero, dp = plan["zero_stage"], plan["mesh"]["dp"]
-    if zero < 2 or dp == 1:
+    FSDP owns gradient reduction. The reduction sums over dp x cp and divides by dp: the mean over
+    replicas of the CP ranks' summed shares. (Forcing the sum also sidesteps pytorch#162338, FSDP2
+    on gloo summing where it should average.)"""
+    zero, dp, cp = plan["zero_stage"], plan["mesh"]["dp"], plan["mesh"]["cp"]
+    if zero < 2 or dp * cp == 1:
         return False
     from torch.distributed.fsdp import fully_shard
 
+    shard_mesh = zero_mesh(plan, mesh)
     for module in stages:
-        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=zero == 3)
+        fully_shard(module, mesh=shard_mesh, reshard_after_forward=zero == 3)
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(float(dp))
     return True
 
 
-def optimizer(params: list[nn.Parameter], zero: int, dp_group, lr: float, weight_decay: float, eps: float = 1e-8):
+def optimizer(params: list[nn.Parameter], zero: int, zero_group, lr: float, weight_decay: float, eps: float = 1e-8):
+    """AdamW; for ZeRO-1 its states sharded over ``zero_group`` (dp x cp) by ZeroRedundancyOptimizer."""
     kwargs = {"lr": lr, "betas": (0.9, 0.95), "eps": eps, "weight_decay": weight_decay}
-    if zero == 1 and dist.get_world_size(dp_group) > 1:  # ZeRO-2/3: FSDP already shards the parameters
+    if zero == 1 and dist.get_world_size(zero_group) > 1:  # ZeRO-2/3: FSDP already shards the parameters
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group, **kwargs)
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=zero_group, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
 
 
