@@ -238,6 +238,23 @@ def meshes(problem: Problem) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
+SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")
+
+
+def runnable(schedule: str, pp: int, recompute: frozenset, every: frozenset, zero: int, dpcp: int) -> bool:
+    """Combinations the emitted program can run. Schedules that split backward into input- and
+    weight-gradient passes (zero-bubble, ZBV, DualPipeV) run two backwards over each layer, which
+    torch's selective checkpointing refuses (one backward per region) and which lose weight
+    gradients under FSDP2's ZeRO-3 resharding (measured with autoshard verify). So with them a
+    layer recomputes nothing or everything, and ZeRO stops at 2."""
+    if pp > 1 and schedule in SPLIT_BACKWARD:
+        if recompute and recompute != every:
+            return False
+        if zero == 3 and dpcp > 1:
+            return False
+    return True
+
+
 def recompute_options(problem: Problem) -> list[frozenset[str]]:
     cats = sorted({c for blk in problem.cost.blocks for c in blk.categories})
     if "recompute" in problem.forced:

@@ -39,6 +39,7 @@ from autoshard.planner.candidates import (
     meshes,
     orders,
     recompute_options,
+    runnable,
     schedules,
 )
 from autoshard.planner.costs import (
@@ -113,6 +114,7 @@ class Planner:
         self.model_flops = 3 * problem.cost.flops_forward(1, problem.seq) * problem.global_batch
         self.recompute_sets = recompute_options(problem)
         self.all_categories = frozenset().union(*self.recompute_sets)
+        self.model_categories = frozenset(c for blk in problem.cost.blocks for c in blk.categories)
         self._work: dict = {}
         self._places: dict = {}
         self._cache: dict = {}
@@ -561,10 +563,12 @@ class Planner:
             yield from self._undominated_recompute(c)
         elif level == 2:
             for name, v in schedules(self.p, c.pp, self.microbatches(c)):
-                yield replace(c, schedule=name, v=v)
+                if runnable(name, c.pp, c.recompute, self.model_categories, 0, c.dp * c.cp):
+                    yield replace(c, schedule=name, v=v)
         elif level == 3:
             for z in self.zero_options(c):
-                yield replace(c, zero=z)
+                if runnable(c.schedule, c.pp, c.recompute, self.model_categories, z, c.dp * c.cp):
+                    yield replace(c, zero=z)
 
     def _undominated_recompute(self, c: Candidate):
         """Recompute sets not dominated by another (no less recompute time and no less memory

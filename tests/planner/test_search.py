@@ -11,7 +11,7 @@ import pytest
 
 from autoshard.cost_models import hardware
 from autoshard.planner import Problem
-from autoshard.planner.candidates import divisors, meshes, orders, recompute_options, schedules
+from autoshard.planner.candidates import divisors, meshes, orders, recompute_options, runnable, schedules
 from autoshard.planner.search import Candidate, Planner
 
 from conftest import captured
@@ -45,6 +45,8 @@ def test_search_finds_the_exhaustive_optimum():
                 for rc, (name, v), z in itertools.product(
                     recompute_options(problem), schedules(problem, pp, m), planner.zero_options(root)
                 ):
+                    if not runnable(name, pp, rc, planner.model_categories, z, dp * cp):
+                        continue
                     for order in orders(root, problem):
                         leaf = replace(root, recompute=rc, schedule=name, v=v, zero=z, order=order)
                         ev = planner.evaluate(leaf)
