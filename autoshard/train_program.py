@@ -54,10 +54,10 @@ def main():
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        train(args, plan, program, device)
-    finally:
-        dist.destroy_process_group()
+    train(args, plan, program, device)
+    # every rank finishes its collectives (FSDP's last ones included) before the group goes away
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def train(args, plan, program, device):

@@ -176,6 +176,19 @@ def check_problem(problem: Problem) -> None:
     for axis in ("tp", "pp", "cp", "dp"):
         if axis in pins and problem.gpus % pins[axis]:
             raise AutoshardError(f"--force {axis}={pins[axis]} does not divide --gpus {problem.gpus}")
+    if pins.get("schedule") in SPLIT_BACKWARD:
+        name = pins["schedule"]
+        if pins.get("zero") == 3:
+            raise AutoshardError(
+                f"--force zero=3 with schedule={name}: FSDP2's ZeRO-3 resharding loses the schedule's separate "
+                "weight-gradient pass, so the program cannot run it; use zero=2 or schedule=interleaved"
+            )
+        every = frozenset(c for blk in problem.cost.blocks for c in blk.categories)
+        if "recompute" in pins and pins["recompute"] and frozenset(pins["recompute"]) & every != every:
+            raise AutoshardError(
+                f"--force recompute with schedule={name}: torch's selective checkpointing allows one backward "
+                "per region and this schedule runs two; use recompute=none, recompute=full or schedule=interleaved"
+            )
     if "tp" in pins and pins["tp"] not in tp_choices(problem):
         allowed = ", ".join(map(str, tp_choices(problem)))
         raise AutoshardError(
