@@ -30,19 +30,11 @@ from torch import fx
 from autoshard.capture import Captured
 from autoshard.cost_models import ops, sharding
 from autoshard.ir import B, S
+from autoshard.plan import CHECKPOINT_CATEGORIES
 
-CATEGORIES = (
-    "layer_input",
-    "norm_input",
-    "norm_output",
-    "linear_output",
-    "activation",
-    "attention",
-    "dropout_mask",
-    "experts",
-    "loss",
-)
-RECOMPUTABLE = tuple(c for c in CATEGORIES if c not in ("layer_input", "loss"))
+# the kinds a plan may recompute, plus the layer input (kept by any checkpoint) and the loss's
+RECOMPUTABLE = CHECKPOINT_CATEGORIES
+CATEGORIES = ("layer_input", *RECOMPUTABLE, "loss")
 
 
 def _fn(expr: sympy.Expr):

@@ -22,13 +22,9 @@ from torch import fx
 from autoshard import runtime
 from autoshard.errors import AutoshardError
 from autoshard.ir import S
-
-
-def _op(node) -> str:
-    if not isinstance(node, fx.Node):
-        return ""
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return node.meta.get("op") or target
+from autoshard.passes._graph import in_model as _in_model
+from autoshard.passes._graph import op_name as _op
+from autoshard.passes._graph import seq_dim as _seq_dim
 
 
 def _fail(node: fx.Node, why: str) -> AutoshardError:
@@ -37,20 +33,6 @@ def _fail(node: fx.Node, why: str) -> AutoshardError:
         f"context parallelism cannot handle {node.format_node()}{f' ({where})' if where else ''}: {why}; "
         "plan with --force cp=1"
     )
-
-
-def _in_model(node: fx.Node) -> bool:
-    from autoshard.passes.pipeline_split import _in_model as in_model
-
-    return in_model(node)
-
-
-def _seq_dim(node: fx.Node) -> int | None:
-    shape = node.meta.get("shape")
-    if not isinstance(shape, (tuple, list)):
-        return None
-    hits = [i for i, d in enumerate(shape) if getattr(d, "free_symbols", None) and d == S]
-    return hits[0] if len(hits) == 1 else None
 
 
 def context_parallel(gm: fx.GraphModule, cp: int, variant: str, notes: dict | None = None) -> None:

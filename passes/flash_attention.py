@@ -13,14 +13,7 @@ import math
 from torch import fx
 
 from autoshard import runtime
-
-
-def _op(node) -> str:
-    if not isinstance(node, fx.Node):
-        return ""
-    return node.meta.get("op") or (
-        node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    )
+from autoshard.passes._graph import op_name as _op
 
 
 def _arg(node: fx.Node, i: int, name: str, default=None):

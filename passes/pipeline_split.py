@@ -17,6 +17,7 @@ from itertools import accumulate
 from torch import fx
 
 from autoshard.errors import AutoshardError
+from autoshard.passes._graph import in_model as _in_model
 
 LOSS = -1
 
@@ -28,16 +29,6 @@ class SplitProgram:
     boundaries: list[list[str]] = field(default_factory=list)  # names of each chunk's outputs
     layers: list[tuple[int, int]] = field(default_factory=list)  # [first, last) layer of each chunk
     target: str | None = None  # the model input the loss reads (the token ids)
-
-
-def _in_model(node: fx.Node) -> bool:
-    """Inside the user's model (not the loss the training wrapper adds after it): fx records
-    ``("model", Model)`` on the module stack, torch.export ``("model", "pkg.Model")``."""
-    if node.op == "call_module":
-        return True
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [str(v[0]) for v in stack.values() if isinstance(v, tuple)]
-    return any(p == "model" or p.startswith("model.") for p in paths)
 
 
 def _input_size(node: fx.Node) -> bool:

@@ -19,7 +19,8 @@ from torch import fx, nn
 
 from autoshard import runtime
 from autoshard.errors import AutoshardError
-from autoshard.ir import S
+from autoshard.passes._graph import op_name as _op
+from autoshard.passes._graph import seq_dim as _seq_dim
 
 _POINTWISE = {
     "add", "sub", "mul", "div", "truediv", "neg", "dropout", "to", "float", "half", "bfloat16", "type_as",
@@ -27,20 +28,6 @@ _POINTWISE = {
 }  # fmt: skip
 _REDUCTIONS = {"mean", "sum", "amax", "var"}  # per token when they reduce other dimensions
 _NORMS = (nn.LayerNorm, nn.RMSNorm)
-
-
-def _seq_dim(node: fx.Node) -> int | None:
-    shape = node.meta.get("shape")
-    if not isinstance(shape, (tuple, list)):
-        return None
-    hits = [i for i, d in enumerate(shape) if getattr(d, "free_symbols", None) and d == S]
-    return hits[0] if len(hits) == 1 else None
-
-
-def _op(node: fx.Node) -> str:
-    return node.meta.get("op") or (
-        node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    )
 
 
 def _fail(node: fx.Node, why: str) -> AutoshardError:

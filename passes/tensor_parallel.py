@@ -26,11 +26,12 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 from autoshard import runtime
 from autoshard.errors import AutoshardError
+from autoshard.passes._graph import op_name as _op_name
+from autoshard.runtime.stages import slice_full
 
 # ---------------------------------------------------------------------------------------------
 # shard layouts
@@ -64,12 +65,7 @@ class ParamShard:
 
 def slice_parameter(full: torch.Tensor, spec: ParamShard, rank: int, tp: int) -> torch.Tensor:
     """Rank ``rank``'s piece of ``full`` under ``spec``."""
-    shape = list(full.shape)
-    view = full.reshape(*shape[: spec.dim], *spec.factors, *shape[spec.dim + 1 :])
-    block = spec.factors[spec.index] // tp
-    piece = view.narrow(spec.dim + spec.index, rank * block, block)
-    shape[spec.dim] //= tp
-    return piece.reshape(shape).clone()
+    return slice_full(full, (spec.dim, spec.factors, spec.index), rank, tp).clone()
 
 
 class Unsupported(AutoshardError):
@@ -373,14 +369,6 @@ class _Propagator:
         return Shard(out_dim + s.dim - dim, s.factors, s.index)
 
 
-def _op_name(node: fx.Node) -> str:
-    name = node.meta.get("op")
-    if name:
-        return name
-    t = node.target
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
-
-
 def _norm_dim(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
@@ -630,4 +618,4 @@ def _rewrite_sizes(node: fx.Node, s: Shard, tp: int) -> None:
     node.args = (args[0], type(args[1])(sizes)) if packed else (args[0], *sizes)
 
 
-__all__ = ["tensor_parallel", "load_local", "ShardedGraph", "Shard", "ParamShard", "slice_parameter", "F"]
+__all__ = ["tensor_parallel", "load_local", "ShardedGraph", "Shard", "ParamShard", "slice_parameter"]

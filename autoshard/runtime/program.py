@@ -214,13 +214,7 @@ def sum_context_parallel_gradients(params: list[nn.Parameter]) -> None:
     group = groups.cp_group()
     if group is None:
         return
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    _all_reduce_flat([_local(p.grad) for p in params if p.grad is not None], group)
 
 
 def sum_partial_gradients(stages: list[nn.Module]) -> None:
@@ -234,11 +228,23 @@ def sum_partial_gradients(stages: list[nn.Module]) -> None:
         wanted = set(getattr(module.stage_file, "PARTIAL_GRADS", ()))
         for name, p in module.named_parameters():
             if name in wanted and p.grad is not None:
-                grads.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+                grads.append(_local(p.grad))
+    _all_reduce_flat(grads, group)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a gradient (FSDP2 keeps them as DTensors)."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group, divide: int = 1) -> None:
+    """Sum ``grads`` over ``group`` in place (then divide), as one flat buffer."""
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
+    if divide != 1:
+        flat.div_(divide)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -258,13 +264,7 @@ def average_gradients(params: list[nn.Parameter], group) -> None:
             p.grad = torch.zeros_like(p)
         by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat.div_(size)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        _all_reduce_flat(grads, group, divide=size)
 
 
 def zero_mesh(plan: dict, mesh):
