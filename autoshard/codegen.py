@@ -107,6 +107,7 @@ def plan_markdown(plan: Plan, comparison: str | None = None) -> str:
             [
                 ["compute (incl. recompute)", f"{p.compute_s:.3f}"],
                 ["recompute", f"{p.recompute_s:.3f}"],
+                ["compute slowed by hidden communication", f"{p.overlap_s:.3f}"],
                 ["pipeline bubble", f"{p.bubble_fraction * p.step_time_s:.3f}"],
             ]
             + [

@@ -59,6 +59,7 @@ class Predicted:
     compute_s: float  # arithmetic + memory-bound work per step, busiest GPU
     recompute_s: float  # of which recomputation
     memory_limit_bytes: float  # usable HBM: capacity minus the profile's reserve
+    overlap_s: float = 0.0  # compute lost to communication running beside it (hidden is not free)
 
 
 @dataclass

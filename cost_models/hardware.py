@@ -22,6 +22,9 @@ Fields (all per GPU; GB = 1e9 bytes):
                               achieve (DeepSeek-V3 measured 160 of 200 GB/s on H800 NVLink)
 ``nvlink_latency_us`` float   optional (default 3): per-step latency of an NVLink collective, us
 ``network_latency_us`` float  optional (default 10): per-step latency of an inter-node collective, us
+``overlap_slowdown`` float   optional (default 0.19): compute seconds lost per second of
+                              communication running beside it (NCCL kernels take SMs and HBM
+                              bandwidth; arXiv 2507.03114 measured 18.9% on average)
 ``memory_reserve_gb`` float   optional (default 6): HBM kept free for the allocator, CUDA context,
                               NCCL buffers and fragmentation
 ==================== ======== =====================================================================
@@ -57,6 +60,7 @@ _OPTIONAL = {
     "nvlink_latency_us": (float, 3.0),
     "network_latency_us": (float, 10.0),
     "memory_reserve_gb": (float, 6.0),
+    "overlap_slowdown": (float, 0.19),
 }
 
 
@@ -78,6 +82,7 @@ class Hardware:
     nvlink_latency_us: float = 3.0
     network_latency_us: float = 10.0
     memory_reserve_gb: float = 6.0
+    overlap_slowdown: float = 0.19
     source: str = ""
 
     def peak_flops(self, dtype: str = "bf16") -> float:

@@ -7,7 +7,7 @@ like code), and records how the published plan itself is predicted against the c
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -35,14 +35,18 @@ class Case:
     # How close the cost model must come; None where it is known not to (see the case's comment)
     published_within: float | None = 0.10  # published plan's predicted step time vs the chosen one
     mfu_within: float | None = 0.25  # predicted MFU vs the published MFU, relative
+    # The published plan against the best plan that uses the published schedule family
+    same_schedule_within: float | None = 0.10
 
 
 CASES = [
     # LLaMA-3 (arXiv 2407.21783, Table 4): interleaved schedule, FSDP-style DP (ZeRO-1 here).
-    # At 8K tokens the cost model is optimistic: GEMMs run at the profile's best measured matmul
-    # rate (80% of peak, MAMF), and it prefers TP2-4 with CP and a zero-bubble schedule to the
-    # published TP8 (whose exposed TP traffic and interleaved bubble it prices at 12-14%). Both
-    # margins are measured and reported, not asserted; see the closing note of issue #3.
+    # At 8K tokens the cost model is optimistic (GEMMs at the profile's best measured matmul rate,
+    # 80% of peak, all step long: predicted MFU about 1.37x the published one), and it prefers TP2-4
+    # with CP and a zero-bubble schedule, which Meta did not run, to the published TP8 interleaved
+    # plan (12-15% slower by the model). Restricted to the interleaved schedule, the published plan
+    # is within 10% of the best (asserted below). The unrestricted margins are measured and
+    # reported, not asserted; see the closing note of issue #3.
     Case(
         "llama3_405b_16k_h100",
         "llama3",
@@ -111,6 +115,7 @@ DECISIONS = (
 )
 
 _RESULTS: dict = {}
+_SAME_SCHEDULE: dict = {}  # the best plan restricted to the published plan's schedule
 
 
 def plan_case(case: Case):
@@ -136,7 +141,10 @@ def plan_case(case: Case):
             .run()
             .best
         )
+        family = planner.parse_force(f"schedule={pins['schedule']}") if "schedule" in pins else {}
+        same_schedule = planner.Planner(replace(problem, forced=family), alternatives=1).run().best
         _RESULTS[case.name] = (plan, comparison, published)
+        _SAME_SCHEDULE[case.name] = same_schedule
     return _RESULTS[case.name]
 
 
@@ -150,6 +158,8 @@ def _golden(case: Case, request) -> dict:
             "step_time_s": published.step_time_s,
             "mfu": published.mfu,
             "slower_than_chosen": published.step_time_s / plan.predicted.step_time_s - 1,
+            "best_same_schedule_s": _SAME_SCHEDULE[case.name].step_time_s,
+            "slower_than_best_same_schedule": published.step_time_s / _SAME_SCHEDULE[case.name].step_time_s - 1,
             "comparison": comparison,
         },
     }
@@ -209,6 +219,14 @@ def test_plan_md_explains_the_published_plan(case):
 def test_published_plan_is_predicted_close_to_the_chosen_one(case):
     plan, _, published = plan_case(case)
     assert published.step_time_s <= plan.predicted.step_time_s * (1 + case.published_within)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.same_schedule_within], ids=lambda c: c.name)
+def test_published_plan_is_close_to_the_best_plan_on_its_schedule(case):
+    _, _, published = plan_case(case)
+    best = _SAME_SCHEDULE[case.name]
+    assert best.step_time_s <= published.step_time_s * 1.000001  # the search finds at least it
+    assert published.step_time_s <= best.step_time_s * (1 + case.same_schedule_within)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.mfu_within], ids=lambda c: c.name)

@@ -116,6 +116,7 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
             comm_s=comm,
             compute_s=b["compute_s"],
             recompute_s=b["recompute_s"],
+            overlap_s=b["overlap_s"],
             memory_limit_bytes=hw.usable_bytes,
         ),
         forced={k: _jsonable(v) for k, v in problem.forced.items()},

@@ -26,6 +26,11 @@ Modelling choices (each can be checked against the formula it names):
   compute only by DualPipeV, whose F&B chunks pair one micro-batch's forward with another's backward.
 - PP: one activation send per stage boundary per micro-batch each way (bsh/t with SP); sends are
   asynchronous and overlap compute in the steady state, but lie on the fill/drain path.
+- Hidden is not free: while a collective runs beside compute, its kernels take SMs and HBM
+  bandwidth from the GEMMs, so every second of communication hidden behind compute costs
+  ``overlap_slowdown`` seconds of compute (the hardware profile; Lee et al. 2025, arXiv 2507.03114,
+  measured 18.9% average compute slowdown under overlap on H100/A100/MI250; DeepSeek-V3 gives 20 of
+  132 SMs to communication). Applied to hidden TP, CP, EP, PP and DP traffic alike.
 - DP: gradients all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1) in fp32 once per step, overlapped
   with the last micro-batch's backward; parameters all-gathered in bf16 after the step, overlapped
   with the first forward. ZeRO-2 keeps only a gradient shard, so it reduce-scatters after every
@@ -161,16 +166,25 @@ class LayerCost:
     flops_model: float  # model FLOPs (forward + 2x backward, no recompute) for MFU
     tp_total: float = 0.0  # TP collectives including the ones hidden behind GEMMs
     cp_total: float = 0.0  # CP traffic including the ring steps hidden behind attention
+    slowdown: float = 0.0  # compute lost per second of communication it hides (hardware profile)
 
     @property
     def compute(self) -> float:
         return self.f + self.b + self.w
 
+    def interference(self, overlap_ep: bool) -> float:
+        """Compute time lost to the communication this layer hides: the hidden TP and CP traffic,
+        and the EP all-to-all where the schedule overlaps it."""
+        hidden = (self.tp_total - self.tp) + (self.cp_total - self.cp)
+        if overlap_ep:
+            hidden += min(self.compute, self.ep)
+        return self.slowdown * hidden
+
     def time(self, overlap_ep: bool) -> float:
         """Per micro-batch critical-path time of this layer."""
         if overlap_ep:
-            return max(self.compute, self.ep) + self.tp + self.cp
-        return self.compute + self.ep + self.tp + self.cp
+            return max(self.compute, self.ep) + self.tp + self.cp + self.interference(True)
+        return self.compute + self.ep + self.tp + self.cp + self.interference(False)
 
 
 ATTENTION_HALF_LENGTH = 180  # tokens at which a flash kernel runs at half its long-sequence speed
@@ -414,6 +428,7 @@ class LayerCosts:
             flops,
             t_tp + regather + scatter,
             cp_total,
+            self.hw.overlap_slowdown,
         )
 
 

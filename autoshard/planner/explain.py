@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from autoshard.plan import Plan
 
-COMPONENTS = ("compute", "recompute", "bubble", "imbalance", "tp", "cp", "ep", "pp", "dp")
+COMPONENTS = ("compute", "recompute", "bubble", "imbalance", "overlap", "tp", "cp", "ep", "pp", "dp")
 
 
 def components(breakdown: dict) -> dict[str, float]:
@@ -15,6 +15,7 @@ def components(breakdown: dict) -> dict[str, float]:
         "recompute": breakdown["recompute_s"],
         "bubble": breakdown["bubble_s"],
         "imbalance": breakdown["imbalance_s"],
+        "overlap": breakdown["overlap_s"],
         **{axis: comm[axis]["exposed"] for axis in ("tp", "cp", "ep", "pp", "dp")},
     }
 
@@ -33,6 +34,8 @@ def _phrase(part: str, extra: float, alt: dict, mesh: dict, links: dict) -> str:
         return f"it must recompute {extra:.2f} s more to fit in memory"
     if part == "bubble":
         return f"its pipeline bubble costs {extra:.2f} s more"
+    if part == "overlap":
+        return f"the communication it hides slows its compute by {extra:.2f} s more"
     if part == "imbalance":
         return f"its pipeline stages are less even ({extra:.2f} s more on the slowest)"
     name = {
@@ -88,7 +91,10 @@ def rationale(plan: Plan) -> str:
         if v["total"] > 0
     )
     lines.append(f"Communication per step: {comm or 'none'}")
-    lines.append(f"Compute per step: {p.compute_s:.3f} s (of which recompute {p.recompute_s:.3f} s)")
+    lines.append(
+        f"Compute per step: {p.compute_s:.3f} s (of which recompute {p.recompute_s:.3f} s), "
+        f"plus {p.overlap_s:.3f} s it loses to the communication running beside it"
+    )
     if plan.alternatives:
         lines.append("Why not:")
         for alt in plan.alternatives:

@@ -204,11 +204,15 @@ class Planner:
         if level < 3:
             # Overlapping EP traffic (as DualPipeV does) only ever lowers a layer's time, so the
             # overlapped costs bound every schedule from below.
-            works = {True: self.work(c, where_key, where, True, frozenset() if level < 2 else None)}
-            wm = works[True] if level >= 2 else self.work(c, where_key, where, True, self.all_categories)
             shapes, least = self.schedule_shapes(c.pp, m)
-            if not shapes or self.memory_bound(c, max(zeros), wm, least) > self.p.hw.usable_bytes:
+            if not shapes:
                 return math.inf
+            # memory first: it needs only the activations, not the layers' times
+            w0 = self.work(c, where_key, where, True, frozenset())
+            rc = c.recompute if level >= 2 else self.all_categories
+            if self.memory_bound(c, max(zeros), w0, least, rc) > self.p.hw.usable_bytes:
+                return math.inf
+            works = {True: w0 if level < 2 else self.work(c, where_key, where, True)}
         else:
             works = {
                 _shape(c.schedule, c.v).overlaps_ep: self.work(c, where_key, where, _shape(c.schedule, c.v).overlaps_ep)
@@ -240,6 +244,19 @@ class Planner:
             return math.inf
         return m * t_max + bubble + dp
 
+    def may_fit(self, c: Candidate, level: int) -> bool:
+        """The memory test of ``bound`` alone, for a node just made at ``level`` 2 (recompute set
+        chosen) or 3 (schedule chosen): children that fail it are never queued."""
+        m = self.microbatches(c)
+        where_key, where = self.where(c, True)
+        zero = max(self.zero_options(c))
+        w0 = self.work(c, where_key, where, True, frozenset())
+        if level == 2:
+            flight = self.schedule_shapes(c.pp, m)[1]
+        else:
+            flight = self.in_flight(_shape(c.schedule, c.v), c.pp, m)
+        return self.memory_bound(c, zero, w0, flight, c.recompute) <= self.p.hw.usable_bytes
+
     def in_flight(self, shape: ScheduleShape, pp: int, m: int) -> tuple:
         key = ("flight", shape, pp, m)
         if key not in self._cache:
@@ -258,7 +275,7 @@ class Planner:
 
     def quick_bound(self, c: Candidate) -> float:
         """A cheap root bound: compute and TP/CP/EP traffic at their best placements (EP hidden as
-        far as compute can hide it), nothing recomputed, a perfect split over the pipeline ranks,
+        far as compute can hide it, the hidden traffic slowing compute), nothing recomputed, a perfect split over the pipeline ranks,
         the smallest fill/drain of any schedule (from compute alone); and a memory test that
         every rank keeps at least its share
         of the layers' inputs, everything else recomputed, and the head's rank its loss tensors."""
@@ -270,11 +287,12 @@ class Planner:
             compute = least = fs = bs = ws = 0.0
             for block, n in zip(blocks, counts):
                 f, b, w, _, _, _, column = self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, frozenset(), c.ep)
-                tp, (regather, scatter), (cp, _), ep, _ = self.costs.comm(
+                tp, (regather, scatter), (cp, cp_total), ep, _ = self.costs.comm(
                     block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, where["tp"], where["cp"], where["ep"]
                 )
+                hidden = min(regather, column) + min(scatter, column) + (cp_total - cp) + min(f + b + w, ep)
                 tp += max(0.0, regather - column) + max(0.0, scatter - column)
-                compute += n * (max(f + b + w, ep) + tp + cp)
+                compute += n * (max(f + b + w, ep) + tp + cp + self.p.hw.overlap_slowdown * hidden)
                 fs, bs, ws = fs + n * f, bs + n * b, ws + n * w
                 least += n * self.costs.activation(block, c.mbs, c.tp, c.cp, self.all_categories)
             post_act = self.costs.activation(POST, c.mbs, c.tp, c.cp, self.all_categories)
@@ -308,31 +326,47 @@ class Planner:
         """Data-parallel time exposed on the busiest rank is at least its average over ranks."""
         key = ("dp", id(w), zero, where_key, m)
         if key not in self._cache:
-            cz = replace(c, zero=zero)
-            d = dp_comm(w.params_dense, w.params_expert, cz, where, self.p.hw)
-            avg = max(0.0, d["after_backward"] - w.b - w.w) + max(0.0, d["before_forward"] - w.f)
-            if d["per_microbatch"] > 0:  # ZeRO-2/3 collectives run layer by layer, latency each
-                blocks = [(n, k) for n, k in zip(self.kind_counts, w.kinds)] + [(1, w.pre), (1, w.post)]
-                micro = sum(
-                    n * dp_comm(k.params_dense, k.params_expert, cz, where, self.p.hw)["per_microbatch"]
-                    for n, k in blocks
-                )
+            # the traffic depends on the parameters only, not on what is recomputed
+            traffic_key = ("dp-traffic", c.tp, c.pp, c.cp, c.ep, c.dp, zero, where_key)
+            if traffic_key not in self._cache:
+                cz = replace(c, zero=zero)
+                d = dp_comm(w.params_dense, w.params_expert, cz, where, self.p.hw)
+                micro = 0.0
+                if d["per_microbatch"] > 0:  # ZeRO-2/3 collectives run layer by layer, latency each
+                    blocks = [(n, k) for n, k in zip(self.kind_counts, w.kinds)] + [(1, w.pre), (1, w.post)]
+                    micro = sum(
+                        n * dp_comm(k.params_dense, k.params_expert, cz, where, self.p.hw)["per_microbatch"]
+                        for n, k in blocks
+                    )
+                self._cache[traffic_key] = (d["after_backward"], d["before_forward"], micro)
+            after, before, micro = self._cache[traffic_key]
+            avg = max(0.0, after - w.b - w.w) + max(0.0, before - w.f)
+            if micro > 0:
                 avg += m * max(0.0, micro - w.total)
             self._cache[key] = avg / c.pp
         return self._cache[key]
 
-    def memory_bound(self, c: Candidate, zero: int, w: Work, in_flight: tuple) -> float:
-        """A lower bound on the busiest rank's memory over every stage partition.
+    def memory_bound(
+        self, c: Candidate, zero: int, w: Work, in_flight: tuple, recompute: frozenset | None = None
+    ) -> float:
+        """A lower bound on the busiest rank's memory over every stage partition, with ``w``'s
+        activations or, given ``recompute``, the activations that recompute set keeps (model
+        states and buffers do not depend on it).
 
         For weights l_r >= 0 summing to one, max_r mem_r >= sum_r l_r mem_r, and the right side
         is smallest when each layer sits on the rank where l_r x (its memory there) is least. The
         weights are the ones that would balance identical average layers exactly."""
-        key = ("mem", id(w), zero, in_flight)
+        key = ("mem", id(w), zero, in_flight, recompute)
         if key in self._cache:
             return self._cache[key]
         per, pre, post = self.states(c, w, zero)
-        items = [(n, k.activation_bytes, st) for n, k, st in zip(self.kind_counts, w.kinds, per)]
-        items += [(1, w.pre.activation_bytes, pre), (1, w.post.activation_bytes, post)]
+        if recompute is None:
+            acts = [k.activation_bytes for k in w.kinds] + [w.pre.activation_bytes, w.post.activation_bytes]
+        else:
+            blocks = [*range(len(self.p.cost.blocks)), PRE, POST]
+            acts = [self.costs.activation(b, c.mbs, c.tp, c.cp, recompute) for b in blocks]
+        items = [(n, a, st) for n, a, st in zip(self.kind_counts, acts, per)]
+        items += [(1, acts[-2], pre), (1, acts[-1], post)]
         layers = sum(n for n, _, _ in items)
         act_avg = sum(n * a for n, a, _ in items) / layers
         st_avg = sum(n * st for n, _, st in items) / layers
@@ -449,10 +483,17 @@ class Planner:
                 reason=f"does not fit: needs about {need / 1e9:.0f} GB per GPU, {hw.usable_bytes / 1e9:.0f} GB usable",
             )
         bubble = shape.bubble(c.pp, m, w.f / c.pp, w.b / c.pp, w.w / c.pp, w.total / c.pp)
-        step = m * part.t_max + bubble + part.dp_exposed
+        breakdown = self._breakdown(c, w, part, bubble, m, where)
+        # pipeline sends and data-parallel traffic hidden behind compute slow that compute down
+        # (the layers' hidden TP/CP/EP traffic is already in their times)
+        hidden = sum(
+            breakdown["comm_s"][a]["total"] - breakdown["comm_s"][a]["exposed"] for a in ("pp", "dp")
+        )
+        step = m * part.t_max + bubble + part.dp_exposed + hw.overlap_slowdown * max(0.0, hidden)
+        breakdown["overlap_s"] += hw.overlap_slowdown * max(0.0, hidden)
         ev = Evaluation(c, True, step, part.stage_layers, optimal=part.optimal)
         ev.memory_ranks = part.memory
-        ev.breakdown = self._breakdown(c, w, part, bubble, m, where)
+        ev.breakdown = breakdown
         ev.memory = self._memory_breakdown(c, part, in_flight, w)
         ev.mfu = self.model_flops / (step * p.gpus * hw.peak_flops("bf16"))
         return ev
@@ -479,8 +520,18 @@ class Planner:
         pp_exposed = bubble - shape.bubble(c.pp, m, w.f / c.pp - sends, w.b / c.pp - sends, w.w / c.pp, w.total / c.pp)
         d = dp_comm(w.params_dense / c.pp, w.params_expert / c.pp, c, where, self.p.hw)
         dp_total = d["after_backward"] + d["before_forward"] + m * d["per_microbatch"]
+        layers_overlap = (
+            m
+            * (
+                sum(n * k.interference(overlap) for n, k in zip(counts, w.kinds))
+                + w.pre.interference(overlap)
+                + w.post.interference(overlap)
+            )
+            / c.pp
+        )
         return {
             "compute_s": per_rank("f") + per_rank("b") + per_rank("w"),
+            "overlap_s": layers_overlap,
             "recompute_s": per_rank("recompute"),
             "bubble_s": bubble,
             "imbalance_s": m * part.t_max - m * w.total / c.pp,
@@ -610,7 +661,9 @@ class Planner:
                     k: v for k, v in self.p.forced.items() if k not in ("tp", "pp", "cp", "ep", "dp")
                 }
                 sub = Planner(replace(self.p, forced=pins), alternatives=1)
-                sub.costs = self.costs  # share the memoised layer costs
+                # share the memoised costs and bounds: the pins differ only in the mesh, which
+                # none of the memo keys leaves out
+                sub.costs, sub._work, sub._places, sub._cache = self.costs, self._work, self._places, self._cache
                 try:
                     alt, alt_infeasible, n, lv, _ = sub._branch_and_bound()
                 except AutoshardError:
@@ -650,6 +703,8 @@ class Planner:
             nodes += 1
             if level < LEVELS - 1:
                 for child in self.children(c, level):
+                    if level in (1, 2) and not self.may_fit(child, level + 1):
+                        continue
                     heapq.heappush(heap, (lb, 1, next(tick), level + 1, child))
                 continue
             if fixed is not None and len(fixed) != c.pp * c.v:
