@@ -251,10 +251,8 @@ class Planner:
         where_key, where = self.where(c, True)
         zero = max(self.zero_options(c))
         w0 = self.work(c, where_key, where, True, frozenset())
-        if level == 2:
-            flight = self.schedule_shapes(c.pp, m)[1]
-        else:
-            flight = self.in_flight(_shape(c.schedule, c.v), c.pp, m)
+        shape = _shape(c.schedule, c.v) if level == 3 else None
+        flight = self.in_flight(shape, c.pp, m) if shape else self.schedule_shapes(c.pp, m)[1]
         return self.memory_bound(c, zero, w0, flight, c.recompute) <= self.p.hw.usable_bytes
 
     def in_flight(self, shape: ScheduleShape, pp: int, m: int) -> tuple:
@@ -275,10 +273,10 @@ class Planner:
 
     def quick_bound(self, c: Candidate) -> float:
         """A cheap root bound: compute and TP/CP/EP traffic at their best placements (EP hidden as
-        far as compute can hide it, the hidden traffic slowing compute), nothing recomputed, a perfect split over the pipeline ranks,
-        the smallest fill/drain of any schedule (from compute alone); and a memory test that
-        every rank keeps at least its share
-        of the layers' inputs, everything else recomputed, and the head's rank its loss tensors."""
+        far as compute can hide it, the hidden traffic slowing compute), nothing recomputed, a
+        perfect split over the pipeline ranks, the smallest fill/drain of any schedule (from
+        compute alone); and a memory test that every rank keeps at least its share of the
+        layers' inputs, everything else recomputed, and the head's rank its loss tensors."""
         key = ("quick", c.tp, c.cp, c.ep, c.mbs, c.fp8, c.attention)
         if key not in self._cache:
             blocks = [*range(len(self.p.cost.blocks)), PRE, POST]
@@ -486,9 +484,7 @@ class Planner:
         breakdown = self._breakdown(c, w, part, bubble, m, where)
         # pipeline sends and data-parallel traffic hidden behind compute slow that compute down
         # (the layers' hidden TP/CP/EP traffic is already in their times)
-        hidden = sum(
-            breakdown["comm_s"][a]["total"] - breakdown["comm_s"][a]["exposed"] for a in ("pp", "dp")
-        )
+        hidden = sum(breakdown["comm_s"][a]["total"] - breakdown["comm_s"][a]["exposed"] for a in ("pp", "dp"))
         step = m * part.t_max + bubble + part.dp_exposed + hw.overlap_slowdown * max(0.0, hidden)
         breakdown["overlap_s"] += hw.overlap_slowdown * max(0.0, hidden)
         ev = Evaluation(c, True, step, part.stage_layers, optimal=part.optimal)
