@@ -164,3 +164,17 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_hardware_lists_profiles(capsys):
     code, out, _ = run(capsys, "hardware")
     assert code == 0 and "gb200-nvl72" in out and "h800" in out
+
+
+
+def test_output_piped_into_head_ends_quietly(monkeypatch):
+    """A reader that stops early (``| head -1``) must not get a traceback: the pipe's read end is
+    closed before anything is written, so the first write fails with EPIPE."""
+    import io
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    stdout = io.TextIOWrapper(os.fdopen(write, "wb", buffering=0), write_through=True)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(["hardware"]) == 0
