@@ -166,7 +166,6 @@ def test_hardware_lists_profiles(capsys):
     assert code == 0 and "gb200-nvl72" in out and "h800" in out
 
 
-
 def test_output_piped_into_head_ends_quietly(monkeypatch):
     """A reader that stops early (``| head -1``) must not get a traceback: the pipe's read end is
     closed before anything is written, so the first write fails with EPIPE."""
