@@ -26,6 +26,15 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _kv_block(K, V, cols, offs_d, sks, svs, sk):
+    """Rows ``cols`` of one head's K and V (``K``/``V`` point at the head), fp32, zero past ``sk``."""
+    kmask = cols[:, None] < sk
+    k = tl.load(K + cols[:, None] * sks + offs_d[None, :], mask=kmask, other=0.0).to(tl.float32)
+    v = tl.load(V + cols[:, None] * svs + offs_d[None, :], mask=kmask, other=0.0).to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _fwd(Q, K, V, O, L, scale, sq, sk, H, G, causal_shift,
          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
          CAUSAL: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
@@ -46,13 +55,7 @@ def _fwd(Q, K, V, O, L, scale, sq, sk, H, G, causal_shift,
         hi = tl.minimum(sk, (pid_m + 1) * BM + causal_shift)
     for start in range(0, hi, BN):
         cols = start + offs_n
-        kmask = cols[:, None] < sk
-        k = tl.load(K + b * skb + kvh * skh + cols[:, None] * sks + offs_d[None, :], mask=kmask, other=0.0).to(
-            tl.float32
-        )
-        v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svs + offs_d[None, :], mask=kmask, other=0.0).to(
-            tl.float32
-        )
+        k, v = _kv_block(K + b * skb + kvh * skh, V + b * svb + kvh * svh, cols, offs_d, sks, svs, sk)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         valid = cols[None, :] < sk
         if CAUSAL:
@@ -152,13 +155,7 @@ def _bwd_dq(Q, K, V, DO, L, Delta, DQ, scale, sq, sk, H, G, causal_shift,
         hi = tl.minimum(sk, (pid_m + 1) * BM + causal_shift)
     for start in range(0, hi, BN):
         cols = start + offs_n
-        kmask = cols[:, None] < sk
-        k = tl.load(K + b * skb + kvh * skh + cols[:, None] * sks + offs_d[None, :], mask=kmask, other=0.0).to(
-            tl.float32
-        )
-        v = tl.load(V + b * skb + kvh * skh + cols[:, None] * sks + offs_d[None, :], mask=kmask, other=0.0).to(
-            tl.float32
-        )
+        k, v = _kv_block(K + b * skb + kvh * skh, V + b * skb + kvh * skh, cols, offs_d, sks, sks, sk)
         s = tl.dot(q, tl.trans(k)) * scale
         valid = (offs_m[:, None] < sq) & (cols[None, :] < sk)
         if CAUSAL:
