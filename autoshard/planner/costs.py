@@ -41,7 +41,7 @@ Modelling choices (each can be checked against the formula it names):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, lru_cache
 
 from autoshard.cost_models import comm
@@ -212,12 +212,30 @@ def gemm_time(batch: float, m: float, n: float, k: float, hw: Hardware, fp8: boo
     return max(flops / (peak * quant), traffic / (hw.hbm_gbps * 1e9))
 
 
-class LayerCosts:
-    """Memoised per-layer costs of a problem."""
+def gemm_floor(batch: float, m: float, n: float, k: float, hw: Hardware, fp8: bool) -> float:
+    """A lower bound on ``gemm_time`` for every ``m``, and proportional to it: the arithmetic at
+    the best wave quantisation any ``m`` allows (the ragged edge tiles along ``n`` stay), no HBM
+    term. ``waves * sm_count`` is at least the tile count, so the quantisation factor of
+    ``gemm_time`` never exceeds ``n / (ceil(n / TILE) * TILE)``."""
+    if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+        return 0.0
+    edge = n / (math.ceil(n / TILE) * TILE)
+    peak = hw.peak_flops("fp8" if fp8 else "bf16") * (hw.matmul_efficiency_fp8 if fp8 else hw.matmul_efficiency)
+    return 2.0 * batch * m * n * k / (peak * edge)
 
-    def __init__(self, problem: Problem):
+
+class LayerCosts:
+    """Memoised per-layer costs of a problem.
+
+    ``floor=True`` gives a lower bound on every time instead, one proportional to the micro-batch
+    size: GEMMs by ``gemm_floor`` and collectives without their per-step latency (what is left of
+    each is linear in the bytes, and every other term is linear in the tokens already). The
+    search uses it to bound all micro-batch sizes of a mesh at once."""
+
+    def __init__(self, problem: Problem, floor: bool = False):
         self.p = problem
-        self.hw = problem.hw
+        self.hw = replace(problem.hw, nvlink_latency_us=0.0, network_latency_us=0.0) if floor else problem.hw
+        self._gemm = gemm_floor if floor else gemm_time
         self.sp = problem.forced.get("sp", True)  # sequence parallelism with TP unless pinned off
         self._layers: dict = {}
 
@@ -250,7 +268,7 @@ class LayerCosts:
             elif g.role == "row":
                 k = k / tp
             use_fp8 = fp8 and g.role != "vocab" and "fp8" in hw.peak_tflops
-            t = gemm_time(batch, m, n, k, hw, use_fp8)
+            t = self._gemm(batch, m, n, k, hw, use_fp8)
             if use_fp8:  # quantise activations (read 2 B, write 1 B) forward and gradients backward
                 t += 3 * batch * m * k / (hw.hbm_gbps * 1e9)
             total += t

@@ -1,7 +1,9 @@
 """Branch and bound over the search space, CP-SAT at the leaves.
 
-The tree: (mesh, micro-batch size, FP8, attention variant) -> axis order -> recompute set ->
-pipeline schedule and virtual stages -> ZeRO stage -> stage partition (CP-SAT, ``partition.py``).
+The tree: family (TP, CP, EP, FP8, attention variant) -> root (pipeline depth and DP, micro-batch
+size) -> axis order -> recompute set -> pipeline schedule and virtual stages -> ZeRO stage -> stage
+partition (CP-SAT, ``partition.py``). A family's roots are made only when its floor (a per-sequence
+bound, ``family_floor``) reaches the top of the heap: most families never do.
 Every node carries a lower bound on the step time of every plan below it. Choices not yet made are
 minimised over where that is cheap (schedule, ZeRO stage) and relaxed where it is not:
 
@@ -109,6 +111,7 @@ class Planner:
         self.p = problem
         self.k = alternatives
         self.costs = LayerCosts(problem)
+        self._floor_costs = LayerCosts(problem, floor=True)
         self.kinds = problem.layer_kinds
         self.kind_counts = [blk.count for blk in problem.cost.blocks]
         self.model_flops = 3 * problem.cost.flops_forward(1, problem.seq) * problem.global_batch
@@ -574,28 +577,71 @@ class Planner:
 
     # -- the search ---------------------------------------------------------------------------------
 
-    def roots(self):
+    def families(self) -> dict[tuple, list[tuple[int, int]]]:
+        """The roots grouped by (tp, cp, ep, fp8, attention), each with its (pp, dp) splits: the
+        level above the roots, bounded by ``family_floor`` for all its micro-batch sizes at once."""
         p, pins = self.p, self.p.forced
         fp8_options = [False]
         if "fp8" in p.hw.peak_tflops:
             fp8_options = {"bf16": [False], "fp8": [True], "auto": [False, True]}[p.precision]
         if "fp8" in pins:
             fp8_options = [pins["fp8"]]
+        out: dict[tuple, list[tuple[int, int]]] = {}
         for tp, pp, cp, ep, dp in meshes(p):
-            per_rank = p.global_batch // dp
-            # the head's rank keeps at least one micro-batch of the loss's tensors (linear in mbs)
-            per_sequence = self.costs.activation(POST, 1, tp, cp, self.all_categories)
-            largest = p.hw.usable_bytes // per_sequence if per_sequence > 0 else per_rank
+            attentions = ["flash"] if cp == 1 else ["ring", "allgather-kv"]
+            attentions = [a for a in attentions if pins.get("attention", a) == a]
+            for fp8, attn in itertools.product(fp8_options, attentions):
+                out.setdefault((tp, cp, ep, fp8, attn), []).append((pp, dp))
+        return out
+
+    def roots(self, family: tuple | None = None, splits: list[tuple[int, int]] | None = None):
+        """Every (mesh, micro-batch size, FP8, attention) of one family, or of all of them."""
+        if family is None:
+            for fam, fam_splits in self.families().items():
+                yield from self.roots(fam, fam_splits)
+            return
+        pins = self.p.forced
+        tp, cp, ep, fp8, attn = family
+        # the head's rank keeps at least one micro-batch of the loss's tensors (linear in mbs)
+        per_sequence = self.costs.activation(POST, 1, tp, cp, self.all_categories)
+        for pp, dp in splits:
+            per_rank = self.p.global_batch // dp
+            largest = self.p.hw.usable_bytes // per_sequence if per_sequence > 0 else per_rank
             for mbs in divisors(per_rank):
                 if mbs > largest:
                     break
                 m = per_rank // mbs
                 if pins.get("mbs", mbs) != mbs or pins.get("microbatches", m) != m:
                     continue
-                attentions = ["flash"] if cp == 1 else ["ring", "allgather-kv"]
-                attentions = [a for a in attentions if pins.get("attention", a) == a]
-                for fp8, attn in itertools.product(fp8_options, attentions):
-                    yield Candidate(tp, pp, cp, ep, dp, mbs, fp8, attn, frozenset())
+                yield Candidate(tp, pp, cp, ep, dp, mbs, fp8, attn, frozenset())
+
+    def family_floor(self, family: tuple) -> float:
+        """A lower bound on ``quick_bound`` of every root in ``family``, whatever its pipeline
+        depth and micro-batch size.
+
+        ``quick_bound`` is m x (per-micro-batch time) / pp plus a bubble >= 0, and m x mbs x pp x dp
+        = global batch x tp x cp / gpus, so per-sequence time bounds it. Per block that time is
+        max(C, E) + s x min(C, E) + T + [exposed + s x hidden] of the backward re-gather, the
+        gradient reduce-scatter and the CP traffic (C compute, E all-to-all, T forward TP traffic,
+        s the overlap slowdown). Each bracket is at least min(s, 1) x its traffic, and the whole is
+        nondecreasing in C, E, T and the traffic, so the floor costs (``LayerCosts(floor=True)``,
+        proportional to mbs and below the real ones) evaluated at one sequence bound it."""
+        tp, cp, ep, fp8, attn = family
+        c = Candidate(tp, 1, cp, ep, 1, 1, fp8, attn, frozenset())
+        where = self.where(c, False)[1]
+        floor = self._floor_costs
+        s = self.p.hw.overlap_slowdown
+        total = 0.0
+        for block, n in zip([*range(len(self.p.cost.blocks)), PRE, POST], [*self.kind_counts, 1, 1]):
+            f, b, w, _, _, _, _ = floor.compute(block, 1, tp, cp, fp8, frozenset(), ep)
+            t_tp, (regather, scatter), (_, cp_total), t_ep, _ = floor.comm(
+                block, 1, tp, cp, ep, attn, fp8, where["tp"], where["cp"], where["ep"]
+            )
+            compute = f + b + w
+            total += n * (
+                max(compute, t_ep) + s * min(compute, t_ep) + t_tp + min(s, 1.0) * (regather + scatter + cp_total)
+            )
+        return self.p.global_batch * tp * cp / self.p.gpus * total
 
     def children(self, c: Candidate, level: int):
         if level == 0:
@@ -676,10 +722,10 @@ class Planner:
         heap: list = []
         tick = itertools.count()
         root_bounds: dict[Candidate, float] = {}  # full bounds of the roots the search looked at
-        for c in self.roots():
-            quick = self.quick_bound(c)
-            if quick < math.inf:
-                heapq.heappush(heap, (quick, 1, next(tick), 0, c))  # fully bounded when popped
+        families = self.families()
+        for family in families:  # level -1: roots made only when their family's floor is reached
+            heap.append((self.family_floor(family), 0, next(tick), -1, family))
+        heapq.heapify(heap)
         best: Evaluation | None = None
         infeasible: list[Evaluation] = []
         does_not_fit: set[Candidate] = set()
@@ -689,6 +735,12 @@ class Planner:
             lb, needs_bound, _, level, c = heapq.heappop(heap)
             if best is not None and lb >= best.step_time_s:
                 break
+            if level < 0:
+                for root in self.roots(c, families[c]):
+                    quick = self.quick_bound(root)
+                    if quick < math.inf:
+                        heapq.heappush(heap, (quick, 1, next(tick), 0, root))  # fully bounded when popped
+                continue
             if needs_bound:  # pushed with its parent's bound: bound it now
                 own = self.bound(c, level)
                 if level == 0:

@@ -93,3 +93,29 @@ def test_less_memory_never_buys_a_bigger_footprint(name, config, seq, gpus, batc
         assert best.memory["total"] <= hw.usable_bytes
         used.append(best.memory["total"])
     assert all(a >= b - 1 for a, b in zip(used, used[1:])), used
+
+
+@pytest.mark.parametrize(
+    "name,config,seq,hw,gpus,batch",
+    [
+        ("deepseek_v3", "671b", 4096, "h800", 256, 1920),
+        ("llama3", "405b", 131072, "h100", 1024, 16),
+        ("llama3", "8b", 8192, {"nvlink_gbps": 20, "overlap_slowdown": 1.5, "network_latency_us": 500}, 64, 64),
+    ],
+    ids=["moe-ep", "long-cp", "slow-links"],
+)
+def test_family_floor_bounds_every_root_of_the_family(name, config, seq, hw, gpus, batch):
+    """The search makes a family's roots only once its floor is reached, so the floor must be at
+    most the root bound of every (pipeline depth, micro-batch size) in it, or the optimum is lost."""
+    _, cost = captured(name, config, seq)
+    profile = _profile(**hw) if isinstance(hw, dict) else hardware.load(hw)
+    planner = Planner(Problem(cost, profile, gpus, seq, batch, "auto"), alternatives=1)
+    checked = 0
+    for family, splits in planner.families().items():
+        floor = planner.family_floor(family)
+        for root in planner.roots(family, splits):
+            quick = planner.quick_bound(root)
+            if quick < math.inf:
+                assert floor <= quick * (1 + 1e-12), (family, root)
+                checked += 1
+    assert checked > 100
