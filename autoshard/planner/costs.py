@@ -69,9 +69,12 @@ def _strides(c: Candidate, order: tuple[str, ...]) -> dict[str, tuple[int, int]]
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Where:
-    """How a group of ranks sits on the NVLink domains: what ``comm`` needs."""
+    """How a group of ranks sits on the NVLink domains: what ``comm`` needs.
+
+    Made only by ``_grid``, which keeps one object per value: identity equality
+    and hashing are value equality, and cheap (these sit in the search's hottest memo keys)."""
 
     size: int
     per_domain: int
@@ -106,7 +109,13 @@ def _grid(axes, domain, take, every) -> Where:
     counts: dict[int, int] = {}
     for r in ranks:
         counts[r // domain] = counts.get(r // domain, 0) + 1
-    return Where(len(ranks), max(counts.values()), len(counts))
+    value = (len(ranks), max(counts.values()), len(counts))
+    if value not in _WHERE:
+        _WHERE[value] = Where(*value)
+    return _WHERE[value]
+
+
+_WHERE: dict[tuple[int, int, int], Where] = {}  # one object per value
 
 
 class _Placement(comm.Placement):

@@ -98,6 +98,7 @@ class Work:
     params_dense: float
     params_expert: float
     p2p: float
+    recompute: frozenset = frozenset()  # what the layers recompute
     states: dict = field(default_factory=dict)  # zero -> per-kind state bytes, cached
 
 
@@ -167,6 +168,7 @@ class Planner:
                 tot("params_dense"),
                 tot("params_expert"),
                 max(k.p2p for k in kinds),
+                rc,
             )
             self._work[key] = w
         return w
@@ -357,9 +359,13 @@ class Planner:
         For weights l_r >= 0 summing to one, max_r mem_r >= sum_r l_r mem_r, and the right side
         is smallest when each layer sits on the rank where l_r x (its memory there) is least. The
         weights are the ones that would balance identical average layers exactly."""
-        key = ("mem", id(w), zero, in_flight, recompute)
-        if key in self._cache:
-            return self._cache[key]
+        # memory does not depend on the axis order, so neither does the key; the in-flight
+        # tuples are memoised (``in_flight``, ``schedule_shapes``), so their identity names them
+        rc = w.recompute if recompute is None else recompute
+        key = ("mem", c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, zero, id(in_flight))
+        value = self._cache.get(key)
+        if value is not None:
+            return value
         per, pre, post = self.states(c, w, zero)
         if recompute is None:
             acts = [k.activation_bytes for k in w.kinds] + [w.pre.activation_bytes, w.post.activation_bytes]
