@@ -107,6 +107,19 @@ def _shape(name: str, v: int) -> ScheduleShape:
     return ScheduleShape(name, v)
 
 
+def _least_memory_stages(zeros: tuple[int, ...]) -> tuple[int, ...]:
+    """The ZeRO stages among ``zeros`` that can need the least memory: model states shrink as the
+    stage rises and buffers are the same below ZeRO-3, whose gathered layers add to them; so the
+    highest stage, and the highest one below 3."""
+    below = [z for z in zeros if z < 3]
+    return tuple({max(zeros), *(below and [max(below)])})
+
+
+def _ends(shape: ScheduleShape, pp: int) -> tuple[int, int]:
+    """The ranks holding the first and the last chunk (embedding and head)."""
+    return shape.chunk_rank(0, pp), shape.chunk_rank(pp * shape.v - 1, pp)
+
+
 class Planner:
     def __init__(self, problem: Problem, alternatives: int = 4):
         self.p = problem
@@ -205,7 +218,7 @@ class Planner:
         Levels: 0 root, 1 axis order, 2 recompute set, 3 schedule, 4 ZeRO stage."""
         m = self.microbatches(c)
         where_key, where = self.where(c, level >= 1)
-        zeros = [c.zero] if level >= 4 else self.zero_options(c)
+        zeros = (c.zero,) if level >= 4 else tuple(self.zero_options(c))
         if level < 3:
             # Overlapping EP traffic (as DualPipeV does) only ever lowers a layer's time, so the
             # overlapped costs bound every schedule from below.
@@ -215,9 +228,23 @@ class Planner:
             # memory first: it needs only the activations, not the layers' times
             w0 = self.work(c, where_key, where, True, frozenset())
             rc = c.recompute if level >= 2 else self.all_categories
-            if self.memory_bound(c, max(zeros), w0, least, rc) > self.p.hw.usable_bytes:
+            if self.memory_bound(c, zeros, w0, least, rc) > self.p.hw.usable_bytes:
                 return math.inf
             works = {True: w0 if level < 2 else self.work(c, where_key, where, True)}
+            if c.ep > 1 and any(not shape.overlaps_ep for shape, _ in shapes):
+                # schedules that do not overlap the all-to-all pay it in full
+                works[False] = self.work(c, where_key, where, False, None if level >= 2 else frozenset())
+            else:
+                works[False] = works[True]
+            if level == 2:  # only the schedules this recompute set runs with, and fits under
+                shapes = [
+                    (shape, flight)
+                    for shape, flight in shapes
+                    if runnable(shape.name, c.pp, c.recompute, self.model_categories, 0, c.dp * c.cp)
+                    and self.memory_bound(c, zeros, w0, flight, rc) <= self.p.hw.usable_bytes
+                ]
+                if not shapes:
+                    return math.inf
         else:
             works = {
                 _shape(c.schedule, c.v).overlaps_ep: self.work(c, where_key, where, _shape(c.schedule, c.v).overlaps_ep)
@@ -226,14 +253,14 @@ class Planner:
         if level < 3:
             # schedule still open: the cheapest fill/drain over schedules, the average rank, and a
             # memory test with the fewest in-flight micro-batches any schedule has on each rank
-            key = ("pipe", tuple(id(w) for w in works.values()), c.pp, m)
+            key = ("pipe", tuple(id(w) for w in works.values()), c.pp, m, level == 2)
             best = self._cache.get(key)
             if best is None:
                 best = math.inf
                 for shape, _ in shapes:
-                    w = works[True]
+                    w, overlap = works[shape.overlaps_ep], shape.overlaps_ep
                     bubble = shape.bubble(c.pp, m, w.f / c.pp, w.b / c.pp, w.w / c.pp, w.total / c.pp)
-                    t_max = max(w.total / c.pp, w.pre.time(shape.overlaps_ep), w.post.time(shape.overlaps_ep))
+                    t_max = max(w.total / c.pp, w.pre.time(overlap), w.post.time(overlap))
                     best = min(best, m * t_max + bubble)
                 self._cache[key] = best
             return best + dp
@@ -241,10 +268,9 @@ class Planner:
         w = works[shape.overlaps_ep]
         m_flight = self.in_flight(shape, c.pp, m)
         bubble = shape.bubble(c.pp, m, w.f / c.pp, w.b / c.pp, w.w / c.pp, w.total / c.pp)
-        z_mem = max(zeros)  # most sharded: the loosest memory test
-        if self.memory_bound(c, z_mem, w, m_flight) > self.p.hw.usable_bytes:
+        if self.memory_bound(c, zeros, w, m_flight) > self.p.hw.usable_bytes:
             return math.inf
-        t_max = self.tmax_bound(c, w, shape, z_mem, m_flight, shape.overlaps_ep)
+        t_max = self.tmax_bound(c, w, _ends(shape, c.pp), zeros, m_flight, shape.overlaps_ep)
         if t_max == math.inf:
             return math.inf
         return m * t_max + bubble + dp
@@ -254,11 +280,11 @@ class Planner:
         chosen) or 3 (schedule chosen): children that fail it are never queued."""
         m = self.microbatches(c)
         where_key, where = self.where(c, True)
-        zero = max(self.zero_options(c))
+        zeros = tuple(self.zero_options(c))
         w0 = self.work(c, where_key, where, True, frozenset())
         shape = _shape(c.schedule, c.v) if level == 3 else None
         flight = self.in_flight(shape, c.pp, m) if shape else self.schedule_shapes(c.pp, m)[1]
-        return self.memory_bound(c, zero, w0, flight, c.recompute) <= self.p.hw.usable_bytes
+        return self.memory_bound(c, zeros, w0, flight, c.recompute) <= self.p.hw.usable_bytes
 
     def in_flight(self, shape: ScheduleShape, pp: int, m: int) -> tuple:
         key = ("flight", shape, pp, m)
@@ -350,11 +376,15 @@ class Planner:
         return self._cache[key]
 
     def memory_bound(
-        self, c: Candidate, zero: int, w: Work, in_flight: tuple, recompute: frozenset | None = None
+        self, c: Candidate, zeros: tuple[int, ...], w: Work, in_flight: tuple, recompute: frozenset | None = None
     ) -> float:
-        """A lower bound on the busiest rank's memory over every stage partition, with ``w``'s
-        activations or, given ``recompute``, the activations that recompute set keeps (model
-        states and buffers do not depend on it).
+        """A lower bound on the busiest rank's memory over every stage partition and every ZeRO
+        stage in ``zeros``, with ``w``'s activations or, given ``recompute``, the activations that
+        recompute set keeps (model states and buffers do not depend on it)."""
+        return min(self._memory_bound(c, z, w, in_flight, recompute) for z in _least_memory_stages(zeros))
+
+    def _memory_bound(self, c: Candidate, zero: int, w: Work, in_flight: tuple, recompute: frozenset | None) -> float:
+        """``memory_bound`` at one ZeRO stage.
 
         For weights l_r >= 0 summing to one, max_r mem_r >= sum_r l_r mem_r, and the right side
         is smallest when each layer sits on the rank where l_r x (its memory there) is least. The
@@ -377,30 +407,36 @@ class Planner:
         layers = sum(n for n, _, _ in items)
         act_avg = sum(n * a for n, a, _ in items) / layers
         st_avg = sum(n * st for n, _, st in items) / layers
-        inverse = [1.0 / max(act_avg * i + st_avg, 1e-9) for i in in_flight]
-        total = sum(inverse)
-        lam = [x / total for x in inverse]
-        bound = sum(n * min(lr * (a * i + st) for lr, i in zip(lam, in_flight)) for n, a, st in items)
+        total = sum(1.0 / max(act_avg * i + st_avg, 1e-9) for i in in_flight)
+        # l_r x (a i_r + st) = (a i_r + st) / (act_avg i_r + st_avg) / total is monotone in i_r
+        # (a ratio of linear functions), so its least over the ranks is at the fewest or the most
+        # in-flight micro-batches
+        ends = (min(in_flight), max(in_flight))
+        bound = sum(n * min((a * i + st) / max(act_avg * i + st_avg, 1e-9) for i in ends) / total for n, a, st in items)
         value = bound + self.buffers(c, w, zero)[0]
         self._cache[key] = value
         return value
 
-    def tmax_bound(self, c: Candidate, w: Work, shape: ScheduleShape, zero: int, in_flight, overlap) -> float:
-        """Lower bound on the slowest rank's time per micro-batch over all partitions, with whole
-        layers and each rank's memory limit (inf when no split fits). Every layer is given the
-        smallest time and memory of any layer kind, and the embedding/head time is rounded down
-        to whole layers, which can only lower the bound."""
-        key = ("tmax", id(w), zero, shape, in_flight)
+    def tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zeros: tuple, in_flight, overlap) -> float:
+        """Lower bound on the slowest rank's time per micro-batch over all partitions and every
+        ZeRO stage in ``zeros``, with whole layers and each rank's memory limit (inf when no split
+        fits), the embedding on rank ``ends[0]`` and the head on ``ends[1]``."""
+        return min(self._tmax_bound(c, w, ends, z, in_flight, overlap) for z in _least_memory_stages(zeros))
+
+    def _tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap) -> float:
+        """``tmax_bound`` at one ZeRO stage. Every layer is given the smallest time and memory of
+        any layer kind, and the embedding/head time is rounded down to whole layers, which can
+        only lower the bound. ``in_flight`` is a memoised tuple (its identity keys the memo)."""
+        key = ("tmax", id(w), zero, ends, id(in_flight), overlap)
         if key in self._cache:
             return self._cache[key]
         per, pre_state, post_state = self.states(c, w, zero)
+        buffers, post_buffers = self.buffers(c, w, zero)
         layers = self.p.num_layers
-        chunks = c.pp * shape.v
-        first, last = shape.chunk_rank(0, c.pp), shape.chunk_rank(chunks - 1, c.pp)
+        first, last = ends
         t_min = min(k.time(overlap) for k in w.kinds)
         a_min = min(k.activation_bytes for k in w.kinds)
         s_min = min(per)
-        buffers, post_buffers = self.buffers(c, w, zero)
         caps, lead = [], []
         value = None
         for r in range(c.pp):
@@ -429,7 +465,7 @@ class Planner:
                         hi = mid
                     else:
                         lo = mid + 1
-                value = max(w.total / c.pp, lo * t_min)
+                value = max(w.total / c.pp, lo * t_min, w.pre.time(overlap), w.post.time(overlap))
         self._cache[key] = value
         return value
 
