@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ortools.sat.python import cp_model
-
 US = 1e6  # CP-SAT works in integers: times in microseconds
 MEM_UNIT = 2**20  # memory in MiB
 INFLIGHT_SCALE = 8  # in-flight counts are multiples of 1/v; v <= 8 keeps them exact
@@ -80,6 +78,10 @@ def solve(
         return _solve_per_rank(layers, q, pp, v, chunk_rank, in_flight, microbatches, time_limit_s)
     if fixed is None and len(runs) == 2 and runs[0][2] <= PREFIX_ENUMERATION:
         return _solve_prefix(kinds, q, pp, v, chunk_rank, in_flight, microbatches)
+    # imported here: OR-Tools' CP-SAT module pulls in pandas (0.4 s), and the shapes above, the
+    # common ones, are solved exactly without it
+    from ortools.sat.python import cp_model
+
     model = cp_model.CpModel()
     bound = [model.NewIntVar(0, layers, f"e{c}") for c in range(chunks + 1)]
     model.Add(bound[0] == 0)

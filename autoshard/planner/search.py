@@ -18,16 +18,21 @@ minimised over where that is cheap (schedule, ZeRO stage) and relaxed where it i
 - a memory lower bound (``memory_bound``) prunes nodes that cannot fit.
 
 Nodes are expanded best bound first (deepest first among equal bounds); a node's own bound is
-computed lazily, when it reaches the top of the heap. The search stops when the best bound left
-cannot beat the k-th best distinct mesh found, so the returned plan is optimal for the cost model
-and the runners-up are the best plans of their meshes.
+computed lazily, when it reaches the top of the heap. The families are dealt by floor into two
+shares searched independently, in two processes where there are two cores (``run``). A share
+stops when the best bound left cannot beat its best plan, so the better of the two shares' plans
+is optimal for the cost model; the runners-up are the best plans of the neighbouring meshes.
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -392,28 +397,33 @@ class Planner:
         # memory does not depend on the axis order, so neither does the key; the in-flight
         # tuples are memoised (``in_flight``, ``schedule_shapes``), so their identity names them
         rc = w.recompute if recompute is None else recompute
-        key = ("mem", c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, zero, id(in_flight))
+        layout = ("mem", c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, zero)
+        key = (*layout, id(in_flight))
         value = self._cache.get(key)
         if value is not None:
             return value
-        per, pre, post = self.states(c, w, zero)
-        if recompute is None:
-            acts = [k.activation_bytes for k in w.kinds] + [w.pre.activation_bytes, w.post.activation_bytes]
-        else:
-            blocks = [*range(len(self.p.cost.blocks)), PRE, POST]
-            acts = [self.costs.activation(b, c.mbs, c.tp, c.cp, recompute) for b in blocks]
-        items = [(n, a, st) for n, a, st in zip(self.kind_counts, acts, per)]
-        items += [(1, acts[-2], pre), (1, acts[-1], post)]
-        layers = sum(n for n, _, _ in items)
-        act_avg = sum(n * a for n, a, _ in items) / layers
-        st_avg = sum(n * st for n, _, st in items) / layers
+        profile = self._cache.get(layout)
+        if profile is None:  # the per-layer memory, shared by every schedule's in-flight counts
+            per, pre, post = self.states(c, w, zero)
+            if recompute is None:
+                acts = [k.activation_bytes for k in w.kinds] + [w.pre.activation_bytes, w.post.activation_bytes]
+            else:
+                blocks = [*range(len(self.p.cost.blocks)), PRE, POST]
+                acts = [self.costs.activation(b, c.mbs, c.tp, c.cp, recompute) for b in blocks]
+            items = [(n, a, st) for n, a, st in zip(self.kind_counts, acts, per)]
+            items += [(1, acts[-2], pre), (1, acts[-1], post)]
+            layers = sum(n for n, _, _ in items)
+            act_avg = sum(n * a for n, a, _ in items) / layers
+            st_avg = sum(n * st for n, _, st in items) / layers
+            profile = self._cache[layout] = (items, act_avg, st_avg, self.buffers(c, w, zero)[0])
+        items, act_avg, st_avg, buffers = profile
         total = sum(1.0 / max(act_avg * i + st_avg, 1e-9) for i in in_flight)
         # l_r x (a i_r + st) = (a i_r + st) / (act_avg i_r + st_avg) / total is monotone in i_r
         # (a ratio of linear functions), so its least over the ranks is at the fewest or the most
         # in-flight micro-batches
         ends = (min(in_flight), max(in_flight))
         bound = sum(n * min((a * i + st) / max(act_avg * i + st_avg, 1e-9) for i in ends) / total for n, a, st in items)
-        value = bound + self.buffers(c, w, zero)[0]
+        value = bound + buffers
         self._cache[key] = value
         return value
 
@@ -730,43 +740,70 @@ class Planner:
     def run(self) -> SearchResult:
         """The optimal plan; then, for each neighbouring mesh (one of TP, PP, CP, EP doubled or
         halved, DP absorbing the change), the best plan of that mesh: the alternatives a person
-        weighs against the choice."""
+        weighs against the choice.
+
+        The families are dealt into ``SHARES`` independent searches and the neighbouring meshes
+        likewise; with a second core (and ``fork``) one share runs in a forked worker. Each share
+        is searched the same way on any machine, so the plan does not depend on the core count."""
         check_problem(self.p)
-        best, infeasible, nodes, leaves, _ = self._branch_and_bound()
-        ranked = [best]
-        if self.k > 1:
-            valid = set(meshes(replace(self.p, forced={})))
-            for mesh in _neighbours(best.candidate, self.p.gpus):
-                if mesh not in valid or any(
-                    self.p.forced.get(k, v) != v for k, v in zip(("tp", "pp", "cp", "ep", "dp"), mesh)
-                ):
-                    continue
-                pins = dict(zip(("tp", "pp", "cp", "ep", "dp"), mesh)) | {
-                    k: v for k, v in self.p.forced.items() if k not in ("tp", "pp", "cp", "ep", "dp")
-                }
-                sub = Planner(replace(self.p, forced=pins), alternatives=1)
-                # share the memoised costs and bounds: the pins differ only in the mesh, which
-                # none of the memo keys leaves out
-                sub.costs, sub._work, sub._places, sub._cache = self.costs, self._work, self._places, self._cache
-                try:
-                    alt, alt_infeasible, n, lv, _ = sub._branch_and_bound()
-                except AutoshardError:
-                    infeasible.append(
-                        Evaluation(_root_of(mesh), False, reason="does not fit in memory with any setting")
-                    )
-                    continue
-                nodes, leaves = nodes + n, leaves + lv
-                ranked.append(alt)
-            ranked = [ranked[0]] + sorted(ranked[1:], key=lambda e: e.step_time_s)
+        with _Helper(self) as helper:
+            parts = helper.map(_search_share, [(i, SHARES) for i in range(SHARES)])
+            best, infeasible, nodes, leaves = None, [], 0, 0
+            for part_best, part_infeasible, part_nodes, part_leaves in parts:
+                if part_best is not None and (best is None or part_best.step_time_s < best.step_time_s):
+                    best = part_best
+                infeasible += part_infeasible
+                nodes, leaves = nodes + part_nodes, leaves + part_leaves
+            if best is None:
+                raise AutoshardError(self._nothing_fits(infeasible))
+            ranked = [best]
+            if self.k > 1:
+                valid = set(meshes(replace(self.p, forced={})))
+                around = [
+                    mesh
+                    for mesh in _neighbours(best.candidate, self.p.gpus)
+                    if mesh in valid
+                    and all(self.p.forced.get(k, v) == v for k, v in zip(("tp", "pp", "cp", "ep", "dp"), mesh))
+                ]
+                dealt = [around[i::SHARES] for i in range(SHARES)]
+                found = dict(zip([m for share in dealt for m in share], sum(helper.map(_search_meshes, dealt), [])))
+                for mesh in around:
+                    alt, n, lv = found[mesh]
+                    nodes, leaves = nodes + n, leaves + lv
+                    if alt is None:
+                        infeasible.append(
+                            Evaluation(_root_of(mesh), False, reason="does not fit in memory with any setting")
+                        )
+                    else:
+                        ranked.append(alt)
+                ranked = [ranked[0]] + sorted(ranked[1:], key=lambda e: e.step_time_s)
         return SearchResult(best, ranked, infeasible, nodes, leaves)
 
-    def _branch_and_bound(self):
+    def _best_of_mesh(self, mesh: tuple) -> tuple:
+        """(the best plan of ``mesh`` or None, nodes, leaves), the other pins kept."""
+        pins = dict(zip(("tp", "pp", "cp", "ep", "dp"), mesh)) | {
+            k: v for k, v in self.p.forced.items() if k not in ("tp", "pp", "cp", "ep", "dp")
+        }
+        sub = Planner(replace(self.p, forced=pins), alternatives=1)
+        # share the memoised costs and bounds: the pins differ only in the mesh, which none of the
+        # memo keys leaves out
+        sub.costs, sub._floor_costs = self.costs, self._floor_costs
+        sub._work, sub._places, sub._cache = self._work, self._places, self._cache
+        alt, _, nodes, leaves = sub._branch_and_bound()
+        return alt, nodes, leaves
+
+    def _branch_and_bound(self, share: tuple[int, int] = (0, 1)):
+        """Best first over the families whose rank by floor is ``share[0]`` modulo ``share[1]``
+        (dealt out like cards, so every share holds good families and prunes early): (best or
+        None, infeasible leaves, nodes, leaves)."""
         heap: list = []
         tick = itertools.count()
-        root_bounds: dict[Candidate, float] = {}  # full bounds of the roots the search looked at
         families = self.families()
-        for family in families:  # level -1: roots made only when their family's floor is reached
-            heap.append((self.family_floor(family), 0, next(tick), -1, family))
+        floors = [(self.family_floor(family), next(tick), family) for family in families]
+        index, shares = share
+        for rank, (floor, order, family) in enumerate(sorted(floors, key=lambda x: x[:2])):
+            if rank % shares == index:  # level -1: roots made only when the family's floor is reached
+                heap.append((floor, 0, order, -1, family))
         heapq.heapify(heap)
         best: Evaluation | None = None
         infeasible: list[Evaluation] = []
@@ -785,8 +822,6 @@ class Planner:
                 continue
             if needs_bound:  # pushed with its parent's bound: bound it now
                 own = self.bound(c, level)
-                if level == 0:
-                    root_bounds[c] = own
                 if own < math.inf and (best is None or own < best.step_time_s):
                     heapq.heappush(heap, (own, 0, next(tick), level, c))
                 continue
@@ -809,13 +844,7 @@ class Planner:
                 infeasible.append(ev)
             elif best is None or ev.step_time_s < best.step_time_s:
                 best = ev
-        if best is None:
-            raise AutoshardError(self._nothing_fits(infeasible))
-        mesh_bounds: dict[tuple, float] = {}
-        for root, bound in root_bounds.items():
-            key = root.mesh_key()
-            mesh_bounds[key] = min(mesh_bounds.get(key, math.inf), bound)
-        return best, infeasible, nodes, leaves, mesh_bounds
+        return best, infeasible, nodes, leaves
 
     def _nothing_fits(self, infeasible: list[Evaluation]) -> str:
         pins = dict(self.p.forced)
@@ -828,6 +857,67 @@ class Planner:
             f"nothing fits on {self.p.gpus} x {self.p.hw.name} ({self.p.hw.usable_bytes / 1e9:.0f} GB usable each): "
             f"{hint}; or shorten --seq-len / lower --global-batch"
         )
+
+
+SHARES = 2  # independent searches the families are dealt into (one per core, up to two cores)
+_RUNNING: Planner | None = None  # the planner a forked helper inherits
+
+
+def _search_share(share: tuple[int, int]):
+    return _RUNNING._branch_and_bound(share)
+
+
+def _search_meshes(mesh_list: list[tuple]) -> list[tuple]:
+    return [_RUNNING._best_of_mesh(mesh) for mesh in mesh_list]
+
+
+def _workers() -> int:
+    """Processes the search may use: ``AUTOSHARD_WORKERS``, else the cores this process may run
+    on (at most ``SHARES``); 1 where ``fork`` is missing or this process may not have children."""
+    if "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
+        return 1
+    env = os.environ.get("AUTOSHARD_WORKERS")
+    if env is not None:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise AutoshardError(f"AUTOSHARD_WORKERS={env!r}: expected a whole number, e.g. 1") from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(SHARES, cores)
+
+
+class _Helper:
+    """Runs the first item of a map here and the rest in one forked process (which inherits the
+    planner and its memo), or everything here when there is one worker. Results come back in
+    order, so the outcome is the same either way."""
+
+    def __init__(self, planner: Planner):
+        self.planner = planner
+        self.pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> _Helper:
+        global _RUNNING
+        _RUNNING = self.planner
+        if _workers() > 1:
+            # the collector would otherwise walk (and so copy, page by page) the whole inherited
+            # heap in the forked process: the captured graph, its sympy formulas, the memo
+            gc.freeze()
+            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _RUNNING
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+            gc.unfreeze()
+        _RUNNING = None
+
+    def map(self, fn, items: list) -> list:
+        if self.pool is None or len(items) < 2:
+            return [fn(item) for item in items]
+        away = [self.pool.submit(fn, item) for item in items[1:]]
+        here = fn(items[0])
+        return [here] + [f.result() for f in away]
 
 
 def _neighbours(c: Candidate, gpus: int):

@@ -132,3 +132,19 @@ def test_family_floor_bounds_every_root_of_the_family(name, config, seq, hw, gpu
                 assert floor <= quick * (1 + 1e-12), (family, root)
                 checked += 1
     assert checked > 100
+
+
+def test_the_plan_does_not_depend_on_the_number_of_worker_processes(monkeypatch):
+    """The search is dealt into the same shares whether they run in one process or two, so the
+    plan (alternatives and all) comes out the same on any machine."""
+    from autoshard.planner import solve
+
+    _, cost = captured("deepseek_v3", "671b", 4096)
+    problem = Problem(cost, hardware.load("h800"), 256, 4096, 1920, "fp8")
+    plans = []
+    for workers in ("1", "2"):
+        monkeypatch.setenv("AUTOSHARD_WORKERS", workers)
+        plan, result = solve(problem)
+        plans.append((plan.to_json(), result.nodes, result.leaves))
+    assert plans[0] == plans[1]
+    assert len(plans[0][0]) > 1000 and plans[0][1] > 10
