@@ -10,10 +10,14 @@ minimised over where that is cheap (schedule, ZeRO stage) and relaxed where it i
 - before the axis order is fixed, every axis is priced at the fastest placement any order can
   give it (its ranks consecutive);
 - until the recompute set is chosen: nothing recomputed for time, everything for memory;
-- until the schedule is chosen: its cheapest fill/drain, and for memory the fewest in-flight
-  micro-batches any schedule keeps on each rank; until the ZeRO stage is: the most sharded;
-- the slowest rank is at least the average rank, and, once the schedule and ZeRO stage are known,
-  at least what whole layers allow under every rank's memory limit (``tmax_bound``);
+- until the schedule is chosen: the cheapest over the schedules of each one's fill/drain and EP
+  exposure (only DualPipeV hides the all-to-all); once the recompute set is known, only over the
+  schedules it runs with and fits under, before, for memory, the fewest in-flight micro-batches
+  any schedule keeps on each rank;
+- until the ZeRO stage is chosen: for memory, the least of the highest stage (smallest model
+  states) and the highest below ZeRO-3 (whose gathered layers add buffers);
+- the slowest rank is at least the average rank, and, once the schedule is known, at least what
+  whole layers allow under every rank's memory limit (``tmax_bound``);
 - exposed data-parallel time on the busiest rank is at least its average over ranks;
 - a memory lower bound (``memory_bound``) prunes nodes that cannot fit.
 
