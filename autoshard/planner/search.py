@@ -36,6 +36,7 @@ import itertools
 import math
 import multiprocessing
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -877,8 +878,9 @@ def _search_meshes(mesh_list: list[tuple]) -> list[tuple]:
 
 def _workers() -> int:
     """Processes the search may use: ``AUTOSHARD_WORKERS``, else the cores this process may run
-    on (at most ``SHARES``); 1 where ``fork`` is missing or this process may not have children."""
-    if "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
+    on (at most ``SHARES``); 1 off Linux (``fork`` is missing on Windows and unsafe on macOS once
+    system frameworks are loaded) or where this process may not have children."""
+    if not sys.platform.startswith("linux") or multiprocessing.current_process().daemon:
         return 1
     env = os.environ.get("AUTOSHARD_WORKERS")
     if env is not None:
