@@ -38,6 +38,7 @@ import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -908,7 +909,10 @@ class _Helper:
             # the collector would otherwise walk (and so copy, page by page) the whole inherited
             # heap in the forked process: the captured graph, its sympy formulas, the memo
             gc.freeze()
-            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+            try:
+                self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+            except (OSError, ImportError):  # no POSIX semaphores here (some sandboxes): one process
+                gc.unfreeze()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -921,9 +925,18 @@ class _Helper:
     def map(self, fn, items: list) -> list:
         if self.pool is None or len(items) < 2:
             return [fn(item) for item in items]
-        away = [self.pool.submit(fn, item) for item in items[1:]]
+        try:
+            away = [self.pool.submit(fn, item) for item in items[1:]]
+        except (OSError, BrokenProcessPool):
+            return [fn(item) for item in items]
         here = fn(items[0])
-        return [here] + [f.result() for f in away]
+        out = [here]
+        for item, future in zip(items[1:], away):
+            try:
+                out.append(future.result())
+            except BrokenProcessPool:  # the helper died (killed, out of memory): do its part here
+                out.append(fn(item))
+        return out
 
 
 def _neighbours(c: Candidate, gpus: int):

@@ -148,3 +148,28 @@ def test_the_plan_does_not_depend_on_the_number_of_worker_processes(monkeypatch)
         plans.append((plan.to_json(), result.nodes, result.leaves))
     assert plans[0] == plans[1]
     assert len(plans[0][0]) > 1000 and plans[0][1] > 10
+
+
+_PARENT: list[int] = []
+
+
+def _dies_in_the_helper(part):
+    from autoshard.planner import search
+
+    if os.getpid() != _PARENT[0]:
+        os._exit(1)
+    return search.Planner._branch_and_bound(search._RUNNING, part)
+
+
+def test_a_helper_process_that_dies_costs_time_not_the_plan(monkeypatch):
+    """If the forked helper is killed (out of memory, say), its share is searched here instead."""
+    from autoshard.planner import search, solve
+
+    _, cost = captured("llama3", "8b", 8192)
+    problem = Problem(cost, hardware.load("h100"), 64, 8192, 64)
+    monkeypatch.setenv("AUTOSHARD_WORKERS", "1")
+    alone = solve(problem)[0].to_json()
+    _PARENT[:] = [os.getpid()]
+    monkeypatch.setattr(search, "_search_share", _dies_in_the_helper)
+    monkeypatch.setenv("AUTOSHARD_WORKERS", "2")
+    assert solve(problem)[0].to_json() == alone
