@@ -49,11 +49,12 @@ def run_distributed(out: Path, plan: Plan, steps: int, seed: int, work: Path, ti
     except subprocess.TimeoutExpired:
         raise AutoshardError(f"the emitted program did not finish {steps} steps in {timeout:.0f} s") from None
     if proc.returncode != 0:
-        # the ranks' own errors, not torchrun's report that a child failed
+        # the ranks' own errors (Python, or a native abort's message), not torchrun's report
+        marks = ("Error", "error:", "terminate called", "what():", "enforce fail", "Aborted")
         tail = [
             ln
             for ln in proc.stderr.splitlines()
-            if ("Error" in ln or "error:" in ln) and "ChildFailedError" not in ln and "elastic" not in ln
+            if any(m in ln for m in marks) and "ChildFailedError" not in ln and "elastic" not in ln
         ][-3:]
         raise AutoshardError(
             f"the emitted program failed (exit {proc.returncode}): {' | '.join(tail) or proc.stderr[-300:]}"
