@@ -866,15 +866,25 @@ class Planner:
 
 
 SHARES = 2  # independent searches the families are dealt into (one per core, up to two cores)
-_RUNNING: Planner | None = None  # the planner a forked helper inherits
+_ADOPTED: Planner | None = None  # in a forked helper: the planner it works for
 
 
-def _search_share(share: tuple[int, int]):
-    return _RUNNING._branch_and_bound(share)
+def _adopt(planner: Planner) -> None:
+    """The helper's initializer (its argument travels by ``fork``, not by pickle)."""
+    global _ADOPTED
+    _ADOPTED = planner
 
 
-def _search_meshes(mesh_list: list[tuple]) -> list[tuple]:
-    return [_RUNNING._best_of_mesh(mesh) for mesh in mesh_list]
+def _in_helper(fn, item):
+    return fn(_ADOPTED, item)
+
+
+def _search_share(planner: Planner, share: tuple[int, int]):
+    return planner._branch_and_bound(share)
+
+
+def _search_meshes(planner: Planner, mesh_list: list[tuple]) -> list[tuple]:
+    return [planner._best_of_mesh(mesh) for mesh in mesh_list]
 
 
 def _workers() -> int:
@@ -903,39 +913,37 @@ class _Helper:
         self.pool: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> _Helper:
-        global _RUNNING
-        _RUNNING = self.planner
         if _workers() > 1:
             # the collector would otherwise walk (and so copy, page by page) the whole inherited
             # heap in the forked process: the captured graph, its sympy formulas, the memo
             gc.freeze()
             try:
-                self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+                self.pool = ProcessPoolExecutor(
+                    1, mp_context=multiprocessing.get_context("fork"), initializer=_adopt, initargs=(self.planner,)
+                )
             except (OSError, ImportError):  # no POSIX semaphores here (some sandboxes): one process
                 gc.unfreeze()
         return self
 
     def __exit__(self, *exc) -> None:
-        global _RUNNING
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
             gc.unfreeze()
-        _RUNNING = None
 
     def map(self, fn, items: list) -> list:
+        """``[fn(planner, item) for item in items]``."""
         if self.pool is None or len(items) < 2:
-            return [fn(item) for item in items]
+            return [fn(self.planner, item) for item in items]
         try:
-            away = [self.pool.submit(fn, item) for item in items[1:]]
+            away = [self.pool.submit(_in_helper, fn, item) for item in items[1:]]
         except (OSError, BrokenProcessPool):
-            return [fn(item) for item in items]
-        here = fn(items[0])
-        out = [here]
+            return [fn(self.planner, item) for item in items]
+        out = [fn(self.planner, items[0])]
         for item, future in zip(items[1:], away):
             try:
                 out.append(future.result())
             except BrokenProcessPool:  # the helper died (killed, out of memory): do its part here
-                out.append(fn(item))
+                out.append(fn(self.planner, item))
         return out
 
 

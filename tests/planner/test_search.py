@@ -153,12 +153,10 @@ def test_the_plan_does_not_depend_on_the_number_of_worker_processes(monkeypatch)
 _PARENT: list[int] = []
 
 
-def _dies_in_the_helper(part):
-    from autoshard.planner import search
-
+def _dies_in_the_helper(planner, part):
     if os.getpid() != _PARENT[0]:
         os._exit(1)
-    return search.Planner._branch_and_bound(search._RUNNING, part)
+    return planner._branch_and_bound(part)
 
 
 def test_a_helper_process_that_dies_costs_time_not_the_plan(monkeypatch):
