@@ -59,6 +59,11 @@ class Problem:
     def num_layers(self) -> int:
         return self.cost.num_layers
 
+    @property
+    def categories(self) -> frozenset[str]:
+        """The saved-tensor categories the model's layers have."""
+        return frozenset(c for blk in self.cost.blocks for c in blk.categories)
+
 
 # ---------------------------------------------------------------------------------------------
 # --force
@@ -183,7 +188,7 @@ def check_problem(problem: Problem) -> None:
                 f"--force zero=3 with schedule={name}: FSDP2's ZeRO-3 resharding loses the schedule's separate "
                 "weight-gradient pass, so the program cannot run it; use zero=2 or schedule=interleaved"
             )
-        every = frozenset(c for blk in problem.cost.blocks for c in blk.categories)
+        every = problem.categories
         if "recompute" in pins and pins["recompute"] and frozenset(pins["recompute"]) & every != every:
             raise AutoshardError(
                 f"--force recompute with schedule={name}: torch's selective checkpointing allows one backward "

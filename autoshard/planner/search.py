@@ -142,7 +142,7 @@ class Planner:
         self.model_flops = 3 * problem.cost.flops_forward(1, problem.seq) * problem.global_batch
         self.recompute_sets = recompute_options(problem)
         self.all_categories = frozenset().union(*self.recompute_sets)
-        self.model_categories = frozenset(c for blk in problem.cost.blocks for c in blk.categories)
+        self.model_categories = problem.categories
         self._work: dict = {}
         self._places: dict = {}
         self._cache: dict = {}
@@ -326,14 +326,9 @@ class Planner:
             where = self.where(c, False)[1]
             compute = least = fs = bs = ws = 0.0
             for block, n in zip(blocks, counts):
-                f, b, w, _, _, _, column = self.costs.compute(block, c.mbs, c.tp, c.cp, c.fp8, frozenset(), c.ep)
-                tp, (regather, scatter), (cp, cp_total), ep, _ = self.costs.comm(
-                    block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, where["tp"], where["cp"], where["ep"]
-                )
-                hidden = min(regather, column) + min(scatter, column) + (cp_total - cp) + min(f + b + w, ep)
-                tp += max(0.0, regather - column) + max(0.0, scatter - column)
-                compute += n * (max(f + b + w, ep) + tp + cp + self.p.hw.overlap_slowdown * hidden)
-                fs, bs, ws = fs + n * f, bs + n * b, ws + n * w
+                layer = self.costs.layer(block, c, where)  # c is a root: nothing recomputed
+                compute += n * layer.time(True)
+                fs, bs, ws = fs + n * layer.f, bs + n * layer.b, ws + n * layer.w
                 least += n * self.costs.activation(block, c.mbs, c.tp, c.cp, self.all_categories)
             post_act = self.costs.activation(POST, c.mbs, c.tp, c.cp, self.all_categories)
             self._cache[key] = (compute, least, post_act, fs, bs, ws)
