@@ -78,7 +78,7 @@ def _mesh(ev: Evaluation) -> Mesh:
 def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
     c, hw = ev.candidate, problem.hw
     b = ev.breakdown
-    cats = sorted({cat for blk in problem.cost.blocks for cat in blk.categories})
+    cats = sorted(problem.categories)
     tokens = problem.global_batch * problem.seq
     comm = {axis: {"total": v["total"], "exposed": v["exposed"]} for axis, v in b["comm_s"].items()}
     return Plan(

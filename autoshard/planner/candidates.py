@@ -274,7 +274,7 @@ def runnable(schedule: str, pp: int, recompute: frozenset, every: frozenset, zer
 
 
 def recompute_options(problem: Problem) -> list[frozenset[str]]:
-    cats = sorted({c for blk in problem.cost.blocks for c in blk.categories})
+    cats = sorted(problem.categories)
     if "recompute" in problem.forced:
         return [frozenset(problem.forced["recompute"] & set(cats))]
     return list(category_subsets(cats))
