@@ -41,12 +41,15 @@ class Case:
 
 CASES = [
     # LLaMA-3 (arXiv 2407.21783, Table 4): interleaved schedule, FSDP-style DP (ZeRO-1 here).
-    # At 8K tokens the cost model is optimistic (GEMMs at the profile's best measured matmul rate,
-    # 80% of peak, all step long: predicted MFU about 1.37x the published one), and it prefers TP2-4
-    # with CP and a zero-bubble schedule, which Meta did not run, to the published TP8 interleaved
-    # plan (12-15% slower by the model). Restricted to the interleaved schedule, the published plan
-    # is within 10% of the best (asserted below). The unrestricted margins are measured and
-    # reported, not asserted; see the closing note of issue #3.
+    # At 8K tokens Meta's runs are slower than the cost model by 1.20-1.24x (1.25-1.29x if Meta
+    # counted full attention), yet the same model predicts NVIDIA's measured step times for this
+    # very 405B model at 8K tokens on 576-2,304 H100 within -1%..+1% (tests/planner/test_measured.py;
+    # NVIDIA's MFU there is 54.5-55.8% by its full-attention count against Meta's 41-43%). The model
+    # prices a tuned Megatron-class stack; it has no term for what Meta's run lost against one. It
+    # also prefers TP2-4 with CP, as NVIDIA's own H100 recipes use CP2 at 8K, and a zero-bubble
+    # schedule, which Meta did not run, to the published TP8 interleaved plan (12-15% slower by the
+    # model). Restricted to the interleaved schedule, the published plan is within 10% of the best
+    # (asserted below). The unrestricted margins are measured and reported, not asserted.
     Case(
         "llama3_405b_16k_h100",
         "llama3",
