@@ -12,6 +12,7 @@ program.json beside it and the stage files they name; it imports only torch and 
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import time
@@ -55,8 +56,14 @@ def main():
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
     train(args, plan, program, device)
+    # FSDP2's and the pipeline schedule's state form reference cycles, so they outlive train()
+    # until the next collection. Free them now, while their process groups are alive, rather
+    # than during interpreter shutdown, where tearing down gloo work that still holds tensors
+    # can abort the process.
+    gc.collect()
     # every rank finishes its collectives (FSDP's last ones included) before the group goes away
     dist.barrier()
+    groups.set_groups(tp=None, pp=None, dp=None, cp=None)
     dist.destroy_process_group()
 
 

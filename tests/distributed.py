@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -23,6 +24,7 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
+        gc.collect()  # free FSDP's cyclic state while the groups exist (as the emitted train.py does)
         dist.barrier()
         payload = ("ok", result)
     except BaseException:  # noqa: BLE001 - reported to the parent
