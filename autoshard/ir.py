@@ -1,33 +1,18 @@
 """The one IR: a ``torch.fx.GraphModule`` whose ``node.meta`` carries autoshard's annotations.
 
-Keys written by capture (``autoshard.capture``):
+``KEYS`` below is the authoritative list of the keys autoshard writes, who writes each and what
+it holds; ``TORCH_KEYS`` the keys torch.fx and torch.export write themselves, which autoshard
+reads or carries along. Every pass declares the keys it requires and writes
+(``autoshard.passes.contract.Pass``), and the pass pipeline checks after each pass that the graph
+carries no key outside these two lists (``tests/test_ir.py`` checks the codebase the same way).
 
-``shape``          output shape, a tuple of ints and sympy expressions in the symbols ``b`` (batch)
-                   and ``s`` (sequence) of ``autoshard.ir.B`` / ``autoshard.ir.S``; ``None`` when the
-                   node does not produce one tensor (a tuple, a size, ``None``).
-``dtype``          output ``torch.dtype`` (``None`` when not a tensor).
-``storage``        int identifying the output's storage: views share their base's id, so saved
-                   tensors can be counted once.
-``requires_grad``  whether the output depends on trainable parameters (so backward reaches it).
-``module_path``    dotted path of the innermost module the node came from ("" at the top level),
-                   relative to the user's model (e.g. ``layers.3.attn.wq``).
-``module_type``    class name of that module (e.g. ``Linear``).
-``layer``          index in the repeated layer stack, or ``None`` outside it.
-``region``         ``"pre"`` (before the stack: embeddings), ``"layer"``, or ``"post"`` (after it:
-                   final norm, output head, loss).
-``op``             normalised op name used by every table (``linear``, ``mm``, ``softmax``, ...).
-``op_class``       one of ``OP_CLASSES``.
-``source``         ``"file:line"`` in the user's code, where the tracer recorded it.
-
-Keys written by analysis (``autoshard.cost_models``):
-
-``tp``             tensor-parallel state of the output: ``"replicated"``, ``"sharded"``,
-                   ``"partial"``; ``tp_role`` on weighted matmuls and embeddings: ``"column"``,
-                   ``"row"``, ``"vocab"``, or ``"replicated"``.
-``cost``           ``cost_models.ops.NodeCost``: forward FLOPs, bytes moved, bytes saved.
-
-Later passes add ``sharding`` and ``stage``.
+Shapes are tuples of ints and sympy expressions in the symbols ``b`` (batch) and ``s``
+(sequence), ``autoshard.ir.B`` and ``autoshard.ir.S``.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 import sympy
 
@@ -45,3 +30,70 @@ OP_CLASSES = (
     "loss",
     "other",
 )
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    writer: str  # the module that writes it
+    what: str
+
+
+KEYS: dict[str, Key] = {
+    k.name: k
+    for k in (
+        # capture (autoshard.capture)
+        Key("shape", "capture", "output shape (ints and sympy expressions in b, s); None unless one tensor"),
+        Key("shapes", "capture", "output shapes of a node that returns several tensors (a tuple of shapes)"),
+        Key("dtype", "capture", "output torch.dtype; None when not a tensor"),
+        Key("storage", "capture", "id of the output's storage: views share their base's, so saved tensors count once"),
+        Key("requires_grad", "capture", "whether the output depends on trainable parameters"),
+        Key("is_param", "capture", "on get_attr nodes: the attribute is a trainable parameter (not a buffer)"),
+        Key("module_path", "capture", "dotted path of the innermost user module the node came from ('' at top)"),
+        Key("module_type", "capture", "class name of that module (for messages only: no decision reads it)"),
+        Key("layer", "capture", "index in the repeated layer stack, or None outside it"),
+        Key("region", "capture", "'pre' (before the stack), 'layer', or 'post' (after it: head, loss)"),
+        Key("source", "capture", "'file:line' in the user's code, where the tracer recorded it"),
+        Key("op", "capture", "normalised op name, the key of the op table (autoshard.cost_models.ops)"),
+        Key("op_class", "capture", "one of OP_CLASSES, from the op table refined by graph patterns"),
+        # analysis (autoshard.cost_models)
+        Key("tp", "analysis", "tensor-parallel state of the output: 'replicated', 'sharded' or 'partial'"),
+        Key("tp_role", "analysis", "on weighted matmuls and embeddings: 'column', 'row', 'vocab' or 'replicated'"),
+        Key("cost", "analysis", "cost_models.ops.NodeCost: forward FLOPs and bytes moved, symbolic in b, s"),
+        # passes
+        Key("sp_sliced_dim", "sequence_parallel", "the dimension a sequence-parallel node's output is sliced along"),
+        Key("sp_tp", "sequence_parallel", "how many slices that dimension is cut into (the TP degree)"),
+    )
+}
+
+TORCH_KEYS = frozenset(
+    {
+        "nn_module_stack",  # module path -> (qualified name, class) of every enclosing module
+        "stack_trace",
+        "source_fn_stack",
+        "torch_fn",
+        "val",  # torch.export: the fake tensor of the output
+        "tensor_meta",
+        "example_value",
+        "seq_nr",
+        "original_aten",
+        "from_node",
+        "unbacked_bindings",
+        "custom",
+        "partitioner_tag",
+        "recompute",
+        "ac_graph_id",
+        "autograd_backward",
+        "is_wrapped",
+        "grapharg",
+        "val_nested",
+        "eager_input_vals",
+        "_numeric_debug_handle",
+        "node_idx",
+    }
+)
+
+
+def unknown_keys(meta: dict) -> set[str]:
+    """The keys of ``meta`` neither autoshard's table nor torch documents."""
+    return {k for k in meta if k not in KEYS and k not in TORCH_KEYS}

@@ -95,6 +95,9 @@ class Plan:
     alternatives: list[Alternative] = field(default_factory=list)
     forced: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # why the program emitter would refuse this plan (empty when ``compile`` can emit it); only a
+    # plan searched over the whole space (``--plan-only``) can have reasons here
+    not_emitted: list[str] = field(default_factory=list)
 
     # -- serialisation ---------------------------------------------------------------------
 
@@ -115,7 +118,7 @@ class Plan:
                 "recompile the plan with this version"
             )
         names = {f.name for f in fields(cls)}
-        missing = [n for n in names if n not in data and n not in ("alternatives", "forced", "notes")]
+        missing = [n for n in names if n not in data and n not in ("alternatives", "forced", "notes", "not_emitted")]
         if missing:
             raise AutoshardError(f"{source}: missing field(s) {', '.join(sorted(missing))}; recompile the plan")
         unknown = set(data) - names

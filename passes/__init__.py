@@ -1,10 +1,106 @@
-"""Graph rewrites, one job per file, run in the order ``apply`` lists them."""
+"""Graph rewrites, one job per file, run in the order ``PASSES`` lists them.
+
+Each entry is a :class:`~autoshard.passes.contract.Pass`: a function ``(gm, ctx) -> gm``, when it
+applies, the ``node.meta`` keys it requires and writes, and the graph facts it ensures.
+``apply`` builds the shared :class:`~autoshard.passes.contract.RewriteContext` from the plan and
+runs the list, checking every contract on the way.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from autoshard.errors import AutoshardError
+from autoshard.passes.activation_checkpoint import activation_checkpoint
+from autoshard.passes.context_parallel import context_parallel
+from autoshard.passes.contract import Pass, RewriteContext, run_passes
+from autoshard.passes.flash_attention import flash_attention
+from autoshard.passes.pipeline_split import pipeline_split
+from autoshard.passes.sequence_parallel import sequence_parallel
+from autoshard.passes.tensor_parallel import tensor_parallel
+
+_CAPTURED = ("shape", "dtype", "op", "op_class", "region", "layer")
+_PLACED = ("shape", "region", "layer")  # what the nodes passes insert carry too
+
+
+def _flash(gm, ctx):
+    flash_attention(gm, ctx.notes)
+    return gm
+
+
+def _cp(gm, ctx):
+    context_parallel(gm, ctx.cp, ctx.attention, ctx.notes)
+    return gm
+
+
+def _tp(gm, ctx):
+    sharded = tensor_parallel(gm, ctx.tp)
+    ctx.shards.update(sharded.shards)
+    ctx.origin.update(sharded.origin)
+    ctx.notes.update(sharded.notes)
+    return sharded.gm
+
+
+def _sp(gm, ctx):
+    ctx.partial_grads.extend(sequence_parallel(gm, ctx.tp, ctx.notes))
+    return gm
+
+
+def _ac(gm, ctx):
+    activation_checkpoint(gm, list(ctx.recompute), ctx.notes)
+    return gm
+
+
+def _split(gm, ctx):
+    ctx.split = pipeline_split(gm, list(ctx.stage_layers))
+    return gm
+
+
+PASSES: list[Pass] = [
+    Pass(
+        "flash_attention",
+        _flash,
+        lambda ctx: ctx.attention == "flash" or ctx.cp > 1,
+        requires=_CAPTURED,
+        summary="scaled_dot_product_attention and the written-out causal softmax(QK^T)V -> rt.fused_attention",
+    ),
+    Pass(
+        "context_parallel",
+        _cp,
+        lambda ctx: ctx.cp > 1,
+        requires=_CAPTURED,
+        summary="sequences in the load-balanced CP layout; ring or all-gather-KV attention; CP loss share",
+    ),
+    Pass(
+        "tensor_parallel",
+        _tp,
+        lambda ctx: ctx.tp > 1,
+        requires=(*_CAPTURED, "tp"),
+        summary="column/row pairs, head split, vocabulary-parallel embedding and cross-entropy",
+    ),
+    Pass(
+        "sequence_parallel",
+        _sp,
+        lambda ctx: ctx.sequence_parallel and ctx.tp > 1,
+        requires=_PLACED,
+        writes=("sp_sliced_dim", "sp_tp"),
+        summary="norms, dropouts and residual adds on this rank's slice of the sequence between TP regions",
+    ),
+    Pass(
+        "activation_checkpoint",
+        _ac,
+        lambda ctx: bool(ctx.recompute),
+        requires=_PLACED,
+        summary="the plan's selective-recompute set around each layer",
+    ),
+    Pass(
+        "pipeline_split",
+        _split,
+        lambda ctx: True,
+        requires=("region", "layer"),
+        summary="one sub-graph per pipeline chunk, and the loss",
+    ),
+]
 
 
 @dataclass
@@ -19,50 +115,17 @@ class Rewritten:
 
 
 def apply(captured, plan) -> Rewritten:
-    """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, in this order:
-    flash attention, context parallel, tensor parallel, sequence parallel, activation
-    checkpointing, then the pipeline split.
-    Features of the plan that no pass implements yet are refused here with the reason rather
-    than silently dropped."""
-    from autoshard.passes.activation_checkpoint import activation_checkpoint
-    from autoshard.passes.context_parallel import context_parallel
-    from autoshard.passes.flash_attention import flash_attention
-    from autoshard.passes.pipeline_split import pipeline_split
-    from autoshard.passes.sequence_parallel import sequence_parallel
-    from autoshard.passes.tensor_parallel import tensor_parallel
+    """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, running
+    ``PASSES`` in order. Features of the plan that no pass implements yet are refused here with
+    the reason rather than silently dropped."""
+    from autoshard.capabilities import refusals
 
-    m = plan.mesh
-    if m.ep > 1:
-        raise AutoshardError(
-            "emitting expert parallelism is not implemented yet; compile with --force ep=1 or use --plan-only"
-        )
-    if plan.precision.get("fp8_matmuls"):
-        raise AutoshardError("emitting FP8 matmuls is not implemented yet; compile with --precision bf16")
-    if plan.zero_stage == 3 and m.dp > 1 and m.pp > 1 and plan.schedule in ("zero-bubble", "zbv", "dualpipev"):
-        # measured: FSDP2 resharding after forward loses weight gradients computed in the
-        # schedule's separate weight-gradient pass (autoshard verify fails); ZeRO-2 is exact
-        raise AutoshardError(
-            f"emitting ZeRO-3 under the {plan.schedule} schedule is not supported yet (FSDP2's resharding and "
-            "the split weight-gradient pass disagree); recompile with --force zero=2 or --force schedule=interleaved"
-        )
-    notes: dict[str, str] = {}
-    if plan.attention == "flash" or m.cp > 1:
-        flash_attention(captured.graph_module, notes)
-    context_parallel(captured.graph_module, m.cp, plan.attention, notes)
-    sharded = tensor_parallel(captured.graph_module, m.tp)
-    sharded.notes.update(notes)
-    partial = sequence_parallel(sharded.gm, m.tp, sharded.notes) if plan.sequence_parallel else []
-    recompute = sorted(k for k, v in plan.checkpoint.items() if v == "recompute")
-    kept = [k for k, v in plan.checkpoint.items() if v == "save"]
-    if recompute and kept and m.pp > 1 and plan.schedule in ("zero-bubble", "zbv", "dualpipev"):
-        # torch's selective checkpointing allows one backward per region; these schedules run two
-        # (input gradients, then weight gradients)
-        raise AutoshardError(
-            f"the plan pairs the {plan.schedule} schedule with selective recomputation, which "
-            "torch.utils.checkpoint's selective mode cannot run (it allows one backward per region and "
-            "the schedule splits backward in two); recompile with --force recompute=full or "
-            "--force schedule=interleaved"
-        )
-    activation_checkpoint(sharded.gm, recompute, sharded.notes)
-    split = pipeline_split(sharded.gm, plan.stage_layers)
-    return Rewritten(split, sharded.shards, sharded.origin, sharded.notes, partial)
+    reasons = refusals(plan)
+    if reasons:
+        raise AutoshardError(reasons[0])
+    ctx = RewriteContext.from_plan(plan)
+    run_passes(PASSES, captured.graph_module, ctx)
+    return Rewritten(ctx.split, ctx.shards, ctx.origin, ctx.notes, ctx.partial_grads)
+
+
+__all__ = ["PASSES", "Pass", "RewriteContext", "Rewritten", "apply", "run_passes"]

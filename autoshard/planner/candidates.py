@@ -273,6 +273,19 @@ def runnable(schedule: str, pp: int, recompute: frozenset, every: frozenset, zer
     return True
 
 
+def family_options(problem: Problem, cp: int) -> list[tuple[bool, str]]:
+    """(FP8 matmuls, attention variant) pairs a mesh with ``cp`` context-parallel ranks can take."""
+    pins = problem.forced
+    fp8s = [False]
+    if "fp8" in problem.hw.peak_tflops:
+        fp8s = {"bf16": [False], "fp8": [True], "auto": [False, True]}[problem.precision]
+    if "fp8" in pins:
+        fp8s = [pins["fp8"]]
+    attentions = ["flash"] if cp == 1 else ["ring", "allgather-kv"]
+    attentions = [a for a in attentions if pins.get("attention", a) == a]
+    return [(f, a) for f in fp8s for a in attentions]
+
+
 def recompute_options(problem: Problem) -> list[frozenset[str]]:
     cats = sorted(problem.categories)
     if "recompute" in problem.forced:

@@ -49,6 +49,7 @@ from autoshard.planner.candidates import (
     Problem,
     check_problem,
     divisors,
+    family_options,
     meshes,
     orders,
     recompute_options,
@@ -633,17 +634,9 @@ class Planner:
     def families(self) -> dict[tuple, list[tuple[int, int]]]:
         """The roots grouped by (tp, cp, ep, fp8, attention), each with its (pp, dp) splits: the
         level above the roots, bounded by ``family_floor`` for all its micro-batch sizes at once."""
-        p, pins = self.p, self.p.forced
-        fp8_options = [False]
-        if "fp8" in p.hw.peak_tflops:
-            fp8_options = {"bf16": [False], "fp8": [True], "auto": [False, True]}[p.precision]
-        if "fp8" in pins:
-            fp8_options = [pins["fp8"]]
         out: dict[tuple, list[tuple[int, int]]] = {}
-        for tp, pp, cp, ep, dp in meshes(p):
-            attentions = ["flash"] if cp == 1 else ["ring", "allgather-kv"]
-            attentions = [a for a in attentions if pins.get("attention", a) == a]
-            for fp8, attn in itertools.product(fp8_options, attentions):
+        for tp, pp, cp, ep, dp in meshes(self.p):
+            for fp8, attn in family_options(self.p, cp):
                 out.setdefault((tp, cp, ep, fp8, attn), []).append((pp, dp))
         return out
 

@@ -1,0 +1,133 @@
+"""What a rewrite pass is: a function ``(gm, ctx) -> gm`` with a declared contract.
+
+Every pass in ``autoshard.passes.PASSES`` is a :class:`Pass`: when it applies (a predicate on the
+context), the ``node.meta`` keys it requires on every computing node before it runs, the keys it
+may write, and the graph facts it guarantees afterwards (each a check that returns what is wrong,
+or ``None``). :func:`run_passes` runs the list in order and checks each contract as it goes, so a
+pass that breaks one fails at once, by name, rather than three passes later.
+
+:class:`RewriteContext` is the one object the passes share: the plan's decisions they need (read
+only) and what they decide for the emitted program (parameter shards, renamed parameters,
+comments for the generated code, partial gradients, the pipeline split).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from autoshard import ir
+from autoshard.errors import AutoshardError
+
+_COMPUTING = ("call_function", "call_method", "call_module")
+
+
+@dataclass
+class RewriteContext:
+    """The plan's decisions the passes read, and what they write for the emitter."""
+
+    tp: int = 1
+    cp: int = 1
+    attention: str = "flash"  # flash | ring | allgather-kv (autoshard.plan.ATTENTION)
+    sequence_parallel: bool = False
+    recompute: tuple[str, ...] = ()  # saved-tensor categories the layers recompute
+    stage_layers: tuple[int, ...] = ()  # layers per pipeline chunk, in chunk order; () for one chunk
+    # written by the passes
+    notes: dict[str, str] = field(default_factory=dict)  # node name -> decision, a comment in the emitted code
+    shards: dict = field(default_factory=dict)  # parameter -> tensor_parallel.ParamShard
+    origin: dict[str, str] = field(default_factory=dict)  # renamed parameter -> its name in the model
+    partial_grads: list[str] = field(default_factory=list)  # parameters with partial gradients over TP
+    split: object = None  # pipeline_split.SplitProgram, once the pipeline split has run
+
+    @classmethod
+    def from_plan(cls, plan) -> RewriteContext:
+        """The context for ``plan`` (an ``autoshard.plan.Plan``)."""
+        m = plan.mesh
+        return cls(
+            tp=m.tp,
+            cp=m.cp,
+            attention=plan.attention,
+            sequence_parallel=bool(plan.sequence_parallel) and m.tp > 1,
+            recompute=tuple(sorted(k for k, v in plan.checkpoint.items() if v == "recompute")),
+            stage_layers=tuple(plan.stage_layers),
+        )
+
+
+GraphCheck = Callable[[fx.GraphModule, RewriteContext], "str | None"]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One rewrite and its contract."""
+
+    name: str
+    run: Callable[[fx.GraphModule, RewriteContext], fx.GraphModule]
+    applies: Callable[[RewriteContext], bool]
+    requires: tuple[str, ...] = ()  # node.meta keys every computing node must carry before the pass
+    writes: tuple[str, ...] = ()  # node.meta keys it may add to the nodes it finds
+    ensures: tuple[GraphCheck, ...] = ()  # graph facts afterwards: each returns what is wrong, or None
+    summary: str = ""
+
+
+class Refusal(AutoshardError):
+    """A pass cannot rewrite this model for one of the plan's choices. ``axis`` names the choice
+    (``"tp"``, ``"cp"``, ``"sp"``, ...) and ``value`` its value, so that the planner can leave that
+    choice out and search again instead of handing the user a plan it cannot emit."""
+
+    def __init__(self, message: str, axis: str, value=None):
+        super().__init__(message)
+        self.axis, self.value = axis, value
+
+
+class ContractError(AutoshardError):
+    """A pass broke its declared contract: a bug in autoshard, not in the user's model."""
+
+
+def check_requires(p: Pass, gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.op not in _COMPUTING:
+            continue
+        missing = [k for k in p.requires if k not in node.meta]
+        if missing:
+            raise ContractError(
+                f"pass {p.name} requires node.meta {missing} but {node.format_node()} lacks it "
+                "(an earlier step did not run); please report this with --debug"
+            )
+
+
+def _keys(gm: fx.GraphModule) -> dict[fx.Node, frozenset[str]]:
+    return {n: frozenset(n.meta) for n in gm.graph.nodes}
+
+
+def check_ensures(p: Pass, gm: fx.GraphModule, ctx: RewriteContext, before: dict[fx.Node, frozenset[str]]) -> None:
+    for node in gm.graph.nodes:
+        unknown = ir.unknown_keys(node.meta)
+        if unknown:
+            raise ContractError(f"pass {p.name} left undocumented node.meta keys {sorted(unknown)} on {node.name}")
+        if node in before:
+            added = set(node.meta) - before[node] - set(p.writes)
+            if added:
+                raise ContractError(
+                    f"pass {p.name} wrote node.meta {sorted(added)} on {node.name} but declares only {list(p.writes)}"
+                )
+    for check in p.ensures:
+        wrong = check(gm, ctx)
+        if wrong:
+            raise ContractError(f"pass {p.name} did not ensure its contract: {wrong}")
+
+
+def run_passes(passes: list[Pass], gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    """Run ``passes`` in order on ``gm``, those that apply to ``ctx``, checking each contract."""
+    for p in passes:
+        if not p.applies(ctx):
+            continue
+        check_requires(p, gm)
+        before = _keys(gm)
+        gm = p.run(gm, ctx)
+        check_ensures(p, gm, ctx, before)
+    return gm
+
+
+__all__ = ["RewriteContext", "Pass", "Refusal", "ContractError", "run_passes", "check_requires", "check_ensures"]
