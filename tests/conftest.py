@@ -2,7 +2,8 @@ import os
 import sys
 from pathlib import Path
 
-# Triton kernels must see this before their modules are imported (KERNELS.md).
+# Run Triton kernels on CPU tensors (the interpreter); @triton.jit reads this when it decorates,
+# so it must be set before any kernel module is imported (autoshard/kernels/README.md).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402

@@ -3,8 +3,9 @@ attention (fewer K/V heads), any sequence length (masked tails), fp32 accumulati
 
 Inputs are shaped like ``scaled_dot_product_attention``'s: q (batch, heads, seq_q, dim), k and v
 (batch, kv_heads, seq_k, dim), heads a multiple of kv_heads. Every loaded tile is upcast to fp32
-before arithmetic (the Triton interpreter computes bf16 on raw bits, KERNELS.md); outputs take the
-input dtype. The log-sum-exp is returned in natural-log units (what ring attention merges).
+before arithmetic (the Triton interpreter that runs the tests on CPU does bf16 arithmetic on the
+raw bits; README.md beside this file); outputs take the input dtype. The log-sum-exp is returned
+in natural-log units (what ring attention merges).
 
 Causal attention aligns the last query with the last key (queries are the tail of the keys), so
 with seq_q == seq_k it is the usual lower-triangular mask.
