@@ -1,15 +1,20 @@
 """What the emitted program can run: one table, read by the search and by the emitter.
 
-Each :class:`Limit` is one thing a plan may choose that the program autoshard emits cannot run
-yet, with the plan fields it reads, the test, and the reason (naming the ``--force`` or flag that
-avoids it). ``compile`` searches only plans no limit blocks (``Problem.emit``), so it never
-chooses a plan it then refuses; ``--plan-only`` searches the whole space and writes the reasons
-that would keep the chosen plan from being emitted into ``plan.md`` (``Plan.not_emitted``).
+Each :class:`Limit` is one thing a plan may choose that the emitted program cannot run, with the
+plan fields it reads, the test, and the reason (naming the ``--force`` or flag that avoids it).
+Two kinds:
 
-The search asks at each level with the fields it knows (``blocked(mesh fields)`` for a mesh,
-then the schedule, ZeRO stage and recompute set); a limit is tested once every field it reads is
-known. The facts the emitter learns only from the model's graph (a pass that cannot split an op)
-reach the search as ``Problem.excluded`` after ``compile``'s dry run of the passes.
+* ``TORCH_LIMITS``: what torch's runtime cannot run at all. The search never chooses these.
+* ``EMIT_LIMITS``: what autoshard's emitter does not write yet. ``compile`` searches without
+  them (``Problem.emit``), so it never chooses a plan it then refuses; ``--plan-only`` keeps the
+  whole space the cost model prices and lists in ``plan.md`` what would keep the chosen plan
+  from being emitted, and why (``Plan.not_emitted``).
+
+The search asks with the fields it knows at each level (the mesh, then FP8 and attention, then
+the schedule, ZeRO stage and recompute set); a limit is tested once every field it reads is
+known. What the passes learn only from the model's graph (an op tensor parallelism cannot split)
+reaches the search as ``Problem.excluded``, from ``compile``'s dry run of the passes
+(``autoshard.compiler``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ def _selective(recompute: frozenset, every: frozenset) -> bool:
     return bool(recompute) and recompute != every
 
 
-LIMITS: tuple[Limit, ...] = (
+EMIT_LIMITS: tuple[Limit, ...] = (
     Limit(
         "expert parallelism",
         ("ep",),
@@ -51,15 +56,19 @@ LIMITS: tuple[Limit, ...] = (
             "--precision bf16 (or --force fp8=off), or use --plan-only to keep them in the plan"
         ),
     ),
+)
+"""What autoshard's emitter does not write yet: ``--plan-only`` keeps these in the search."""
+
+TORCH_LIMITS: tuple[Limit, ...] = (
     Limit(
         "ZeRO-3 under a split-backward schedule",
-        ("zero", "schedule", "pp", "dp", "cp"),
-        lambda zero, schedule, pp, dp, cp: zero == 3 and pp > 1 and schedule in SPLIT_BACKWARD and dp * cp > 1,
+        ("zero", "schedule", "pp", "dpcp"),
+        lambda zero, schedule, pp, dpcp: zero == 3 and pp > 1 and schedule in SPLIT_BACKWARD and dpcp > 1,
         # measured: FSDP2 resharding after forward loses the weight gradients computed in the
         # schedule's separate weight-gradient pass (autoshard verify fails); ZeRO-2 is exact
-        lambda zero, schedule, pp, dp, cp: (
-            f"ZeRO-3 under the {schedule} schedule is not emitted (FSDP2's resharding after forward loses the "
-            "weight gradients of the schedule's separate weight-gradient pass); compile with --force zero=2 "
+        lambda zero, schedule, pp, dpcp: (
+            f"ZeRO-3 under the {schedule} schedule cannot run (FSDP2's resharding after forward loses the "
+            "weight gradients of the schedule's separate weight-gradient pass); use --force zero=2 "
             "or --force schedule=interleaved"
         ),
     ),
@@ -68,12 +77,15 @@ LIMITS: tuple[Limit, ...] = (
         ("recompute", "every", "schedule", "pp"),
         lambda recompute, every, schedule, pp: pp > 1 and schedule in SPLIT_BACKWARD and _selective(recompute, every),
         lambda recompute, every, schedule, pp: (
-            f"selective recomputation under the {schedule} schedule is not emitted (torch's selective "
-            "checkpointing allows one backward per region and the schedule splits backward in two); compile "
-            "with --force recompute=full, --force recompute=none or --force schedule=interleaved"
+            f"selective recomputation under the {schedule} schedule cannot run (torch's selective "
+            "checkpointing allows one backward per region and the schedule splits backward in two); use "
+            "--force recompute=full, --force recompute=none or --force schedule=interleaved"
         ),
     ),
 )
+"""What torch's runtime cannot run at all: the search never chooses these, ``--plan-only`` or not."""
+
+LIMITS: tuple[Limit, ...] = EMIT_LIMITS + TORCH_LIMITS
 
 
 def blocking(limits: tuple[Limit, ...] = LIMITS, **fields) -> list[str]:
@@ -89,7 +101,7 @@ def blocking(limits: tuple[Limit, ...] = LIMITS, **fields) -> list[str]:
 
 def allows(**fields) -> bool:
     """No limit blocks the known ``fields``."""
-    return not blocking(**fields)
+    return not blocking(LIMITS, **fields)
 
 
 def plan_fields(plan) -> dict:
@@ -101,6 +113,7 @@ def plan_fields(plan) -> dict:
         "cp": m.cp,
         "ep": m.ep,
         "dp": m.dp,
+        "dpcp": m.dp * m.cp,
         "zero": plan.zero_stage,
         "schedule": plan.schedule,
         "fp8": bool(plan.precision.get("fp8_matmuls")),
@@ -112,7 +125,7 @@ def plan_fields(plan) -> dict:
 
 def refusals(plan) -> list[str]:
     """Why the program emitter cannot run ``plan`` (empty if it can)."""
-    return blocking(**plan_fields(plan))
+    return blocking(LIMITS, **plan_fields(plan))
 
 
-__all__ = ["Limit", "LIMITS", "blocking", "allows", "plan_fields", "refusals"]
+__all__ = ["Limit", "LIMITS", "EMIT_LIMITS", "TORCH_LIMITS", "blocking", "allows", "plan_fields", "refusals"]

@@ -146,6 +146,7 @@ def _compile(args) -> int:
     from autoshard import planner
     from autoshard.capture import capture_file
     from autoshard.codegen import write_plan
+    from autoshard.compiler import compile_plan
     from autoshard.cost_models import hardware
     from autoshard.cost_models.analyze import analyze
 
@@ -153,21 +154,13 @@ def _compile(args) -> int:
     pins = planner.parse_force(args.force)
     reference = planner.parse_force(args.compare) if args.compare else None
     captured = capture_file(args.model, args.config, args.seq_len)
-    name = Path(args.model.partition(":")[0]).stem + (f":{args.config}" if args.config else "")
+    path, _, builder = args.model.partition(":")
+    name = Path(path).stem + (f":{args.config}" if args.config else "")
     problem = planner.Problem(
         analyze(captured), hw, args.gpus, args.seq_len, args.global_batch, args.precision, pins, name
     )
-    plan, result = planner.solve(problem)
-    comparison = None
-    if reference is not None:
-        comparison = planner.compare(problem, result, reference)
-        plan.notes.append(comparison)
-    extra = None
-    if not args.plan_only:
-        from autoshard.codegen import program_files
-
-        path, _, builder = args.model.partition(":")
-        extra = program_files(plan, captured, path, builder or None, args.config)
+    compiled = compile_plan(problem, captured, path, builder or None, args.config, args.plan_only, reference)
+    plan, comparison, extra = compiled.plan, compiled.comparison, compiled.files
     out = write_plan(plan, args.out, comparison, extra)
     p = plan.predicted
     print(
@@ -187,6 +180,8 @@ def _compile(args) -> int:
             )
     else:
         print(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
+        for reason in plan.not_emitted:
+            print(f"not emitted yet (compile without --plan-only searches without it): {reason}")
     return 0
 
 

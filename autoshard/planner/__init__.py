@@ -3,6 +3,7 @@ FP8 and attention variant for one model on one machine, from the cost model alon
 
 from __future__ import annotations
 
+from autoshard import capabilities
 from autoshard.cost_models.analyze import ModelCost
 from autoshard.errors import AutoshardError
 from autoshard.plan import CHECKPOINT_CATEGORIES, PLAN_VERSION, Alternative, Mesh, Plan, Predicted
@@ -81,7 +82,7 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
     cats = sorted(problem.categories)
     tokens = problem.global_batch * problem.seq
     comm = {axis: {"total": v["total"], "exposed": v["exposed"]} for axis, v in b["comm_s"].items()}
-    return Plan(
+    plan = Plan(
         version=PLAN_VERSION,
         model=model_summary(problem.cost, problem.model_name, problem.seq),
         hardware=hw.name,
@@ -95,7 +96,7 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
         microbatches=problem.global_batch // (c.dp * c.mbs),
         microbatch_size=c.mbs,
         stage_layers=list(ev.stage_layers),
-        sequence_parallel=c.tp > 1 and problem.forced.get("sp", True),
+        sequence_parallel=c.tp > 1 and problem.sequence_parallel,
         checkpoint={
             cat: ("recompute" if cat in c.recompute else "save") for cat in cats if cat in CHECKPOINT_CATEGORIES
         },
@@ -120,10 +121,19 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
             memory_limit_bytes=hw.usable_bytes,
         ),
         forced={k: _jsonable(v) for k, v in problem.forced.items()},
-        notes=[]
-        if ev.optimal
-        else ["The stage partition solver stopped at its time limit: the split may not be optimal."],
+        notes=(
+            []
+            if ev.optimal
+            else ["The stage partition solver stopped at its time limit: the split may not be optimal."]
+        )
+        + [
+            f"Left out of the search, as the rewrite passes cannot emit it for this model: {r}"
+            for r in problem.exclusion_reasons
+        ],
     )
+    if not problem.emit:
+        plan.not_emitted = capabilities.refusals(plan)
+    return plan
 
 
 def _jsonable(v):

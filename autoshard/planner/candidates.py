@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from itertools import permutations
 
+from autoshard import capabilities
 from autoshard.cost_models.analyze import ModelCost, category_subsets
 from autoshard.cost_models.hardware import Hardware
 from autoshard.errors import AutoshardError
 from autoshard.plan import ATTENTION, CHECKPOINT_CATEGORIES, SCHEDULES
+from autoshard.runtime.schedules import SPLIT_BACKWARD
 
 ORDER_AXES = ("tp", "cp", "pp", "dp")
 
@@ -46,6 +49,26 @@ class Problem:
     precision: str = "bf16"  # bf16 | fp8 | auto
     forced: dict = field(default_factory=dict)
     model_name: str = "model"
+    # search only what the emitted program can run (``autoshard.capabilities``); off for
+    # ``--plan-only`` and the golden cases, which search the whole space the cost model prices
+    emit: bool = False
+    # choices the rewrite passes refused for this model, by axis (``{"tp": {4}, "sp": {True}}``;
+    # "*": every value but the trivial one), found by ``compile``'s dry run of the passes
+    excluded: dict = field(default_factory=dict)
+    exclusion_reasons: list = field(default_factory=list)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism with TP, unless pinned off or refused by the passes."""
+        return self.forced.get("sp", True) and True not in self.excluded.get("sp", ())
+
+    def allowed(self, **fields) -> bool:
+        """No refusal of the passes and, when emitting, no limit of the program blocks ``fields``."""
+        for axis, values in self.excluded.items():
+            value = fields.get(axis)
+            if value in values or ("*" in values and value not in (None, 1, False)):
+                return False
+        return not self.emit or capabilities.allows(**fields)
 
     @property
     def layer_kinds(self) -> list[int]:
@@ -181,6 +204,12 @@ def check_problem(problem: Problem) -> None:
     for axis in ("tp", "pp", "cp", "dp"):
         if axis in pins and problem.gpus % pins[axis]:
             raise AutoshardError(f"--force {axis}={pins[axis]} does not divide --gpus {problem.gpus}")
+    if problem.emit:
+        wanted = {k: pins[k] for k in ("ep", "fp8") if k in pins}
+        if problem.precision == "fp8":
+            wanted.setdefault("fp8", True)
+        for reason in capabilities.blocking(capabilities.EMIT_LIMITS, **wanted):
+            raise AutoshardError(reason)
     if pins.get("schedule") in SPLIT_BACKWARD:
         name = pins["schedule"]
         if pins.get("zero") == 3:
@@ -251,26 +280,18 @@ def meshes(problem: Problem) -> list[tuple[int, int, int, int, int]]:
                 eps = [e for e in divisors(math.gcd(experts, dp * cp))] if experts else [1]
                 for ep in eps:
                     mesh = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp": dp}
-                    if all(mesh[k] == pins[k] for k in mesh if k in pins):
+                    if all(mesh[k] == pins[k] for k in mesh if k in pins) and problem.allowed(**mesh):
                         out.append((tp, pp, cp, ep, dp))
     return out
 
 
-SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")
-
-
+@lru_cache(maxsize=65536)
 def runnable(schedule: str, pp: int, recompute: frozenset, every: frozenset, zero: int, dpcp: int) -> bool:
-    """Combinations the emitted program can run. Schedules that split backward into input- and
-    weight-gradient passes (zero-bubble, ZBV, DualPipeV) run two backwards over each layer, which
-    torch's selective checkpointing refuses (one backward per region) and which lose weight
-    gradients under FSDP2's ZeRO-3 resharding (measured with autoshard verify). So with them a
-    layer recomputes nothing or everything, and ZeRO stops at 2."""
-    if pp > 1 and schedule in SPLIT_BACKWARD:
-        if recompute and recompute != every:
-            return False
-        if zero == 3 and dpcp > 1:
-            return False
-    return True
+    """Combinations torch's runtime can run at all (``capabilities.TORCH_LIMITS``: a schedule
+    that splits backward in two takes no selective recomputation and no ZeRO-3); the search keeps
+    to them with or without ``Problem.emit``."""
+    fields = {"schedule": schedule, "pp": pp, "recompute": recompute, "every": every, "zero": zero, "dpcp": dpcp}
+    return not capabilities.blocking(capabilities.TORCH_LIMITS, **fields)
 
 
 def family_options(problem: Problem, cp: int) -> list[tuple[bool, str]]:
@@ -283,7 +304,7 @@ def family_options(problem: Problem, cp: int) -> list[tuple[bool, str]]:
         fp8s = [pins["fp8"]]
     attentions = ["flash"] if cp == 1 else ["ring", "allgather-kv"]
     attentions = [a for a in attentions if pins.get("attention", a) == a]
-    return [(f, a) for f in fp8s for a in attentions]
+    return [(f, a) for f in fp8s for a in attentions if problem.allowed(fp8=f, attention=a)]
 
 
 def recompute_options(problem: Problem) -> list[frozenset[str]]:

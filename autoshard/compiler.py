@@ -1,0 +1,80 @@
+"""The compile driver: search a plan the program can run, rewrite the graph for it, emit.
+
+``compile`` must never choose a plan it then refuses. Two things keep it so:
+
+1. what the emitted program can run is a table (``autoshard.capabilities``) the search reads
+   (``Problem.emit``), so plans it cannot emit are never candidates;
+2. what only the model's graph can tell (an op tensor parallelism cannot split, a mask context
+   parallelism cannot shard) comes from running the passes: each emission is first a dry run on
+   a copy of the captured graph, and a pass that refuses a choice (``passes.contract.Refusal``,
+   naming the axis and value) takes that choice out of the search, which runs again. The plan
+   records what was left out and why.
+
+``--plan-only`` searches the whole space the cost model prices and records in the plan what would
+keep it from being emitted (``Plan.not_emitted``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from autoshard import planner
+from autoshard.errors import AutoshardError
+from autoshard.plan import Plan
+
+MAX_ROUNDS = 8  # searches after refusals; each refusal removes one (axis, value), so few are ever needed
+
+
+@dataclass
+class Compiled:
+    plan: Plan
+    result: object  # planner.search.SearchResult of the final search
+    files: dict[str, str] | None  # the program (file name -> text); None for --plan-only
+    comparison: str | None = None
+
+
+def compile_plan(
+    problem: planner.Problem,
+    captured,
+    model_file: str,
+    builder: str | None = None,
+    config: str | None = None,
+    plan_only: bool = False,
+    compare: dict | None = None,
+) -> Compiled:
+    """Search ``problem`` and, unless ``plan_only``, emit the program for the plan found."""
+    from autoshard.codegen import program_files
+    from autoshard.passes.contract import Refusal
+
+    problem.emit = not plan_only
+    for _ in range(MAX_ROUNDS):
+        plan, result = planner.solve(problem)
+        comparison = planner.compare(problem, result, compare) if compare is not None else None
+        if comparison:
+            plan.notes.append(comparison)
+        if plan_only:
+            return Compiled(plan, result, None, comparison)
+        try:
+            files = program_files(plan, copy.deepcopy(captured), model_file, builder, config)
+        except Refusal as refusal:
+            _exclude(problem, refusal)
+            continue
+        return Compiled(plan, result, files, comparison)
+    raise AutoshardError(
+        f"the rewrite passes refused {MAX_ROUNDS} plans in a row ({'; '.join(problem.exclusion_reasons)}); "
+        "pin a plan with --force, or use --plan-only"
+    )
+
+
+def _exclude(problem: planner.Problem, refusal) -> None:
+    values = problem.excluded.setdefault(refusal.axis, set())
+    if refusal.value in values or "*" in values:  # the same refusal twice: the search did not honour the exclusion
+        raise AutoshardError(f"{refusal} (the planner chose it again after the passes refused it; a bug)")
+    if refusal.axis in problem.forced and problem.forced[refusal.axis] == refusal.value:
+        raise refusal  # the user pinned exactly what the passes refuse: their message says what to do
+    values.add("*" if refusal.value is None else refusal.value)
+    problem.exclusion_reasons.append(str(refusal))
+
+
+__all__ = ["Compiled", "compile_plan"]
