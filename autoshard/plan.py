@@ -7,21 +7,13 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from autoshard.cost_models.categories import CHECKPOINT_CATEGORIES
 from autoshard.errors import AutoshardError
 
 PLAN_VERSION = 1
 AXES = ("tp", "pp", "cp", "ep", "dp")
 SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "zbv", "dualpipev")
 ATTENTION = ("flash", "ring", "allgather-kv")
-CHECKPOINT_CATEGORIES = (
-    "norm_input",
-    "norm_output",
-    "linear_output",
-    "activation",
-    "attention",
-    "dropout_mask",
-    "experts",
-)
 
 
 @dataclass

@@ -29,8 +29,8 @@ from torch import fx
 
 from autoshard.capture import Captured
 from autoshard.cost_models import ops, sharding
+from autoshard.cost_models.categories import CHECKPOINT_CATEGORIES
 from autoshard.ir import B, S
-from autoshard.plan import CHECKPOINT_CATEGORIES
 
 # the kinds a plan may recompute, plus the layer input (kept by any checkpoint) and the loss's
 RECOMPUTABLE = CHECKPOINT_CATEGORIES
