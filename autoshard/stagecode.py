@@ -128,7 +128,7 @@ def stage_source(
                 text = f"rt.Checkpoint(self.layer_{layer}, recompute={module.recompute})"
             else:
                 text = _constructor(node.target, module)
-            init.append(f'        _put(self, "{node.target}", {text})')
+            init.append(f'        rt.put_module(self, "{node.target}", {text})')
     for node in [n for _, g in graphs for n in g.graph.nodes]:
         if node.op != "get_attr":
             continue
@@ -143,13 +143,13 @@ def stage_source(
         owned = owner and isinstance(_attr(root, owner), nn.Module) and type(_attr(root, owner)) in _CONSTRUCTORS
         if owned:
             built.add(owner)
-            init.append(f'        _put(self, "{owner}", {_constructor(owner, _attr(root, owner))})')
+            init.append(f'        rt.put_module(self, "{owner}", {_constructor(owner, _attr(root, owner))})')
         elif isinstance(value, nn.Parameter):
             empty = f"torch.empty({tuple(value.shape)}, dtype={value.dtype})"
-            init.append(f'        _put(self, "{node.target}", nn.Parameter({empty}))')
+            init.append(f'        rt.put_parameter(self, "{node.target}", nn.Parameter({empty}))')
         elif isinstance(value, torch.Tensor):
             init.append(
-                f'        _put_buffer(self, "{node.target}", torch.empty({tuple(value.shape)}, dtype={value.dtype}))'
+                f'        rt.put_buffer(self, "{node.target}", torch.empty({tuple(value.shape)}, dtype={value.dtype}))'
             )
         else:
             raise AutoshardError(f"cannot emit attribute {node.target} of type {type(value).__name__}")
@@ -171,7 +171,6 @@ def stage_source(
             "from torch import nn",
             "",
             "import autoshard.runtime as rt",
-            "from autoshard.runtime.stages import _put, _put_buffer",
             *imports,
             "",
             "# parameter -> (dimension, that dimension viewed as factors, factor split over the TP ranks)",

@@ -1,5 +1,25 @@
-"""What emitted training programs import: process groups, autograd-aware collectives and the
-vocabulary-parallel embedding and loss. Depends on torch only."""
+"""What emitted programs import. Depends on torch only (never on the planner, the passes or codegen).
+
+The public names below are what an emitted stage file calls, as ``rt.<name>``:
+
+building a stage (``__init__``, on the meta device; the training program fills the parameters)
+    ``put_module``, ``put_parameter``, ``put_buffer``: attach a layer, a parameter or a buffer at
+    the single-device model's dotted name (``model.layers.0.attn.wq``), creating the containers on
+    the way; ``Checkpoint``: a layer's forward under the plan's selective recomputation.
+tensor and sequence parallelism (the autograd-aware collectives over the TP group)
+    ``copy_to_tp``, ``reduce_from_tp``, ``gather_from_sp``, ``scatter_to_sp``,
+    ``reduce_scatter_to_sp``, ``vocab_parallel_embedding``, ``vocab_parallel_cross_entropy``.
+context parallelism
+    ``cp_shard``, ``cp_positions``, ``cp_attention``, ``cp_cross_entropy``.
+attention and graph helpers
+    ``fused_attention`` (Triton FlashAttention on CUDA, SDPA elsewhere), ``size_of``.
+process groups (set once by the training program from its device mesh)
+    ``set_groups``, ``tp_group``, ``tp_rank``, ``tp_size``.
+
+The training program itself is ``autoshard.runtime.trainer`` (an emitted ``train.py`` calls its
+``main``), built from ``program`` (mesh, chunks, data parallelism, data), ``stages`` (loading and
+materialising stage files) and ``schedules`` (the pipeline schedule table).
+"""
 
 from autoshard.runtime.attention import fused_attention
 from autoshard.runtime.checkpoint import Checkpoint
@@ -14,15 +34,13 @@ from autoshard.runtime.collectives import (
 )
 from autoshard.runtime.context import cp_attention, cp_cross_entropy, cp_positions, cp_shard
 from autoshard.runtime.groups import set_groups, tp_group, tp_rank, tp_size
-from autoshard.runtime.stages import size_of
+from autoshard.runtime.stages import put_buffer, put_module, put_parameter, size_of
 
 __all__ = [
+    "put_module",
+    "put_parameter",
+    "put_buffer",
     "Checkpoint",
-    "cp_attention",
-    "cp_cross_entropy",
-    "cp_positions",
-    "cp_shard",
-    "fused_attention",
     "copy_to_tp",
     "reduce_from_tp",
     "gather_from_sp",
@@ -30,8 +48,13 @@ __all__ = [
     "reduce_scatter_to_sp",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
-    "set_groups",
+    "cp_shard",
+    "cp_positions",
+    "cp_attention",
+    "cp_cross_entropy",
+    "fused_attention",
     "size_of",
+    "set_groups",
     "tp_group",
     "tp_rank",
     "tp_size",

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.runtime import groups
+from autoshard.runtime.schedules import schedule, torch_schedule
 from autoshard.runtime.stages import load_stage_file, materialise
 
 AXES = ("tp", "cp", "pp", "dp")
@@ -105,12 +106,9 @@ def build_mesh(plan: dict, device_type: str):
 # pipeline chunks
 
 
-def chunks_of_rank(schedule: str, pp: int, v: int, pp_rank: int) -> list[int]:
-    """Pipeline chunks (virtual stages) rank ``pp_rank`` holds: round robin, or a V for the
-    schedules built on it (chunk i and 2p-1-i on rank i)."""
-    if schedule in ("zbv", "dualpipev"):
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(v)]
+def chunks_of_rank(plan: dict, pp_rank: int) -> list[int]:
+    """The pipeline chunks (virtual stages) pipeline rank ``pp_rank`` holds, by the plan's schedule."""
+    return schedule(plan["schedule"]).chunks_of_rank(pp_rank, plan["mesh"]["pp"], plan["virtual_stages"])
 
 
 def build_chunks(
@@ -179,29 +177,13 @@ def full_state_from_model(program: dict, seed: int) -> dict[str, torch.Tensor]:
 def pipeline_schedule(plan: dict, stages: list[nn.Module], ranks: Ranks, device, microbatches: int, loss):
     """``torch.distributed.pipelining`` stages and the plan's schedule over them."""
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (
-        Schedule1F1B,
-        ScheduleDualPipeV,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-        ScheduleZBVZeroBubble,
-    )
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     pp, v = plan["mesh"]["pp"], plan["virtual_stages"]
-    ids = chunks_of_rank(plan["schedule"], pp, v, ranks.pp)
-    group = groups.pp_group()
-    pipeline = [PipelineStage(m, i, pp * v, device, group=group) for m, i in zip(stages, ids)]
-    name = plan["schedule"]
-    if name == "1f1b" and v == 1:
-        return Schedule1F1B(pipeline[0], microbatches, loss_fn=loss)
-    multi = {
-        "1f1b": ScheduleInterleaved1F1B,
-        "interleaved": ScheduleInterleaved1F1B,
-        "zero-bubble": ScheduleInterleavedZeroBubble,
-        "zbv": ScheduleZBVZeroBubble,
-        "dualpipev": ScheduleDualPipeV,
-    }[name]
-    return multi(pipeline, microbatches, loss_fn=loss)
+    ids = chunks_of_rank(plan, ranks.pp)
+    pipeline = [PipelineStage(m, i, pp * v, device, group=groups.pp_group()) for m, i in zip(stages, ids)]
+    cls = torch_schedule(plan["schedule"], v)
+    return cls(pipeline[0] if issubclass(cls, PipelineScheduleSingle) else pipeline, microbatches, loss_fn=loss)
 
 
 # ---------------------------------------------------------------------------------------------

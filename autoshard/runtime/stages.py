@@ -19,27 +19,33 @@ import torch
 from torch import nn
 
 
-def _put(root: nn.Module, path: str, value) -> None:
-    """Set ``root.a.b.c = value``, creating plain ``nn.Module`` containers on the way."""
+def _parent(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """The module that holds ``path``'s last name, creating plain ``nn.Module`` containers on the
+    way (a stage keeps the single-device model's dotted names: ``model.layers.0.attn.wq``)."""
     *parents, leaf = path.split(".")
     node = root
     for name in parents:
         if not hasattr(node, name):
             node.add_module(name, nn.Module())
         node = getattr(node, name)
-    if isinstance(value, nn.Module):
-        node.add_module(leaf, value)
-    else:
-        node.register_parameter(leaf, value)
+    return node, leaf
 
 
-def _put_buffer(root: nn.Module, path: str, value: torch.Tensor) -> None:
-    *parents, leaf = path.split(".")
-    node = root
-    for name in parents:
-        if not hasattr(node, name):
-            node.add_module(name, nn.Module())
-        node = getattr(node, name)
+def put_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    """``root.<path> = module``, for a dotted ``path``."""
+    node, leaf = _parent(root, path)
+    node.add_module(leaf, module)
+
+
+def put_parameter(root: nn.Module, path: str, param: nn.Parameter) -> None:
+    """Register ``param`` at the dotted ``path`` under ``root``."""
+    node, leaf = _parent(root, path)
+    node.register_parameter(leaf, param)
+
+
+def put_buffer(root: nn.Module, path: str, value: torch.Tensor) -> None:
+    """Register buffer ``value`` at the dotted ``path`` under ``root``."""
+    node, leaf = _parent(root, path)
     node.register_buffer(leaf, value)
 
 
