@@ -44,6 +44,31 @@ def test_compile_writes_the_program_files(program):
         assert {m for m in foreign if not m.startswith("autoshard.runtime")} == set(), name
 
 
+def test_stage_files_call_only_the_public_runtime(program):
+    import ast
+
+    import autoshard.runtime as rt
+
+    for path in program.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module.startswith("autoshard")]
+        assert [a.name for n in imported for a in n.names if a.name.startswith("_")] == [], path.name
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "rt"}
+        assert used <= set(rt.__all__), path.name
+
+
+def test_train_py_is_a_launcher_with_the_plan_header(program):
+    text = (program / "train.py").read_text()
+    assert text.startswith('"""Train gpt:tiny as ') and "torchrun --nproc-per-node 2 OUT/train.py" in text
+    assert "trainer.main(Path(__file__).resolve().parent" in text and len(text.splitlines()) < 25
+    cmd = [sys.executable, str(program / "train.py"), "--help"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0 and "--nnodes N" in proc.stdout
+    flags = ["--steps", "--lr", "--weight-decay", "--adam-eps", "--seed", "--data", "--init-from-model"]
+    flags += ["--loss-log", "--save-params", "--timeout", "--compute-dtype"]
+    assert [f for f in flags if f not in proc.stdout] == []
+
+
 def test_wrong_world_size_is_a_clear_error(program):
     proc = _torchrun(program, 1)
     assert proc.returncode != 0
