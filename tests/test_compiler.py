@@ -1,0 +1,97 @@
+"""compile never refuses its own choice: the search keeps to what the emitted program can run,
+and --plan-only keeps the whole space and says what would not be emitted."""
+
+import copy
+
+import pytest
+
+from autoshard import capabilities, planner
+from autoshard.compiler import compile_plan
+from autoshard.cost_models import hardware
+from autoshard.errors import AutoshardError
+from autoshard.passes.contract import Refusal
+
+from conftest import EXAMPLES, captured
+
+SEQ = 64
+
+
+def _problem(name: str, hw: str, gpus: int, batch: int, precision: str = "auto", **pins) -> planner.Problem:
+    _, cost = captured(name, "tiny", SEQ)
+    text = ",".join(f"{k}={v}" for k, v in pins.items())
+    return planner.Problem(cost, hardware.load(hw), gpus, SEQ, batch, precision, planner.parse_force(text), name)
+
+
+def _compile(name: str, problem: planner.Problem, plan_only: bool = False):
+    cap, _ = captured(name, "tiny", SEQ)
+    return compile_plan(problem, copy.deepcopy(cap), str(EXAMPLES / f"{name}.py"), None, "tiny", plan_only)
+
+
+SWEEP = [
+    (name, hw, gpus)
+    for name in ("gpt", "llama3", "deepseek_v3")
+    for hw, gpus in (("cpu", 2), ("cpu", 8), ("h100", 16), ("h800", 16), ("a100", 4), ("b200", 32))
+]
+
+
+@pytest.mark.parametrize("name,hw,gpus", SWEEP, ids=[f"{n}-{h}-{g}" for n, h, g in SWEEP])
+def test_compile_emits_whatever_it_chose(name, hw, gpus):
+    compiled = _compile(name, _problem(name, hw, gpus, batch=2 * gpus))
+    plan = compiled.plan
+    assert compiled.files is not None and "train.py" in compiled.files
+    assert sum(1 for f in compiled.files if f.startswith("stage")) == plan.mesh.pp * plan.virtual_stages
+    assert capabilities.refusals(plan) == [] and plan.not_emitted == []
+
+
+def test_plan_only_keeps_what_is_not_emitted_yet_and_says_why():
+    """The tiny DeepSeek on 16 H800s: the whole space takes expert parallelism and FP8, which the
+    program does not emit yet; compile takes the best plan without them."""
+    whole = _compile("deepseek_v3", _problem("deepseek_v3", "h800", 16, 32), plan_only=True).plan
+    assert whole.mesh.ep > 1 or whole.precision["fp8_matmuls"]
+    assert whole.not_emitted == capabilities.refusals(whole) != []
+    emitted = _compile("deepseek_v3", _problem("deepseek_v3", "h800", 16, 32)).plan
+    assert emitted.mesh.ep == 1 and not emitted.precision["fp8_matmuls"] and emitted.not_emitted == []
+    assert emitted.predicted.step_time_s >= whole.predicted.step_time_s
+
+
+def test_a_pinned_choice_the_program_cannot_emit_is_refused_before_the_search():
+    with pytest.raises(AutoshardError, match="expert parallelism"):
+        _compile("deepseek_v3", _problem("deepseek_v3", "cpu", 4, 8, ep=2, dp=2))
+    with pytest.raises(AutoshardError, match="FP8 matmuls"):
+        _compile("llama3", _problem("llama3", "h100", 8, 16, precision="fp8"))
+
+
+def test_a_choice_a_pass_refuses_is_left_out_and_the_search_runs_again(monkeypatch):
+    """A pass that cannot rewrite the model for the first plan's choice on some axis (a stand-in
+    for an op it cannot split) takes that choice out of the search; compile then emits the best
+    plan without it and says why."""
+    from autoshard import codegen
+
+    real, seen = codegen.program_files, []
+
+    def refusing(plan, *args, **kwargs):
+        seen.append(plan.mesh.degrees())
+        if len(seen) == 1:
+            axis = next(a for a in ("tp", "cp", "pp", "dp") if seen[0][a] > 1)
+            raise Refusal(f"a stand-in pass cannot rewrite {axis}={seen[0][axis]}", axis, seen[0][axis])
+        return real(plan, *args, **kwargs)
+
+    monkeypatch.setattr(codegen, "program_files", refusing)
+    compiled = _compile("llama3", _problem("llama3", "cpu", 8, 16))
+    assert len(seen) == 2
+    axis = next(a for a in ("tp", "cp", "pp", "dp") if seen[0][a] > 1)
+    assert compiled.plan.mesh.degrees()[axis] != seen[0][axis]
+    assert compiled.files is not None
+    assert any("a stand-in pass cannot rewrite" in note for note in compiled.plan.notes)
+
+
+def test_a_refusal_of_what_the_user_pinned_is_reported_not_worked_around(monkeypatch):
+    from autoshard import codegen
+
+    def refusing(plan, *args, **kwargs):
+        raise Refusal("tensor parallelism cannot split this stand-in op; plan with --force tp=1", "tp", plan.mesh.tp)
+
+    monkeypatch.setattr(codegen, "program_files", refusing)
+    problem = _problem("llama3", "cpu", 4, 8, tp=2)
+    with pytest.raises(Refusal, match="--force tp=1"):
+        _compile("llama3", problem)
