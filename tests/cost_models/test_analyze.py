@@ -1,4 +1,4 @@
-"""The cost model against numbers worked by hand from published formulas (FACTS.md)."""
+"""The cost model against numbers worked by hand from published formulas."""
 
 import pytest
 
