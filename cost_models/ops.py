@@ -1,8 +1,22 @@
 """What autoshard knows about each op, in one table.
 
-A row says, for one normalised op name: its op class, how to count its forward FLOPs, what
-autograd keeps for backward, whether its output aliases its first input, and how a tensor-parallel
-shard of the hidden/head dimension passes through it. Supporting a new op is a new row.
+A row of ``RULES`` says, for one normalised op name (``node.meta["op"]``), everything the cost
+model, the sharding analysis and the rewrite passes need to know about it, side by side:
+
+* ``op_class``: one of ``autoshard.ir.OP_CLASSES`` (its kind: matmul, attention, norm, loss, ...),
+  refined by graph patterns in :func:`classify` (routers, experts, written-out attention, norms);
+* ``flops``: how to count its forward FLOPs (``zero | pointwise | matmul | sdpa | reduce | norm | loss``),
+  ``flops_per_elem`` the FLOPs per output element where that is the count;
+* ``saves``: what autograd keeps for backward (codes below); ``alias``: its output is a view of
+  its first input;
+* ``tp``: how a tensor-parallel shard passes through it, a key of ``TP_RULES``; the tensor-parallel
+  pass implements each of those once and dispatches on this field, and the sharding analysis treats
+  an op as TP-transparent exactly when it has one (``None``: a shard cannot pass);
+* ``sp``: its sequence-parallel rule, a key of ``SP_RULES`` (``None``: not per-token);
+* ``cp``: what the context-parallel pass does with it, a key of ``CP_RULES``;
+* ``metadata``: it reads only its input's metadata, never its values (a key of ``METADATA``);
+* ``signature``: the argument layout of an attention or loss call (a key of ``SIGNATURES``),
+  read with :func:`call_args` by the cost model and every pass.
 
 Saved-tensor codes (``OpRule.saves``):
   ``partner``  bilinear ops (mul, matmul, linear): each operand is kept when the other needs a
@@ -10,20 +24,116 @@ Saved-tensor codes (``OpRule.saves``):
   ``in0``/``in1`` a given input; ``out`` the output; ``mask`` one byte per output element
                (dropout, when active); ``sdpa`` q, k, v, output and the fp32 log-sum-exp;
   ``logprobs`` fp32 log-probabilities of the logits (cross-entropy).
-TP codes (``OpRule.tp``): ``pointwise`` and ``view`` let a shard of heads or hidden units pass;
-``opaque`` (norms, reductions over features, routing, loss) does not.
+
+Supporting a new op is a new row.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 import torch
 from torch import fx
 
 from autoshard.ir import B, S
+
+# ---------------------------------------------------------------------------------------------
+# The vocabularies of the rule fields
+
+TP_RULES = {
+    "pointwise": "element by element (operands broadcast, none spans the split dimension unsplit)",
+    "softmax": "element-wise but normalised along its dim argument, which must not be the split one",
+    "view": "view/reshape: the split dimension is followed through merged and split dimensions",
+    "transpose": "two dimensions swapped",
+    "permute": "dimensions permuted",
+    "getitem": "basic indexing of a tensor, or one output of a split",
+    "slice": "a slice or narrow along one dimension, not the split one",
+    "select": "one index along a dimension (which disappears), not the split one",
+    "split": "split/chunk/unbind into several outputs, read by getitem; along the split dimension "
+    "only in equal parts, which puts every part's own split in the column's layout",
+    "unsqueeze": "a new size-1 dimension",
+    "squeeze": "size-1 dimensions removed",
+    "expand": "broadcast to new leading or size-1 dimensions",
+    "matmul": "a product of two activations; the split must be a batch dimension (heads)",
+    "attention": "fused attention over heads: q, k and v split along heads",
+    "cat": "concatenation of identically split tensors along another dimension",
+    "stack": "stacking identically split tensors along a new dimension",
+    "linear": "a weighted linear layer: column- or row-parallel (the analysis pairs them)",
+    "loss": "cross-entropy over logits split along the vocabulary (vocabulary-parallel)",
+}
+
+SP_RULES = {
+    "pointwise": "per token: element by element, every operand per token or broadcast over the sequence",
+    "reduce": "per token when it reduces over other dimensions than the sequence (a norm written out)",
+    "norm": "a normalisation over features: per token; its weight and bias see only this rank's tokens",
+    "same_shape": "per token when its output has its input's shape (a slice that keeps everything)",
+}
+
+CP_RULES = {
+    "attention": "causal attention over the whole sequence: ring or all-gather-KV attention",
+    "loss": "the mean cross-entropy: this rank's share of the sequence mean",
+    "positions": "arange over the sequence: the global positions of this rank's chunks",
+    "mixes": "mixes values along its dim argument: refused along the sequence (outside attention)",
+}
+
+METADATA = {
+    "size": "sizes (the passes keep or rewrite the values it returns)",
+    "attr": "dtype, device, rank, or a new tensor of explicit sizes on the input's device",
+    "numel": "the element count (no pass restores it on a shard)",
+}
+
+# Argument layouts: (name, default) per position; keyword arguments go by name.
+SIGNATURES: dict[str, tuple[tuple[str, object], ...]] = {
+    "sdpa": (
+        ("query", None),
+        ("key", None),
+        ("value", None),
+        ("attn_mask", None),
+        ("dropout_p", 0.0),
+        ("is_causal", False),
+        ("scale", None),
+    ),
+    "sdpa_flash": (  # aten._scaled_dot_product_flash_attention[_for_cpu]
+        ("query", None),
+        ("key", None),
+        ("value", None),
+        ("dropout_p", 0.0),
+        ("is_causal", False),
+    ),
+    "sdpa_efficient": (  # aten._scaled_dot_product_{efficient,cudnn}_attention
+        ("query", None),
+        ("key", None),
+        ("value", None),
+        ("attn_mask", None),
+        ("compute_log_sumexp", False),
+        ("dropout_p", 0.0),
+        ("is_causal", False),
+    ),
+    "fused_attention": (("query", None), ("key", None), ("value", None), ("is_causal", True), ("scale", None)),
+    "cp_attention": (("query", None), ("key", None), ("value", None), ("variant", "ring"), ("scale", None)),
+    "cross_entropy": (
+        ("input", None),
+        ("target", None),
+        ("weight", None),
+        ("size_average", None),
+        ("ignore_index", -100),
+        ("reduce", None),
+        ("reduction", "mean"),
+        ("label_smoothing", 0.0),
+    ),
+    "cross_entropy_loss": (  # aten: reduction as an int
+        ("input", None),
+        ("target", None),
+        ("weight", None),
+        ("reduction", 1),
+        ("ignore_index", -100),
+        ("label_smoothing", 0.0),
+    ),
+    "cp_cross_entropy": (("input", None), ("target", None), ("ignore_index", -100), ("vocab_parallel", False)),
+}
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # aten's reduction codes
 
 
 @dataclass(frozen=True)
@@ -32,143 +142,110 @@ class OpRule:
     flops: str = "zero"  # zero | pointwise | matmul | sdpa | reduce | norm | loss
     saves: tuple[str, ...] = ()
     alias: bool = False
-    tp: str = "opaque"
+    tp: str | None = None  # a key of TP_RULES
     flops_per_elem: int = 1
+    sp: str | None = None  # a key of SP_RULES
+    cp: str | None = None  # a key of CP_RULES
+    metadata: str | None = None  # a key of METADATA
+    signature: str | None = None  # a key of SIGNATURES
 
 
-_VIEW = OpRule("other", alias=True, tp="view")
-_COPY = OpRule("other", tp="view")
-_ZERO = OpRule("other")
+def _rows(names: str, rule: OpRule, **fields) -> dict[str, OpRule]:
+    return dict.fromkeys(names.split(), replace(rule, **fields))
 
 
-def _pw(saves: tuple[str, ...] = (), per_elem: int = 1) -> OpRule:
-    return OpRule("elementwise", "pointwise", saves, tp="pointwise", flops_per_elem=per_elem)
-
-
-_MATMUL = OpRule("matmul", "matmul", ("partner",), tp="pointwise")
-_NORM = OpRule("norm", "norm", ("in0",), flops_per_elem=5)
-_SDPA = OpRule("attention", "sdpa", ("sdpa",), tp="pointwise")
+_OTHER = OpRule("other")
+_VIEW = OpRule("other", alias=True)
+_PW = OpRule("elementwise", "pointwise", tp="pointwise", sp="pointwise")
+_TRANSCENDENTAL = replace(_PW, flops_per_elem=4)
+_MATMUL = OpRule("matmul", "matmul", ("partner",))
+_SDPA = OpRule("attention", "sdpa", ("sdpa",), tp="attention", cp="attention")
+_NORM = OpRule("norm", "norm", ("in0",), flops_per_elem=5, sp="norm")
+_LOSS = OpRule("loss", "loss", ("logprobs",), flops_per_elem=4)
+_REDUCE = OpRule("elementwise", "reduce")
+_SOFTMAX = OpRule("elementwise", "pointwise", ("out",), flops_per_elem=5, tp="softmax", sp="reduce", cp="mixes")
+_COLLECTIVE = OpRule("other")  # inserted by the passes: runtime collectives, identities on one rank
 
 RULES: dict[str, OpRule] = {
     # matrix products
-    **dict.fromkeys(["linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum"], _MATMUL),
-    **dict.fromkeys(["_grouped_mm", "grouped_mm", "grouped_mm_fallback"], _MATMUL),
-    # fused attention
-    **dict.fromkeys(
-        [
-            "scaled_dot_product_attention",
-            "_scaled_dot_product_flash_attention",
-            "_scaled_dot_product_flash_attention_for_cpu",
-            "_scaled_dot_product_efficient_attention",
-            "_scaled_dot_product_cudnn_attention",
-        ],
+    **_rows("linear", _MATMUL, tp="linear"),
+    **_rows("matmul mm bmm", _MATMUL, tp="matmul"),
+    **_rows("addmm baddbmm einsum _grouped_mm grouped_mm grouped_mm_fallback", _MATMUL),
+    # attention
+    **_rows("scaled_dot_product_attention", _SDPA, signature="sdpa"),
+    # the aten kernels (torch.export): priced and split by heads; flash and CP leave them to torch
+    **_rows(
+        "_scaled_dot_product_flash_attention _scaled_dot_product_flash_attention_for_cpu",
         _SDPA,
+        cp=None,
+        signature="sdpa_flash",
     ),
+    **_rows(
+        "_scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention",
+        _SDPA,
+        cp=None,
+        signature="sdpa_efficient",
+    ),
+    **_rows("fused_attention", _SDPA, signature="fused_attention"),
+    **_rows("cp_attention", _SDPA, cp=None, signature="cp_attention"),
     # normalisation
-    **dict.fromkeys(["layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"], _NORM),
-    "group_norm": _NORM,
+    **_rows("layer_norm native_layer_norm rms_norm _fused_rms_norm", _NORM),
+    "group_norm": replace(_NORM, sp=None),  # groups of channels: dim 1, the sequence of a (b, s, h) input
     "embedding": OpRule("embedding", saves=("in0",)),
-    **dict.fromkeys(
-        ["cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_nd"],
-        OpRule("loss", "loss", ("logprobs",), flops_per_elem=4),
-    ),
+    "vocab_parallel_embedding": OpRule("embedding", saves=("in0",)),
+    # losses
+    **_rows("cross_entropy", _LOSS, tp="loss", cp="loss", signature="cross_entropy"),
+    **_rows("cross_entropy_loss", _LOSS, tp="loss", cp="loss", signature="cross_entropy_loss"),
+    **_rows("cp_cross_entropy", _LOSS, tp="loss", signature="cp_cross_entropy"),
+    **_rows("nll_loss nll_loss_nd vocab_parallel_cross_entropy", _LOSS),
     # pointwise arithmetic
-    **dict.fromkeys(["add", "sub", "rsub", "neg", "iadd", "add_", "sub_", "clamp"], _pw()),
-    **dict.fromkeys(["mul", "mul_", "imul", "div", "truediv", "div_", "floordiv"], _pw(("partner",))),
-    **dict.fromkeys(["gelu", "silu", "pow", "log", "square", "abs", "sin", "cos"], _pw(("in0",), 4)),
-    **dict.fromkeys(["exp", "sigmoid", "tanh", "relu", "rsqrt", "sqrt", "reciprocal"], _pw(("out",), 4)),
-    **dict.fromkeys(
-        ["softmax", "_softmax", "log_softmax", "_log_softmax"],
-        OpRule("elementwise", "pointwise", ("out",), flops_per_elem=5),
-    ),
-    "dropout": OpRule("elementwise", "pointwise", ("mask",), tp="pointwise"),
-    "native_dropout": OpRule("elementwise", "pointwise", ("mask",), tp="pointwise"),
-    **dict.fromkeys(["masked_fill", "masked_fill_"], _pw(("in1",))),
-    "where": _pw(("in0",)),
-    **dict.fromkeys(["to", "float", "half", "bfloat16", "type_as", "_to_copy", "contiguous", "clone"], _pw()),
-    **dict.fromkeys(["eq", "ne", "lt", "le", "gt", "ge", "logical_not", "invert", "bitwise_not"], _pw()),
+    **_rows("add sub rsub neg iadd add_ sub_ clamp", _PW),
+    **_rows("mul mul_ imul div truediv div_ floordiv", _PW, saves=("partner",)),
+    **_rows("gelu silu pow log square abs sin cos", _TRANSCENDENTAL, saves=("in0",)),
+    **_rows("exp sigmoid tanh relu rsqrt sqrt reciprocal", _TRANSCENDENTAL, saves=("out",)),
+    **_rows("softmax _softmax log_softmax _log_softmax", _SOFTMAX),
+    **_rows("dropout native_dropout", _PW, saves=("mask",)),
+    **_rows("masked_fill masked_fill_", _PW, saves=("in1",)),
+    "where": replace(_PW, saves=("in0",)),
+    **_rows("to float half bfloat16 type_as _to_copy contiguous clone", _PW),
+    **_rows("eq ne lt le gt ge logical_not invert bitwise_not", _PW),
     # reductions and routing (a feature shard cannot pass through them)
-    **dict.fromkeys(
-        ["sum", "mean", "amax", "max", "min", "norm", "var", "std", "cumsum", "prod"], OpRule("elementwise", "reduce")
-    ),
-    **dict.fromkeys(["topk", "sort", "argsort", "argmax", "histc", "bincount"], OpRule("other", "reduce")),
+    **_rows("sum mean amax var std", _REDUCE, sp="reduce"),
+    **_rows("max min norm cumsum prod", _REDUCE),
+    **_rows("topk sort argsort argmax histc bincount", OpRule("other", "reduce")),
     # indexing: moves data, keeps integer indices for backward
-    **dict.fromkeys(["index_select", "gather", "index"], OpRule("other", saves=("in2",))),
-    "index_add": OpRule("other", saves=("in2",)),
-    **dict.fromkeys(["scatter", "scatter_add", "index_put", "index_put_", "index_copy"], _ZERO),
-    # views and copies
-    **dict.fromkeys(
-        [
-            "view",
-            "reshape",
-            "_unsafe_view",
-            "transpose",
-            "permute",
-            "t",
-            "expand",
-            "expand_as",
-            "unsqueeze",
-            "squeeze",
-            "flatten",
-            "unflatten",
-            "split",
-            "split_with_sizes",
-            "chunk",
-            "unbind",
-            "getitem",
-            "narrow",
-            "select",
-            "slice",
-            "alias",
-            "detach",
-            "view_as",
-            "as_strided",
-        ],
-        _VIEW,
-    ),
-    **dict.fromkeys(
-        [
-            "cat",
-            "concat",
-            "stack",
-            "repeat",
-            "repeat_interleave",
-            "pad",
-            "constant_pad_nd",
-            "tril",
-            "triu",
-            "flip",
-            "roll",
-        ],
-        _COPY,
-    ),
-    **dict.fromkeys(
-        [
-            "zeros",
-            "ones",
-            "full",
-            "empty",
-            "arange",
-            "zeros_like",
-            "ones_like",
-            "full_like",
-            "empty_like",
-            "new_zeros",
-            "new_ones",
-            "new_full",
-            "new_empty",
-            "outer",
-            "one_hot",
-            "rand",
-            "randn",
-            "randint",
-            "lift_fresh_copy",
-        ],
-        _ZERO,
-    ),
-    **dict.fromkeys(
-        ["size", "sym_size", "dim", "getattr", "numel", "_assert_tensor_metadata", "sym_numel", "_guards_fn"], _ZERO
-    ),
+    **_rows("index_select gather index index_add", OpRule("other", saves=("in2",))),
+    **_rows("scatter scatter_add index_put index_put_ index_copy", _OTHER),
+    # views
+    **_rows("view reshape _unsafe_view flatten unflatten view_as", _VIEW, tp="view"),
+    **_rows("transpose swapaxes t", _VIEW, tp="transpose"),
+    "permute": replace(_VIEW, tp="permute"),
+    "getitem": replace(_VIEW, tp="getitem"),
+    **_rows("slice narrow", _VIEW, tp="slice", sp="same_shape"),
+    "select": replace(_VIEW, tp="select"),
+    **_rows("split split_with_sizes chunk unbind", _VIEW, tp="split"),
+    "unsqueeze": replace(_VIEW, tp="unsqueeze"),
+    "squeeze": replace(_VIEW, tp="squeeze"),
+    **_rows("expand expand_as", _VIEW, tp="expand"),
+    **_rows("alias detach", _VIEW, tp="pointwise", sp="pointwise"),
+    "as_strided": _VIEW,
+    # copies
+    **_rows("cat concat", _OTHER, tp="cat"),
+    "stack": replace(_OTHER, tp="stack"),
+    **_rows("repeat repeat_interleave pad constant_pad_nd tril triu flip roll", _OTHER),
+    # new tensors
+    **_rows("zeros ones full empty zeros_like ones_like full_like empty_like outer one_hot", _OTHER),
+    **_rows("rand randn randint lift_fresh_copy", _OTHER),
+    "arange": replace(_OTHER, cp="positions"),
+    "cp_positions": _OTHER,
+    "cp_shard": _OTHER,
+    # metadata
+    **_rows("size sym_size", _OTHER, metadata="size"),
+    **_rows("dim getattr _assert_tensor_metadata _guards_fn", _OTHER, metadata="attr"),
+    **_rows("new_zeros new_ones new_full new_empty", _OTHER, metadata="attr"),
+    **_rows("numel sym_numel", _OTHER, metadata="numel"),
+    # collectives the passes insert
+    **_rows("copy_to_tp reduce_from_tp gather_from_sp reduce_scatter_to_sp scatter_to_sp", _COLLECTIVE),
 }
 
 # Modules torch.fx keeps as leaves (torch.nn's own), by class name.
@@ -188,7 +265,6 @@ MODULE_OPS = {
     "Identity": "alias",
     "CrossEntropyLoss": "cross_entropy",
 }
-RULES["alias"] = _VIEW
 
 _FUNCTION_NAMES = {
     operator.add: "add",
@@ -204,8 +280,8 @@ _FUNCTION_NAMES = {
 }
 
 
-def op_name(node: fx.Node, gm: fx.GraphModule) -> str:
-    """Normalised name of what ``node`` computes, the key of ``RULES``."""
+def op_name(node: fx.Node, gm: fx.GraphModule | None = None) -> str:
+    """Normalised name of what ``node`` computes, the key of ``RULES`` (``gm`` names modules)."""
     if node.op in ("placeholder", "get_attr", "output"):
         return node.op
     if node.op == "call_module":
@@ -227,6 +303,31 @@ def rule(name: str) -> OpRule | None:
     if "grouped_mm" in name:
         return _MATMUL
     return None
+
+
+def rule_of(node) -> OpRule | None:
+    """The row of a node (by ``node.meta["op"]``); None for a non-node or an unknown op."""
+    return rule(node.meta.get("op", "")) if isinstance(node, fx.Node) else None
+
+
+def call_args(node: fx.Node) -> dict[str, object]:
+    """The arguments of an attention or loss call by name, defaults filled in, as its row's
+    ``signature`` lays them out (a loss's ``reduction`` always as a string)."""
+    layout = SIGNATURES[RULES[node.meta["op"]].signature]
+    args = {name: node.args[i] if i < len(node.args) else default for i, (name, default) in enumerate(layout)}
+    args.update(node.kwargs)
+    if isinstance(args.get("reduction"), int):
+        args["reduction"] = _REDUCTIONS[args["reduction"]]
+    return args
+
+
+def dims_arg(node: fx.Node, rank: int) -> tuple[int, ...] | None:
+    """The dimensions a reduction or softmax works along (``dim``, positional 1), normalised;
+    None when it reduces over everything."""
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if d is None:
+        return None
+    return tuple(x % rank for x in (d if isinstance(d, (tuple, list)) else (d,)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,12 +371,6 @@ def elem_bytes(dtype: torch.dtype | None, float_bytes: int) -> int:
     return torch.empty((), dtype=dtype).element_size() if dtype != torch.bool else 1
 
 
-def _arg(node: fx.Node, index: int, name: str, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
 def matmul_flops(node: fx.Node, gm: fx.GraphModule) -> sympy.Expr:
     out = node.meta["shape"]
     name = node.meta["op"]
@@ -303,7 +398,7 @@ def sdpa_flops(node: fx.Node) -> sympy.Expr:
     *lead, sq, d = q.meta["shape"]
     sk, dv = k.meta["shape"][-2], v.meta["shape"][-1]
     flops = 2 * numel(lead) * sq * sk * (d + dv)
-    if _arg(node, 5, "is_causal", False):
+    if call_args(node).get("is_causal", True):  # cp_attention is always causal
         flops = flops / 2
     return flops
 
@@ -336,11 +431,10 @@ def node_cost(node: fx.Node, gm: fx.GraphModule, float_bytes: int = 2) -> NodeCo
     return NodeCost(sympy.sympify(flops), sympy.sympify(moved))
 
 
-__all__ = ["RULES", "MODULE_OPS", "OpRule", "NodeCost", "op_name", "rule", "node_cost", "B", "S"]
-
-
 # ---------------------------------------------------------------------------------------------
 # Op classes from the table, refined by graph patterns
+
+_CASTS = ("to", "_to_copy", "float", "half", "bfloat16", "type_as")
 
 
 def is_weight(node: fx.Node) -> bool:
@@ -351,7 +445,7 @@ def is_weight(node: fx.Node) -> bool:
         if node.op == "call_module" or not node.args or not isinstance(node.args[0], fx.Node):
             return False
         r = rule(node.meta.get("op", ""))
-        if r is None or not (r.alias or node.meta.get("op") in ("to", "float", "_to_copy", "bfloat16")):
+        if r is None or not (r.alias or node.meta.get("op") in _CASTS):
             return False
         node = node.args[0]
 
@@ -378,10 +472,6 @@ def _is_param(gm: fx.GraphModule, target: str) -> bool:
         return False
 
 
-def _norm_module(module_type: str) -> bool:
-    return module_type.lower().endswith("norm")
-
-
 def classify(gm: fx.GraphModule) -> None:
     """Set ``op_class`` on every node: the table's class, then three graph patterns.
 
@@ -389,8 +479,8 @@ def classify(gm: fx.GraphModule) -> None:
       ``topk`` through pointwise ops is ``router``;
     - a matmul of two activations (QK^T, probabilities @ V) is ``attention``, and so is every
       node on a path from one such matmul to another (scale, mask, softmax, dropout);
-    - any computation inside a module whose class name ends in ``Norm`` is ``norm`` (norms
-      written out op by op, as in HuggingFace models).
+    - a normalisation written out op by op (HuggingFace's RMSNorm, a hand-written LayerNorm) is
+      ``norm``, found from its ops (:func:`written_norms`), whatever its module is called.
     """
     nodes = list(gm.graph.nodes)
     act_matmuls = []
@@ -409,8 +499,8 @@ def classify(gm: fx.GraphModule) -> None:
                 n.meta["op_class"] = "experts"
             elif _reaches_topk(n):
                 n.meta["op_class"] = "router"
-        elif _norm_module(n.meta.get("module_type", "")) and n.meta.get("shape") is not None:
-            n.meta["op_class"] = "norm"
+    for n in written_norms(nodes):
+        n.meta["op_class"] = "norm"
     act = set(act_matmuls)
     for first in act_matmuls:
         between = _forward_until(first, act)
@@ -419,9 +509,126 @@ def classify(gm: fx.GraphModule) -> None:
                 n.meta["op_class"] = "attention"
 
 
+def written_norms(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The nodes of every normalisation written out op by op: a mean over the last dimension
+    (kept) of ``x`` or ``x**2`` (``(x - mean)**2`` for a LayerNorm), through ``rsqrt``/``sqrt``
+    (after ``+ eps``) to a product with or quotient of ``x``, then casts and a multiply by a
+    weight / add of a bias; with the casts of ``x`` and the centring ``x - mean(x)`` before it."""
+    found: set[fx.Node] = set()
+    for stat in nodes:
+        base = _feature_stat(stat)
+        if base is None:
+            continue
+        norm = _normalised(stat, base)
+        if norm is None:
+            continue
+        members = {stat, *norm}
+        if base is not stat.args[0]:
+            members.add(stat.args[0])  # the square
+        tail = norm[-1]
+        while True:
+            users = [u for u in tail.users if not (rule_of(u) and rule_of(u).metadata)]
+            if len(users) != 1 or not _norm_tail(users[0], tail):
+                break
+            tail = users[0]
+            members.add(tail)
+        members |= _norm_head(base, members)
+        found |= {m for m in members if m.meta.get("shape") is not None}
+    return found
+
+
+def _feature_stat(node: fx.Node) -> fx.Node | None:
+    """For ``mean(x**2, -1, keepdim=True)`` or ``mean(x, -1, keepdim=True)`` (``var`` too): ``x``."""
+    if node.meta.get("op") not in ("mean", "var") or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    src, shape = node.args[0], node.meta.get("shape")
+    rank = len(src.meta.get("shape") or ())
+    if not rank or not isinstance(shape, (tuple, list)) or len(shape) != rank or shape[-1] != 1:
+        return None
+    if dims_arg(node, rank) != (rank - 1,):
+        return None
+    op = src.meta.get("op")
+    if op == "pow" and len(src.args) > 1 and src.args[1] == 2 or op == "square":
+        return src.args[0]
+    if op == "mul" and len(src.args) > 1 and src.args[0] is src.args[1]:
+        return src.args[0]
+    return src
+
+
+def _same(a, b) -> bool:
+    """The same tensor, or the same op on the same arguments (``x - mean`` computed twice)."""
+    if a is b:
+        return True
+    return isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.target == b.target and a.args == b.args
+
+
+def _is_base(a, base: fx.Node) -> bool:
+    """``base`` itself, the same op on the same inputs, or ``base - mean(base)`` (after ``var(base)``)."""
+    if _same(a, base):
+        return True
+    return _centring(a) and a.args[0] is base
+
+
+def _centring(n) -> bool:
+    """``x - mean(x, -1, keepdim=True)``."""
+    return (
+        isinstance(n, fx.Node)
+        and n.meta.get("op") == "sub"
+        and isinstance(n.args[1], fx.Node)
+        and _feature_stat(n.args[1]) is n.args[0]
+    )
+
+
+def _normalised(stat: fx.Node, base: fx.Node, depth: int = 4) -> list[fx.Node] | None:
+    """The path from ``stat`` through ``rsqrt``/``sqrt`` to ``base * rsqrt(...)`` or
+    ``base / sqrt(...)``, ending with that product; None if there is none."""
+    frontier = [(stat, [], False)]
+    for _ in range(depth):
+        nxt = []
+        for n, path, rooted in frontier:
+            for u in n.users:
+                op, r = u.meta.get("op"), rule_of(u)
+                if rooted and op in ("mul", "div", "truediv"):
+                    other = [a for a in u.args if a is not n]
+                    if other and _is_base(other[0], base) and (op == "mul" or u.args[1] is n):
+                        return [*path, *([] if other[0] is base else [other[0]]), u]
+                if r is not None and r.flops == "pointwise" and r.sp == "pointwise":
+                    nxt.append((u, [*path, u], rooted or op in ("rsqrt", "sqrt")))
+        frontier = nxt
+    return None
+
+
+def _norm_tail(node: fx.Node, prev: fx.Node) -> bool:
+    """A cast of the normalised value, or its product with a weight / sum with a bias."""
+    op = node.meta.get("op")
+    if op in _CASTS:
+        return True
+    others = [a for a in node.args if isinstance(a, fx.Node) and a is not prev]
+    return op in ("mul", "add") and len(others) == 1 and is_weight(others[0])
+
+
+def _norm_head(base: fx.Node, members: set[fx.Node]) -> set[fx.Node]:
+    """What computes ``base`` for the norm alone: casts of its input, the centring ``x - mean(x)``."""
+    head: set[fx.Node] = set()
+    frontier = [base, *(m for m in members if _centring(m))]
+    while frontier:
+        n = frontier.pop()
+        centring = _centring(n)
+        if not (n.meta.get("op") in _CASTS or centring):
+            continue
+        users = [u for u in n.users if not (rule_of(u) and rule_of(u).metadata)]
+        if not all(u in members or u in head for u in users):
+            continue
+        head.add(n)
+        if centring:
+            head.add(n.args[1])
+        frontier.extend(a for a in n.args[:1] if isinstance(a, fx.Node))
+    return head
+
+
 def _carries_values(r: OpRule | None) -> bool:
     """Pointwise ops and views: what lies between a matmul and what consumes its result."""
-    return r is not None and r.flops != "matmul" and (r.op_class == "elementwise" or r.tp in ("pointwise", "view"))
+    return r is not None and r.flops != "matmul" and (r.op_class == "elementwise" or r.tp not in (None, "loss"))
 
 
 def _pointwise_users(node: fx.Node):
@@ -463,3 +670,26 @@ def _forward_until(start: fx.Node, stops: set[fx.Node], limit: int = 16) -> set[
 
     walk(start, 0)
     return on_path
+
+
+__all__ = [
+    "RULES",
+    "MODULE_OPS",
+    "TP_RULES",
+    "SP_RULES",
+    "CP_RULES",
+    "METADATA",
+    "SIGNATURES",
+    "OpRule",
+    "NodeCost",
+    "op_name",
+    "rule",
+    "rule_of",
+    "call_args",
+    "dims_arg",
+    "node_cost",
+    "classify",
+    "written_norms",
+    "B",
+    "S",
+]

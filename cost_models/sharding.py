@@ -7,6 +7,10 @@ projection; up/gate -> activation -> down). A weighted matmul whose output reach
 way is the *vocab-parallel* output head; an embedding indexed by a model input is vocab-parallel.
 Everything else stays replicated (norms, routers, low-rank projections feeding a norm).
 
+Which ops a shard crosses is the op table's ``tp`` field (``autoshard.cost_models.ops.RULES``):
+exactly the ops for which the tensor-parallel pass implements a transfer rule, so the planner
+never prices a split the pass then refuses for want of a rule.
+
 Writes ``node.meta["tp"]`` (``replicated`` | ``sharded`` | ``partial``) and, on weighted matmuls
 and embeddings, ``node.meta["tp_role"]`` (``column`` | ``row`` | ``vocab`` | ``replicated``).
 """
@@ -17,19 +21,24 @@ from torch import fx
 
 from autoshard.cost_models import ops
 
-_TRANSPARENT_CLASSES = ("attention",)
+_ENDS = ("linear", "loss")  # transfer rules that end a region: a row matmul, the loss
 
 
 def _weighted(node: fx.Node, gm: fx.GraphModule) -> bool:
-    r = ops.rule(node.meta.get("op", ""))
+    r = ops.rule_of(node)
     return r is not None and r.flops == "matmul" and ops.weight_of(node, gm) is not None
 
 
+def _splittable(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """A weighted matmul TP can split: a linear layer (the pass's ``linear`` rule), or experts
+    (priced split; the expert-parallel pass owns them)."""
+    return _weighted(node, gm) and (ops.rule_of(node).tp == "linear" or node.meta.get("op_class") == "experts")
+
+
 def _transparent(node: fx.Node) -> bool:
-    if node.meta.get("op_class") in _TRANSPARENT_CLASSES:
-        return True
-    r = ops.rule(node.meta.get("op", ""))
-    return r is not None and r.tp in ("pointwise", "view") and r.flops != "matmul"
+    """A TP shard passes through ``node``: its row names a transfer rule that carries it on."""
+    r = ops.rule_of(node)
+    return r is not None and r.tp is not None and r.tp not in _ENDS
 
 
 def _explore(start: fx.Node, gm: fx.GraphModule):
@@ -42,9 +51,11 @@ def _explore(start: fx.Node, gm: fx.GraphModule):
         for u in n.users:
             if u in region or u in rows or _metadata_query(u):
                 continue
-            if _weighted(u, gm) and u.meta.get("op_class") != "router":
+            if _weighted(u, gm):
+                if u.meta.get("op_class") == "router" or not _splittable(u, gm):
+                    return region, rows, losses, False
                 rows.append(u)
-            elif u.meta.get("op_class") == "loss":
+            elif ops.rule_of(u) is not None and ops.rule_of(u).tp == "loss":
                 losses.append(u)
             elif u.op != "output" and _transparent(u):
                 region.add(u)
@@ -66,7 +77,7 @@ def annotate(gm: fx.GraphModule) -> None:
             continue
         if not _weighted(n, gm) or "tp_role" in n.meta:
             continue
-        if n.meta.get("op_class") == "router":
+        if n.meta.get("op_class") == "router" or not _splittable(n, gm):
             n.meta["tp_role"] = "replicated"
             continue
         region, rows, losses, ok = _explore(n, gm)
@@ -86,14 +97,16 @@ def annotate(gm: fx.GraphModule) -> None:
 
 
 def _metadata_query(node: fx.Node) -> bool:
-    """``x.size(-1)``, ``x.dtype``: reads no data (the TP pass rewrites the sizes it returns)."""
-    return node.meta.get("op") in ("size", "sym_size", "getattr", "dim", "numel", "_assert_tensor_metadata")
+    """``x.size(-1)``, ``x.dtype``: reads no data (the TP pass rewrites the sizes it returns);
+    an element count is not one (no pass restores it on a shard)."""
+    r = ops.rule_of(node)
+    return r is not None and r.metadata in ("size", "attr")
 
 
 def _from_input(node: fx.Node) -> bool:
     """Does this tensor come straight (through views) from a model input?"""
     while node.op != "placeholder":
-        r = ops.rule(node.meta.get("op", ""))
+        r = ops.rule_of(node)
         if not (r and r.alias) or not node.args or not isinstance(node.args[0], fx.Node):
             return False
         node = node.args[0]
