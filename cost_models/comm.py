@@ -19,8 +19,12 @@ times its ``link_efficiency`` (what NCCL achieves of the nominal rate).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from autoshard.cost_models.hardware import Hardware
+from autoshard.cost_models.memory import GRAD_REDUCE_BYTES
+
+PARAM_GATHER_BYTES = 2  # bf16 parameters
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,73 @@ class Placement:
 
     def link(self, hw: Hardware) -> str:
         return "nvlink" if self.domains(hw) == 1 else "network"
+
+
+@dataclass(frozen=True, eq=False)
+class Where:
+    """How a group of ranks sits on the NVLink domains: a ``Placement`` given by its layout, not
+    its stride, so that it also describes groups that are not one strided axis (dp x cp, the
+    expert groups).
+
+    Made only by ``_grid``, which keeps one object per value: identity equality
+    and hashing are value equality, and cheap (these sit in the search's hottest memo keys)."""
+
+    size: int
+    per_domain: int
+    domains: int
+
+    @classmethod
+    def grid(cls, axes: tuple[tuple[int, int], ...], domain: int, take: int | None = None, every: int = 1) -> Where:
+        """The group spanned by ``axes`` ((size, stride) pairs, innermost first), keeping the
+        first ``take`` ranks, every ``every``-th."""
+        return _grid(axes, domain, take, every)
+
+    @classmethod
+    def best(cls, size: int, hw: Hardware) -> Where:
+        """Consecutive ranks: the fastest any order can give this axis (a lower bound)."""
+        return _grid(((size, 1),), hw.nvlink_domain, None, 1)
+
+    def placement(self) -> Placement:
+        return _placement(self.size, self.per_domain, self.domains)
+
+
+@cache
+def _placement(size: int, per_domain: int, domains: int) -> Placement:
+    return _Laid(size, per_domain, domains)
+
+
+@cache
+def _grid(axes, domain, take, every) -> Where:
+    ranks = [0]
+    for size, stride in axes:
+        ranks = [r + i * stride for i in range(size) for r in ranks]
+    ranks = ranks[::every][:take]
+    counts: dict[int, int] = {}
+    for r in ranks:
+        counts[r // domain] = counts.get(r // domain, 0) + 1
+    value = (len(ranks), max(counts.values()), len(counts))
+    if value not in _WHERE:
+        _WHERE[value] = Where(*value)
+    return _WHERE[value]
+
+
+_WHERE: dict[tuple[int, int, int], Where] = {}  # one object per value
+
+
+class _Laid(Placement):
+    """A Placement with its domain layout given directly."""
+
+    def __init__(self, size: int, per_domain: int, domains: int):
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "stride", 1)
+        object.__setattr__(self, "_m", per_domain)
+        object.__setattr__(self, "_k", domains)
+
+    def per_domain(self, hw: Hardware) -> int:
+        return self._m
+
+    def domains(self, hw: Hardware) -> int:
+        return self._k
 
 
 def _ring(volume: float, steps: int, where: Placement, hw: Hardware) -> float:
@@ -93,3 +164,35 @@ def p2p(nbytes: float, span: int, hw: Hardware) -> float:
     if span < hw.nvlink_domain:
         return nbytes / nvlink + hw.nvlink_latency_us * 1e-6
     return nbytes / network + hw.network_latency_us * 1e-6
+
+
+def data_parallel(
+    params_dense: float, params_expert: float, zero: int, dense: Where, expert: Where, hw: Hardware
+) -> dict:
+    """Per-step data-parallel communication of one GPU holding these parameters, the dense ones
+    reduced over the ``dense`` group (dp x cp) and the routed experts' over ``expert`` (expert
+    data parallelism): ``after_backward`` (gradient reduction), ``before_forward`` (parameter
+    gather), ``per_microbatch`` (ZeRO-2/3's reductions and re-gathers).
+
+    Gradients are all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1) in fp32 once per step;
+    parameters all-gathered in bf16 after the step. ZeRO-2 keeps only a gradient shard, so it
+    reduce-scatters after every micro-batch; ZeRO-3 also re-gathers the parameters for every
+    micro-batch's forward and backward (1.5x the volume per micro-batch)."""
+    out = {"after_backward": 0.0, "before_forward": 0.0, "per_microbatch": 0.0}
+    for params, group in ((params_dense, dense), (params_expert, expert)):
+        if group.size <= 1 or params <= 0:
+            continue
+        place = group.placement()
+        grads = params * GRAD_REDUCE_BYTES
+        weights = params * PARAM_GATHER_BYTES
+        if zero == 0:
+            out["after_backward"] += all_reduce(grads, place, hw)
+        elif zero == 1:  # gradients accumulate unsharded, reduced once
+            out["after_backward"] += reduce_scatter(grads, place, hw)
+            out["before_forward"] += all_gather(weights, place, hw)
+        elif zero == 2:  # only a shard of the gradients is kept: reduce after every micro-batch
+            out["per_microbatch"] += reduce_scatter(grads, place, hw)
+            out["before_forward"] += all_gather(weights, place, hw)
+        else:  # ZeRO-3: parameters re-gathered for forward and backward of every micro-batch
+            out["per_microbatch"] += 2 * all_gather(weights, place, hw) + reduce_scatter(grads, place, hw)
+    return out

@@ -15,7 +15,7 @@ Fields (all per GPU; GB = 1e9 bytes):
 ``matmul_efficiency`` float   optional (default 0.8): best achievable share of peak for large GEMMs
 ``matmul_efficiency_fp8`` float optional (default: matmul_efficiency): the same for FP8 GEMMs
 ``attention_efficiency`` float optional (default 0.5): share of bf16 peak flash attention reaches
-                              on long sequences (shorter ones are slower, see planner.costs)
+                              on long sequences (shorter ones are slower, see cost_models.compute)
 ``sm_count``         int      optional (default 132): streaming multiprocessors, for GEMM wave
                               quantisation (H100/H800/H200 132; DeepSeek-V3 §3.2.2 "20 of 132 SMs")
 ``link_efficiency``  float    optional (default 0.8): share of nvlink_gbps / network_gbps collectives

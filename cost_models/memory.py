@@ -7,8 +7,11 @@ well, ZeRO-3 the weights too.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 WEIGHT_BYTES = 2
 GRAD_BYTES = 2
+GRAD_REDUCE_BYTES = 4  # fp32 gradients: how autoshard's programs accumulate and reduce them
 OPTIMIZER_BYTES = 12  # fp32 master copy + Adam m + Adam v
 BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
 
@@ -27,3 +30,13 @@ def model_state_bytes(params: float, zero: int = 0, dp: int = 1, grad_bytes: int
     }
     out["total"] = sum(out.values())
     return out
+
+
+@lru_cache(maxsize=65536)
+def sharded_state_bytes(params_dense: float, params_expert: float, zero: int, dpcp: int, ep: int) -> dict[str, float]:
+    """Model states per GPU holding ``params_dense`` dense and ``params_expert`` routed-expert
+    parameters, with fp32 gradients: ZeRO shards the dense ones over the ``dpcp`` data x context
+    parallel ranks and the experts over their expert-data-parallel ranks (``dpcp / ep``)."""
+    dense = model_state_bytes(params_dense, zero, dpcp, GRAD_REDUCE_BYTES)
+    expert = model_state_bytes(params_expert, zero, max(1, dpcp // ep), GRAD_REDUCE_BYTES)
+    return {k: dense[k] + expert[k] for k in dense}

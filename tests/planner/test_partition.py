@@ -6,7 +6,7 @@ import random
 import pytest
 
 from autoshard.planner import partition
-from autoshard.planner.costs import ScheduleShape
+from autoshard.runtime.schedules import SCHEDULES
 
 
 def _quantities(kinds: int, rng: random.Random, capacity: float = 1e12) -> partition.Quantities:
@@ -76,8 +76,8 @@ def test_all_alike_layers_match_brute_force(seed, shape_name, v):
     rng = random.Random(seed)
     q = _quantities(1, rng, capacity=rng.uniform(2e9, 8e9))
     pp, m, layers = 3, 4, 7
-    shape = ScheduleShape(shape_name, v)
-    flight = [shape.in_flight(r, pp, m) for r in range(pp)]
+    shape = SCHEDULES[shape_name]
+    flight = [shape.in_flight(r, pp, m, v) for r in range(pp)]
     got = partition.solve([0] * layers, q, pp, v, lambda c: shape.chunk_rank(c, pp), flight, m)
     want = brute_force([0] * layers, q, pp, v, shape, flight, m)
     if want is None:
@@ -94,8 +94,8 @@ def test_mixed_layers_match_brute_force(seed, kinds):
     rng = random.Random(100 + seed)
     q = _quantities(2, rng, capacity=rng.uniform(3e9, 8e9))
     pp, v, m = 2, 2, 3
-    shape = ScheduleShape("interleaved", v)
-    flight = [shape.in_flight(r, pp, m) for r in range(pp)]
+    shape = SCHEDULES["interleaved"]
+    flight = [shape.in_flight(r, pp, m, v) for r in range(pp)]
     got = partition.solve(kinds, q, pp, v, lambda c: shape.chunk_rank(c, pp), flight, m)
     want = brute_force(kinds, q, pp, v, shape, flight, m)
     if want is None:

@@ -11,8 +11,8 @@ import pytest
 
 from autoshard.cost_models import hardware
 from autoshard.planner import Problem
-from autoshard.planner.candidates import divisors, meshes, orders, recompute_options, runnable, schedules
-from autoshard.planner.search import Candidate, Planner
+from autoshard.planner.candidates import Candidate, divisors, meshes, orders, recompute_options, runnable, schedules
+from autoshard.planner.search import Planner
 
 from conftest import captured
 
@@ -46,7 +46,7 @@ def test_search_finds_the_exhaustive_optimum(name, gpus, batch, hw):
     _, cost = captured(name, "tiny", 64)
     profile = _profile(**hw) if isinstance(hw, dict) else hardware.load(hw)
     problem = Problem(cost, profile, gpus, 64, batch)
-    planner = Planner(problem, alternatives=1)
+    tree = Planner(problem, alternatives=1).tree
     best, fits = math.inf, 0
     for tp, pp, cp, ep, dp in meshes(problem):
         for mbs in divisors(problem.global_batch // dp):
@@ -54,13 +54,13 @@ def test_search_finds_the_exhaustive_optimum(name, gpus, batch, hw):
             for attn in ["flash"] if cp == 1 else ["ring", "allgather-kv"]:
                 root = Candidate(tp, pp, cp, ep, dp, mbs, False, attn, frozenset())
                 for rc, (sched, v), z in itertools.product(
-                    recompute_options(problem), schedules(problem, pp, m), planner.zero_options(root)
+                    recompute_options(problem), schedules(problem, pp, m), tree.costs.zero_options(root)
                 ):
-                    if not runnable(sched, pp, rc, planner.model_categories, z, dp * cp):
+                    if not runnable(sched, pp, rc, tree.costs.model_categories, z, dp * cp):
                         continue
                     for order in orders(root, problem):
                         leaf = replace(root, recompute=rc, schedule=sched, v=v, zero=z, order=order)
-                        ev = planner.evaluate(leaf)
+                        ev = tree.evaluator.evaluate(leaf)
                         if ev.feasible:
                             best = min(best, ev.step_time_s)
                             fits += 1
@@ -122,12 +122,12 @@ def test_family_floor_bounds_every_root_of_the_family(name, config, seq, hw, gpu
     most the root bound of every (pipeline depth, micro-batch size) in it, or the optimum is lost."""
     _, cost = captured(name, config, seq)
     profile = _profile(**hw) if isinstance(hw, dict) else hardware.load(hw)
-    planner = Planner(Problem(cost, profile, gpus, seq, batch, "auto"), alternatives=1)
+    tree = Planner(Problem(cost, profile, gpus, seq, batch, "auto"), alternatives=1).tree
     checked = 0
-    for family, splits in planner.families().items():
-        floor = planner.family_floor(family)
-        for root in planner.roots(family, splits):
-            quick = planner.quick_bound(root)
+    for family, splits in tree.families().items():
+        floor = tree.bounds.family_floor(family)
+        for root in tree.roots(family, splits):
+            quick = tree.bounds.quick_bound(root)
             if quick < math.inf:
                 assert floor <= quick * (1 + 1e-12), (family, root)
                 checked += 1
@@ -156,7 +156,7 @@ _PARENT: list[int] = []
 def _dies_in_the_helper(planner, part):
     if os.getpid() != _PARENT[0]:
         os._exit(1)
-    return planner._branch_and_bound(part)
+    return planner.tree.branch_and_bound(part)
 
 
 def test_a_helper_process_that_dies_costs_time_not_the_plan(monkeypatch):

@@ -1,0 +1,327 @@
+"""Lower bounds on the step time of every plan below a node of the search tree.
+
+Choices not yet made are minimised over where that is cheap (schedule, ZeRO stage) and relaxed
+where it is not:
+
+- before the axis order is fixed, every axis is priced at the fastest placement any order can
+  give it (its ranks consecutive);
+- until the recompute set is chosen: nothing recomputed for time, everything for memory;
+- until the schedule is chosen: the cheapest over the schedules of each one's fill/drain and EP
+  exposure (only a schedule that overlaps it hides the all-to-all); once the recompute set is
+  known, only over the schedules it runs with and fits under, before, for memory, the fewest
+  in-flight micro-batches any schedule keeps on each rank;
+- until the ZeRO stage is chosen: for memory, the least of the highest stage (smallest model
+  states) and the highest below ZeRO-3 (whose gathered layers add buffers);
+- the slowest rank is at least the average rank, and, once the schedule is known, at least what
+  whole layers allow under every rank's memory limit (``tmax_bound``);
+- exposed data-parallel time on the busiest rank is at least its average over ranks;
+- a memory lower bound (``memory_bound``) prunes nodes that cannot fit.
+
+Above the roots, ``family_floor`` bounds every root of a family at once, per sequence. Each bound
+is proved by the exhaustive-enumeration tests (``tests/planner/test_search.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from autoshard.cost_models.comm import data_parallel
+from autoshard.cost_models.layers import POST
+from autoshard.planner.candidates import Candidate, runnable
+from autoshard.planner.costs import CandidateCosts, Work
+from autoshard.runtime.schedules import SCHEDULES, Schedule
+
+
+def _least_memory_stages(zeros: tuple[int, ...]) -> tuple[int, ...]:
+    """The ZeRO stages among ``zeros`` that can need the least memory: model states shrink as the
+    stage rises and buffers are the same below ZeRO-3, whose gathered layers add to them; so the
+    highest stage, and the highest one below 3."""
+    below = [z for z in zeros if z < 3]
+    return tuple({max(zeros), *(below and [max(below)])})
+
+
+def _ends(schedule: Schedule, v: int, pp: int) -> tuple[int, int]:
+    """The ranks holding the first and the last chunk (embedding and head)."""
+    return schedule.chunk_rank(0, pp), schedule.chunk_rank(pp * v - 1, pp)
+
+
+class Bounds:
+    def __init__(self, costs: CandidateCosts):
+        self.costs = costs
+        self.p = costs.p
+        self.memo = costs.memo
+
+    def bound(self, c: Candidate, level: int) -> float:
+        """Lower bound on the step time of any plan below this node (inf: none can fit).
+
+        Levels: 0 root, 1 axis order, 2 recompute set, 3 schedule, 4 ZeRO stage."""
+        costs = self.costs
+        usable = self.p.hw.usable_bytes
+        m = costs.microbatches(c)
+        where_key, where = costs.where(c, level >= 1)
+        zeros = (c.zero,) if level >= 4 else tuple(costs.zero_options(c))
+        if level < 3:
+            # Overlapping EP traffic (as DualPipeV does) only ever lowers a layer's time, so the
+            # overlapped costs bound every schedule from below.
+            shapes, least = costs.schedule_shapes(c.pp, m)
+            if not shapes:
+                return math.inf
+            # memory first: it needs only the activations, not the layers' times
+            w0 = costs.work(c, where_key, where, True, frozenset())
+            rc = c.recompute if level >= 2 else costs.all_categories
+            if self.memory_bound(c, zeros, w0, least, rc) > usable:
+                return math.inf
+            works = {True: w0 if level < 2 else costs.work(c, where_key, where, True)}
+            if c.ep > 1 and any(not sched.overlaps_ep for sched, _, _ in shapes):
+                # schedules that do not overlap the all-to-all pay it in full
+                works[False] = costs.work(c, where_key, where, False, None if level >= 2 else frozenset())
+            else:
+                works[False] = works[True]
+            if level == 2:  # only the schedules this recompute set runs with, and fits under
+                shapes = [
+                    (sched, v, flight)
+                    for sched, v, flight in shapes
+                    if runnable(sched.name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp)
+                    and self.memory_bound(c, zeros, w0, flight, rc) <= usable
+                ]
+                if not shapes:
+                    return math.inf
+        else:
+            overlap = SCHEDULES[c.schedule].overlaps_ep
+            works = {overlap: costs.work(c, where_key, where, overlap)}
+        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros for w in works.values())
+        if level < 3:
+            # schedule still open: the cheapest fill/drain over schedules, the average rank, and a
+            # memory test with the fewest in-flight micro-batches any schedule has on each rank
+            key = (tuple(id(w) for w in works.values()), c.pp, m, level == 2)
+            best = self.memo.open_schedule.get(key)
+            if best is None:
+                best = math.inf
+                for sched, v, _ in shapes:
+                    w, overlap = works[sched.overlaps_ep], sched.overlaps_ep
+                    bubble = sched.bubble(c.pp, m, v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
+                    t_max = max(w.total / c.pp, w.pre.time(overlap), w.post.time(overlap))
+                    best = min(best, m * t_max + bubble)
+                self.memo.open_schedule[key] = best
+            return best + dp
+        sched = SCHEDULES[c.schedule]
+        w = works[sched.overlaps_ep]
+        m_flight = costs.in_flight(sched, c.v, c.pp, m)
+        bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
+        if self.memory_bound(c, zeros, w, m_flight) > usable:
+            return math.inf
+        t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep)
+        if t_max == math.inf:
+            return math.inf
+        return m * t_max + bubble + dp
+
+    def may_fit(self, c: Candidate, level: int) -> bool:
+        """The memory test of ``bound`` alone, for a node just made at ``level`` 2 (recompute set
+        chosen) or 3 (schedule chosen): children that fail it are never queued."""
+        costs = self.costs
+        m = costs.microbatches(c)
+        where_key, where = costs.where(c, True)
+        zeros = tuple(costs.zero_options(c))
+        w0 = costs.work(c, where_key, where, True, frozenset())
+        if level == 3:
+            flight = costs.in_flight(SCHEDULES[c.schedule], c.v, c.pp, m)
+        else:
+            flight = costs.schedule_shapes(c.pp, m)[1]
+        return self.memory_bound(c, zeros, w0, flight, c.recompute) <= self.p.hw.usable_bytes
+
+    def quick_bound(self, c: Candidate) -> float:
+        """A cheap root bound: compute and TP/CP/EP traffic at their best placements (EP hidden as
+        far as compute can hide it, the hidden traffic slowing compute), nothing recomputed, a
+        perfect split over the pipeline ranks, the smallest fill/drain of any schedule (from
+        compute alone); and a memory test that every rank keeps at least its share of the
+        layers' inputs, everything else recomputed, and the head's rank its loss tensors."""
+        costs = self.costs
+        key = (c.tp, c.cp, c.ep, c.mbs, c.fp8, c.attention)
+        quick = self.memo.quick
+        if key not in quick:
+            where = costs.where(c, False)[1]
+            every = costs.all_categories
+            compute = least = fs = bs = ws = 0.0
+            for block, n in zip(costs.blocks, costs.block_counts):
+                layer = costs.layer(block, c, where)  # c is a root: nothing recomputed
+                compute += n * layer.time(True)
+                fs, bs, ws = fs + n * layer.f, bs + n * layer.b, ws + n * layer.w
+                least += n * costs.layers.activation(block, c.mbs, c.tp, c.cp, every)
+            post_act = costs.layers.activation(POST, c.mbs, c.tp, c.cp, every)
+            quick[key] = (compute, least, post_act, fs, bs, ws)
+        compute, least, post_act, fs, bs, ws = quick[key]
+        if least / c.pp > self.p.hw.usable_bytes or post_act > self.p.hw.usable_bytes:
+            return math.inf
+        m = costs.microbatches(c)
+        shapes = self.least_bubble(c.pp, m)
+        if not shapes:
+            return math.inf
+        bubble = min(sched.bubble(c.pp, m, v, fs / c.pp, bs / c.pp, ws / c.pp) for sched, v in shapes)
+        return m * compute / c.pp + bubble
+
+    def least_bubble(self, pp: int, m: int) -> list[tuple[Schedule, int]]:
+        """Per schedule, its valid virtual-stage count with the least bubble: the most (a bubble
+        shrinks as v grows)."""
+        key = (pp, m)
+        table = self.memo.least_bubble
+        if key not in table:
+            best: dict[str, tuple[Schedule, int]] = {}
+            for sched, v, _ in self.costs.schedule_shapes(pp, m)[0]:
+                if sched.name not in best or v > best[sched.name][1]:
+                    best[sched.name] = (sched, v)
+            table[key] = list(best.values())
+        return table[key]
+
+    def family_floor(self, family: tuple) -> float:
+        """A lower bound on ``quick_bound`` of every root in ``family``, whatever its pipeline
+        depth and micro-batch size.
+
+        ``quick_bound`` is m x (per-micro-batch time) / pp plus a bubble >= 0, and m x mbs x pp x dp
+        = global batch x tp x cp / gpus, so per-sequence time bounds it. Per block that time is
+        max(C, E) + s x min(C, E) + T + [exposed + s x hidden] of the backward re-gather, the
+        gradient reduce-scatter and the CP traffic (C compute, E all-to-all, T forward TP traffic,
+        s the overlap slowdown). Each bracket is at least min(s, 1) x its traffic, and the whole is
+        nondecreasing in C, E, T and the traffic, so the floor costs (``LayerCosts(floor=True)``,
+        proportional to mbs and below the real ones) evaluated at one sequence bound it."""
+        tp, cp, ep, fp8, attn = family
+        c = Candidate(tp, 1, cp, ep, 1, 1, fp8, attn, frozenset())
+        where = self.costs.where(c, False)[1]
+        floor = self.costs.floor
+        s = self.p.hw.overlap_slowdown
+        total = 0.0
+        for block, n in zip(self.costs.blocks, self.costs.block_counts):
+            f, b, w, _, _, _, _ = floor.compute(block, 1, tp, cp, fp8, frozenset(), ep)
+            t_tp, (regather, scatter), (_, cp_total), t_ep, _ = floor.comm(
+                block, 1, tp, cp, ep, attn, fp8, where["tp"], where["cp"], where["ep"]
+            )
+            compute = f + b + w
+            total += n * (
+                max(compute, t_ep) + s * min(compute, t_ep) + t_tp + min(s, 1.0) * (regather + scatter + cp_total)
+            )
+        return self.p.global_batch * tp * cp / self.p.gpus * total
+
+    def dp_bound(self, c: Candidate, zero: int, w: Work, where_key, where, m: int) -> float:
+        """Data-parallel time exposed on the busiest rank is at least its average over ranks."""
+        key = (id(w), zero, where_key, m)
+        table = self.memo.dp_bound
+        if key not in table:
+            # the traffic depends on the parameters only, not on what is recomputed
+            traffic_key = (c.tp, c.pp, c.cp, c.ep, c.dp, zero, where_key)
+            traffic = self.memo.dp_traffic
+            if traffic_key not in traffic:
+                hw, dense, expert = self.p.hw, where["dpcp"], where["edp"]
+                d = data_parallel(w.params_dense, w.params_expert, zero, dense, expert, hw)
+                micro = 0.0
+                if d["per_microbatch"] > 0:  # ZeRO-2/3 collectives run layer by layer, latency each
+                    blocks = [(n, k) for n, k in zip(self.costs.kind_counts, w.kinds)] + [(1, w.pre), (1, w.post)]
+                    micro = sum(
+                        n * data_parallel(k.params_dense, k.params_expert, zero, dense, expert, hw)["per_microbatch"]
+                        for n, k in blocks
+                    )
+                traffic[traffic_key] = (d["after_backward"], d["before_forward"], micro)
+            after, before, micro = traffic[traffic_key]
+            avg = max(0.0, after - w.b - w.w) + max(0.0, before - w.f)
+            if micro > 0:
+                avg += m * max(0.0, micro - w.total)
+            table[key] = avg / c.pp
+        return table[key]
+
+    def memory_bound(
+        self, c: Candidate, zeros: tuple[int, ...], w: Work, in_flight: tuple, recompute: frozenset | None = None
+    ) -> float:
+        """A lower bound on the busiest rank's memory over every stage partition and every ZeRO
+        stage in ``zeros``, with ``w``'s activations or, given ``recompute``, the activations that
+        recompute set keeps (model states and buffers do not depend on it)."""
+        return min(self._memory_bound(c, z, w, in_flight, recompute) for z in _least_memory_stages(zeros))
+
+    def _memory_bound(self, c: Candidate, zero: int, w: Work, in_flight: tuple, recompute: frozenset | None) -> float:
+        """``memory_bound`` at one ZeRO stage.
+
+        For weights l_r >= 0 summing to one, max_r mem_r >= sum_r l_r mem_r, and the right side
+        is smallest when each layer sits on the rank where l_r x (its memory there) is least. The
+        weights are the ones that would balance identical average layers exactly."""
+        # memory does not depend on the axis order, so neither does the key; the in-flight
+        # tuples are memoised (``in_flight``, ``schedule_shapes``), so their identity names them
+        rc = w.recompute if recompute is None else recompute
+        layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, zero)
+        key = (*layout, id(in_flight))
+        value = self.memo.memory.get(key)
+        if value is not None:
+            return value
+        profile = self.memo.memory_layout.get(layout)
+        if profile is None:  # the per-layer memory, shared by every schedule's in-flight counts
+            costs = self.costs
+            per, pre, post = costs.states(c, w, zero)
+            if recompute is None:
+                acts = [k.activation_bytes for k in w.kinds] + [w.pre.activation_bytes, w.post.activation_bytes]
+            else:
+                acts = [costs.layers.activation(b, c.mbs, c.tp, c.cp, recompute) for b in costs.blocks]
+            items = [(n, a, st) for n, a, st in zip(costs.kind_counts, acts, per)]
+            items += [(1, acts[-2], pre), (1, acts[-1], post)]
+            layers = sum(n for n, _, _ in items)
+            act_avg = sum(n * a for n, a, _ in items) / layers
+            st_avg = sum(n * st for n, _, st in items) / layers
+            profile = self.memo.memory_layout[layout] = (items, act_avg, st_avg, costs.buffers(c, w, zero)[0])
+        items, act_avg, st_avg, buffers = profile
+        total = sum(1.0 / max(act_avg * i + st_avg, 1e-9) for i in in_flight)
+        # l_r x (a i_r + st) = (a i_r + st) / (act_avg i_r + st_avg) / total is monotone in i_r
+        # (a ratio of linear functions), so its least over the ranks is at the fewest or the most
+        # in-flight micro-batches
+        ends = (min(in_flight), max(in_flight))
+        bound = sum(n * min((a * i + st) / max(act_avg * i + st_avg, 1e-9) for i in ends) / total for n, a, st in items)
+        value = bound + buffers
+        self.memo.memory[key] = value
+        return value
+
+    def tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zeros: tuple, in_flight, overlap) -> float:
+        """Lower bound on the slowest rank's time per micro-batch over all partitions and every
+        ZeRO stage in ``zeros``, with whole layers and each rank's memory limit (inf when no split
+        fits), the embedding on rank ``ends[0]`` and the head on ``ends[1]``."""
+        return min(self._tmax_bound(c, w, ends, z, in_flight, overlap) for z in _least_memory_stages(zeros))
+
+    def _tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap) -> float:
+        """``tmax_bound`` at one ZeRO stage. Every layer is given the smallest time and memory of
+        any layer kind, and the embedding/head time is rounded down to whole layers, which can
+        only lower the bound. ``in_flight`` is a memoised tuple (its identity keys the memo)."""
+        key = (id(w), zero, ends, id(in_flight), overlap)
+        table = self.memo.tmax
+        if key in table:
+            return table[key]
+        per, pre_state, post_state = self.costs.states(c, w, zero)
+        buffers, post_buffers = self.costs.buffers(c, w, zero)
+        layers = self.p.num_layers
+        first, last = ends
+        t_min = min(k.time(overlap) for k in w.kinds)
+        a_min = min(k.activation_bytes for k in w.kinds)
+        s_min = min(per)
+        caps, lead = [], []
+        value = None
+        for r in range(c.pp):
+            fixed, t_fixed = buffers, 0.0
+            if r == first:
+                fixed += w.pre.activation_bytes * in_flight[r] + pre_state
+                t_fixed += w.pre.time(overlap)
+            if r == last:
+                fixed += w.post.activation_bytes * in_flight[r] + post_state + post_buffers
+                t_fixed += w.post.time(overlap)
+            room = self.p.hw.usable_bytes - fixed
+            if room < 0:
+                value = math.inf
+                break
+            unit = a_min * in_flight[r] + s_min
+            caps.append(layers if unit <= 0 else min(layers, int(room // unit)))
+            lead.append(int(t_fixed // t_min) if t_min > 0 else 0)
+        if value is None:
+            if sum(caps) < layers:
+                value = math.inf
+            else:
+                lo, hi = 0, layers + max(lead)
+                while lo < hi:  # least k with sum_r min(cap_r, k - lead_r) >= layers
+                    mid = (lo + hi) // 2
+                    if sum(min(cap, max(0, mid - d)) for cap, d in zip(caps, lead)) >= layers:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                value = max(w.total / c.pp, lo * t_min, w.pre.time(overlap), w.post.time(overlap))
+        table[key] = value
+        return value

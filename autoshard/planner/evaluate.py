@@ -1,0 +1,204 @@
+"""Exact evaluation of a fully specified candidate: its stage partition (CP-SAT, ``partition``),
+step time, MFU, and the time and memory breakdowns a plan reports."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autoshard.cost_models.comm import Where, data_parallel
+from autoshard.cost_models.hardware import Hardware
+from autoshard.cost_models.layers import LayerCost
+from autoshard.cost_models.memory import sharded_state_bytes
+from autoshard.planner import partition
+from autoshard.planner.candidates import Candidate
+from autoshard.planner.costs import CandidateCosts, Work
+from autoshard.runtime.schedules import SCHEDULES, Schedule
+
+
+@dataclass
+class Evaluation:
+    """A fully specified plan and what the cost model predicts for it."""
+
+    candidate: Candidate
+    feasible: bool
+    step_time_s: float = math.inf
+    stage_layers: list[int] = field(default_factory=list)
+    breakdown: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)  # the busiest rank
+    memory_ranks: list[float] = field(default_factory=list)
+    mfu: float = 0.0
+    reason: str = ""  # why infeasible
+    optimal: bool = True
+
+
+def _dp_linear(layer: LayerCost, zero: int, where: dict[str, Where], hw: Hardware) -> tuple[float, float, float]:
+    """Data-parallel seconds for this layer's parameters. Gradient reduction and parameter
+    gathering once per step are bucketed over the whole stage (their latency is paid once, in
+    ``_latency``); ZeRO-2/3 per-micro-batch collectives run per layer, latency included."""
+    dense, expert = where["dpcp"], where["edp"]
+    full = data_parallel(layer.params_dense, layer.params_expert, zero, dense, expert, hw)
+    tiny = data_parallel(1e-9, 1e-9 if layer.params_expert else 0, zero, dense, expert, hw)
+    return (
+        max(0.0, full["after_backward"] - tiny["after_backward"]),
+        max(0.0, full["before_forward"] - tiny["before_forward"]),
+        full["per_microbatch"],
+    )
+
+
+def _latency(zero: int, where: dict[str, Where], hw: Hardware, w: Work) -> tuple[float, float, float]:
+    """Latency of the once-per-step data-parallel collectives (independent of their size): after
+    the backward and before the forward; per-micro-batch ones carry theirs per layer."""
+    tiny = data_parallel(1e-9, 1e-9 if w.params_expert else 0, zero, where["dpcp"], where["edp"], hw)
+    return tiny["after_backward"], tiny["before_forward"], 0.0
+
+
+class Evaluator:
+    def __init__(self, costs: CandidateCosts):
+        self.costs = costs
+        self.p = costs.p
+        self.model_flops = 3 * self.p.cost.flops_forward(1, self.p.seq) * self.p.global_batch
+
+    def evaluate(self, c: Candidate, fixed_stages: tuple[int, ...] | None = None) -> Evaluation:
+        costs, hw = self.costs, self.p.hw
+        m = costs.microbatches(c)
+        where_key, where = costs.where(c, True)
+        sched = SCHEDULES[c.schedule]
+        overlap = sched.overlaps_ep
+        w = costs.work(c, where_key, where, overlap)
+        per_state, pre_state, post_state = costs.states(c, w, c.zero)
+
+        def entry(layer: LayerCost, state: float) -> dict:
+            after, before, micro = _dp_linear(layer, c.zero, where, hw)
+            return {
+                "time": layer.time(overlap),
+                "fwd": layer.f,
+                "bwd": layer.b + layer.w,
+                "act": layer.activation_bytes,
+                "state": state,
+                "dp_time": after,
+                "dp_gather": before,
+                "dp_micro": micro,
+            }
+
+        entries = [entry(k, st) for k, st in zip(w.kinds, per_state)]
+        buffers, post_buffers = costs.buffers(c, w, c.zero)
+        q = partition.Quantities(
+            time=[e["time"] for e in entries],
+            fwd=[e["fwd"] for e in entries],
+            bwd=[e["bwd"] for e in entries],
+            act=[e["act"] for e in entries],
+            state=[e["state"] for e in entries],
+            dp_time=[e["dp_time"] for e in entries],
+            dp_gather=[e["dp_gather"] for e in entries],
+            dp_micro=[e["dp_micro"] for e in entries],
+            pre=entry(w.pre, pre_state),
+            post=entry(w.post, post_state),
+            p2p=0.0,  # pipeline sends overlap compute in the steady state; fill/drain counts them
+            dp_latency=_latency(c.zero, where, hw, w),
+            buffers=buffers,
+            post_buffers=post_buffers,
+            capacity=hw.usable_bytes,
+        )
+        in_flight = list(costs.in_flight(sched, c.v, c.pp, m))
+        part = partition.solve(
+            costs.kinds, q, c.pp, c.v, lambda ch: sched.chunk_rank(ch, c.pp), in_flight, m, fixed_stages
+        )
+        if part is None:
+            acts = sum(n * k.activation_bytes for n, k in zip(costs.kind_counts, w.kinds))
+            states = sum(n * s for n, s in zip(costs.kind_counts, per_state)) + pre_state + post_state
+            need = (acts * max(in_flight) + states) / c.pp + buffers
+            return Evaluation(
+                c,
+                False,
+                reason=f"does not fit: needs about {need / 1e9:.0f} GB per GPU, {hw.usable_bytes / 1e9:.0f} GB usable",
+            )
+        bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
+        breakdown = self._breakdown(c, sched, w, part, bubble, m, where)
+        # pipeline sends and data-parallel traffic hidden behind compute slow that compute down
+        # (the layers' hidden TP/CP/EP traffic is already in their times)
+        hidden = sum(breakdown["comm_s"][a]["total"] - breakdown["comm_s"][a]["exposed"] for a in ("pp", "dp"))
+        step = m * part.t_max + bubble + part.dp_exposed + hw.overlap_slowdown * max(0.0, hidden)
+        breakdown["overlap_s"] += hw.overlap_slowdown * max(0.0, hidden)
+        ev = Evaluation(c, True, step, part.stage_layers, optimal=part.optimal)
+        ev.memory_ranks = part.memory
+        ev.breakdown = breakdown
+        ev.memory = self._memory_breakdown(c, sched, part, in_flight, w)
+        ev.mfu = self.model_flops / (step * self.p.gpus * hw.peak_flops("bf16"))
+        return ev
+
+    def _breakdown(self, c: Candidate, sched: Schedule, w: Work, part, bubble: float, m: int, where) -> dict:
+        counts = self.costs.kind_counts
+        overlap = sched.overlaps_ep
+
+        def per_rank(attr):
+            tot = (
+                sum(n * getattr(k, attr) for n, k in zip(counts, w.kinds))
+                + getattr(w.pre, attr)
+                + getattr(w.post, attr)
+            )
+            return m * tot / c.pp
+
+        ep_total = per_rank("ep")
+        ep_exposed = ep_total
+        if overlap:
+            ep_exposed -= m * sum(n * min(k.ep, k.compute) for n, k in zip(counts, w.kinds)) / c.pp
+        pp_total = m * c.v * w.p2p if c.pp > 1 else 0.0
+        sends = c.v * w.p2p / 2 if c.pp > 1 else 0.0
+        pp_exposed = bubble - sched.bubble(c.pp, m, c.v, w.f / c.pp - sends, w.b / c.pp - sends, w.w / c.pp)
+        d = data_parallel(w.params_dense / c.pp, w.params_expert / c.pp, c.zero, where["dpcp"], where["edp"], self.p.hw)
+        dp_total = d["after_backward"] + d["before_forward"] + m * d["per_microbatch"]
+        layers_overlap = (
+            m
+            * (
+                sum(n * k.interference(overlap) for n, k in zip(counts, w.kinds))
+                + w.pre.interference(overlap)
+                + w.post.interference(overlap)
+            )
+            / c.pp
+        )
+        return {
+            "compute_s": per_rank("f") + per_rank("b") + per_rank("w"),
+            "overlap_s": layers_overlap,
+            "recompute_s": per_rank("recompute"),
+            "bubble_s": bubble,
+            "imbalance_s": m * part.t_max - m * w.total / c.pp,
+            "comm_s": {
+                "tp": {"total": per_rank("tp_total"), "exposed": per_rank("tp")},
+                "cp": {"total": per_rank("cp_total"), "exposed": per_rank("cp")},
+                "ep": {"total": ep_total, "exposed": ep_exposed},
+                "pp": {"total": pp_total, "exposed": max(0.0, pp_exposed)},
+                "dp": {"total": dp_total, "exposed": part.dp_exposed},
+            },
+            "links": {a: ("nvlink" if where[a].domains == 1 else "network") for a in ("tp", "cp", "pp", "ep", "dpcp")},
+        }
+
+    def _memory_breakdown(self, c: Candidate, sched: Schedule, part, in_flight, w: Work) -> dict:
+        worst = max(range(len(part.memory)), key=lambda r: part.memory[r])
+        cuts = [0]
+        for n in part.stage_layers:
+            cuts.append(cuts[-1] + n)
+        chunks = len(part.stage_layers)
+        dense = expert = act = 0.0
+        for ch in range(chunks):
+            if sched.chunk_rank(ch, c.pp) != worst:
+                continue
+            for layer in range(cuts[ch], cuts[ch + 1]):
+                k = w.kinds[self.costs.kinds[layer]]
+                dense, expert, act = dense + k.params_dense, expert + k.params_expert, act + k.activation_bytes
+            for extra, here in ((w.pre, ch == 0), (w.post, ch == chunks - 1)):
+                if here:
+                    dense += extra.params_dense
+                    expert += extra.params_expert
+                    act += extra.activation_bytes
+        states = sharded_state_bytes(dense, expert, c.zero, c.dp * c.cp, c.ep)
+        activations = act * in_flight[worst]
+        return {
+            "rank": worst,
+            "params": states["params"],
+            "grads": states["grads"],
+            "optimizer": states["optimizer"],
+            "activations": activations,
+            "buffers": max(0.0, part.memory[worst] - states["total"] - activations),
+            "total": part.memory[worst],
+        }

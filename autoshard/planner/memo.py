@@ -1,0 +1,50 @@
+"""The search's memo tables: one named table per kind of quantity, each saying what its key is.
+
+One ``Memo`` serves a problem's whole search: the per-mesh searches for the alternatives share it
+(their pins differ only in the mesh, which every key names), and the forked helper process
+inherits it. Some keys name a memoised object by ``id``: a ``Work`` (from ``work``) or an
+in-flight tuple (from ``in_flight`` or ``schedule_shapes``); those objects live as long as the
+memo does, so their ids are never reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _table() -> dict:
+    return field(default_factory=dict)
+
+
+@dataclass
+class Memo:
+    places: dict = _table()
+    """(tp, pp, cp, ep, dp, axis order or None for the best case) -> (layout key, {axis: Where})."""
+    work: dict = _table()
+    """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, layout key, EP overlapped) -> Work."""
+    in_flight: dict = _table()
+    """(schedule, v, pp, micro-batches) -> per-rank micro-batches in flight (a tuple)."""
+    schedule_shapes: dict = _table()
+    """(pp, micro-batches) -> ([(schedule row, v, in-flight tuple)], per-rank least in flight)."""
+    least_bubble: dict = _table()
+    """(pp, micro-batches) -> [(schedule row, v)], each schedule with its most virtual stages."""
+    quick: dict = _table()
+    """(tp, cp, ep, mbs, fp8, attention) -> the sums ``quick_bound`` needs: (time, least
+    activation bytes, head's activation bytes, forward, input-gradient, weight-gradient time)."""
+    open_schedule: dict = _table()
+    """(ids of the Works by EP overlap, pp, micro-batches, recompute set chosen) -> the least
+    m x t_max + bubble over the schedules still open."""
+    dp_traffic: dict = _table()
+    """(tp, pp, cp, ep, dp, zero, layout key) -> data-parallel seconds (after backward, before
+    forward, per micro-batch) of all the layers."""
+    dp_bound: dict = _table()
+    """(id(Work), zero, layout key, micro-batches) -> the exposed data-parallel bound."""
+    memory_layout: dict = _table()
+    """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, zero) -> (per-block (count,
+    activation bytes, state bytes), their averages, buffers): the memory bound's profile."""
+    memory: dict = _table()
+    """``memory_layout`` key + (id(in-flight tuple),) -> the memory lower bound."""
+    tmax: dict = _table()
+    """(id(Work), zero, (first, last) rank, id(in-flight tuple), EP overlapped) -> the t_max bound."""
+    recompute_keep: dict = _table()
+    """(mbs, tp, cp, fp8) -> the recompute sets not dominated in (time, memory) by another."""

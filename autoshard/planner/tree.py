@@ -1,0 +1,167 @@
+"""The search tree and its best-first branch and bound.
+
+The tree: family (TP, CP, EP, FP8, attention variant) -> root (pipeline depth and DP, micro-batch
+size) -> axis order -> recompute set -> pipeline schedule and virtual stages -> ZeRO stage -> stage
+partition (CP-SAT, ``partition.py``). A family's roots are made only when its floor (a per-sequence
+bound, ``Bounds.family_floor``) reaches the top of the heap: most families never do.
+Every node carries a lower bound on the step time of every plan below it (``bounds.py``).
+
+Nodes are expanded best bound first (deepest first among equal bounds); a node's own bound is
+computed lazily, when it reaches the top of the heap. A search over a share of the families stops
+when the best bound left cannot beat its best plan, so it returns the optimum of its share for the
+cost model.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import replace
+
+from autoshard.cost_models.layers import POST
+from autoshard.planner.bounds import Bounds
+from autoshard.planner.candidates import Candidate, divisors, family_options, meshes, orders, runnable, schedules
+from autoshard.planner.costs import CandidateCosts
+from autoshard.planner.evaluate import Evaluation, Evaluator
+
+LEVELS = 5  # root, axis order, recompute set, schedule, ZeRO stage; leaves below
+
+
+class Tree:
+    """One problem's search tree: its nodes, their bounds (``bounds``) and the exact evaluation of
+    its leaves (``evaluator``), all over one set of memoised ``costs``."""
+
+    def __init__(self, costs: CandidateCosts):
+        self.costs = costs
+        self.p = costs.p
+        self.bounds = Bounds(costs)
+        self.evaluator = Evaluator(costs)
+
+    def families(self) -> dict[tuple, list[tuple[int, int]]]:
+        """The roots grouped by (tp, cp, ep, fp8, attention), each with its (pp, dp) splits: the
+        level above the roots, bounded by ``family_floor`` for all its micro-batch sizes at once."""
+        out: dict[tuple, list[tuple[int, int]]] = {}
+        for tp, pp, cp, ep, dp in meshes(self.p):
+            for fp8, attn in family_options(self.p, cp):
+                out.setdefault((tp, cp, ep, fp8, attn), []).append((pp, dp))
+        return out
+
+    def roots(self, family: tuple | None = None, splits: list[tuple[int, int]] | None = None):
+        """Every (mesh, micro-batch size, FP8, attention) of one family, or of all of them."""
+        if family is None:
+            for fam, fam_splits in self.families().items():
+                yield from self.roots(fam, fam_splits)
+            return
+        pins = self.p.forced
+        tp, cp, ep, fp8, attn = family
+        # the head's rank keeps at least one micro-batch of the loss's tensors (linear in mbs)
+        per_sequence = self.costs.layers.activation(POST, 1, tp, cp, self.costs.all_categories)
+        for pp, dp in splits:
+            per_rank = self.p.global_batch // dp
+            largest = self.p.hw.usable_bytes // per_sequence if per_sequence > 0 else per_rank
+            for mbs in divisors(per_rank):
+                if mbs > largest:
+                    break
+                m = per_rank // mbs
+                if pins.get("mbs", mbs) != mbs or pins.get("microbatches", m) != m:
+                    continue
+                yield Candidate(tp, pp, cp, ep, dp, mbs, fp8, attn, frozenset())
+
+    def children(self, c: Candidate, level: int):
+        costs = self.costs
+        if level == 0:
+            seen = set()
+            for order in orders(c, self.p):
+                child = replace(c, order=order)
+                layout = costs.where(child, True)[0]
+                if layout not in seen:  # orders that put every axis on the same links cost the same
+                    seen.add(layout)
+                    yield child
+        elif level == 1:
+            yield from self._undominated_recompute(c)
+        elif level == 2:
+            for name, v in schedules(self.p, c.pp, costs.microbatches(c)):
+                if runnable(name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp):
+                    yield replace(c, schedule=name, v=v)
+        elif level == 3:
+            for z in costs.zero_options(c):
+                if runnable(c.schedule, c.pp, c.recompute, costs.model_categories, z, c.dp * c.cp):
+                    yield replace(c, zero=z)
+
+    def _undominated_recompute(self, c: Candidate):
+        """Recompute sets not dominated by another (no less recompute time and no less memory
+        for every block): a dominated set can never be part of a strictly better plan."""
+        costs = self.costs
+        key = (c.mbs, c.tp, c.cp, c.fp8)
+        table = costs.memo.recompute_keep
+        if key not in table:
+            scored = {}
+            for rc in costs.recompute_sets:
+                vec = tuple(
+                    x for block in costs.blocks for x in costs.layers.compute(block, c.mbs, c.tp, c.cp, c.fp8, rc)[3:5]
+                )
+                scored.setdefault(vec, rc)  # equal costs: keep the first (smallest) set
+            vecs = sorted(scored)
+            keep = []
+            for i, vec in enumerate(vecs):
+                if not any(all(o <= x for o, x in zip(other, vec)) for other in vecs[:i]):
+                    keep.append(scored[vec])
+            table[key] = keep
+        for rc in table[key]:
+            yield replace(c, recompute=rc)
+
+    def branch_and_bound(self, share: tuple[int, int] = (0, 1)):
+        """Best first over the families whose rank by floor is ``share[0]`` modulo ``share[1]``
+        (dealt out like cards, so every share holds good families and prunes early): (best or
+        None, infeasible leaves, nodes, leaves)."""
+        bounds, evaluator = self.bounds, self.evaluator
+        heap: list = []
+        tick = itertools.count()
+        families = self.families()
+        floors = [(bounds.family_floor(family), next(tick), family) for family in families]
+        index, shares = share
+        for rank, (floor, order, family) in enumerate(sorted(floors, key=lambda x: x[:2])):
+            if rank % shares == index:  # level -1: roots made only when the family's floor is reached
+                heap.append((floor, 0, order, -1, family))
+        heapq.heapify(heap)
+        best: Evaluation | None = None
+        infeasible: list[Evaluation] = []
+        does_not_fit: set[Candidate] = set()
+        nodes = leaves = 0
+        fixed = self.p.forced.get("stage_layers")
+        while heap:
+            lb, needs_bound, _, level, c = heapq.heappop(heap)
+            if best is not None and lb >= best.step_time_s:
+                break
+            if level < 0:
+                for root in self.roots(c, families[c]):
+                    quick = bounds.quick_bound(root)
+                    if quick < math.inf:
+                        heapq.heappush(heap, (quick, 1, next(tick), 0, root))  # fully bounded when popped
+                continue
+            if needs_bound:  # pushed with its parent's bound: bound it now
+                own = bounds.bound(c, level)
+                if own < math.inf and (best is None or own < best.step_time_s):
+                    heapq.heappush(heap, (own, 0, next(tick), level, c))
+                continue
+            nodes += 1
+            if level < LEVELS - 1:
+                for child in self.children(c, level):
+                    if level in (1, 2) and not bounds.may_fit(child, level + 1):
+                        continue
+                    heapq.heappush(heap, (lb, 1, next(tick), level + 1, child))
+                continue
+            if fixed is not None and len(fixed) != c.pp * c.v:
+                continue
+            memory_key = replace(c, order=())  # memory does not depend on the axis order
+            if memory_key in does_not_fit:
+                continue
+            leaves += 1
+            ev = evaluator.evaluate(c, fixed)
+            if not ev.feasible:
+                does_not_fit.add(memory_key)
+                infeasible.append(ev)
+            elif best is None or ev.step_time_s < best.step_time_s:
+                best = ev
+        return best, infeasible, nodes, leaves

@@ -1,0 +1,314 @@
+"""What one layer costs: per-layer time and memory for one micro-batch on one GPU, under given
+parallel degrees and placements.
+
+All times are seconds on one GPU; all memory is bytes on one GPU. Every term comes from the
+analysed graph (``cost_models.analyze``) and the hardware profile; nothing here knows which model or
+machine it is looking at, nor what a plan is.
+
+Modelling choices (each can be checked against the formula it names):
+- GEMMs: roofline per GEMM at its local (sharded) shape, at the profile's matmul efficiency, with
+  wave quantisation (``compute.gemm_time``). Backward = input gradient (same FLOPs) + weight
+  gradient (same FLOPs).
+- Attention core: FLOPs at ``attention_efficiency`` of the bf16 peak; flash backward reruns the
+  forward's QK^T, so it costs 2.5x the forward (``compute.attention_time``).
+- Everything else is memory-bound: bytes moved / HBM bandwidth; backward moves about twice as much.
+- Recomputation reruns the closure of the dropped tensors' producers (``BlockCost.recompute_flops``).
+- TP with sequence parallelism: all-gather before and reduce-scatter after each TP region in forward
+  and the mirror in backward, plus a second all-gather of each region's input in backward for the
+  weight gradient (the input is saved sharded, as Korthikanti et al. count memory). Forward
+  collectives and the row layers' backward gather are on the critical path; the column layers'
+  backward re-gather and gradient reduce-scatter overlap the input- and weight-gradient GEMMs
+  (Megatron-LM's asynchronous overlap), exposing only what is longer than those GEMMs.
+- CP ring: K/V blocks move around the ring while the previous block is computed; only the part of
+  each step's transfer longer than its compute is exposed. All-gather K/V: exposed.
+- EP: all-to-all dispatch and combine, forward and backward; hidden behind the other micro-batch's
+  compute only by a schedule that overlaps it (``Schedule.overlaps_ep``: DualPipeV, whose F&B
+  chunks pair one micro-batch's forward with another's backward).
+- PP: one activation send per stage boundary per micro-batch each way (bsh/t with SP).
+- Hidden is not free: while a collective runs beside compute, its kernels take SMs and HBM
+  bandwidth from the GEMMs, so every second of communication hidden behind compute costs
+  ``overlap_slowdown`` seconds of compute (the hardware profile; Lee et al. 2025, arXiv 2507.03114,
+  measured 18.9% average compute slowdown under overlap on H100/A100/MI250; DeepSeek-V3 gives 20 of
+  132 SMs to communication).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cache
+
+from autoshard.cost_models import comm
+from autoshard.cost_models.analyze import BlockCost, ModelCost
+from autoshard.cost_models.comm import Where
+from autoshard.cost_models.compute import FLASH_BACKWARD, attention_time, gemm_floor, gemm_time
+from autoshard.cost_models.hardware import Hardware
+
+PRE, POST = -1, -2  # block indices of the embedding and of the output head with the loss
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer (or the embedding/output block) for one micro-batch on one GPU."""
+
+    f: float  # forward compute
+    b: float  # backward input-gradient compute (incl. attention backward and recompute)
+    w: float  # backward weight-gradient compute
+    recompute: float  # part of b spent recomputing
+    tp: float  # TP collectives (forward + backward), exposed
+    cp: float  # CP traffic exposed (forward + backward)
+    ep: float  # EP all-to-all time (forward + backward)
+    p2p: float  # one boundary send each way
+    activation_bytes: float
+    params_dense: float  # parameters this GPU holds (TP/EP applied, before ZeRO)
+    params_expert: float
+    transient_bytes: float  # largest short-lived buffer (gathered K/V, dispatch buffers, logits grad)
+    flops_model: float  # model FLOPs (forward + 2x backward, no recompute) for MFU
+    tp_total: float = 0.0  # TP collectives including the ones hidden behind GEMMs
+    cp_total: float = 0.0  # CP traffic including the ring steps hidden behind attention
+    slowdown: float = 0.0  # compute lost per second of communication it hides (hardware profile)
+
+    @property
+    def compute(self) -> float:
+        return self.f + self.b + self.w
+
+    def interference(self, overlap_ep: bool) -> float:
+        """Compute time lost to the communication this layer hides: the hidden TP and CP traffic,
+        and the EP all-to-all where the schedule overlaps it."""
+        hidden = (self.tp_total - self.tp) + (self.cp_total - self.cp)
+        if overlap_ep:
+            hidden += min(self.compute, self.ep)
+        return self.slowdown * hidden
+
+    def time(self, overlap_ep: bool) -> float:
+        """Per micro-batch critical-path time of this layer."""
+        if overlap_ep:
+            return max(self.compute, self.ep) + self.tp + self.cp + self.interference(True)
+        return self.compute + self.ep + self.tp + self.cp + self.interference(False)
+
+
+class LayerCosts:
+    """Memoised per-layer costs of one analysed model at sequence length ``seq`` on ``hw``, with
+    sequence parallelism alongside TP where ``sp``.
+
+    ``floor=True`` gives a lower bound on every time instead, one proportional to the micro-batch
+    size: GEMMs by ``gemm_floor`` and collectives without their per-step latency (what is left of
+    each is linear in the bytes, and every other term is linear in the tokens already). The
+    search uses it to bound all micro-batch sizes of a mesh at once."""
+
+    def __init__(self, cost: ModelCost, seq: int, hw: Hardware, sp: bool, floor: bool = False):
+        self.cost = cost
+        self.seq = seq
+        self.hw = replace(hw, nvlink_latency_us=0.0, network_latency_us=0.0) if floor else hw
+        self._gemm = gemm_floor if floor else gemm_time
+        self.sp = sp
+        self._layers: dict = {}
+
+    def block(self, block: int) -> BlockCost:
+        """The analysed block: a layer kind's index, ``PRE`` or ``POST``."""
+        if block == PRE:
+            return self.cost.pre
+        if block == POST:
+            return self.cost.post
+        return self.cost.blocks[block]
+
+    @cache  # noqa: B019 - one instance per planning run
+    def activation(self, block: int, mbs: int, tp: int, cp: int, recompute: frozenset) -> float:
+        """Bytes one copy of ``block`` keeps for backward for one micro-batch."""
+        return self.block(block).activation_bytes(mbs, self.seq / cp, tp=tp, sp=tp > 1 and self.sp, recompute=recompute)
+
+    @cache  # noqa: B019
+    def _gemms(self, block: int, mbs: int, tp: int, cp: int, fp8: bool, ep: int, experts: bool) -> tuple:
+        """(forward time, column-parallel part) of the block's dense GEMMs (``experts`` False) or
+        of its routed-expert GEMMs (True, the only ones EP changes)."""
+        blk = self.block(block)
+        hw, sl, sp = self.hw, self.seq / cp, tp > 1 and self.sp
+        total = column = 0.0
+        for g, mfn in zip(blk.gemms, blk._compiled["gemm_m"]):
+            if g.experts != experts:
+                continue
+            m = float(mfn(mbs, sl))
+            n, k, batch = g.n, g.k, g.batch
+            if g.experts:
+                # Experts keep whole weights (expert TP = 1); SP splits the tokens among TP ranks.
+                # With EP each rank holds batch/ep experts, each receiving tokens from ep ranks.
+                m = (m / tp if sp else m) * ep
+                batch = batch / ep
+            elif g.role in ("column", "vocab"):
+                n = n / tp
+            elif g.role == "row":
+                k = k / tp
+            use_fp8 = fp8 and g.role != "vocab" and "fp8" in hw.peak_tflops
+            t = self._gemm(batch, m, n, k, hw, use_fp8)
+            if use_fp8:  # quantise activations (read 2 B, write 1 B) forward and gradients backward
+                t += 3 * batch * m * k / (hw.hbm_gbps * 1e9)
+            total += t
+            if g.role == "column" and not g.experts:
+                column += t
+        return total, column
+
+    @cache  # noqa: B019
+    def _rest(self, block: int, mbs: int, tp: int, cp: int) -> tuple:
+        """(attention forward time, memory-bound forward time, forward FLOPs, model FLOPs)."""
+        blk = self.block(block)
+        hw, s = self.hw, self.seq
+        sl, sp = s / cp, tp > 1 and self.sp
+        attn = attention_time(blk.eval("flops_attention", mbs, s) / (tp * cp), s / cp, hw)
+        pw_tp = blk.eval("bytes_pointwise_tp", mbs, sl)
+        pw_rep = blk.eval("bytes_pointwise", mbs, sl) - pw_tp
+        pointwise = (pw_tp / tp + pw_rep / (tp if sp else 1)) / (hw.hbm_gbps * 1e9)
+        return attn, pointwise, blk.eval("flops", mbs, sl), 3 * (blk.eval("flops", mbs, s) / (tp * cp))
+
+    @cache  # noqa: B019
+    def compute(self, block: int, mbs: int, tp: int, cp: int, fp8: bool, recompute: frozenset, ep: int = 1) -> tuple:
+        """(f, b, w, recompute_s, act_bytes, flops_model, column_gemm_s) of one copy of ``block``;
+        column_gemm_s is the forward time of its column-parallel GEMMs (the backward's input- and
+        weight-gradient GEMMs of those layers take as long each)."""
+        blk = self.block(block)
+        dense, column = self._gemms(block, mbs, tp, cp, fp8, 1, False)
+        routed = self._gemms(block, mbs, tp, cp, fp8, ep, True)[0] if blk.params_experts else 0.0
+        f_gemm = dense + routed
+        attn, pointwise, fwd_flops, model_flops = self._rest(block, mbs, tp, cp)
+        f = f_gemm + attn + pointwise
+        extra = blk.recompute_fn(recompute)(mbs, self.seq / cp) if recompute else 0.0
+        rc = f * (extra / fwd_flops) if fwd_flops else 0.0
+        b = f_gemm + FLASH_BACKWARD * attn + 2 * pointwise + rc
+        w = f_gemm
+        act = self.activation(block, mbs, tp, cp, recompute)
+        return f, b, w, rc, act, model_flops, column
+
+    @cache  # noqa: B019
+    def p2p(self, block: int, mbs: int, tp: int, cp: int, where_pp: Where) -> float:
+        """One activation send each way across a pipeline boundary after ``block``."""
+        if where_pp.size <= 1:
+            return 0.0
+        hw = self.hw
+        boundary = 2 * self.block(block).eval("boundary", mbs, self.seq / cp) / (tp if tp > 1 else 1)
+        span = 1 if where_pp.domains == 1 else hw.nvlink_domain
+        return 2 * comm.p2p(boundary, span, hw)
+
+    @cache  # noqa: B019
+    def comm(
+        self,
+        block: int,
+        mbs: int,
+        tp: int,
+        cp: int,
+        ep: int,
+        attention: str,
+        fp8: bool,
+        where_tp: Where,
+        where_cp: Where,
+        where_ep: Where,
+    ) -> tuple:
+        """(tp_exposed, tp_behind_gemms, cp_exposed, ep, transient_bytes) of one copy of ``block``.
+        ``tp_behind_gemms`` is (re-gather, reduce-scatter) of the column groups' backward, which
+        run while the input- and weight-gradient GEMMs compute (Megatron's overlap)."""
+        blk = self.block(block)
+        hw, s = self.hw, self.seq
+        sl = s / cp
+        sp = tp > 1 and self.sp
+        t_tp = t_ep = regather = scatter = 0.0
+        transient = 0.0
+        for coll, elems_fn in blk._compiled["collectives"]:
+            nbytes = 2 * float(elems_fn(mbs, sl))
+            if coll.axis == "tp" and tp > 1:
+                if sp:
+                    one = comm.all_gather(nbytes, where_tp.placement(), hw)
+                    if coll.backward:  # a column group: gather its input forward, and backward
+                        # gather it again for the weight gradient (it is saved sharded, as
+                        # Korthikanti et al. count memory) and reduce-scatter its gradient
+                        t_tp += one
+                        regather += one
+                        scatter += one
+                    else:  # a row: reduce-scatter forward, gather the output gradient backward
+                        t_tp += 2 * one
+                else:
+                    t_tp += comm.all_reduce(nbytes, where_tp.placement(), hw)
+            elif coll.axis == "ep" and ep > 1:
+                local = nbytes / (tp if sp else 1)
+                dispatch = local / 2 if fp8 else local  # DeepSeek-V3 dispatches in FP8, combines in bf16
+                t_ep += comm.all_to_all(dispatch, where_ep.placement(), hw) + comm.all_to_all(
+                    local, where_ep.placement(), hw
+                )
+                transient = max(transient, 2 * local)
+        t_cp = cp_total = 0.0
+        if cp > 1:
+            kv_bytes = 2 * blk.eval("kv_elems", mbs, sl)
+            attn_f = attention_time(blk.eval("flops_attention", mbs, s) / (tp * cp), s / cp, hw)
+            if attention == "ring":
+                step = comm.p2p(kv_bytes / (tp if sp else 1), 1 if where_cp.domains == 1 else hw.nvlink_domain, hw)
+                fwd = (cp - 1) * max(0.0, step - attn_f / cp)
+                bwd = (cp - 1) * max(0.0, 2 * step - FLASH_BACKWARD * attn_f / cp)
+                t_cp = fwd + bwd
+                cp_total = 3 * (cp - 1) * step
+                transient = max(transient, 2 * kv_bytes)
+            else:  # all-gather K/V forward, reduce-scatter their gradients backward
+                full = kv_bytes * cp / (tp if sp else 1)
+                t_cp = comm.all_gather(full, where_cp.placement(), hw) + comm.reduce_scatter(
+                    2 * full, where_cp.placement(), hw
+                )
+                cp_total = t_cp
+                transient = max(transient, 2 * full)
+        return t_tp, (regather, scatter), (t_cp, cp_total), t_ep, transient
+
+    def params(self, block: int, tp: int, ep: int) -> tuple[float, float]:
+        """(dense, expert) parameters one GPU holds of one copy of ``block``."""
+        blk = self.block(block)
+        expert = blk.params_experts
+        dense_tp = blk.params_tp - expert
+        dense = dense_tp / tp + (blk.params - blk.params_tp)
+        return dense, expert / ep
+
+    def layer(
+        self,
+        block: int,
+        mbs: int,
+        tp: int,
+        cp: int,
+        ep: int,
+        fp8: bool,
+        recompute: frozenset,
+        attention: str,
+        where_tp: Where,
+        where_cp: Where,
+        where_ep: Where,
+        where_pp: Where,
+    ) -> LayerCost:
+        """Everything one copy of ``block`` costs for one micro-batch of ``mbs`` sequences."""
+        key = (block, mbs, tp, cp, ep, fp8, recompute, attention, where_tp, where_cp, where_ep, where_pp)
+        cached = self._layers.get(key)
+        if cached is None:
+            cached = self._layers[key] = self._layer(*key)
+        return cached
+
+    def _layer(self, block, mbs, tp, cp, ep, fp8, recompute, attention, where_tp, where_cp, where_ep, where_pp):
+        f, b, w, rc, act, flops, column = self.compute(block, mbs, tp, cp, fp8, recompute, ep)
+        t_tp, (regather, scatter), (t_cp, cp_total), t_ep, transient = self.comm(
+            block, mbs, tp, cp, ep, attention, fp8, where_tp, where_cp, where_ep
+        )
+        p2p = self.p2p(block, mbs, tp, cp, where_pp)
+        dense, expert = self.params(block, tp, ep)
+        if block == POST:  # the logits' gradient lives next to the saved log-probabilities
+            blk = self.block(block)
+            transient = max(transient, blk.activation_bytes(mbs, self.seq / cp, tp=tp, sp=tp > 1 and self.sp))
+        # the re-gather hides behind the input-gradient GEMMs, the gradient's reduce-scatter
+        # behind the weight-gradient GEMMs; what is longer than they are shows
+        exposed = t_tp + max(0.0, regather - column) + max(0.0, scatter - column)
+        return LayerCost(
+            f,
+            b,
+            w,
+            rc,
+            exposed,
+            t_cp,
+            t_ep,
+            p2p,
+            act,
+            dense,
+            expert,
+            transient,
+            flops,
+            t_tp + regather + scatter,
+            cp_total,
+            self.hw.overlap_slowdown,
+        )
