@@ -1,4 +1,6 @@
-"""Emit: write the compiled artefacts to an output directory.
+"""Emit: the program files for a plan (one stage file per pipeline chunk, the loss, ``program.json``
+and the ``train.py`` launcher) and writing them, with ``plan.json`` and ``plan.md`` (``report.py``),
+to an output directory.
 
 Everything is written to a temporary sibling directory first and moved into place at the end, so
 a failure never leaves a half-written ``out/``.
@@ -6,6 +8,8 @@ a failure never leaves a half-written ``out/``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -46,8 +50,6 @@ def write_plan(plan: Plan, out: str | Path, comparison: str | None = None, extra
 
 def program_files(plan: Plan, captured, model_file: str, builder: str | None, config: str | None) -> dict[str, str]:
     """Stage files, the loss, ``program.json`` and ``train.py`` for ``plan`` (file name -> text)."""
-    import json
-
     from autoshard import passes
     from autoshard.stagecode import stage_source
 
@@ -80,8 +82,6 @@ def program_files(plan: Plan, captured, model_file: str, builder: str | None, co
     vocab = plan.model.get("vocab")
     if not vocab:
         raise AutoshardError("the model's vocabulary size is unknown, so no synthetic data can be drawn")
-    import hashlib
-
     program = {
         "plan_sha256": hashlib.sha256((plan.to_json() + "\n").encode()).hexdigest(),
         "model_file": str(Path(model_file).resolve()),
