@@ -12,38 +12,15 @@ from dataclasses import dataclass
 
 from autoshard.errors import AutoshardError
 from autoshard.passes.activation_checkpoint import activation_checkpoint
-from autoshard.passes.context_parallel import context_parallel
+from autoshard.passes.context_parallel import context_parallel, no_full_sequence_attention_left
 from autoshard.passes.contract import Pass, RewriteContext, run_passes
-from autoshard.passes.flash_attention import flash_attention
+from autoshard.passes.flash_attention import flash_attention, no_fusable_sdpa_left
 from autoshard.passes.pipeline_split import pipeline_split
-from autoshard.passes.sequence_parallel import sequence_parallel
-from autoshard.passes.tensor_parallel import tensor_parallel
+from autoshard.passes.sequence_parallel import no_tp_all_reduce_left, sequence_parallel
+from autoshard.passes.tensor_parallel import full_weights_left, tensor_parallel
 
 _CAPTURED = ("shape", "dtype", "op", "op_class", "region", "layer")
-_PLACED = ("shape", "region", "layer")  # what the nodes passes insert carry too
-
-
-def _flash(gm, ctx):
-    flash_attention(gm, ctx.notes)
-    return gm
-
-
-def _cp(gm, ctx):
-    context_parallel(gm, ctx.cp, ctx.attention, ctx.notes)
-    return gm
-
-
-def _tp(gm, ctx):
-    sharded = tensor_parallel(gm, ctx.tp)
-    ctx.shards.update(sharded.shards)
-    ctx.origin.update(sharded.origin)
-    ctx.notes.update(sharded.notes)
-    return sharded.gm
-
-
-def _sp(gm, ctx):
-    ctx.partial_grads.extend(sequence_parallel(gm, ctx.tp, ctx.notes))
-    return gm
+_PLACED = ("shape", "region", "layer")  # what the nodes every pass inserts carry too
 
 
 def _ac(gm, ctx):
@@ -59,31 +36,35 @@ def _split(gm, ctx):
 PASSES: list[Pass] = [
     Pass(
         "flash_attention",
-        _flash,
+        flash_attention,
         lambda ctx: ctx.attention == "flash" or ctx.cp > 1,
         requires=_CAPTURED,
+        ensures=(no_fusable_sdpa_left,),
         summary="scaled_dot_product_attention and the written-out causal softmax(QK^T)V -> rt.fused_attention",
     ),
     Pass(
         "context_parallel",
-        _cp,
+        context_parallel,
         lambda ctx: ctx.cp > 1,
         requires=_CAPTURED,
+        ensures=(no_full_sequence_attention_left,),
         summary="sequences in the load-balanced CP layout; ring or all-gather-KV attention; CP loss share",
     ),
     Pass(
         "tensor_parallel",
-        _tp,
+        tensor_parallel,
         lambda ctx: ctx.tp > 1,
         requires=(*_CAPTURED, "tp"),
+        ensures=(full_weights_left,),
         summary="column/row pairs, head split, vocabulary-parallel embedding and cross-entropy",
     ),
     Pass(
         "sequence_parallel",
-        _sp,
+        sequence_parallel,
         lambda ctx: ctx.sequence_parallel and ctx.tp > 1,
-        requires=_PLACED,
+        requires=_CAPTURED,
         writes=("sp_sliced_dim", "sp_tp"),
+        ensures=(no_tp_all_reduce_left,),
         summary="norms, dropouts and residual adds on this rank's slice of the sequence between TP regions",
     ),
     Pass(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from autoshard.cost_models import ops
 from autoshard.ir import S
 
 
@@ -32,3 +33,22 @@ def in_model(node: fx.Node) -> bool:
     stack = node.meta.get("nn_module_stack") or {}
     paths = [str(v[0]) for v in stack.values() if isinstance(v, tuple)]
     return any(p == "model" or p.startswith("model.") for p in paths)
+
+
+_PLACE = ("nn_module_stack", "module_path", "module_type", "layer", "region", "source", "tp")
+_FROM_TENSOR = ("shape", "dtype", "requires_grad")
+
+
+def place(new: fx.Node, anchor: fx.Node, like: fx.Node | None = None, **meta) -> fx.Node:
+    """Complete the meta of a node a pass inserted: the anchor's place in the model (layer,
+    region, module, source, TP state), the shape, dtype and ``requires_grad`` of ``like``
+    (default: the anchor), its ``op`` and ``op_class`` from the op table, and ``meta`` (which
+    may override any of them)."""
+    like = like or anchor
+    new.meta.update({k: anchor.meta[k] for k in _PLACE if k in anchor.meta})
+    new.meta.update({k: like.meta[k] for k in _FROM_TENSOR if k in like.meta})
+    new.meta["op"] = ops.op_name(new)
+    row = ops.rule(new.meta["op"])
+    new.meta["op_class"] = row.op_class if row is not None else "other"
+    new.meta.update(meta)
+    return new

@@ -13,6 +13,10 @@ Rewrites, before the tensor-parallel pass:
   ``cp_attention`` (ring or all-gather-KV over the CP group);
 * the mean cross-entropy becomes ``cp_cross_entropy``: this rank's sum over the mean's global count,
   so the CP ranks' losses (and gradients) add up to the single-sequence mean.
+
+Which op is which is the op table's ``cp`` field (``autoshard.cost_models.ops.RULES``): attention,
+loss, positions, and ops that mix values along a dimension (refused along the sequence). A model
+the pass cannot shard raises ``Refusal(axis="cp")`` naming the line.
 """
 
 from __future__ import annotations
@@ -20,25 +24,36 @@ from __future__ import annotations
 from torch import fx
 
 from autoshard import runtime
-from autoshard.errors import AutoshardError
+from autoshard.cost_models import ops
 from autoshard.ir import S
 from autoshard.passes._graph import in_model as _in_model
 from autoshard.passes._graph import op_name as _op
+from autoshard.passes._graph import place
 from autoshard.passes._graph import seq_dim as _seq_dim
+from autoshard.passes.contract import Refusal, RewriteContext
 
 
-def _fail(node: fx.Node, why: str) -> AutoshardError:
+def _fail(node: fx.Node, why: str, cp: int) -> Refusal:
     where = node.meta.get("source")
-    return AutoshardError(
+    return Refusal(
         f"context parallelism cannot handle {node.format_node()}{f' ({where})' if where else ''}: {why}; "
-        "plan with --force cp=1"
+        "plan with --force cp=1",
+        axis="cp",
+        value=cp,
     )
 
 
-def context_parallel(gm: fx.GraphModule, cp: int, variant: str, notes: dict | None = None) -> None:
-    notes = notes if notes is not None else {}
+def _cp(node: fx.Node) -> str | None:
+    row = ops.rule_of(node)
+    return row.cp if row is not None and node.op == "call_function" else None
+
+
+def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    """Rewrite ``gm`` in place for ``ctx.cp`` ranks with ``ctx.attention`` (ring or
+    all-gather-KV); a comment per changed node goes to ``ctx.notes``."""
+    cp, variant, notes = ctx.cp, ctx.attention, ctx.notes
     if cp == 1:
-        return
+        return gm
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     # 1. the model reads its token input in this rank's layout; the loss keeps the whole sequence
@@ -48,80 +63,95 @@ def context_parallel(gm: fx.GraphModule, cp: int, variant: str, notes: dict | No
             continue
         dim = _seq_dim(ph)
         if dim is None:
-            raise _fail(ph, "a model input without a sequence dimension")
+            raise _fail(ph, "a model input without a sequence dimension", cp)
         with graph.inserting_after(ph):
             local = graph.call_function(runtime.cp_shard, (ph, dim))
-        local.meta = {**ph.meta, "nn_module_stack": model_users[0].meta.get("nn_module_stack"), "region": "pre"}
+        place(local, model_users[0], ph, region="pre", tp=ph.meta.get("tp", "replicated"))
         for u in model_users:
             u.replace_input_with(ph, local)
         notes[local.name] = f"context parallel: this rank's 2 of {2 * cp} sequence chunks (load-balanced layout)"
     # 2. positions: arange over the sequence length -> the global positions of the local chunks
     for node in list(graph.nodes):
-        if node.op == "call_function" and _op(node) == "arange" and _in_model(node):
+        if _cp(node) == "positions" and _in_model(node):
             shape = node.meta.get("shape")
             if not (isinstance(shape, (tuple, list)) and len(shape) == 1 and shape[0] == S):
                 continue
             if len(node.args) != 1:
-                raise _fail(node, "arange over the sequence with a start or step")
+                raise _fail(node, "arange over the sequence with a start or step", cp)
             node.target = runtime.cp_positions
             node.kwargs = {k: v for k, v in node.kwargs.items() if k == "device"}
+            node.meta["op"] = ops.op_name(node)
             notes[node.name] = "context parallel: global positions of this rank's chunks"
     # 3. attention over the whole sequence
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        kind = _cp(node)
+        if kind == "mixes" and _in_model(node) and _along_sequence(node):
+            raise _fail(
+                node, f"a {_op(node)} along the sequence outside attention (run the flash-attention pass first)", cp
+            )
+        if kind != "attention":
             continue
-        name = _op(node)
-        if name == "scaled_dot_product_attention":
-            mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-            causal = bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))
-            if mask is not None or not causal:
-                raise _fail(node, "attention with an explicit mask (only causal attention is sharded)")
-            q, k, v = node.args[:3]
-            scale = node.kwargs.get("scale")
-        elif node.target is runtime.fused_attention:
-            q, k, v, causal, scale = node.args
-            if not causal:
-                raise _fail(node, "non-causal attention across the sequence")
-        elif name in ("softmax",) and _in_model(node) and _seq_dim(node) is not None:
-            raise _fail(node, "a softmax over the sequence outside attention (run the flash-attention pass first)")
-        else:
-            continue
+        args = ops.call_args(node)
+        if args.get("attn_mask") is not None or not args["is_causal"]:
+            raise _fail(node, "attention with a mask or without causality (only causal attention is sharded)", cp)
         with graph.inserting_after(node):
-            new = graph.call_function(runtime.cp_attention, (q, k, v, variant, scale))
-        new.meta = {**node.meta, "op": "cp_attention"}
+            new = graph.call_function(
+                runtime.cp_attention, (args["query"], args["key"], args["value"], variant, args["scale"])
+            )
+        place(new, node, **{k: v for k, v in node.meta.items() if k not in ("op", "op_class")})
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         notes[new.name] = f"context parallel: {variant} attention over the {cp} ranks' chunks"
     # 4. the loss: labels in the same layout, the mean taken over the whole sequence
     for node in list(graph.nodes):
-        if _op(node) not in ("cross_entropy", "cross_entropy_loss") or _in_model(node):
+        if _cp(node) != "loss" or _in_model(node):
             continue
-        logits, target = node.args[0], node.args[1]
-        source = _label_source(target)
+        args = ops.call_args(node)
+        source = _label_source(args["target"], cp)
         with graph.inserting_after(source):
             sharded = graph.call_function(runtime.cp_shard, (source, _seq_dim(source)))
-        sharded.meta = dict(source.meta)
+        place(sharded, source)
         for u in list(source.users):
             if u is not sharded and not _in_model(u):
                 u.replace_input_with(source, sharded)
-        ignore = node.kwargs.get("ignore_index", -100)
-        if node.kwargs.get("reduction", "mean") != "mean" or node.kwargs.get("weight") is not None:
-            raise _fail(node, "only the mean cross-entropy is split over the sequence")
+        if args["reduction"] != "mean" or args["weight"] is not None or args["label_smoothing"]:
+            raise _fail(node, "only the unweighted mean cross-entropy is split over the sequence", cp)
         with graph.inserting_after(node):
-            loss = graph.call_function(runtime.cp_cross_entropy, (logits, node.args[1], ignore))
-        loss.meta = dict(node.meta)
+            loss = graph.call_function(runtime.cp_cross_entropy, (args["input"], args["target"], args["ignore_index"]))
+        place(loss, node, **{k: v for k, v in node.meta.items() if k not in ("op", "op_class")})
         node.replace_all_uses_with(loss)
         graph.erase_node(node)
         notes[loss.name] = "context parallel: this rank's share of the sequence-mean loss"
     graph.lint()
     gm.recompile()
+    return gm
 
 
-def _label_source(target: fx.Node) -> fx.Node:
+def no_full_sequence_attention_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
+    """Ensured: no attention over the whole sequence and no whole-sequence loss remain."""
+    for node in gm.graph.nodes:
+        if _cp(node) == "attention" or (_cp(node) == "loss" and not _in_model(node)):
+            return f"{node.name} ({node.meta.get('op')}) still works on the whole sequence"
+    return None
+
+
+def _along_sequence(node: fx.Node) -> bool:
+    """Does this op mix values along a dimension of the sequence's length?"""
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    shape = src.meta.get("shape") if src is not None else None
+    if not isinstance(shape, (tuple, list)):
+        return False
+    dims = ops.dims_arg(node, len(shape))
+    return any(shape[d] == S for d in (range(len(shape)) if dims is None else dims))
+
+
+def _label_source(target: fx.Node, cp: int) -> fx.Node:
     """The (batch, seq) label tensor a flattened loss target comes from."""
     node = target
     while _seq_dim(node) is None:
-        if _op(node) not in ("reshape", "view", "flatten", "contiguous") or not node.args:
-            raise _fail(target, "labels without a sequence dimension")
+        row = ops.rule_of(node)
+        reshaped = row is not None and (row.tp == "view" or row.tp == "pointwise" and len(node.all_input_nodes) == 1)
+        if not reshaped or not node.args:  # a view or cast of the labels
+            raise _fail(target, "labels without a sequence dimension", cp)
         node = node.args[0]
     return node

@@ -4,6 +4,8 @@ Triton kernel on GPUs, PyTorch's fused attention on CPUs).
 Found two ways: calls of ``scaled_dot_product_attention`` without a mask or dropout, and the
 written-out pattern ``softmax(q @ k^T * c [masked_fill(triu(ones(s, s), 1), -inf)]) [dropout p=0] @ v``.
 Attention with dropout > 0, an arbitrary mask or a bias is left alone (the kernel has none of them).
+Which calls are SDPA is the op table's ``signature`` (``autoshard.cost_models.ops``), whose layout
+``ops.call_args`` reads.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import math
 from torch import fx
 
 from autoshard import runtime
+from autoshard.cost_models import ops
 from autoshard.passes._graph import op_name as _op
+from autoshard.passes._graph import place
+from autoshard.passes.contract import RewriteContext
 
 
 def _arg(node: fx.Node, i: int, name: str, default=None):
@@ -21,16 +26,26 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
 
 
 def _inherit(new: fx.Node, old: fx.Node) -> fx.Node:
-    new.meta = {**old.meta, "op": "attention_fused", "op_class": "attention"}
-    return new
+    return place(new, old, **{k: v for k, v in old.meta.items() if k not in ("op", "op_class")})
+
+
+def _sdpa(node: fx.Node) -> bool:
+    row = ops.rule_of(node)
+    return node.op == "call_function" and row is not None and row.signature == "sdpa"
+
+
+def _fusable(node: fx.Node) -> bool:
+    """An SDPA call the kernel runs: no mask, no dropout."""
+    args = ops.call_args(node)
+    return args["attn_mask"] is None and args["dropout_p"] in (0, 0.0)
 
 
 def _replace_sdpa(graph: fx.Graph, node: fx.Node, notes: dict) -> bool:
-    if _arg(node, 3, "attn_mask") is not None or _arg(node, 4, "dropout_p", 0.0) not in (0, 0.0):
+    if not _fusable(node):
         return False
-    causal = bool(_arg(node, 5, "is_causal", False))
-    scale = node.kwargs.get("scale")
-    q, k, v = node.args[:3]
+    args = ops.call_args(node)
+    causal, scale = bool(args["is_causal"]), args["scale"]
+    q, k, v = args["query"], args["key"], args["value"]
     with graph.inserting_after(node):
         new = _inherit(graph.call_function(runtime.fused_attention, (q, k, v, causal, scale)), node)
     node.replace_all_uses_with(new)
@@ -96,21 +111,24 @@ def _erase_chain(graph: fx.Graph, node: fx.Node) -> None:
         stack.extend(inputs)
 
 
-def flash_attention(gm: fx.GraphModule, notes: dict | None = None) -> int:
-    """Rewrite ``gm`` in place; returns how many attention computations were fused."""
-    notes = notes if notes is not None else {}
+def flash_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    """Rewrite ``gm`` in place; a comment per fused attention goes to ``ctx.notes``."""
     graph = gm.graph
-    count = 0
     for node in list(graph.nodes):
         if getattr(node, "_erased", False) or node.op != "call_function":
             continue
-        if (
-            _op(node) == "scaled_dot_product_attention"
-            and _replace_sdpa(graph, node, notes)
-            or _op(node) == "matmul"
-            and _replace_pattern(graph, node, notes)
-        ):
-            count += 1
+        if _sdpa(node):
+            _replace_sdpa(graph, node, ctx.notes)
+        elif _op(node) == "matmul":
+            _replace_pattern(graph, node, ctx.notes)
     graph.lint()
     gm.recompile()
-    return count
+    return gm
+
+
+def no_fusable_sdpa_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
+    """Ensured: every SDPA call without a mask or dropout became ``fused_attention``."""
+    for node in gm.graph.nodes:
+        if _sdpa(node) and _fusable(node):
+            return f"{node.name} is still scaled_dot_product_attention"
+    return None

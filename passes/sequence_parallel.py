@@ -8,42 +8,49 @@ becomes ``reduce_scatter_to_sp``; each ``copy_to_tp`` at the start of one become
 ``size`` of the sequence dimension read there is multiplied back to the full length, so the model's
 code keeps seeing the length it was written for. The parameters used in that stretch (norm
 weights, biases added after a row matmul) see only this rank's tokens, so their gradients are
-partial sums: ``partial_grads`` lists them for the runtime to all-reduce over the TP group.
+partial sums: ``ctx.partial_grads`` lists them for the runtime to all-reduce over the TP group.
+
+What is per-token is each op's ``sp`` rule in the op table (``autoshard.cost_models.ops.RULES``):
+pointwise ops, reductions over features, norms (module or function), slices that keep everything;
+ops that read only metadata are left alone (sizes of the sequence are restored). Anything else on
+the sliced stream is refused (``Refusal(axis="sp")``), naming the op's line.
 """
 
 from __future__ import annotations
 
 import operator
 
-from torch import fx, nn
+from torch import fx
 
 from autoshard import runtime
-from autoshard.errors import AutoshardError
+from autoshard.cost_models import ops
 from autoshard.passes._graph import op_name as _op
+from autoshard.passes._graph import place
 from autoshard.passes._graph import seq_dim as _seq_dim
-
-_POINTWISE = {
-    "add", "sub", "mul", "div", "truediv", "neg", "dropout", "to", "float", "half", "bfloat16", "type_as",
-    "contiguous", "clone", "iadd", "imul", "pow", "rsqrt", "sqrt", "_to_copy", "alias",
-}  # fmt: skip
-_REDUCTIONS = {"mean", "sum", "amax", "var"}  # per token when they reduce other dimensions
-_NORMS = (nn.LayerNorm, nn.RMSNorm)
+from autoshard.passes.contract import Refusal, RewriteContext
 
 
-def _fail(node: fx.Node, why: str) -> AutoshardError:
+def _fail(node: fx.Node, why: str) -> Refusal:
     where = node.meta.get("source")
-    return AutoshardError(
+    return Refusal(
         f"sequence parallelism cannot run {node.format_node()}{f' ({where})' if where else ''} on a slice of the "
-        f"sequence: {why}; plan with --force tp=1"
+        f"sequence: {why}; plan with --force sp=off (or --force tp=1)",
+        axis="sp",
+        value=True,
     )
 
 
-def sequence_parallel(gm: fx.GraphModule, tp: int, notes: dict[str, str] | None = None) -> list[str]:
-    """Rewrite ``gm`` in place; returns the parameters whose gradients are partial over TP.
-    ``notes`` (node name -> comment for the emitted code) is updated for the nodes it changes."""
-    notes = notes if notes is not None else {}
+def _retarget(node: fx.Node, target, args: tuple) -> None:
+    node.target, node.args = target, args
+    node.meta["op"] = ops.op_name(node)
+
+
+def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    """Rewrite ``gm`` (after ``tensor_parallel``) in place; adds the parameters whose gradients
+    are partial over TP to ``ctx.partial_grads`` and a comment per changed node to ``ctx.notes``."""
+    tp, notes = ctx.tp, ctx.notes
     if tp == 1:
-        return []
+        return gm
     graph = gm.graph
     frontier: list[fx.Node] = []
     for node in list(graph.nodes):
@@ -51,7 +58,7 @@ def sequence_parallel(gm: fx.GraphModule, tp: int, notes: dict[str, str] | None 
             dim = _seq_dim(node)
             if dim is None:
                 raise _fail(node, "no sequence dimension")
-            node.target, node.args = runtime.reduce_scatter_to_sp, (node.args[0], dim)
+            _retarget(node, runtime.reduce_scatter_to_sp, (node.args[0], dim))
             notes[node.name] = f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices"
             node.meta["sp_sliced_dim"], node.meta["sp_tp"] = dim, tp
             frontier.append(node)
@@ -69,9 +76,8 @@ def sequence_parallel(gm: fx.GraphModule, tp: int, notes: dict[str, str] | None 
     for a in entries:
         with graph.inserting_after(a):
             scatter = graph.call_function(runtime.scatter_to_sp, (a, _seq_dim(a)))
-        scatter.meta = {**a.meta, "region": "layer", "tp": "replicated"}
+        place(scatter, a, region="layer", tp="replicated", sp_sliced_dim=_seq_dim(a), sp_tp=tp)
         notes[scatter.name] = f"sequence parallel: keep this rank's 1/{tp} of the sequence from here on"
-        scatter.meta["sp_sliced_dim"], scatter.meta["sp_tp"] = _seq_dim(a), tp
         for user in list(a.users):
             if user is not scatter and user.meta.get("region") in ("layer", "post") and _residual_reader(user):
                 user.replace_input_with(a, scatter)
@@ -87,23 +93,22 @@ def sequence_parallel(gm: fx.GraphModule, tp: int, notes: dict[str, str] | None 
             continue
         node = inputs[0]
         if user.op == "call_function" and user.target is runtime.copy_to_tp:
-            user.target, user.args = runtime.gather_from_sp, (user.args[0], _seq_dim(node))
+            _retarget(user, runtime.gather_from_sp, (user.args[0], _seq_dim(node)))
             notes[user.name] = "sequence parallel: all-gather the sequence before the column matmuls"
             continue
         if user.op == "output":
             continue
-        if user.op == "call_method" and user.target == "size":
+        row = ops.rule_of(user)
+        if row is not None and row.metadata == "size":
             _size_to_full(graph, user, node, tp)
             continue
-        if _op(user) in ("getattr", "dim", "new_ones", "new_zeros", "new_full", "new_empty", "_assert_tensor_metadata"):
+        if row is not None and row.metadata == "attr":
             continue  # reads only the dtype, device or rank
-        if user.op == "call_module" and isinstance(gm.get_submodule(user.target), _NORMS):
+        if not _per_token(user, node, row):
+            raise _fail(user, f"{_op(user)!r} is not per-token")
+        if user.op == "call_module":  # a norm module's parameters see this rank's tokens only
             partial.update(f"{user.target}.{p}" for p, _ in gm.get_submodule(user.target).named_parameters())
-        elif _op(user) in _REDUCTIONS and _seq_dim(user) == _seq_dim(node):
-            pass  # a reduction over features (RMSNorm written out): still one value per token
-        elif _op(user) == "slice" and user.meta.get("shape") == node.meta.get("shape"):
-            pass  # a slice that keeps everything
-        elif _op(user) in _POINTWISE:
+        elif row.sp in ("pointwise", "norm"):
             for other in user.all_input_nodes:
                 if other in sliced:
                     continue
@@ -111,20 +116,42 @@ def sequence_parallel(gm: fx.GraphModule, tp: int, notes: dict[str, str] | None 
                     partial.add(other.target)
                     continue
                 _check_broadcast(user, other, node)
-        else:
-            raise _fail(user, f"{_op(user)!r} is not per-token")
         sliced.add(user)
         user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _seq_dim(user), tp
     graph.lint()
     gm.recompile()
-    return sorted(partial)
+    ctx.partial_grads.extend(sorted(partial))
+    return gm
+
+
+def _per_token(user: fx.Node, sliced: fx.Node, row: ops.OpRule | None) -> bool:
+    """Does ``user`` compute each token of its output from the same token of ``sliced``?"""
+    kind = row.sp if row is not None else None
+    if kind in ("norm", "pointwise"):
+        return True
+    if kind == "reduce":  # over features: the sequence dimension stays where it was
+        seq = _seq_dim(sliced)
+        dims = ops.dims_arg(user, len(sliced.meta["shape"]))
+        return _seq_dim(user) == seq and dims is not None and seq not in dims
+    if kind == "same_shape":
+        return user.meta.get("shape") == sliced.meta.get("shape")
+    return False
+
+
+def no_tp_all_reduce_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
+    """Ensured: outside the embedding ('pre') every TP all-reduce became a reduce-scatter."""
+    for node in gm.graph.nodes:
+        if node.target is runtime.reduce_from_tp and node.meta.get("region") != "pre":
+            return f"{node.name} still all-reduces over TP in region {node.meta.get('region')!r}"
+    return None
 
 
 def _residual_reader(node: fx.Node) -> bool:
-    """A node of the residual stream: a norm module, or a pointwise op (the residual add)."""
+    """A node of the residual stream: a norm, or a pointwise op (the residual add)."""
     if node.op == "call_module":
         return node.meta.get("op_class") == "norm"
-    return _op(node) in _POINTWISE
+    row = ops.rule_of(node)
+    return row is not None and row.sp in ("pointwise", "norm")
 
 
 def _check_broadcast(user: fx.Node, other: fx.Node, sliced: fx.Node) -> None:
@@ -145,5 +172,5 @@ def _size_to_full(graph: fx.Graph, size: fx.Node, source: fx.Node, tp: int) -> N
         return
     with graph.inserting_after(size):
         full = graph.call_function(operator.mul, (size, tp))
-    full.meta = {**size.meta}
+    place(full, size)
     size.replace_all_uses_with(full, delete_user_cb=lambda u: u is not full)

@@ -15,22 +15,29 @@ rewritten from the propagated shapes, and the collectives go in as explicit call
 * ``vocab_parallel_embedding`` for an embedding of the vocabulary,
 * ``vocab_parallel_cross_entropy`` for the loss over vocabulary-split logits.
 
-The result is the same code for every TP rank; ``ShardedGraph.shards`` says how each parameter is
-sliced, and ``slice_parameter`` cuts rank r's piece out of a full tensor.
+How a split passes through each op is the op's row in ``autoshard.cost_models.ops.RULES`` (its
+``tp`` field): one transfer rule per kind (``_TRANSFER``), the same rows the planner's sharding
+analysis reads. Where no rule applies the pass raises ``Refusal(axis="tp")`` naming the op's line.
+
+The result is the same code for every TP rank; ``ctx.shards`` says how each parameter is sliced,
+and ``slice_parameter`` cuts rank r's piece out of a full tensor.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 
 from autoshard import runtime
+from autoshard.cost_models import ops
 from autoshard.errors import AutoshardError
 from autoshard.passes._graph import op_name as _op_name
+from autoshard.passes._graph import place
+from autoshard.passes.contract import Refusal, RewriteContext
 from autoshard.runtime.stages import slice_full
 
 # ---------------------------------------------------------------------------------------------
@@ -68,15 +75,13 @@ def slice_parameter(full: torch.Tensor, spec: ParamShard, rank: int, tp: int) ->
     return slice_full(full, (spec.dim, spec.factors, spec.index), rank, tp).clone()
 
 
-class Unsupported(AutoshardError):
-    pass
-
-
-def _fail(node: fx.Node, why: str) -> Unsupported:
+def _fail(node: fx.Node, why: str, tp: int) -> Refusal:
     where = node.meta.get("source")
-    return Unsupported(
+    return Refusal(
         f"tensor parallelism cannot split {node.format_node()}{f' ({where})' if where else ''}: {why}; "
-        "plan with --force tp=1"
+        "plan with --force tp=1",
+        axis="tp",
+        value=tp,
     )
 
 
@@ -132,42 +137,29 @@ def _groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# propagation
-
-_ELEMENTWISE = {
-    "add", "sub", "rsub", "neg", "mul", "div", "truediv", "gelu", "silu", "relu", "sigmoid", "tanh", "exp",
-    "pow", "sin", "cos", "rsqrt", "sqrt", "square", "abs", "log", "dropout", "masked_fill", "where", "to",
-    "float", "half", "bfloat16", "type_as", "contiguous", "clone", "detach", "softmax", "log_softmax",
-    "iadd", "imul", "clamp", "reciprocal", "eq", "ne", "lt", "le", "gt", "ge",
-}  # fmt: skip
-_WITH_DIM = {"softmax", "log_softmax"}
-_ATTENTION = ("scaled_dot_product_attention", "attention_fused", "cp_attention")
-
-
-@dataclass
-class ShardedGraph:
-    gm: fx.GraphModule
-    tp: int
-    shards: dict[str, ParamShard] = field(default_factory=dict)  # parameter name -> how it is split
-    origin: dict[str, str] = field(default_factory=dict)  # renamed parameter -> its name in the model
-    notes: dict[str, str] = field(default_factory=dict)  # node name -> decision, for emitted comments
+# propagation: one transfer rule per kind of ``ops.TP_RULES``, chosen by the op's row
 
 
 class _Propagator:
     def __init__(self, gm: fx.GraphModule, tp: int):
         self.gm, self.tp = gm, tp
         self.shard: dict[fx.Node, Shard] = {}
+        self.items: dict[fx.Node, tuple[Shard | None, ...]] = {}  # a split's outputs, read by getitem
         self.layout: dict[fx.Node, Shard] = {}  # column / vocab matmul -> its output features' layout
         self.root: dict[fx.Node, fx.Node] = {}  # sharded tensor -> the column matmul it comes from
         self.rows: dict[fx.Node, Shard] = {}  # row matmul -> the layout of its input features
         self.losses: dict[fx.Node, Shard] = {}
+        self.sizes: dict[fx.Node, tuple[int, object]] = {}  # node -> (argument index, local value) to write
+
+    def fail(self, node: fx.Node, why: str) -> Refusal:
+        return _fail(node, why, self.tp)
 
     # the column matmuls start regions -----------------------------------------------------
     def start(self, node: fx.Node) -> None:
         shape = _shape(node)
         out = _num(shape[-1])
         if out % self.tp:
-            raise _fail(node, f"{out} output features do not divide by tp={self.tp}")
+            raise self.fail(node, f"{out} output features do not divide by tp={self.tp}")
         s = Shard(len(shape) - 1, (out,), 0)
         self.shard[node] = self.layout[node] = s
         self.root[node] = node
@@ -182,90 +174,54 @@ class _Propagator:
             self.visit(node, sharded)
 
     def visit(self, node: fx.Node, sharded: list[fx.Node]) -> None:
-        role = node.meta.get("tp_role")
-        name = _op_name(node)
+        row = ops.rule_of(node)
+        kind = row.tp if row is not None else None
         src = sharded[0]
         s = self.shard[src]
-        if role == "row":
+        if row is not None and row.metadata in ("size", "attr"):
+            return  # the local size (what the rewritten views need), dtype, device
+        if kind == "linear":
+            if node.meta.get("tp_role") != "row":
+                raise self.fail(node, "a linear layer reads a split tensor but is not paired as row-parallel")
             self.rows[node] = s
             return
-        if node.meta.get("op_class") == "loss":
+        if kind == "loss":
             self.losses[node] = s
             return
-        if name in ("size", "sym_size", "getattr", "dim", "_assert_tensor_metadata"):
-            return  # the local size (what the rewritten views need), dtype, device
-        out = self.transfer(node, name, src, s)
-        if out is not None:
+        transfer = _TRANSFER.get(kind)
+        if transfer is None:
+            raise self.fail(node, f"no tensor-parallel rule for {_op_name(node)!r} on a split tensor")
+        out = transfer(self, node, src, s)
+        if isinstance(out, tuple):
+            self.items[node] = out
+            out = next((x for x in out if x is not None), None)
+        if out is None:
+            return
+        if kind not in _CHECKS_OWN_INPUTS:
             for other in sharded[1:]:
                 o = self.shard[other]
                 shift = len(_shape(node) or ()) - len(_shape(other) or ())
-                if name not in (
-                    "scaled_dot_product_attention",
-                    "attention_fused",
-                    "cp_attention",
-                    "matmul",
-                    "cat",
-                ) and (o.dim + shift != out.dim or o.factors != out.factors or o.index != out.index):
-                    raise _fail(node, "its inputs are split along different dimensions")
-            self.shard[node] = out
-            self.root[node] = self.root[src]
+                if o.dim + shift != out.dim or o.factors != out.factors or o.index != out.index:
+                    raise self.fail(node, "its inputs are split along different dimensions")
+        self.shard[node] = out
+        self.root[node] = self.root[src]
 
-    def transfer(self, node: fx.Node, name: str, src: fx.Node, s: Shard) -> Shard | None:
+    # transfer rules, one per kind --------------------------------------------------------
+    def pointwise(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
         shape = _shape(node)
-        if name in ("view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as"):
-            return self._view(node, src, s)
-        if name in ("transpose", "swapaxes"):
-            d0, d1 = (_norm_dim(d, len(shape)) for d in _dims(node, 2))
-            dim = d1 if s.dim == d0 else d0 if s.dim == d1 else s.dim
-            return Shard(dim, s.factors, s.index)
-        if name == "permute":
-            perm = _perm(node)
-            return Shard(perm.index(s.dim), s.factors, s.index)
-        if name in ("t",):
-            return Shard(1 - s.dim, s.factors, s.index)
-        if name == "getitem":
-            return self._getitem(node, src, s)
-        if name == "slice":  # aten.slice(x, dim, start, end)
-            d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
-            if d == s.dim and _shape(node)[d] != _shape(src)[d]:
-                raise _fail(node, "slices the split dimension")
-            return s
-        if name in ("unsqueeze",):
-            d = _norm_dim(_dims(node, 1)[0], len(shape))
-            return Shard(s.dim + (1 if d <= s.dim else 0), s.factors, s.index)
-        if name in ("expand", "expand_as"):
-            return Shard(s.dim + len(shape) - len(_shape(src)), s.factors, s.index)
-        if name in _ATTENTION:
-            if s.dim != len(_shape(src)) - 3:
-                raise _fail(node, "attention's inputs must be split along heads")
-            return Shard(len(shape) - 3, s.factors, s.index)
-        if name == "matmul":
-            rank_in = len(_shape(src))
-            if s.dim >= rank_in - 2:
-                raise _fail(node, "a matrix product over the split dimension")
-            return Shard(s.dim + len(shape) - rank_in, s.factors, s.index)
-        if name == "cat":
-            d = _norm_dim(node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0), len(shape))
-            if d == s.dim:
-                raise _fail(node, "concatenation along the split dimension")
-            return s
-        if name in _ELEMENTWISE:
-            if name in _WITH_DIM:
-                d = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-                if d is None or _norm_dim(d, len(shape)) == s.dim:
-                    raise _fail(node, f"{name} over the split dimension")
-            dim = s.dim + len(shape) - len(_shape(src))
-            for a in node.all_input_nodes:
-                if a in self.shard or _shape(a) is None:
-                    continue
-                other = _shape(a)
-                k = dim - (len(shape) - len(other))
-                if 0 <= k < len(other) and _num(other[k]) != 1:
-                    raise _fail(node, f"operand {a.name} is not split but spans the split dimension")
-            return Shard(dim, s.factors, s.index)
-        raise _fail(node, f"no tensor-parallel rule for {name!r} on a split tensor")
+        dim = s.dim + len(shape) - len(_shape(src))
+        for a in node.all_input_nodes:
+            if a not in self.shard:
+                self._broadcast(node, a, dim, len(shape))
+        return Shard(dim, s.factors, s.index)
 
-    def _view(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+    def softmax(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        dims = ops.dims_arg(node, len(_shape(node)))
+        if dims is None or s.dim in dims:
+            raise self.fail(node, f"{_op_name(node)} over the split dimension")
+        return self.pointwise(node, src, s)
+
+    def view(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
         src_shape, dst_shape = _shape(src), _shape(node)
         for gi, gj in _groups(src_shape, dst_shape):
             if s.dim not in gi:
@@ -277,7 +233,7 @@ class _Propagator:
                 if sizes == s.factors:
                     return Shard(gj[s.index], (sizes[s.index],), 0)
                 if len(s.factors) != 1:
-                    raise _fail(node, "re-splits an already structured split dimension")
+                    raise self.fail(node, "re-splits an already structured split dimension")
                 return self._choose_split(node, src, gj, sizes)
             if len(gj) == 1:  # merge several dims into one
                 factors: list[int] = []
@@ -289,57 +245,21 @@ class _Propagator:
                     else:
                         factors.append(_num(src_shape[i]))
                 return Shard(gj[0], tuple(factors), index)
-            raise _fail(node, "a view that both splits and merges the split dimension")
-        raise _fail(node, "cannot follow the split dimension through this view")
+            raise self.fail(node, "a view that both splits and merges the split dimension")
+        raise self.fail(node, "cannot follow the split dimension through this view")
 
-    def _choose_split(self, node: fx.Node, src: fx.Node, gj: list[int], sizes: tuple[int, ...]) -> Shard:
-        """The first output dim of the split that divides by tp and that the rest of the region
-        carries through to its row matmuls; the column's weight layout follows."""
-        root = self.root[src]
-        if self.layout[root].factors != self.shard[src].factors:
-            raise _fail(node, "a second, different split of a column's features")
-        reasons = []
-        for k, size in enumerate(sizes):
-            if size % self.tp or size == 1:
-                continue
-            trial = Shard(gj[k], (size,), 0)
-            why = self._try(node, trial)
-            if why is None:
-                self.layout[root] = Shard(self.layout[root].dim, sizes, k)
-                self._refit(root, sizes, k)
-                return trial
-            reasons.append(why)
-        raise _fail(node, reasons[0] if reasons else f"none of {sizes} divides by tp={self.tp}")
+    def transpose(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        rank = len(_shape(node))
+        d0, d1 = (0, 1) if _op_name(node) == "t" else (_norm_dim(d, rank) for d in _dims(node, 2))
+        dim = d1 if s.dim == d0 else d0 if s.dim == d1 else s.dim
+        return Shard(dim, s.factors, s.index)
 
-    def _refit(self, root: fx.Node, sizes: tuple[int, ...], k: int) -> None:
-        for n, sh in list(self.shard.items()):
-            if self.root.get(n) is root and len(sh.factors) == 1:
-                self.shard[n] = Shard(sh.dim, sizes, k)
+    def permute(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        return Shard(_perm(node).index(s.dim), s.factors, s.index)
 
-    def _try(self, node: fx.Node, trial: Shard) -> str | None:
-        """Propagate ``trial`` through everything downstream of ``node`` on a scratch copy."""
-        scratch = _Propagator(self.gm, self.tp)
-        scratch.shard = dict(self.shard)
-        scratch.root = dict(self.root)
-        scratch.layout = dict(self.layout)
-        scratch.shard[node] = trial
-        scratch.root[node] = self.root[node.all_input_nodes[0]]
-        downstream, frontier = [], [node]
-        seen = {node}
-        while frontier:
-            for u in frontier.pop().users:
-                if u not in seen and u.meta.get("tp_role") != "row":
-                    seen.add(u)
-                    downstream.append(u)
-                    frontier.append(u)
-        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
-        try:
-            scratch.run(sorted(downstream, key=order.__getitem__))
-        except Unsupported as e:
-            return str(e).split(": ", 1)[-1].rsplit(";", 1)[0]
-        return None
-
-    def _getitem(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+    def getitem(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard | None:
+        if src in self.items:  # one output of a split
+            return self.items[src][node.args[1]]
         index = node.args[1]
         if not isinstance(index, tuple):
             index = (index,)
@@ -357,16 +277,209 @@ class _Propagator:
             elif isinstance(item, slice):
                 if dim == s.dim:
                     if item != slice(None, None, None):
-                        raise _fail(node, "slices the split dimension")
+                        raise self.fail(node, "slices the split dimension")
                     return Shard(out_dim, s.factors, s.index)
                 dim, out_dim = dim + 1, out_dim + 1
             elif isinstance(item, int):
                 if dim == s.dim:
-                    raise _fail(node, "indexes the split dimension")
+                    raise self.fail(node, "indexes the split dimension")
                 dim += 1
             else:
-                raise _fail(node, "advanced indexing of a split tensor")
+                raise self.fail(node, "advanced indexing of a split tensor")
         return Shard(out_dim + s.dim - dim, s.factors, s.index)
+
+    def slice(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        """``aten.slice(x, dim, start, end)``, ``narrow(x, dim, start, length)``."""
+        shape = _shape(node)
+        d = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape))
+        if d == s.dim and shape[d] != _shape(src)[d]:
+            raise self.fail(node, "slices the split dimension")
+        return s
+
+    def select(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        d = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs["dim"], len(_shape(src)))
+        if d == s.dim:
+            raise self.fail(node, "selects along the split dimension")
+        return Shard(s.dim - (d < s.dim), s.factors, s.index)
+
+    def split(self, node: fx.Node, src: fx.Node, s: Shard) -> tuple[Shard | None, ...]:
+        shapes = node.meta.get("shapes") or ()
+        rank = len(_shape(src))
+        name = _op_name(node)
+        d = node.args[1 if name == "unbind" else 2] if len(node.args) > (1 if name == "unbind" else 2) else None
+        d = _norm_dim(node.kwargs.get("dim", 0) if d is None else d, rank)
+        if name == "unbind":
+            if d == s.dim:
+                raise self.fail(node, "unbinds the split dimension")
+            return tuple(Shard(s.dim - (d < s.dim), s.factors, s.index) for _ in shapes)
+        if d != s.dim:
+            return tuple(s for _ in shapes)
+        parts = {_num(shape[d]) for shape in shapes}
+        if len(parts) != 1:
+            raise self.fail(node, "splits the split dimension into unequal parts")
+        n, c = len(shapes), parts.pop()
+        if c % self.tp:
+            raise self.fail(node, f"parts of {c} along the split dimension do not divide by tp={self.tp}")
+        if s.factors != (n, c) or s.index != 1:
+            root = self.root[src]
+            if len(s.factors) != 1 or self.layout[root].factors != s.factors:
+                raise self.fail(node, "splits an already structured split dimension")
+            self.layout[root] = Shard(self.layout[root].dim, (n, c), 1)
+            self._refit(root, (n, c), 1)
+        if name in ("split", "split_with_sizes"):  # sizes in the argument: each part's local size
+            sizes = node.args[1] if len(node.args) > 1 else node.kwargs["split_size"]
+            self.sizes[node] = (1, c // self.tp if isinstance(sizes, int) else [c // self.tp] * n)
+        return tuple(Shard(d, (c,), 0) for _ in shapes)
+
+    def unsqueeze(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        d = _norm_dim(_dims(node, 1)[0], len(_shape(node)))
+        return Shard(s.dim + (1 if d <= s.dim else 0), s.factors, s.index)
+
+    def squeeze(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        shape = _shape(src)
+        given = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if given is None:
+            if _num(shape[s.dim]) // self.tp == 1:
+                raise self.fail(node, "squeeze() would drop the split dimension, of size 1 on each rank")
+            dims = [i for i, x in enumerate(shape) if _num(x) == 1]
+        else:
+            dims = [_norm_dim(x, len(shape)) for x in (given if isinstance(given, (tuple, list)) else (given,))]
+            dims = [x for x in dims if _num(shape[x]) == 1]
+        return Shard(s.dim - sum(1 for x in dims if x < s.dim), s.factors, s.index)
+
+    def expand(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        return Shard(s.dim + len(_shape(node)) - len(_shape(src)), s.factors, s.index)
+
+    def matmul(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        rank_in = len(_shape(src))
+        if s.dim >= rank_in - 2:
+            raise self.fail(node, "a matrix product over the split dimension")
+        return Shard(s.dim + len(_shape(node)) - rank_in, s.factors, s.index)
+
+    def attention(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard | tuple[Shard | None, ...]:
+        if s.dim != len(_shape(src)) - 3:
+            raise self.fail(node, "attention's inputs must be split along heads")
+        if "shapes" in node.meta:  # an aten kernel: the output, the log-sum-exp, ...
+            return tuple(Shard(s.dim, s.factors, s.index) if x is not None else None for x in node.meta["shapes"])
+        return Shard(len(_shape(node)) - 3, s.factors, s.index)
+
+    def cat(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        d = _norm_dim(node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0), len(_shape(node)))
+        if d == s.dim:
+            raise self.fail(node, "concatenation along the split dimension")
+        self._same_inputs(node, s)
+        return s
+
+    def stack(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        d = _norm_dim(node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0), len(_shape(node)))
+        self._same_inputs(node, s)
+        return Shard(s.dim + (1 if d <= s.dim else 0), s.factors, s.index)
+
+    # helpers ----------------------------------------------------------------------------
+    def _same_inputs(self, node: fx.Node, s: Shard) -> None:
+        """Every tensor of a cat/stack is split as ``s`` (a broadcast expanded to the split
+        dimension expands to the local size)."""
+        for a in node.args[0]:
+            if a in self.shard:
+                if self.shard[a] != s:
+                    raise self.fail(node, "its inputs are split along different dimensions")
+            elif isinstance(a, fx.Node):
+                self._broadcast(node, a, s.dim, len(_shape(a)), localise=s)
+
+    def _broadcast(self, node: fx.Node, a: fx.Node, dim: int, rank: int, localise: Shard | None = None) -> None:
+        """An unsplit operand must not span the split dimension ``dim`` (of a rank-``rank``
+        result), unless it is an ``expand`` of a size-1 dimension there, which then expands to
+        the local size (``localise``: the split it takes)."""
+        other = _shape(a)
+        if other is None:
+            return
+        k = dim - (rank - len(other))
+        if not (0 <= k < len(other)) or _num(other[k]) == 1:
+            return
+        row = ops.rule_of(a)
+        base = _shape(a.args[0]) if a.args and isinstance(a.args[0], fx.Node) else None
+        if localise is not None and row is not None and row.tp == "expand" and base is not None:
+            j = k - (len(other) - len(base))
+            if j < 0 or _num(base[j]) == 1:
+                self.shard[a] = Shard(k, localise.factors, localise.index)
+                self.root[a] = self.root[next(iter(x for x in node.args[0] if x in self.shard))]
+                return
+        raise self.fail(node, f"operand {a.name} is not split but spans the split dimension")
+
+    def _choose_split(self, node: fx.Node, src: fx.Node, gj: list[int], sizes: tuple[int, ...]) -> Shard:
+        """The first output dim of the split that divides by tp and that the rest of the region
+        carries through to its row matmuls; the column's weight layout follows."""
+        root = self.root[src]
+        # a part of a split column (its layout is already (parts, features)): splitting the
+        # first factor in contiguous blocks is splitting the whole, so the layout stays
+        plain = self.layout[root].factors == self.shard[src].factors
+        reasons = []
+        for k, size in enumerate(sizes if plain else sizes[:1]):
+            if size % self.tp or size == 1:
+                continue
+            trial = Shard(gj[k], (size,), 0)
+            why = self._try(node, trial)
+            if why is None:
+                if plain:
+                    self.layout[root] = Shard(self.layout[root].dim, sizes, k)
+                    self._refit(root, sizes, k)
+                return trial
+            reasons.append(why)
+        if not plain and not reasons:
+            raise self.fail(node, "a second, different split of a column's features")
+        raise self.fail(node, reasons[0] if reasons else f"none of {sizes} divides by tp={self.tp}")
+
+    def _refit(self, root: fx.Node, sizes: tuple[int, ...], k: int) -> None:
+        for n, sh in list(self.shard.items()):
+            if self.root.get(n) is root and len(sh.factors) == 1:
+                self.shard[n] = Shard(sh.dim, sizes, k)
+
+    def _try(self, node: fx.Node, trial: Shard) -> str | None:
+        """Propagate ``trial`` through everything downstream of ``node`` on a scratch copy."""
+        scratch = _Propagator(self.gm, self.tp)
+        scratch.shard = dict(self.shard)
+        scratch.items = dict(self.items)
+        scratch.root = dict(self.root)
+        scratch.layout = dict(self.layout)
+        scratch.shard[node] = trial
+        scratch.root[node] = self.root[node.all_input_nodes[0]]
+        downstream, frontier = [], [node]
+        seen = {node}
+        while frontier:
+            for u in frontier.pop().users:
+                if u not in seen and u.meta.get("tp_role") != "row":
+                    seen.add(u)
+                    downstream.append(u)
+                    frontier.append(u)
+        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        try:
+            scratch.run(sorted(downstream, key=order.__getitem__))
+        except Refusal as e:
+            return str(e).split(": ", 1)[-1].rsplit(";", 1)[0]
+        return None
+
+
+# ops.TP_RULES kind -> the rule that carries a shard through it ("linear" and "loss" end a region)
+_TRANSFER = {
+    "pointwise": _Propagator.pointwise,
+    "softmax": _Propagator.softmax,
+    "view": _Propagator.view,
+    "transpose": _Propagator.transpose,
+    "permute": _Propagator.permute,
+    "getitem": _Propagator.getitem,
+    "slice": _Propagator.slice,
+    "select": _Propagator.select,
+    "split": _Propagator.split,
+    "unsqueeze": _Propagator.unsqueeze,
+    "squeeze": _Propagator.squeeze,
+    "expand": _Propagator.expand,
+    "matmul": _Propagator.matmul,
+    "attention": _Propagator.attention,
+    "cat": _Propagator.cat,
+    "stack": _Propagator.stack,
+}
+IMPLEMENTED = frozenset(_TRANSFER) | {"linear", "loss"}  # every kind of ops.TP_RULES
+_CHECKS_OWN_INPUTS = ("attention", "matmul", "cat", "stack")
 
 
 def _norm_dim(d: int, rank: int) -> int:
@@ -390,13 +503,14 @@ def _perm(node: fx.Node) -> list[int]:
 # the rewrite
 
 
-def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
+def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Rewrite ``gm`` (captured and analysed: ``node.meta`` has ``shape``, ``op``, ``tp_role``)
-    into the graph every rank of a ``tp``-way group runs. Modules are replaced by local-shaped
-    ones on the meta device; materialise them with ``slice_parameter`` and ``ShardedGraph.shards``."""
-    result = ShardedGraph(gm, tp)
+    into the graph every rank of a ``ctx.tp``-way group runs. Modules are replaced by local-shaped
+    ones on the meta device; ``ctx.shards`` says how to cut each parameter (``slice_parameter``),
+    ``ctx.origin`` the model's name of each renamed one, ``ctx.notes`` each decision."""
+    tp = ctx.tp
     if tp == 1:
-        return result
+        return gm
     nodes = list(gm.graph.nodes)
     prop = _Propagator(gm, tp)
     for node in nodes:
@@ -404,18 +518,20 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
             prop.start(node)
     prop.run(nodes)
     graph = gm.graph
-    # views: rewrite the constant of the split dimension
+    # views and splits: rewrite the constant of the split dimension
     for node, s in prop.shard.items():
         if _op_name(node) in ("view", "reshape", "expand") and node.op in ("call_method", "call_function"):
             _rewrite_sizes(node, s, tp)
+    for node, (i, value) in prop.sizes.items():
+        node.args = (*node.args[:i], value, *node.args[i + 1 :])
     # column (and vocabulary head) matmuls: local weight, f on the input
     f_of: dict[fx.Node, fx.Node] = {}
     for node, layout in prop.layout.items():
-        lin = _linear(gm, node)
+        lin = _linear(gm, node, tp)
         x = node.args[0]
         if x not in f_of:
             with graph.inserting_after(x):
-                f_of[x] = _inherit(graph.call_function(runtime.copy_to_tp, (x,)), node, "replicated", x)
+                f_of[x] = place(graph.call_function(runtime.copy_to_tp, (x,)), node, x, tp="replicated")
         node.replace_input_with(x, f_of[x])
         if lin.module:
             local = nn.Linear(lin.in_f, lin.out_f // tp, bias=lin.bias is not None, device="meta")
@@ -425,17 +541,17 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
             if lin.bias:
                 _localise(gm, lin.bias, (lin.out_f // tp,))
         spec = ParamShard(0, layout.factors, layout.index)
-        result.shards[lin.weight] = spec
+        ctx.shards[lin.weight] = spec
         if lin.bias is not None:
-            result.shards[lin.bias] = spec
+            ctx.shards[lin.bias] = spec
         role = "vocabulary-parallel head" if node.meta.get("tp_role") == "vocab" else "column-parallel"
-        result.notes[node.name] = f"tp={tp}: {role}, out_features {lin.out_f} -> {lin.out_f // tp}"
+        ctx.notes[node.name] = f"tp={tp}: {role}, out_features {lin.out_f} -> {lin.out_f // tp}"
     # row matmuls: local weight, g on the output, bias after the reduction
     for node, layout in prop.rows.items():
-        lin = _linear(gm, node)
+        lin = _linear(gm, node, tp)
         if layout.size != lin.in_f:
-            raise _fail(node, f"its input features {layout.size} are not the weight's {lin.in_f}")
-        result.shards[lin.weight] = ParamShard(1, layout.factors, layout.index)
+            raise _fail(node, f"its input features {layout.size} are not the weight's {lin.in_f}", tp)
+        ctx.shards[lin.weight] = ParamShard(1, layout.factors, layout.index)
         bias_name = None
         if lin.module:
             module = gm.get_submodule(node.target)
@@ -443,7 +559,7 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
             if module.bias is not None:
                 bias_name = f"{node.target}_bias".replace(".", "_")
                 gm.register_parameter(bias_name, module.bias)
-                result.origin[bias_name] = f"{node.target}.bias"
+                ctx.origin[bias_name] = f"{node.target}.bias"
         else:
             _localise(gm, lin.weight, (lin.out_f, lin.in_f // tp))
             if lin.bias is not None:
@@ -451,15 +567,15 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
                 node.args = node.args[:2]
                 node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
         with graph.inserting_after(node):
-            g = _inherit(graph.call_function(runtime.reduce_from_tp, (node,)), node, "replicated")
+            g = place(graph.call_function(runtime.reduce_from_tp, (node,)), node, tp="replicated")
         _redirect(node, g)
         if bias_name is not None:
             with graph.inserting_after(g):
-                b = _inherit(graph.get_attr(bias_name), node, "replicated")
+                b = place(graph.get_attr(bias_name), node, shape=(lin.out_f,), tp="replicated")
             with graph.inserting_after(b):
-                add = _inherit(graph.call_function(operator.add, (g, b)), node, "replicated")
+                add = place(graph.call_function(operator.add, (g, b)), node, tp="replicated")
             _redirect(g, add)
-        result.notes[node.name] = (
+        ctx.notes[node.name] = (
             f"tp={tp}: row-parallel, in_features {lin.in_f} -> {lin.in_f // tp}, "
             "partial sums all-reduced by reduce_from_tp"
         )
@@ -474,82 +590,81 @@ def tensor_parallel(gm: fx.GraphModule, tp: int) -> ShardedGraph:
                 weight_name, ids = node.args[0].target, node.args[1]  # aten.embedding(weight, ids)
                 rows, dim = _param(gm, weight_name).shape
             else:
-                raise _fail(node, "an embedding whose table is not a parameter")
+                raise _fail(node, "an embedding whose table is not a parameter", tp)
             if rows % tp:
-                raise _fail(node, f"vocabulary {rows} does not divide by tp={tp}")
+                raise _fail(node, f"vocabulary {rows} does not divide by tp={tp}", tp)
             if node.op == "call_module":
                 _swap(gm, node.target, nn.Embedding(rows // tp, dim, device="meta"))
             else:
                 _localise(gm, weight_name, (rows // tp, dim))
             with graph.inserting_before(node):
-                w = _inherit(graph.get_attr(weight_name), node, "sharded")
+                w = place(graph.get_attr(weight_name), node, shape=(rows, dim), tp="sharded")
             with graph.inserting_after(node):
-                emb = _inherit(graph.call_function(runtime.vocab_parallel_embedding, (ids, w)), node, "replicated")
+                emb = graph.call_function(runtime.vocab_parallel_embedding, (ids, w))
+                place(emb, node, tp="replicated")
             node.replace_all_uses_with(emb)
             graph.erase_node(node)
-            result.shards[weight_name] = ParamShard(0, (rows,), 0)
-            result.notes[emb.name] = f"tp={tp}: vocabulary-parallel embedding, rows {rows} -> {rows // tp}"
+            ctx.shards[weight_name] = ParamShard(0, (rows,), 0)
+            ctx.notes[emb.name] = f"tp={tp}: vocabulary-parallel embedding, rows {rows} -> {rows // tp}"
     # the loss over vocabulary-split logits
     for node, s in prop.losses.items():
-        if node.target is runtime.cp_cross_entropy and s.dim == len(_shape(node.args[0])) - 1:
+        if s.dim != len(_shape(node.args[0])) - 1:
+            raise _fail(node, "only cross-entropy over logits split along the vocabulary is supported", tp)
+        if node.target is runtime.cp_cross_entropy:
             node.args = (*node.args[:3], True)  # vocabulary-parallel and context-parallel at once
-            result.notes[node.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
+            ctx.notes[node.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
             continue
-        if _op_name(node) not in ("cross_entropy", "cross_entropy_loss") or s.dim != len(_shape(node.args[0])) - 1:
-            raise _fail(node, "only cross-entropy over logits split along the vocabulary is supported")
-        if node.op == "call_function" and _op_name(node) == "cross_entropy_loss":  # aten: positional defaults
-            extra = list(node.args[2:]) + [None, 1, -100][len(node.args[2:]) :]
-            if extra[0] is not None or (len(extra) > 3 and extra[3]):
-                raise _fail(node, "class weights or label smoothing in a vocabulary-split loss")
-            reduction, ignore = {0: "none", 1: "mean", 2: "sum"}[extra[1]], extra[2]
-        else:
-            ignore = node.kwargs.get("ignore_index", -100)
-            reduction = node.kwargs.get("reduction", "mean")
+        args = ops.call_args(node)
+        if args["weight"] is not None or args["label_smoothing"]:
+            raise _fail(node, "class weights or label smoothing in a vocabulary-split loss", tp)
         with graph.inserting_after(node):
             ce = graph.call_function(
-                runtime.vocab_parallel_cross_entropy, (node.args[0], node.args[1], ignore, reduction)
+                runtime.vocab_parallel_cross_entropy,
+                (args["input"], args["target"], args["ignore_index"], args["reduction"]),
             )
-            _inherit(ce, node, "replicated")
+            place(ce, node, tp="replicated")
         node.replace_all_uses_with(ce)
         graph.erase_node(node)
-        result.notes[ce.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
+        ctx.notes[ce.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
     graph.lint()
     gm.recompile()
-    return result
+    return gm
 
 
-def load_local(sharded: ShardedGraph, full: dict[str, torch.Tensor], rank: int) -> None:
-    """Give ``sharded.gm`` TP rank ``rank``'s slices of the full parameters and buffers ``full``
-    (named as in the traced module, e.g. ``model.layers.0.attn.wq.weight``)."""
+def full_weights_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
+    """Ensured: every column, row and vocabulary matmul multiplies by a 1/tp slice of its weight."""
+    for node in gm.graph.nodes:
+        if node.meta.get("tp_role") not in ("column", "row", "vocab") or node.meta.get("op_class") != "matmul":
+            continue
+        lin = _linear(gm, node, ctx.tp)
+        spec = ctx.shards.get(lin.weight)
+        local = _param(gm, lin.weight).shape
+        if spec is None or local[spec.dim] * ctx.tp != spec.size:
+            return f"{node.name} keeps the full weight {lin.weight} {tuple(local)}"
+    return None
+
+
+def load_local(gm: fx.GraphModule, ctx: RewriteContext, full: dict[str, torch.Tensor], rank: int) -> None:
+    """Give ``gm`` (rewritten by :func:`tensor_parallel` with ``ctx``) TP rank ``rank``'s slices
+    of the full parameters and buffers ``full`` (named as in the traced module, e.g.
+    ``model.layers.0.attn.wq.weight``)."""
     local = {}
-    for name, t in [*sharded.gm.named_parameters(), *sharded.gm.named_buffers()]:
-        source = sharded.origin.get(name, name)
+    for name, t in [*gm.named_parameters(), *gm.named_buffers()]:
+        source = ctx.origin.get(name, name)
         if source not in full:
             raise AutoshardError(f"no value for parameter {source}; the state does not match the model")
         value = full[source]
-        spec = sharded.shards.get(source)
-        value = slice_parameter(value, spec, rank, sharded.tp) if spec is not None else value.clone()
+        spec = ctx.shards.get(source)
+        value = slice_parameter(value, spec, rank, ctx.tp) if spec is not None else value.clone()
         if tuple(value.shape) != tuple(t.shape):
             raise AutoshardError(f"{source}: local shape {tuple(value.shape)} but the graph expects {tuple(t.shape)}")
         local[name] = value
-    sharded.gm.load_state_dict(local, strict=True, assign=True)
+    gm.load_state_dict(local, strict=True, assign=True)
 
 
 def _local_size(node: fx.Node) -> bool:
     """``x.size(d)`` of a split tensor: already the local size at run time."""
     return _op_name(node) == "size" and node.args[0].meta.get("tp") != "replicated"
-
-
-_INHERITED = ("nn_module_stack", "module_path", "module_type", "layer", "region", "source")
-
-
-def _inherit(new: fx.Node, anchor: fx.Node, tp_state: str, shape_of: fx.Node | None = None) -> fx.Node:
-    """Give an inserted node its anchor's place in the model (layer, region, module, source) and
-    the global shape of ``shape_of`` (default: the anchor)."""
-    new.meta.update({k: anchor.meta[k] for k in _INHERITED if k in anchor.meta})
-    new.meta["tp"] = tp_state
-    new.meta["shape"] = (shape_of or anchor).meta.get("shape")
-    return new
 
 
 def _redirect(old: fx.Node, new: fx.Node) -> None:
@@ -566,7 +681,7 @@ class _Lin:
     module: bool  # an nn.Linear call (else F.linear / aten.linear on parameters)
 
 
-def _linear(gm: fx.GraphModule, node: fx.Node) -> _Lin:
+def _linear(gm: fx.GraphModule, node: fx.Node, tp: int) -> _Lin:
     if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear):
         m = gm.get_submodule(node.target)
         bias = f"{node.target}.bias" if m.bias is not None else None
@@ -581,7 +696,7 @@ def _linear(gm: fx.GraphModule, node: fx.Node) -> _Lin:
         ):
             out_f, in_f = _param(gm, w.target).shape
             return _Lin(w.target, b.target if b is not None else None, out_f, in_f, False)
-    raise _fail(node, "only linear layers whose weight is a parameter are split")
+    raise _fail(node, "only linear layers whose weight is a parameter are split", tp)
 
 
 def _param(gm: fx.GraphModule, target: str) -> torch.Tensor:
@@ -614,8 +729,16 @@ def _rewrite_sizes(node: fx.Node, s: Shard, tp: int) -> None:
             return
         sizes[s.dim] = value // tp
     elif isinstance(value, fx.Node) and not _local_size(value):
-        raise _fail(node, "the split dimension's size is computed, not a constant; write it as a constant")
+        raise _fail(node, "the split dimension's size is computed, not a constant; write it as a constant", tp)
     node.args = (args[0], type(args[1])(sizes)) if packed else (args[0], *sizes)
 
 
-__all__ = ["tensor_parallel", "load_local", "ShardedGraph", "Shard", "ParamShard", "slice_parameter"]
+__all__ = [
+    "tensor_parallel",
+    "full_weights_left",
+    "load_local",
+    "Shard",
+    "ParamShard",
+    "slice_parameter",
+    "IMPLEMENTED",
+]

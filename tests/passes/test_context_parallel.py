@@ -3,12 +3,14 @@ causal attention becomes cp_attention, and the loss becomes this rank's share of
 
 import sys
 
+import pytest
 import torch
 
 from autoshard import runtime
 from autoshard.capture import capture
 from autoshard.cost_models.analyze import analyze
-from autoshard.passes.context_parallel import context_parallel
+from autoshard.passes.context_parallel import context_parallel, no_full_sequence_attention_left
+from autoshard.passes.contract import Refusal, RewriteContext
 from autoshard.passes.flash_attention import flash_attention
 
 from conftest import EXAMPLES
@@ -26,8 +28,8 @@ def test_llama_cp2_graph():
     cap = capture(llama3.build("tiny"), (torch.zeros(2, 16, dtype=torch.long),))
     analyze(cap)
     gm = cap.graph_module
-    flash_attention(gm)
-    context_parallel(gm, 2, "ring")
+    ctx = RewriteContext(cp=2, attention="ring")
+    gm = context_parallel(flash_attention(gm, ctx), ctx)
     assert _count(gm, runtime.cp_shard) == 2  # the model's tokens, and the loss's labels
     assert _count(gm, runtime.cp_positions) == 4  # rotary angles of q and k in each of 2 layers
     assert _count(gm, runtime.cp_attention) == 2 and _count(gm, runtime.fused_attention) == 0
@@ -36,3 +38,55 @@ def test_llama_cp2_graph():
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     plain = capture(cap.model, (torch.zeros(2, 16, dtype=torch.long),)).graph_module
     assert torch.allclose(gm(tokens), plain(tokens), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Before/Expected on a small hand-written model
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, masked: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.qkv = torch.nn.Linear(32, 96, bias=False)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.masked = masked
+
+    def forward(self, tokens):
+        b, s = tokens.size(0), tokens.size(1)
+        positions = torch.arange(s)
+        x = self.embed(tokens) + positions[:, None].float()
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = torch.ones(s, s, dtype=torch.bool).tril() if self.masked else None
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.masked)
+        return self.head(out.transpose(1, 2).reshape(b, s, 32))
+
+
+def _calls(gm):
+    return [
+        n.meta["op"] for n in gm.graph.nodes if n.op == "call_function" and n.target.__module__.startswith("autoshard")
+    ]
+
+
+def test_tokens_positions_attention_and_loss_become_the_cp_calls():
+    cap = capture(Tiny(), (torch.zeros(2, 8, dtype=torch.long),))
+    analyze(cap)
+    ctx = RewriteContext(cp=2, attention="allgather-kv")
+    gm = context_parallel(cap.graph_module, ctx)
+    # Expected, in program order: this rank's tokens, their global positions, attention over the
+    # CP group, the labels in the same layout, this rank's share of the mean loss
+    assert _calls(gm) == ["cp_shard", "cp_positions", "cp_attention", "cp_shard", "cp_cross_entropy"]
+    (attn,) = [n for n in gm.graph.nodes if n.target is runtime.cp_attention]
+    assert attn.args[3] == "allgather-kv" and attn.meta["op_class"] == "attention"
+    (loss,) = [n for n in gm.graph.nodes if n.target is runtime.cp_cross_entropy]
+    assert loss.meta["op_class"] == "loss" and loss.args[2] == -100
+    assert no_full_sequence_attention_left(gm, ctx) is None
+
+
+def test_masked_attention_is_refused_for_cp():
+    cap = capture(Tiny(masked=True), (torch.zeros(2, 8, dtype=torch.long),))
+    analyze(cap)
+    with pytest.raises(Refusal, match=r"only causal attention is sharded\); plan with --force cp=1") as e:
+        context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
+    assert (e.value.axis, e.value.value) == ("cp", 2)
+    assert "test_context_parallel.py:" in str(e.value)

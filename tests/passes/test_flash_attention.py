@@ -8,7 +8,8 @@ import torch
 from autoshard import runtime
 from autoshard.capture import capture, causal_lm_loss
 from autoshard.cost_models.analyze import analyze
-from autoshard.passes.flash_attention import flash_attention
+from autoshard.passes.contract import RewriteContext
+from autoshard.passes.flash_attention import flash_attention, no_fusable_sdpa_left
 
 from conftest import EXAMPLES
 
@@ -27,7 +28,9 @@ def _check(name, expected_before):
     analyze(cap)
     gm = cap.graph_module
     assert _ops(gm).count(expected_before) == 2  # Before: one per layer
-    assert flash_attention(gm) == 2
+    ctx = RewriteContext()
+    gm = flash_attention(gm, ctx)
+    assert len(ctx.notes) == 2
     fused = [n for n in gm.graph.nodes if n.target is runtime.fused_attention]
     assert len(fused) == 2 and all(n.args[3] is True for n in fused)  # Expected: causal fused calls
     assert expected_before not in _ops(gm)
@@ -43,3 +46,77 @@ def test_written_out_attention_is_fused():
 
 def test_sdpa_calls_are_fused():
     _check("llama3", "scaled_dot_product_attention")
+
+
+# ---------------------------------------------------------------------------------------------
+# Before/Expected on a small hand-written attention
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, masked_sdpa: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.qkv = torch.nn.Linear(32, 96, bias=False)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.masked_sdpa = masked_sdpa
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        b, s = tokens.size(0), tokens.size(1)
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.masked_sdpa:
+            mask = torch.ones(s, s, dtype=torch.bool).tril()
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / 8**0.5)
+            future = x.new_ones(s, s, dtype=torch.bool).triu(1)
+            out = torch.matmul(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1), v)
+        return self.head(out.transpose(1, 2).reshape(b, s, 32))
+
+
+def _captured(model):
+    cap = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
+    analyze(cap)
+    return cap.graph_module
+
+
+def _attention_ops(gm):
+    """The ops from q, k, v to the output projection."""
+    ops = [n.meta["op"] for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    start = ops.index("unbind") + 4  # unbind, then the getitems of q, k and v
+    return ops[start : ops.index("linear", start)]
+
+
+def test_written_out_softmax_qkt_v_becomes_one_fused_call():
+    torch.manual_seed(0)
+    model = Attention()
+    gm = _captured(model)
+    # Before: q, k, v (three getitems) then the written-out causal attention
+    assert _attention_ops(gm) == [
+        "transpose",
+        "matmul",
+        "mul",
+        "new_ones",
+        "triu",
+        "masked_fill",
+        "softmax",
+        "matmul",
+        "transpose",
+        "reshape",
+    ]
+    ctx = RewriteContext()
+    gm = flash_attention(gm, ctx)
+    (fused,) = [n for n in gm.graph.nodes if n.target is runtime.fused_attention]
+    # Expected: one causal fused call, the default scale left to the kernel
+    assert fused.meta["op"] == "fused_attention" and fused.meta["op_class"] == "attention"
+    assert fused.args[3:] == (True, None)
+    assert _attention_ops(gm) == ["fused_attention", "transpose", "reshape"]
+    assert no_fusable_sdpa_left(gm, ctx) is None
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(gm(tokens), causal_lm_loss(model(tokens), tokens), atol=1e-6)
+
+
+def test_sdpa_with_a_mask_is_left_alone():
+    gm = flash_attention(_captured(Attention(masked_sdpa=True)), RewriteContext())
+    assert [n.meta["op"] for n in gm.graph.nodes].count("scaled_dot_product_attention") == 1
+    assert not any(n.target is runtime.fused_attention for n in gm.graph.nodes)

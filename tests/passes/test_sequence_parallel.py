@@ -5,11 +5,14 @@ on slices are restored, and the norms' gradients are listed as partial."""
 import operator
 import sys
 
+import pytest
 import torch
+from torch import nn
 
 from autoshard import runtime
 from autoshard.capture import capture
 from autoshard.cost_models.analyze import analyze
+from autoshard.passes.contract import Refusal, RewriteContext
 from autoshard.passes.sequence_parallel import sequence_parallel
 from autoshard.passes.tensor_parallel import tensor_parallel
 
@@ -27,9 +30,9 @@ def test_llama_tp2_sp_rewrites_collectives_and_lists_partial_norm_gradients():
 
     cap = capture(llama3.build("tiny"), (torch.zeros(2, 16, dtype=torch.long),))
     analyze(cap)
-    sharded = tensor_parallel(cap.graph_module, 2)
-    partial = sequence_parallel(sharded.gm, 2, sharded.notes)
-    gm = sharded.gm
+    ctx = RewriteContext(tp=2, sequence_parallel=True)
+    gm = sequence_parallel(tensor_parallel(cap.graph_module, ctx), ctx)
+    partial = ctx.partial_grads
     # Expected: no all-reduce left inside the layers, one reduce-scatter per row matmul,
     # one all-gather per TP region (4 in the layers + the head), one scatter into layer 0
     assert len(_calls(gm, runtime.reduce_from_tp)) == 0
@@ -45,3 +48,97 @@ def test_llama_tp2_sp_rewrites_collectives_and_lists_partial_norm_gradients():
     assert partial == sorted(
         [f"model.layers.{i}.{n}.weight" for i in (0, 1) for n in ("attn_norm", "ffn_norm")] + ["model.norm.weight"]
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Before/Expected on a small hand-written model
+
+
+class RMS(nn.Module):
+    """RMSNorm written out, under a class name that says nothing."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+
+class FFN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(64, 64, bias=False)
+        self.fc2 = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, norm, cumsum=False):
+        super().__init__()
+        self.norm, self.ffn, self.cumsum = norm(64), FFN(), cumsum
+
+    def forward(self, x):
+        x = x + self.ffn(self.norm(x))
+        return x.cumsum(1) if self.cumsum else x
+
+
+class Tiny(nn.Module):
+    def __init__(self, norm=RMS, cumsum=False):
+        super().__init__()
+        self.embed = nn.Embedding(64, 64)
+        self.layers = nn.ModuleList(Block(norm, cumsum) for _ in range(2))
+        self.head = nn.Linear(64, 64, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _tp_sp(model):
+    cap = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
+    analyze(cap)
+    ctx = RewriteContext(tp=2, sequence_parallel=True)
+    return sequence_parallel(tensor_parallel(cap.graph_module, ctx), ctx), ctx
+
+
+def _layer_program(gm, layer):
+    return [
+        n.meta["op"]
+        for n in gm.graph.nodes
+        if n.op in ("call_function", "call_method", "call_module") and n.meta.get("layer") == layer
+    ]
+
+
+@pytest.mark.parametrize("norm", [RMS, nn.RMSNorm], ids=["written-out", "module"])
+def test_tp_regions_gather_and_reduce_scatter_the_sequence(norm):
+    gm, ctx = _tp_sp(Tiny(norm))
+    (scatter,) = _calls(gm, runtime.scatter_to_sp)
+    assert scatter.args[1] == 1 and scatter.meta["op"] == "scatter_to_sp"
+    norm_ops = ["pow", "mean", "add", "rsqrt", "mul", "mul"] if norm is RMS else ["rms_norm"]
+    # Expected: the norm and the residual add run on the slice; the MLP between an all-gather
+    # and a reduce-scatter of the sequence
+    assert _layer_program(gm, 1) == [
+        *norm_ops,
+        "gather_from_sp",
+        "linear",
+        "gelu",
+        "linear",
+        "reduce_scatter_to_sp",
+        "add",
+    ]
+    weights = ["model.layers.0.norm.w", "model.layers.1.norm.w"]
+    if norm is nn.RMSNorm:
+        weights = [w.replace(".w", ".weight") for w in weights]
+    assert ctx.partial_grads == weights  # the norm's weight sees this rank's tokens only
+
+
+def test_an_op_across_the_sequence_is_refused():
+    with pytest.raises(Refusal, match=r"'cumsum' is not per-token; plan with --force sp=off") as e:
+        _tp_sp(Tiny(cumsum=True))
+    assert (e.value.axis, e.value.value) == ("sp", True)
+    assert "test_sequence_parallel.py:" in str(e.value)

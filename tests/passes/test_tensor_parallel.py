@@ -9,8 +9,10 @@ import torch
 
 from autoshard import runtime
 from autoshard.capture import capture, causal_lm_loss
+from autoshard.cost_models import ops
 from autoshard.cost_models.analyze import analyze
-from autoshard.errors import AutoshardError
+from autoshard.ir import B, S
+from autoshard.passes.contract import Refusal, RewriteContext
 from autoshard.passes.tensor_parallel import ParamShard, load_local, slice_parameter, tensor_parallel
 
 from conftest import EXAMPLES
@@ -24,7 +26,8 @@ def _sharded(name: str, tp: int, seq: int = 16):
     model = module.build("tiny")
     cap = capture(model, (torch.zeros(2, seq, dtype=torch.long),))
     analyze(cap)
-    return model, tensor_parallel(cap.graph_module, tp)
+    ctx = RewriteContext(tp=tp)
+    return model, tensor_parallel(cap.graph_module, ctx), ctx
 
 
 def _calls(gm, fn):
@@ -32,8 +35,7 @@ def _calls(gm, fn):
 
 
 def test_llama_tp2_graph_has_megatron_collectives_and_local_shapes():
-    _, sg = _sharded("llama3", 2)
-    gm = sg.gm
+    _, gm, ctx = _sharded("llama3", 2)
     # Before: 2 layers x (attention + MLP) regions, a vocabulary-parallel head and embedding
     # Expected: one f per region input (q/k/v share theirs), one g per row matmul
     assert len(_calls(gm, runtime.copy_to_tp)) == 2 * 2 + 1
@@ -52,46 +54,47 @@ def test_llama_tp2_graph_has_megatron_collectives_and_local_shapes():
     views = {n.name: n.args[1:] for n in gm.graph.nodes if n.op == "call_method" and n.target in ("view", "reshape")}
     assert views["view"][2:] == (2, 16) and views["view_1"][2:] == (1, 16)  # heads constants rewritten
     assert views["reshape"][2:] == (32,)
-    assert "column-parallel, out_features 64 -> 32" in sg.notes["model_layers_0_attn_wq"]
+    assert "column-parallel, out_features 64 -> 32" in ctx.notes["model_layers_0_attn_wq"]
 
 
 def test_gpt_fused_qkv_is_split_by_heads_not_by_q_k_v():
-    _, sg = _sharded("gpt", 2)
-    spec = sg.shards["model.layers.0.attn.qkv.weight"]
+    _, gm, ctx = _sharded("gpt", 2)
+    spec = ctx.shards["model.layers.0.attn.qkv.weight"]
     assert spec == ParamShard(0, (3, 4, 16), 1)  # (q|k|v, heads, head_dim): split the heads
     full = torch.arange(192.0).unsqueeze(1)
     rows = slice_parameter(full, spec, 1, 2).squeeze(1)
     # rank 1 holds heads 2-3 of q, of k and of v
     expected = torch.cat([torch.arange(32.0, 64.0), torch.arange(96.0, 128.0), torch.arange(160.0, 192.0)])
     assert torch.equal(rows, expected)
-    bias = [n for n in sg.gm.graph.nodes if n.op == "get_attr" and n.target.endswith("proj_bias")]
+    bias = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith("proj_bias")]
     assert bias and all(n.users and next(iter(n.users)).args[0].target is runtime.reduce_from_tp for n in bias)
 
 
 def test_indivisible_split_is_a_clear_error():
-    with pytest.raises(AutoshardError, match="do not divide by tp=3"):
+    with pytest.raises(Refusal, match="do not divide by tp=3") as e:
         _sharded("llama3", 3)
+    assert (e.value.axis, e.value.value) == ("tp", 3)
 
 
 def _tp_worker(rank, world, name):
     import torch.distributed as dist
 
     runtime.set_groups(tp=dist.group.WORLD)
-    model, sg = _sharded(name, world)
+    model, gm, ctx = _sharded(name, world)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (2, 16), generator=gen)
     reference = causal_lm_loss(model(tokens), tokens)
     reference.backward()
     full = {f"model.{k}": v for k, v in model.state_dict().items()}
     grads = {f"model.{k}": p.grad for k, p in model.named_parameters()}
-    load_local(sg, full, rank)
-    loss = sg.gm(tokens)
+    load_local(gm, ctx, full, rank)
+    loss = gm(tokens)
     loss.backward()
     worst = 0.0
-    for local_name, p in sg.gm.named_parameters():
-        source = sg.origin.get(local_name, local_name)
+    for local_name, p in gm.named_parameters():
+        source = ctx.origin.get(local_name, local_name)
         g = grads[source]
-        spec = sg.shards.get(source)
+        spec = ctx.shards.get(source)
         g = slice_parameter(g, spec, rank, world) if spec else g
         worst = max(worst, (p.grad - g).abs().max().item() / (g.abs().max().item() + 1e-12))
     runtime.set_groups(tp=None)
@@ -103,5 +106,203 @@ def test_tp2_on_two_processes_matches_single_device(name):
     from distributed import run
 
     for loss_err, grad_err in run(_tp_worker, 2, name, timeout=120):
+        assert loss_err < 1e-5
+        assert grad_err < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Before/Expected on small hand-written models
+
+
+class _FFN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 64, bias=False)
+        self.fc2 = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 64)
+        self.mlp = _FFN()
+        self.head = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        return self.head(x + self.mlp(x))
+
+
+def _rewrite(model, tp=2, seq=8):
+    cap = capture(model, (torch.zeros(2, seq, dtype=torch.long),))
+    analyze(cap)
+    ctx = RewriteContext(tp=tp)
+    return tensor_parallel(cap.graph_module, ctx), ctx
+
+
+def _program(gm, prefix):
+    """(op, in, out) of the computing nodes of module ``prefix``, in program order."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module") and n.meta.get("module_path", "").startswith(prefix):
+            m = gm.get_submodule(n.target) if n.op == "call_module" else None
+            out.append((n.meta["op"], m.in_features, m.out_features) if m is not None else (n.meta["op"],))
+    return out
+
+
+def test_two_linear_mlp_becomes_copy_column_gelu_row_reduce():
+    gm, ctx = _rewrite(_MLP())
+    assert _program(gm, "mlp") == [
+        ("copy_to_tp",),
+        ("linear", 64, 32),
+        ("gelu",),
+        ("linear", 32, 64),
+        ("reduce_from_tp",),
+    ]
+    assert ctx.shards["model.mlp.fc1.weight"] == ParamShard(0, (64,), 0)
+    assert ctx.shards["model.mlp.fc2.weight"] == ParamShard(1, (64,), 0)
+    inserted = [n for n in gm.graph.nodes if n.target in (runtime.copy_to_tp, runtime.reduce_from_tp)]
+    assert all(n.meta["op_class"] == "other" and n.meta["shape"] is not None for n in inserted)
+
+
+class _Zoo(torch.nn.Module):
+    """One TP region per block that passes a head/feature split through an op of every
+    transfer rule of the op table (ops.TP_RULES)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.proj = torch.nn.Linear(32, 32)
+        self.up = torch.nn.Linear(32, 64)
+        self.down = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, tokens):
+        F = torch.nn.functional
+        x = self.embed(tokens)
+        b, s = tokens.size(0), tokens.size(1)
+        q, k, v = self.qkv(x).split(32, dim=-1)  # split: equal parts of the split dimension
+        q = q.view(b, s, 4, 8).transpose(1, 2)  # view, transpose
+        k = k.view(b, s, 4, 8).permute(0, 2, 1, 3)  # permute
+        v = v.reshape(b, s, 4, 8).transpose(1, 2)
+        fused = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # attention
+        scores = torch.matmul(q, k.transpose(-2, -1)) * 0.125  # matmul, pointwise
+        written = torch.matmul(F.softmax(scores, dim=-1), v)  # softmax
+        out = (fused + written).transpose(1, 2).reshape(b, s, 32)
+        x = x + self.proj(out)  # linear (row)
+        a, g = self.up(x).chunk(2, dim=-1)  # split (chunk)
+        h = (F.silu(g) * a).unsqueeze(2).expand(-1, -1, 2, -1)  # unsqueeze, expand
+        h0, h1 = h.unbind(2)  # split (unbind)
+        h = torch.stack([h0, h1], dim=2)  # stack
+        h = h.select(2, 0) + h.narrow(2, 1, 1).squeeze(2)  # select, slice (narrow), squeeze
+        c = torch.cat([h.unsqueeze(2), h.unsqueeze(2)], dim=2)  # cat
+        h = c[:, :, 0] + c[..., 1, :]  # getitem
+        x = x + self.down(h)
+        return self.head(x)  # linear (vocabulary), then loss
+
+
+def _local_shapes(gm, ctx):
+    """Rank 0's shapes of every node, run without a TP group (collectives are identities)."""
+    torch.manual_seed(0)
+    full = {f"model.{k}": v for k, v in _Zoo().state_dict().items()}
+    load_local(gm, ctx, full, 0)
+    shapes = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            value = super().run_node(n)
+            shapes[n] = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            return value
+
+    Recorder(gm).run(torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0)))  # rank 0's rows
+    return shapes
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    gm, ctx = _rewrite(_Zoo())
+    return gm, ctx, _local_shapes(gm, ctx)
+
+
+def _halved(node, shapes):
+    glob = tuple(int(d.subs({B: 2, S: 8})) if hasattr(d, "subs") else d for d in node.meta["shape"])
+    return any(g == 2 * loc for g, loc in zip(glob, shapes[node])) and len(glob) == len(shapes[node])
+
+
+@pytest.mark.parametrize("kind", sorted(ops.TP_RULES))
+def test_every_transfer_rule_carries_a_split(zoo, kind):
+    """For each kind of TP rule, a node of that kind in the zoo holds a 1/tp slice on rank 0
+    (for the row matmul and the loss, which end a region: its split input does)."""
+    gm, _, shapes = zoo
+    if kind == "loss":  # the rule rewrites it: the vocabulary-parallel cross-entropy reads the split logits
+        nodes = [n for n in gm.graph.nodes if n.target is runtime.vocab_parallel_cross_entropy]
+    else:
+        nodes = [n for n in gm.graph.nodes if ops.rule_of(n) and ops.rule_of(n).tp == kind]
+    assert nodes, f"no {kind} node in the rewritten zoo"
+    if kind in ("linear", "loss"):  # they end a region: their split input
+        checked = [n.all_input_nodes[0] for n in nodes]
+    else:  # a split's parts are what its getitems read
+        checked = [u for n in nodes for u in (n.users if n.meta.get("shape") is None else [n])]
+    assert any(shapes.get(n) and _halved(n, shapes) for n in checked), kind
+
+
+def test_fused_qkv_split_takes_each_parts_heads(zoo):
+    gm, ctx, _ = zoo
+    assert ctx.shards["model.qkv.weight"] == ParamShard(0, (3, 32), 1)  # q|k|v, each split in 2
+    assert ctx.shards["model.up.weight"] == ParamShard(0, (2, 32), 1)  # chunk(2): a and g each split
+    (split,) = [n for n in gm.graph.nodes if n.meta.get("op") == "split"]
+    assert split.args[1] == 16  # split(32) of the full features -> split(16) of this rank's
+
+
+def test_softmax_over_the_split_dimension_is_refused_with_the_line():
+    class Bad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(64, 32)
+            self.up = torch.nn.Linear(32, 64)
+            self.down = torch.nn.Linear(64, 32)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            return x + self.down(torch.softmax(self.up(x), dim=-1))
+
+    with pytest.raises(Refusal, match=r"softmax over the split dimension; plan with --force tp=1") as e:
+        _rewrite(Bad())
+    assert (e.value.axis, e.value.value) == ("tp", 2)
+    assert "test_tensor_parallel.py:" in str(e.value)
+
+
+def _zoo_worker(rank, world):
+    import torch.distributed as dist
+
+    runtime.set_groups(tp=dist.group.WORLD)
+    torch.manual_seed(0)
+    model = _Zoo()
+    gm, ctx = _rewrite(_Zoo())
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    reference = causal_lm_loss(model(tokens), tokens)
+    reference.backward()
+    load_local(gm, ctx, {f"model.{k}": v for k, v in model.state_dict().items()}, rank)
+    loss = gm(tokens)
+    loss.backward()
+    worst = 0.0
+    for name, p in gm.named_parameters():
+        source = ctx.origin.get(name, name)
+        g = dict(model.named_parameters())[source.removeprefix("model.")].grad
+        spec = ctx.shards.get(source)
+        g = slice_parameter(g, spec, rank, world) if spec else g
+        worst = max(worst, (p.grad - g).abs().max().item() / (g.abs().max().item() + 1e-12))
+    runtime.set_groups(tp=None)
+    return abs(loss.item() - reference.item()) / abs(reference.item()), worst
+
+
+def test_zoo_tp2_on_two_processes_matches_single_device():
+    from distributed import run
+
+    for loss_err, grad_err in run(_zoo_worker, 2, timeout=120):
         assert loss_err < 1e-5
         assert grad_err < 1e-5
