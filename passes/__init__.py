@@ -11,26 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.errors import AutoshardError
-from autoshard.passes.activation_checkpoint import activation_checkpoint
+from autoshard.passes.activation_checkpoint import activation_checkpoint, layers_wrapped
 from autoshard.passes.context_parallel import context_parallel, no_full_sequence_attention_left
 from autoshard.passes.contract import Pass, RewriteContext, run_passes
 from autoshard.passes.flash_attention import flash_attention, no_fusable_sdpa_left
-from autoshard.passes.pipeline_split import pipeline_split
+from autoshard.passes.pipeline_split import chunks_chained, pipeline_split
 from autoshard.passes.sequence_parallel import no_tp_all_reduce_left, sequence_parallel
 from autoshard.passes.tensor_parallel import full_weights_left, tensor_parallel
 
 _CAPTURED = ("shape", "dtype", "op", "op_class", "region", "layer")
 _PLACED = ("shape", "region", "layer")  # what the nodes every pass inserts carry too
-
-
-def _ac(gm, ctx):
-    activation_checkpoint(gm, list(ctx.recompute), ctx.notes)
-    return gm
-
-
-def _split(gm, ctx):
-    ctx.split = pipeline_split(gm, list(ctx.stage_layers))
-    return gm
 
 
 PASSES: list[Pass] = [
@@ -69,16 +59,20 @@ PASSES: list[Pass] = [
     ),
     Pass(
         "activation_checkpoint",
-        _ac,
+        activation_checkpoint,
         lambda ctx: bool(ctx.recompute),
         requires=_PLACED,
+        writes=(),  # adds no key to the nodes it finds; its Checkpoint calls carry region, layer, source, op
+        ensures=(layers_wrapped,),
         summary="the plan's selective-recompute set around each layer",
     ),
     Pass(
         "pipeline_split",
-        _split,
+        pipeline_split,
         lambda ctx: True,
         requires=("region", "layer"),
+        writes=(),  # leaves gm as it is: the chunks and the loss go to ctx.split
+        ensures=(chunks_chained,),
         summary="one sub-graph per pipeline chunk, and the loss",
     ),
 ]

@@ -4,6 +4,12 @@ recomputes in backward the saved-tensor kinds the plan marks ``recompute``.
 Runs after the parallel rewrites and before the pipeline split. A layer's nodes are moved into
 their own graph (inputs: the values it reads from before it; outputs: the values read after it),
 called as ``checkpoint_L(*inputs)``; the layer's parameters stay where they were.
+
+Requires ``region`` and ``layer`` on every node and reads ``ctx.recompute``. Guarantees
+(:func:`layers_wrapped`): the only computing nodes left in the ``layer`` region are one
+``Checkpoint`` call per layer, recomputing exactly ``ctx.recompute``, and the ``getitem`` s that
+unpack its outputs; each call carries the layer's ``region``, ``layer`` and ``source``, with ``op``
+``"checkpoint"``, and a note in ``ctx.notes``. Nothing else in the graph changes.
 """
 
 from __future__ import annotations
@@ -12,14 +18,16 @@ import operator
 
 from torch import fx
 
+from autoshard.passes.contract import RewriteContext
 from autoshard.runtime.checkpoint import Checkpoint
 
 
-def activation_checkpoint(gm: fx.GraphModule, recompute: list[str], notes: dict[str, str] | None = None) -> int:
-    """Wrap every layer of ``gm`` in place; returns how many layers were wrapped."""
+def activation_checkpoint(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    """Wrap every layer of ``gm`` in place (nothing when ``ctx.recompute`` is empty); returns ``gm``."""
+    recompute = list(ctx.recompute)
     if not recompute:
-        return 0
-    notes = notes if notes is not None else {}
+        return gm
+    notes = ctx.notes
     graph = gm.graph
     layers: dict[int, list[fx.Node]] = {}
     for node in graph.nodes:
@@ -67,4 +75,27 @@ def activation_checkpoint(gm: fx.GraphModule, recompute: list[str], notes: dict[
             graph.erase_node(n)
     graph.lint()
     gm.recompile()
-    return len(layers)
+    return gm
+
+
+def _checkpoint_call(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return node.op == "call_module" and isinstance(gm.get_submodule(node.target), Checkpoint)
+
+
+def layers_wrapped(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
+    """``ensures`` of the pass: every layer is one Checkpoint call recomputing ``ctx.recompute``,
+    and nothing else computes in the layers. Returns what is wrong, or None."""
+    seen: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.meta.get("region") != "layer" or node.op in ("get_attr", "placeholder", "output"):
+            continue
+        if _checkpoint_call(gm, node):
+            if node.meta.get("layer") in seen:
+                return f"layer {node.meta.get('layer')} has two checkpoint calls"
+            seen.add(node.meta.get("layer"))
+            recompute = gm.get_submodule(node.target).recompute
+            if recompute != sorted(ctx.recompute):
+                return f"{node.name} recomputes {recompute}, the plan {sorted(ctx.recompute)}"
+        elif not (node.target is operator.getitem and _checkpoint_call(gm, node.args[0])):
+            return f"{node.format_node()} in layer {node.meta.get('layer')} is outside its checkpoint"
+    return None

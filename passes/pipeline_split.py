@@ -7,6 +7,12 @@ to the last chunk, and what the training wrapper adds after the model (the loss)
 which the pipeline runtime calls as ``loss_fn(output, target)`` on the last chunk's output and the
 micro-batch's token ids. A chunk's inputs are exactly the previous chunk's outputs: values a later
 chunk needs are passed through the chunks in between, so each boundary is one explicit tuple.
+Reads of a model input's size or device carry no data: each chunk that needs one reads it again,
+off its own inputs.
+
+Requires the canonical graph (``autoshard.passes.canonicalize``: no export guards, no device
+constants) with ``region`` and ``layer`` on every node, and reads ``ctx.stage_layers``. Leaves
+``gm`` as it is and sets ``ctx.split`` to the :class:`SplitProgram`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import fx
 
 from autoshard.errors import AutoshardError
 from autoshard.passes._graph import in_model as _in_model
+from autoshard.passes.contract import RewriteContext
 
 LOSS = -1
 
@@ -39,6 +46,22 @@ def _input_size(node: fx.Node) -> bool:
     return name.startswith(("size", "sym_size")) and node.args[0].op == "placeholder"
 
 
+def _input_device(node: fx.Node) -> bool:
+    """``x.device`` of a model input (canonicalize reads the device for factory calls so)."""
+    return (
+        node.op == "call_function"
+        and node.target is getattr
+        and node.args[1:] == ("device",)
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].op == "placeholder"
+    )
+
+
+def _input_meta(node: fx.Node) -> bool:
+    """A read of a model input's size or device: recomputed wherever it is read."""
+    return _input_size(node) or _input_device(node)
+
+
 def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, int]:
     """Node -> chunk index (``LOSS`` for the loss graph); placeholders are absent."""
     bounds = list(accumulate(stage_layers))
@@ -49,7 +72,7 @@ def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, 
 
     out: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output", "get_attr") or _input_size(node):
+        if node.op in ("placeholder", "output", "get_attr") or _input_meta(node):
             continue
         if not _in_model(node):
             out[node] = LOSS
@@ -77,17 +100,55 @@ def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, 
     return out
 
 
-def pipeline_split(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
-    for node in list(gm.graph.nodes):  # torch.export's input-shape guard: the stages check nothing
-        if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
-            gm.graph.erase_node(node)
+def pipeline_split(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    """Split ``gm`` into the chunks ``ctx.stage_layers`` gives (one chunk holding every layer when
+    it is empty) and the loss; sets ``ctx.split`` and returns ``gm`` unchanged."""
+    ctx.split = split_program(gm, list(ctx.stage_layers) or [_num_layers(gm)])
+    return gm
+
+
+def chunks_chained(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
+    """``ensures`` of the pass: one chunk per entry of ``stage_layers``, each holding only its
+    layers, each reading exactly what the chunk before it hands on, and the loss reading what the
+    last one hands on. Returns what is wrong, or None."""
+    split = ctx.split
+    if not isinstance(split, SplitProgram):
+        return f"ctx.split is {type(split).__name__}, not a SplitProgram"
+    want = list(ctx.stage_layers) or [_num_layers(gm)]
+    if len(split.chunks) != len(want):
+        return f"{len(split.chunks)} chunks for stage_layers {want}"
+    for c, (chunk, (first, end)) in enumerate(zip(split.chunks, split.layers)):
+        inputs = [v.name for v in chunk.graph.nodes if v.op == "placeholder"]
+        if c > 0 and inputs != split.boundaries[c - 1]:
+            return f"chunk {c} reads {inputs} but chunk {c - 1} hands on {split.boundaries[c - 1]}"
+        (output,) = [v for v in chunk.graph.nodes if v.op == "output"]
+        handed = output.args[0] if isinstance(output.args[0], tuple) else (output.args[0],)
+        if len(handed) != len(split.boundaries[c]):
+            return f"chunk {c} returns {len(handed)} values but hands on {split.boundaries[c]}"
+        held = {v.meta["layer"] for v in chunk.graph.nodes if v.op != "placeholder" and v.meta.get("region") == "layer"}
+        stray = sorted(held - set(range(first, end)), key=str)
+        if stray:
+            return f"chunk {c} holds layers {stray}, outside its [{first}, {end})"
+    loss_inputs = [v.name for v in split.loss.graph.nodes if v.op == "placeholder"]
+    if loss_inputs[: len(split.boundaries[-1])] != split.boundaries[-1]:
+        return f"the loss reads {loss_inputs} but the last chunk hands on {split.boundaries[-1]}"
+    return None
+
+
+def _num_layers(gm: fx.GraphModule) -> int:
+    return 1 + max((n.meta["layer"] for n in gm.graph.nodes if n.meta.get("layer") is not None), default=-1)
+
+
+def split_program(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
+    """The chunks holding ``stage_layers[c]`` layers each, in order, and the loss graph."""
     chunk = assign_chunks(gm, stage_layers)
     n = len(stage_layers)
-    nodes = [n for n in gm.graph.nodes if not _input_size(n)]
+    nodes = [n for n in gm.graph.nodes if not _input_meta(n)]
     placeholders = [p for p in nodes if p.op == "placeholder"]
+    computed = [v for v in nodes if v.op != "placeholder"]
     for node in nodes:
         for arg in node.all_input_nodes:
-            if arg.op == "placeholder" or _input_size(arg) or node.op == "output" or node not in chunk:
+            if arg.op == "placeholder" or _input_meta(arg) or node.op == "output" or node not in chunk:
                 continue
             a, b = chunk[arg], chunk[node]
             if b == LOSS and a not in (LOSS, n - 1):
@@ -98,7 +159,7 @@ def pipeline_split(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
     reads_after: list[list[fx.Node]] = []
     for c in range(n):
         needed = []
-        for v in [*placeholders, *nodes]:
+        for v in [*placeholders, *computed]:
             if v.op == "output" or (v.op != "placeholder" and chunk.get(v, 0) > c) or chunk.get(v) == LOSS:
                 continue
             later = [u for u in v.users if u in chunk and (chunk[u] > c or (chunk[u] == LOSS and c == n - 1))]
@@ -142,10 +203,13 @@ def _subgraph(gm, inputs, body, outputs, name) -> fx.GraphModule:
         env[v].meta = dict(v.meta)
 
     def lookup(a: fx.Node) -> fx.Node:
-        if a not in env and _input_size(a):
-            env[a] = (
-                graph.node_copy(a, lambda x: env[x]) if a.args[0] in env else _size_from_inputs(graph, env, a, name)
-            )
+        if a not in env and _input_meta(a):
+            if a.args[0] in env:
+                env[a] = graph.node_copy(a, lambda x: env[x])
+            elif _input_device(a):
+                env[a] = _device_from_inputs(graph, env, a, name)
+            else:
+                env[a] = _size_from_inputs(graph, env, a, name)
         return env[a]
 
     for v in body:
@@ -155,9 +219,17 @@ def _subgraph(gm, inputs, body, outputs, name) -> fx.GraphModule:
         graph.output(fx.map_arg(result.args[0], lambda a: env[a]))
     else:
         graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[v] for v in outputs))
-    _run_anywhere(graph)
     graph.lint()
     return fx.GraphModule(gm, graph, class_name=name)
+
+
+def _device_from_inputs(graph: fx.Graph, env: dict, read: fx.Node, name: str) -> fx.Node:
+    """A later chunk creates a tensor on the device of a model input it does not have: its own
+    inputs are on that device."""
+    first = next((node for node in env.values() if node.op == "placeholder"), None)
+    if first is None:
+        raise AutoshardError(f"{name} creates a tensor on the device of {read.args[0].name} and has no input")
+    return graph.call_function(getattr, (first, "device"))
 
 
 def _size_from_inputs(graph: fx.Graph, env: dict, size: fx.Node, name: str) -> fx.Node:
@@ -187,30 +259,3 @@ def _size_from_inputs(graph: fx.Graph, env: dict, size: fx.Node, name: str) -> f
 
     out = graph.call_function(runtime.size_of, (node, d))
     return graph.call_function(operator.mul, (out, tp)) if sliced else out
-
-
-def _run_anywhere(graph: fx.Graph) -> None:
-    """torch.export records the capture's device (meta) as a constant in factory calls and in
-    metadata asserts: read the device off the first input instead, and drop the asserts."""
-    import torch
-
-    for node in list(graph.nodes):
-        target = getattr(node.target, "__name__", "")
-        if node.op == "call_function" and target.startswith("_assert_tensor_metadata") and not node.users:
-            graph.erase_node(node)
-    first = next((n for n in graph.nodes if n.op == "placeholder"), None)
-    device = None
-
-    def is_meta(x) -> bool:
-        return isinstance(x, torch.device) and x.type == "meta"
-
-    for node in list(graph.nodes):
-        if not (any(is_meta(a) for a in node.args) or any(is_meta(v) for v in node.kwargs.values())):
-            continue
-        if first is None:
-            raise AutoshardError(f"{node.name} creates a tensor on a fixed device and its stage has no input")
-        if device is None:
-            with graph.inserting_after(first):
-                device = graph.call_function(getattr, (first, "device"))
-        node.args = tuple(device if is_meta(a) else a for a in node.args)
-        node.kwargs = {k: device if is_meta(v) else v for k, v in node.kwargs.items()}

@@ -1,13 +1,18 @@
 """Activation checkpointing: each layer becomes one ``Checkpoint`` call that recomputes the plan's
-kinds, and the wrapped graph computes the same loss and gradients."""
+kinds, holding exactly that layer's nodes, and the wrapped graph computes the same loss and
+gradients."""
 
+import operator
 import sys
 
 import torch
+from graphs import TinyLM, expected_loss, listing, loss, tokens
+from torch import fx
 
 from autoshard.capture import capture
 from autoshard.cost_models.analyze import analyze
-from autoshard.passes.activation_checkpoint import activation_checkpoint
+from autoshard.passes import PASSES, RewriteContext, run_passes
+from autoshard.passes.activation_checkpoint import activation_checkpoint, layers_wrapped
 from autoshard.runtime.checkpoint import Checkpoint
 
 from conftest import EXAMPLES
@@ -15,7 +20,69 @@ from conftest import EXAMPLES
 sys.path.insert(0, str(EXAMPLES))
 
 
-def _graph():
+def _tiny():
+    torch.manual_seed(0)
+    return capture(TinyLM(2), (tokens(),), loss=loss).graph_module
+
+
+def _expected_top() -> fx.Graph:
+    g = fx.Graph()
+    t = g.placeholder("tokens")
+    h = g.call_module("model.embed", (t,))
+    h = g.call_module("checkpoint_0", (h,))
+    h = g.call_module("checkpoint_1", (h,))
+    g.output(expected_loss(g, g.call_module("model.head", (h,)), t))
+    return g
+
+
+def _expected_layer(i: int, reads: str) -> fx.Graph:
+    g = fx.Graph()
+    x = g.placeholder(reads)
+    g.output(
+        g.call_function(operator.add, (x, g.call_function(torch.relu, (g.call_module(f"model.layers.{i}.lin", (x,)),))))
+    )
+    return g
+
+
+def test_each_layer_becomes_one_checkpoint_of_exactly_its_nodes():
+    gm = _tiny()
+    ctx = RewriteContext(recompute=("activation", "attention"))
+    assert activation_checkpoint(gm, ctx) is gm
+    assert listing(gm.graph) == listing(_expected_top())
+    for i, reads in ((0, "model_embed"), (1, "checkpoint_0")):  # the embedding, layer 0
+        wrapped = gm.get_submodule(f"checkpoint_{i}")
+        assert isinstance(wrapped, Checkpoint) and wrapped.recompute == ["activation", "attention"]
+        assert listing(wrapped.fn.graph) == listing(_expected_layer(i, reads))
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("checkpoint_")]
+    assert [(n.meta["region"], n.meta["layer"], n.meta["op"]) for n in calls] == [
+        ("layer", 0, "checkpoint"),
+        ("layer", 1, "checkpoint"),
+    ]
+    assert ctx.notes == {
+        n.name: f"layer {i} under activation checkpointing: recompute activation, attention"
+        for i, n in enumerate(calls)
+    }
+
+
+def test_nothing_to_recompute_leaves_the_graph_alone():
+    gm = _tiny()
+    before = listing(gm.graph)
+    assert activation_checkpoint(gm, RewriteContext()) is gm
+    assert listing(gm.graph) == before
+
+
+def test_the_ensured_fact_holds_after_the_pass_and_not_before():
+    gm = _tiny()
+    ctx = RewriteContext(recompute=("activation",))
+    assert "outside its checkpoint" in layers_wrapped(gm, ctx)
+    (ac,) = [p for p in PASSES if p.name == "activation_checkpoint"]
+    assert layers_wrapped in ac.ensures
+    run_passes([ac], gm, ctx)  # checks requires, writes and ensures
+    assert layers_wrapped(gm, ctx) is None
+    assert "recomputes ['activation']" in layers_wrapped(gm, RewriteContext(recompute=("attention",)))
+
+
+def _gpt():
     import gpt
 
     torch.manual_seed(0)
@@ -24,34 +91,18 @@ def _graph():
     return cap.graph_module
 
 
-def test_layers_are_wrapped_and_gradients_unchanged():
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    plain = _graph()
-    loss = plain(tokens)
-    loss.backward()
-    expected = {k: p.grad.clone() for k, p in plain.named_parameters()}
+def test_gradients_are_unchanged():
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain = _gpt()
+    expected_loss_value = plain(batch)
+    expected_loss_value.backward()
+    expected = {k: p.grad.clone() for k, p in plain.named_parameters() if p.grad is not None}
 
-    wrapped = _graph()
-    assert activation_checkpoint(wrapped, ["attention", "activation"]) == 2
-    calls = [n for n in wrapped.graph.nodes if n.op == "call_module" and n.target.startswith("checkpoint_")]
-    assert [n.target for n in calls] == ["checkpoint_0", "checkpoint_1"]
-    assert all(isinstance(wrapped.get_submodule(n.target), Checkpoint) for n in calls)
-    assert not any(
-        n.meta.get("layer") == 0 and n.op == "call_module" and "layers" in n.target for n in wrapped.graph.nodes
-    )
-    again = wrapped(tokens)
+    wrapped = activation_checkpoint(_gpt(), RewriteContext(recompute=("activation", "attention")))
+    again = wrapped(batch)
     again.backward()
-    assert torch.allclose(again, loss)
-    params = dict(plain.named_parameters())
-    for name, p in params.items():
-        if p.grad is None:
-            continue
-        got = dict(wrapped.named_parameters()).get(name)
-        assert got is not None and torch.allclose(got.grad, expected[name], atol=1e-6), name
-
-
-def test_nothing_to_recompute_leaves_the_graph_alone():
-    gm = _graph()
-    before = len(gm.graph.nodes)
-    assert activation_checkpoint(gm, []) == 0
-    assert len(gm.graph.nodes) == before
+    assert torch.allclose(again, expected_loss_value)
+    got = dict(wrapped.named_parameters())
+    assert expected and set(expected) <= set(got)
+    for name, grad in expected.items():
+        assert torch.allclose(got[name].grad, grad, atol=1e-6), name

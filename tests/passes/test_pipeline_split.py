@@ -1,19 +1,107 @@
-"""Pipeline split: chunks hold the layers the plan gives them, boundaries are explicit, and the
-chunks run one after another reproduce the whole graph's loss."""
+"""Pipeline split: chunks hold exactly the layers the plan gives them, boundaries are explicit,
+reads of an input's device are made again in the chunk that needs them, and the chunks run one
+after another reproduce the whole graph's loss."""
 
+import operator
 import sys
 
 import pytest
 import torch
+from graphs import TinyLM, expected_loss, listing, loss, tokens
+from torch import fx
 
 from autoshard.capture import capture, causal_lm_loss
 from autoshard.cost_models.analyze import analyze
 from autoshard.errors import AutoshardError
-from autoshard.passes.pipeline_split import pipeline_split
+from autoshard.passes import PASSES, RewriteContext, run_passes
+from autoshard.passes.pipeline_split import SplitProgram, chunks_chained, pipeline_split
 
 from conftest import EXAMPLES
 
 sys.path.insert(0, str(EXAMPLES))
+
+
+def _tiny(layers: int, **kw):
+    torch.manual_seed(0)
+    model = TinyLM(layers, **kw)
+    return model, capture(model, (tokens(),), loss=loss).graph_module
+
+
+def _blocks(g: fx.Graph, h: fx.Node, layers) -> fx.Node:
+    for i in layers:
+        h = g.call_function(
+            operator.add, (h, g.call_function(torch.relu, (g.call_module(f"model.layers.{i}.lin", (h,)),)))
+        )
+    return h
+
+
+def _expected_chunks():
+    first = fx.Graph()
+    first.output(_blocks(first, first.call_module("model.embed", (first.placeholder("tokens"),)), (0, 1)))
+    second = fx.Graph()
+    second.output(second.call_module("model.head", (_blocks(second, second.placeholder("add_1"), (2, 3)),)))
+    loss_graph = fx.Graph()
+    logits, target = loss_graph.placeholder("model_head"), loss_graph.placeholder("tokens")
+    loss_graph.output(expected_loss(loss_graph, logits, target))
+    return first, second, loss_graph
+
+
+def test_two_stages_of_two_layers():
+    model, gm = _tiny(4)
+    before = listing(gm.graph)
+    ctx = RewriteContext(stage_layers=(2, 2))
+    assert pipeline_split(gm, ctx) is gm
+    assert listing(gm.graph) == before
+    split = ctx.split
+    first, second, loss_graph = _expected_chunks()
+    assert [listing(c.graph) for c in split.chunks] == [listing(first), listing(second)]
+    assert listing(split.loss.graph) == listing(loss_graph)
+    assert split.boundaries == [["add_1"], ["model_head"]]
+    assert split.layers == [(0, 2), (2, 4)] and split.target == "tokens"
+    x = tokens()
+    assert torch.allclose(split.loss(split.chunks[1](split.chunks[0](x)), x), loss(model(x), x))
+
+
+def test_no_stage_layers_is_one_chunk_of_every_layer():
+    _, gm = _tiny(2)
+    ctx = RewriteContext()
+    pipeline_split(gm, ctx)
+    assert len(ctx.split.chunks) == 1 and ctx.split.layers == [(0, 2)]
+    calls = [n.target for n in ctx.split.chunks[0].graph.nodes if n.op == "call_module"]
+    assert calls == ["model.embed", "model.layers.0.lin", "model.layers.1.lin", "model.head"]
+
+
+def test_a_later_chunk_reads_the_device_off_its_own_input():
+    model, gm = _tiny(2, device=torch.device("meta"))  # canonicalize: zeros(device=tokens.device)
+    ctx = RewriteContext(stage_layers=(1, 1))
+    pipeline_split(gm, ctx)
+    first, second = ctx.split.chunks
+    assert ctx.split.boundaries[0] == ["add_1"]  # only the hidden state crosses, not the device
+    for chunk, reads in ((first, "tokens"), (second, "add_1")):
+        (device,) = [n for n in chunk.graph.nodes if n.target is getattr]
+        assert device.args == (next(iter(chunk.graph.nodes)), "device")
+        assert device.args[0].name == reads
+        assert [n.kwargs["device"] for n in chunk.graph.nodes if n.target is torch.zeros] == [device]
+    for block in model.layers:
+        block.device = None
+    x = tokens()
+    assert torch.allclose(ctx.split.loss(second(first(x)), x), loss(model(x), x))
+
+
+def test_the_ensured_fact_holds_after_the_pass():
+    _, gm = _tiny(4)
+    (split_pass,) = [p for p in PASSES if p.name == "pipeline_split"]
+    assert chunks_chained in split_pass.ensures
+    ctx = RewriteContext(stage_layers=(2, 2))
+    run_passes([split_pass], gm, ctx)  # checks requires, writes and ensures
+    assert chunks_chained(gm, ctx) is None
+    assert chunks_chained(gm, RewriteContext(stage_layers=(1, 1, 2), split=ctx.split)) == (
+        "2 chunks for stage_layers [1, 1, 2]"
+    )
+    swapped = SplitProgram(ctx.split.chunks[::-1], ctx.split.loss, ctx.split.boundaries, ctx.split.layers)
+    assert chunks_chained(gm, RewriteContext(stage_layers=(2, 2), split=swapped)) == (
+        "chunk 0 holds layers [2, 3], outside its [0, 2)"
+    )
 
 
 def _captured(name):
@@ -34,23 +122,24 @@ def _layers_in(gm):
 @pytest.mark.parametrize("name", ["llama3", "gpt"])
 def test_chunks_follow_stage_layers_and_reproduce_the_loss(name):
     model, cap = _captured(name)
-    split = pipeline_split(cap.graph_module, [0, 1, 1, 0])  # embedding alone, one layer each, head alone
+    ctx = RewriteContext(stage_layers=(0, 1, 1, 0))  # embedding alone, one layer each, head alone
+    pipeline_split(cap.graph_module, ctx)
+    split = ctx.split
     assert [_layers_in(c) for c in split.chunks] == [[], [0], [1], []]
     first = {n.target for n in split.chunks[0].graph.nodes if n.op == "call_module"}
     last = {n.target for n in split.chunks[-1].graph.nodes if n.op == "call_module"}
     assert "model.embed" in first and ("model.output" in last or "model.head" in last)
     assert all(len(b) == 1 for b in split.boundaries)  # only the hidden state crosses
     assert split.target == "tokens"
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    x = (tokens,)
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    x = (batch,)
     for chunk in split.chunks:
         out = chunk(*x)
         x = out if isinstance(out, tuple) else (out,)
-    loss = split.loss(*x, tokens)
-    assert torch.allclose(loss, causal_lm_loss(model(tokens), tokens))
+    assert torch.allclose(split.loss(*x, batch), causal_lm_loss(model(batch), batch))
 
 
 def test_stage_layers_that_do_not_cover_the_model_are_refused():
     _, cap = _captured("llama3")
     with pytest.raises(AutoshardError, match="stage_layers hold 1 layers"):
-        pipeline_split(cap.graph_module, [1])
+        pipeline_split(cap.graph_module, RewriteContext(stage_layers=(1,)))

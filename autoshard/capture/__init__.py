@@ -1,0 +1,98 @@
+"""Capture: trace a model, built on the meta device, into the annotated fx graph (``autoshard.ir``).
+
+The steps, one module each, in the order :func:`capture` runs them:
+
+1. ``trace``: the training forward (model, then loss) as an fx graph, by ``torch.fx.symbolic_trace``
+   or, where that fails, ``torch.export``;
+2. ``autoshard.passes.canonicalize``: the one form of the graph whichever tracer produced it
+   (no export guards or metadata asserts, no device constants);
+3. ``structure``: the repeated layer stack, and on every node its module path, layer and region;
+4. ``shapes``: shapes symbolic in batch ``b`` and sequence ``s``, each repeated layer propagated
+   once, and which values need gradients;
+5. ``structure.annotate_ops``: the op table's name and class of every node; the layers grouped
+   into :class:`LayerKind` s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from autoshard import modelfile
+from autoshard.capture import shapes, structure
+from autoshard.capture.structure import LayerKind
+from autoshard.capture.trace import BATCH_HINT, TrainingForward, causal_lm_loss, trace
+from autoshard.passes.canonicalize import canonicalize
+
+
+@dataclass
+class Captured:
+    """The traced training forward and what capture learnt about its structure."""
+
+    graph_module: fx.GraphModule
+    model: nn.Module
+    tracer: str  # "symbolic_trace" or "export"
+    stack_path: str | None  # module path of the repeated-layer container ("layers")
+    num_layers: int
+    kinds: list[LayerKind]
+    input_names: list[str]
+    source: str | None = None
+    layer_nodes: dict[int, list[fx.Node]] = field(default_factory=dict)
+
+    def kind_of(self, layer: int) -> LayerKind:
+        return next(k for k in self.kinds if layer in k.layers)
+
+    def region_nodes(self, region: str) -> list[fx.Node]:
+        return [n for n in self.graph_module.graph.nodes if n.meta.get("region") == region]
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def capture_file(spec: str, config: str | None, seq: int, batch: int = BATCH_HINT) -> Captured:
+    """Load ``model.py[:builder]``, build ``config`` on the meta device and capture it."""
+    mf = modelfile.load(spec)
+    model = mf.build(config)
+    inputs = mf.sample_inputs(config, batch, seq)
+    return capture(model, inputs, loss=mf.loss, source=str(mf.path))
+
+
+def capture(
+    model: nn.Module,
+    inputs: tuple | None = None,
+    *,
+    seq: int = 128,
+    loss=None,
+    source: str | None = None,
+) -> Captured:
+    """Trace ``model`` (live or on meta) with ``inputs`` (default: token ids of shape (2, seq))."""
+    if inputs is None:
+        inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
+    gm, tracer, names = trace(model, inputs, loss, source)
+    gm = canonicalize(gm)
+    stack = structure.layer_stack(model)
+    structure.annotate_modules(gm, model, stack)
+    layer_nodes = structure.layer_nodes(gm)
+    if tracer == "symbolic_trace":
+        keys = shapes.propagate(gm, inputs, layer_nodes, model)
+    else:
+        keys = shapes.read_export_shapes(gm, layer_nodes)
+    shapes.requires_grad(gm)
+    structure.annotate_ops(gm)
+    return Captured(
+        graph_module=gm,
+        model=model,
+        tracer=tracer,
+        stack_path=stack[0] if stack else None,
+        num_layers=len(stack[1]) if stack else 0,
+        kinds=structure.group_kinds(keys),
+        input_names=names,
+        source=source,
+        layer_nodes=layer_nodes,
+    )
+
+
+__all__ = ["BATCH_HINT", "Captured", "LayerKind", "TrainingForward", "capture", "capture_file", "causal_lm_loss"]
