@@ -56,64 +56,66 @@ class Bounds:
 
         Levels: 0 root, 1 axis order, 2 recompute set, 3 schedule, 4 ZeRO stage."""
         costs = self.costs
-        usable = self.p.hw.usable_bytes
         m = costs.microbatches(c)
         where_key, where = costs.where(c, level >= 1)
         zeros = (c.zero,) if level >= 4 else tuple(costs.zero_options(c))
         if level < 3:
-            # Overlapping EP traffic (as DualPipeV does) only ever lowers a layer's time, so the
-            # overlapped costs bound every schedule from below.
-            shapes, least = costs.schedule_shapes(c.pp, m)
-            if not shapes:
-                return math.inf
-            # memory first: it needs only the activations, not the layers' times
-            w0 = costs.work(c, where_key, where, True, frozenset())
-            rc = c.recompute if level >= 2 else costs.all_categories
-            if self.memory_bound(c, zeros, w0, least, rc) > usable:
-                return math.inf
-            works = {True: w0 if level < 2 else costs.work(c, where_key, where, True)}
-            if c.ep > 1 and any(not sched.overlaps_ep for sched, _, _ in shapes):
-                # schedules that do not overlap the all-to-all pay it in full
-                works[False] = costs.work(c, where_key, where, False, None if level >= 2 else frozenset())
-            else:
-                works[False] = works[True]
-            if level == 2:  # only the schedules this recompute set runs with, and fits under
-                shapes = [
-                    (sched, v, flight)
-                    for sched, v, flight in shapes
-                    if runnable(sched.name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp)
-                    and self.memory_bound(c, zeros, w0, flight, rc) <= usable
-                ]
-                if not shapes:
-                    return math.inf
-        else:
-            overlap = SCHEDULES[c.schedule].overlaps_ep
-            works = {overlap: costs.work(c, where_key, where, overlap)}
-        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros for w in works.values())
-        if level < 3:
-            # schedule still open: the cheapest fill/drain over schedules, the average rank, and a
-            # memory test with the fewest in-flight micro-batches any schedule has on each rank
-            key = (tuple(id(w) for w in works.values()), c.pp, m, level == 2)
-            best = self.memo.open_schedule.get(key)
-            if best is None:
-                best = math.inf
-                for sched, v, _ in shapes:
-                    w, overlap = works[sched.overlaps_ep], sched.overlaps_ep
-                    bubble = sched.bubble(c.pp, m, v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
-                    t_max = max(w.total / c.pp, w.pre.time(overlap), w.post.time(overlap))
-                    best = min(best, m * t_max + bubble)
-                self.memo.open_schedule[key] = best
-            return best + dp
+            return self._schedule_open(c, level, m, where_key, where, zeros)
         sched = SCHEDULES[c.schedule]
-        w = works[sched.overlaps_ep]
+        w = costs.work(c, where_key, where, sched.overlaps_ep)
+        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros)
         m_flight = costs.in_flight(sched, c.v, c.pp, m)
         bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
-        if self.memory_bound(c, zeros, w, m_flight) > usable:
+        if self.memory_bound(c, zeros, w, m_flight) > self.p.hw.usable_bytes:
             return math.inf
         t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep)
         if t_max == math.inf:
             return math.inf
         return m * t_max + bubble + dp
+
+    def _schedule_open(self, c: Candidate, level: int, m: int, where_key, where, zeros: tuple) -> float:
+        """``bound`` above the schedule: the cheapest fill/drain over the schedules, the average
+        rank, and a memory test with the fewest in-flight micro-batches any schedule has on each
+        rank; once the recompute set is chosen (``level`` 2), over the schedules it runs with and
+        fits under."""
+        costs, usable = self.costs, self.p.hw.usable_bytes
+        shapes, least = costs.schedule_shapes(c.pp, m)
+        if not shapes:
+            return math.inf
+        # memory first: it needs only the activations, not the layers' times
+        w0 = costs.work(c, where_key, where, True, frozenset())
+        rc = c.recompute if level >= 2 else costs.all_categories
+        if self.memory_bound(c, zeros, w0, least, rc) > usable:
+            return math.inf
+        # Overlapping EP traffic (as DualPipeV does) only ever lowers a layer's time, so the
+        # overlapped costs bound every schedule from below.
+        works = {True: w0 if level < 2 else costs.work(c, where_key, where, True)}
+        if c.ep > 1 and any(not sched.overlaps_ep for sched, _, _ in shapes):
+            # schedules that do not overlap the all-to-all pay it in full
+            works[False] = costs.work(c, where_key, where, False, None if level >= 2 else frozenset())
+        else:
+            works[False] = works[True]
+        if level == 2:
+            shapes = [
+                (sched, v, flight)
+                for sched, v, flight in shapes
+                if runnable(sched.name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp)
+                and self.memory_bound(c, zeros, w0, flight, rc) <= usable
+            ]
+            if not shapes:
+                return math.inf
+        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros for w in works.values())
+        key = (tuple(id(w) for w in works.values()), c.pp, m, level == 2)
+        best = self.memo.open_schedule.get(key)
+        if best is None:
+            best = math.inf
+            for sched, v, _ in shapes:
+                w, overlap = works[sched.overlaps_ep], sched.overlaps_ep
+                bubble = sched.bubble(c.pp, m, v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
+                t_max = max(w.total / c.pp, w.pre.time(overlap), w.post.time(overlap))
+                best = min(best, m * t_max + bubble)
+            self.memo.open_schedule[key] = best
+        return best + dp
 
     def may_fit(self, c: Candidate, level: int) -> bool:
         """The memory test of ``bound`` alone, for a node just made at ``level`` 2 (recompute set

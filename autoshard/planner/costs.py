@@ -161,11 +161,11 @@ class CandidateCosts:
     def states(self, c: Candidate, w: Work, zero: int) -> tuple[list[float], float, float]:
         """(per-kind, embedding, head) model-state bytes at this ZeRO stage."""
         if zero not in w.states:
-            dpcp = c.dp * c.cp
-            per = [sharded_state_bytes(k.params_dense, k.params_expert, zero, dpcp, c.ep)["total"] for k in w.kinds]
-            pre = sharded_state_bytes(w.pre.params_dense, w.pre.params_expert, zero, dpcp, c.ep)["total"]
-            post = sharded_state_bytes(w.post.params_dense, w.post.params_expert, zero, dpcp, c.ep)["total"]
-            w.states[zero] = (per, pre, post)
+
+            def total(k: LayerCost) -> float:
+                return sharded_state_bytes(k.params_dense, k.params_expert, zero, c.dp * c.cp, c.ep)["total"]
+
+            w.states[zero] = ([total(k) for k in w.kinds], total(w.pre), total(w.post))
         return w.states[zero]
 
     def buffers(self, c: Candidate, w: Work, zero: int) -> tuple[float, float]:

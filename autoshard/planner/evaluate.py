@@ -60,54 +60,22 @@ class Evaluator:
         self.model_flops = 3 * self.p.cost.flops_forward(1, self.p.seq) * self.p.global_batch
 
     def evaluate(self, c: Candidate, fixed_stages: tuple[int, ...] | None = None) -> Evaluation:
+        """The best stage partition of ``c`` (or the one ``fixed_stages`` gives) and what the cost
+        model predicts for it; infeasible, with the reason, where no split fits in memory."""
         costs, hw = self.costs, self.p.hw
         m = costs.microbatches(c)
         where_key, where = costs.where(c, True)
         sched = SCHEDULES[c.schedule]
-        overlap = sched.overlaps_ep
-        w = costs.work(c, where_key, where, overlap)
-        per_state, pre_state, post_state = costs.states(c, w, c.zero)
-
-        def entry(layer: LayerCost, state: float) -> dict:
-            after, before, micro = _dp_linear(layer, c.zero, where, hw)
-            return {
-                "time": layer.time(overlap),
-                "fwd": layer.f,
-                "bwd": layer.b + layer.w,
-                "act": layer.activation_bytes,
-                "state": state,
-                "dp_time": after,
-                "dp_gather": before,
-                "dp_micro": micro,
-            }
-
-        entries = [entry(k, st) for k, st in zip(w.kinds, per_state)]
-        buffers, post_buffers = costs.buffers(c, w, c.zero)
-        q = partition.Quantities(
-            time=[e["time"] for e in entries],
-            fwd=[e["fwd"] for e in entries],
-            bwd=[e["bwd"] for e in entries],
-            act=[e["act"] for e in entries],
-            state=[e["state"] for e in entries],
-            dp_time=[e["dp_time"] for e in entries],
-            dp_gather=[e["dp_gather"] for e in entries],
-            dp_micro=[e["dp_micro"] for e in entries],
-            pre=entry(w.pre, pre_state),
-            post=entry(w.post, post_state),
-            p2p=0.0,  # pipeline sends overlap compute in the steady state; fill/drain counts them
-            dp_latency=_latency(c.zero, where, hw, w),
-            buffers=buffers,
-            post_buffers=post_buffers,
-            capacity=hw.usable_bytes,
-        )
+        w = costs.work(c, where_key, where, sched.overlaps_ep)
+        q = self._quantities(c, w, where, sched.overlaps_ep)
         in_flight = list(costs.in_flight(sched, c.v, c.pp, m))
         part = partition.solve(
             costs.kinds, q, c.pp, c.v, lambda ch: sched.chunk_rank(ch, c.pp), in_flight, m, fixed_stages
         )
         if part is None:
             acts = sum(n * k.activation_bytes for n, k in zip(costs.kind_counts, w.kinds))
-            states = sum(n * s for n, s in zip(costs.kind_counts, per_state)) + pre_state + post_state
-            need = (acts * max(in_flight) + states) / c.pp + buffers
+            states = sum(n * s for n, s in zip(costs.kind_counts, q.state)) + q.pre["state"] + q.post["state"]
+            need = (acts * max(in_flight) + states) / c.pp + q.buffers
             return Evaluation(
                 c,
                 False,
@@ -126,6 +94,37 @@ class Evaluator:
         ev.memory = self._memory_breakdown(c, sched, part, in_flight, w)
         ev.mfu = self.model_flops / (step * self.p.gpus * hw.peak_flops("bf16"))
         return ev
+
+    def _quantities(self, c: Candidate, w: Work, where: dict[str, Where], overlap: bool) -> partition.Quantities:
+        """What the stage partition weighs, per layer kind and for the embedding and the head."""
+        hw = self.p.hw
+        per_state, pre_state, post_state = self.costs.states(c, w, c.zero)
+
+        def entry(layer: LayerCost, state: float) -> dict:
+            after, before, micro = _dp_linear(layer, c.zero, where, hw)
+            return {
+                "time": layer.time(overlap),
+                "fwd": layer.f,
+                "bwd": layer.b + layer.w,
+                "act": layer.activation_bytes,
+                "state": state,
+                "dp_time": after,
+                "dp_gather": before,
+                "dp_micro": micro,
+            }
+
+        entries = [entry(k, st) for k, st in zip(w.kinds, per_state)]
+        buffers, post_buffers = self.costs.buffers(c, w, c.zero)
+        return partition.Quantities(
+            **{key: [e[key] for e in entries] for key in partition.KEYS},
+            pre=entry(w.pre, pre_state),
+            post=entry(w.post, post_state),
+            p2p=0.0,  # pipeline sends overlap compute in the steady state; fill/drain counts them
+            dp_latency=_latency(c.zero, where, hw, w),
+            buffers=buffers,
+            post_buffers=post_buffers,
+            capacity=hw.usable_bytes,
+        )
 
     def _breakdown(self, c: Candidate, sched: Schedule, w: Work, part, bubble: float, m: int, where) -> dict:
         counts = self.costs.kind_counts
