@@ -23,3 +23,14 @@ def test_worked_estimate_example():
     assert out["gpu_years"] == pytest.approx(30_700, rel=0.01)
     assert out["model_state_bytes_per_gpu"] == pytest.approx(15.6e9, rel=0.01)
     assert out["cost_usd"] == pytest.approx(out["gpu_hours"] * 2.0)
+
+
+def test_experts_shard_over_their_expert_data_parallel_ranks():
+    from autoshard.cost_models.memory import GRAD_REDUCE_BYTES, sharded_state_bytes
+
+    dense, expert = 1e9, 8e9
+    both = sharded_state_bytes(dense, expert, 1, 64, 8)
+    assert both["total"] == pytest.approx(
+        model_state_bytes(dense, 1, 64, GRAD_REDUCE_BYTES)["total"]
+        + model_state_bytes(expert, 1, 8, GRAD_REDUCE_BYTES)["total"]
+    )
