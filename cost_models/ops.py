@@ -60,7 +60,8 @@ TP_RULES = {
     "attention": "fused attention over heads: q, k and v split along heads",
     "cat": "concatenation of identically split tensors along another dimension",
     "stack": "stacking identically split tensors along a new dimension",
-    "linear": "a weighted linear layer: column- or row-parallel (the analysis pairs them)",
+    "linear": "a linear layer by a parameter (nn.Linear, F.linear, addmm as in GPT-2's Conv1D): "
+    "column- or row-parallel, as the analysis pairs them",
     "loss": "cross-entropy over logits split along the vocabulary (vocabulary-parallel)",
 }
 
@@ -168,9 +169,9 @@ _COLLECTIVE = OpRule("other")  # inserted by the passes: runtime collectives, id
 
 RULES: dict[str, OpRule] = {
     # matrix products
-    **_rows("linear", _MATMUL, tp="linear"),
+    **_rows("linear addmm", _MATMUL, tp="linear"),  # addmm(bias, x, w): GPT-2's Conv1D
     **_rows("matmul mm bmm", _MATMUL, tp="matmul"),
-    **_rows("addmm baddbmm einsum _grouped_mm grouped_mm grouped_mm_fallback", _MATMUL),
+    **_rows("baddbmm einsum _grouped_mm grouped_mm grouped_mm_fallback", _MATMUL),
     # attention
     **_rows("scaled_dot_product_attention", _SDPA, signature="sdpa"),
     # the aten kernels (torch.export): priced and split by heads; flash and CP leave them to torch

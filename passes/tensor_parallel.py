@@ -528,7 +528,7 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     f_of: dict[fx.Node, fx.Node] = {}
     for node, layout in prop.layout.items():
         lin = _linear(gm, node, tp)
-        x = node.args[0]
+        x = node.args[lin.x]
         if x not in f_of:
             with graph.inserting_after(x):
                 f_of[x] = place(graph.call_function(runtime.copy_to_tp, (x,)), node, x, tp="replicated")
@@ -537,13 +537,12 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             local = nn.Linear(lin.in_f, lin.out_f // tp, bias=lin.bias is not None, device="meta")
             _swap(gm, node.target, local)
         else:
-            _localise(gm, lin.weight, (lin.out_f // tp, lin.in_f))
+            _localise(gm, lin.weight, lin.local(0, tp))
             if lin.bias:
                 _localise(gm, lin.bias, (lin.out_f // tp,))
-        spec = ParamShard(0, layout.factors, layout.index)
-        ctx.shards[lin.weight] = spec
+        ctx.shards[lin.weight] = lin.spec(0, layout)
         if lin.bias is not None:
-            ctx.shards[lin.bias] = spec
+            ctx.shards[lin.bias] = ParamShard(0, layout.factors, layout.index)
         role = "vocabulary-parallel head" if node.meta.get("tp_role") == "vocab" else "column-parallel"
         ctx.notes[node.name] = f"tp={tp}: {role}, out_features {lin.out_f} -> {lin.out_f // tp}"
     # row matmuls: local weight, g on the output, bias after the reduction
@@ -551,7 +550,7 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         lin = _linear(gm, node, tp)
         if layout.size != lin.in_f:
             raise _fail(node, f"its input features {layout.size} are not the weight's {lin.in_f}", tp)
-        ctx.shards[lin.weight] = ParamShard(1, layout.factors, layout.index)
+        ctx.shards[lin.weight] = lin.spec(1, layout)
         bias_name = None
         if lin.module:
             module = gm.get_submodule(node.target)
@@ -561,8 +560,13 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
                 gm.register_parameter(bias_name, module.bias)
                 ctx.origin[bias_name] = f"{node.target}.bias"
         else:
-            _localise(gm, lin.weight, (lin.out_f, lin.in_f // tp))
-            if lin.bias is not None:
+            _localise(gm, lin.weight, lin.local(1, tp))
+            if lin.bias is not None and lin.stored_in_out:  # addmm(bias, x, w) -> mm(x, w)
+                bias_name = lin.bias
+                node.target = torch.ops.aten.mm.default if isinstance(node.target, torch._ops.OpOverload) else torch.mm
+                node.args = node.args[1:]
+                node.meta["op"] = ops.op_name(node)
+            elif lin.bias is not None:
                 bias_name = lin.bias
                 node.args = node.args[:2]
                 node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
@@ -591,11 +595,14 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
                 rows, dim = _param(gm, weight_name).shape
             else:
                 raise _fail(node, "an embedding whose table is not a parameter", tp)
+            tied = ctx.shards.get(weight_name)  # the vocabulary head's weight too: already this rank's rows
+            if tied is not None:
+                rows = math.prod(tied.factors)
             if rows % tp:
                 raise _fail(node, f"vocabulary {rows} does not divide by tp={tp}", tp)
             if node.op == "call_module":
                 _swap(gm, node.target, nn.Embedding(rows // tp, dim, device="meta"))
-            else:
+            elif tied is None:
                 _localise(gm, weight_name, (rows // tp, dim))
             with graph.inserting_before(node):
                 w = place(graph.get_attr(weight_name), node, shape=(rows, dim), tp="sharded")
@@ -626,6 +633,7 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         node.replace_all_uses_with(ce)
         graph.erase_node(node)
         ctx.notes[ce.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
+    _tie_shards(gm, ctx.shards)
     graph.lint()
     gm.recompile()
     return gm
@@ -639,7 +647,7 @@ def full_weights_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
         lin = _linear(gm, node, ctx.tp)
         spec = ctx.shards.get(lin.weight)
         local = _param(gm, lin.weight).shape
-        if spec is None or local[spec.dim] * ctx.tp != spec.size:
+        if spec is None or local[spec.dim] * ctx.tp != math.prod(spec.factors):
             return f"{node.name} keeps the full weight {lin.weight} {tuple(local)}"
     return None
 
@@ -648,8 +656,12 @@ def load_local(gm: fx.GraphModule, ctx: RewriteContext, full: dict[str, torch.Te
     """Give ``gm`` (rewritten by :func:`tensor_parallel` with ``ctx``) TP rank ``rank``'s slices
     of the full parameters and buffers ``full`` (named as in the traced module, e.g.
     ``model.layers.0.attn.wq.weight``)."""
-    local = {}
-    for name, t in [*gm.named_parameters(), *gm.named_buffers()]:
+    local, by_id = {}, {}
+    named = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]
+    for name, t in named:
+        if id(t) in by_id:  # a tied parameter: the same local tensor under each name
+            local[name] = by_id[id(t)]
+            continue
         source = ctx.origin.get(name, name)
         if source not in full:
             raise AutoshardError(f"no value for parameter {source}; the state does not match the model")
@@ -658,7 +670,7 @@ def load_local(gm: fx.GraphModule, ctx: RewriteContext, full: dict[str, torch.Te
         value = slice_parameter(value, spec, rank, ctx.tp) if spec is not None else value.clone()
         if tuple(value.shape) != tuple(t.shape):
             raise AutoshardError(f"{source}: local shape {tuple(value.shape)} but the graph expects {tuple(t.shape)}")
-        local[name] = value
+        local[name] = by_id[id(t)] = nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
     gm.load_state_dict(local, strict=True, assign=True)
 
 
@@ -678,7 +690,22 @@ class _Lin:
     bias: str | None
     out_f: int
     in_f: int
-    module: bool  # an nn.Linear call (else F.linear / aten.linear on parameters)
+    module: bool  # an nn.Linear call (else F.linear / aten.linear / addmm on parameters)
+    x: int = 0  # the position of the activation among the arguments
+    stored_in_out: bool = False  # the weight is (in, out): addmm(bias, x, w), GPT-2's Conv1D
+
+    def local(self, dim: int, tp: int) -> tuple[int, int]:
+        """The weight's local shape with features ``dim`` (0: out, 1: in) split."""
+        out_f, in_f = (self.out_f // tp, self.in_f) if dim == 0 else (self.out_f, self.in_f // tp)
+        return (in_f, out_f) if self.stored_in_out else (out_f, in_f)
+
+    def spec(self, dim: int, layout: Shard) -> ParamShard:
+        """How the weight is cut when its features ``dim`` (0: out, 1: in) follow ``layout``."""
+        return ParamShard(1 - dim if self.stored_in_out else dim, layout.factors, layout.index)
+
+
+def _params(*nodes) -> bool:
+    return all(n is None or isinstance(n, fx.Node) and n.op == "get_attr" for n in nodes)
 
 
 def _linear(gm: fx.GraphModule, node: fx.Node, tp: int) -> _Lin:
@@ -686,16 +713,19 @@ def _linear(gm: fx.GraphModule, node: fx.Node, tp: int) -> _Lin:
         m = gm.get_submodule(node.target)
         bias = f"{node.target}.bias" if m.bias is not None else None
         return _Lin(f"{node.target}.weight", bias, m.out_features, m.in_features, True)
-    if node.op == "call_function" and _op_name(node) == "linear":
+    name = _op_name(node)
+    if node.op == "call_function" and name == "linear":
         w = node.args[1]
         b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        if (
-            isinstance(w, fx.Node)
-            and w.op == "get_attr"
-            and (b is None or (isinstance(b, fx.Node) and b.op == "get_attr"))
-        ):
+        if _params(w, b):
             out_f, in_f = _param(gm, w.target).shape
             return _Lin(w.target, b.target if b is not None else None, out_f, in_f, False)
+    if node.op == "call_function" and name in ("addmm", "mm"):  # addmm(bias, x, w); mm(x, w) once split
+        b, w = (node.args[0], node.args[2]) if name == "addmm" else (None, node.args[1])
+        if _params(w, b) and not node.kwargs:
+            in_f, out_f = _param(gm, w.target).shape
+            bias = b.target if b is not None else None
+            return _Lin(w.target, bias, out_f, in_f, False, x=1 if name == "addmm" else 0, stored_in_out=True)
     raise _fail(node, "only linear layers whose weight is a parameter are split", tp)
 
 
@@ -705,11 +735,26 @@ def _param(gm: fx.GraphModule, target: str) -> torch.Tensor:
 
 
 def _localise(gm: fx.GraphModule, target: str, shape: tuple[int, ...]) -> None:
-    """Replace parameter ``target`` by an empty one of the local ``shape`` on the meta device."""
+    """Replace parameter ``target`` by an empty one of the local ``shape`` on the meta device,
+    wherever the model ties it (GPT-2's embedding and head share one)."""
     owner, _, leaf = target.rpartition(".")
-    module = gm.get_submodule(owner) if owner else gm
-    old = getattr(module, leaf)
-    setattr(module, leaf, nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"), old.requires_grad))
+    old = getattr(gm.get_submodule(owner) if owner else gm, leaf)
+    new = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"), old.requires_grad)
+    for module in gm.modules():
+        for name, p in list(module._parameters.items()):
+            if p is old:
+                setattr(module, name, new)
+
+
+def _tie_shards(gm: fx.GraphModule, shards: dict[str, ParamShard]) -> None:
+    """Every name of a tied parameter is cut as the one the graph reads."""
+    names: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for tied in names.values():
+        spec = next((shards[n] for n in tied if n in shards), None)
+        for n in tied if spec is not None else ():
+            shards.setdefault(n, spec)
 
 
 def _swap(gm: fx.GraphModule, target: str, module: nn.Module) -> None:
