@@ -125,8 +125,10 @@ def chunks_chained(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
         handed = output.args[0] if isinstance(output.args[0], tuple) else (output.args[0],)
         if len(handed) != len(split.boundaries[c]):
             return f"chunk {c} returns {len(handed)} values but hands on {split.boundaries[c]}"
-        held = {v.meta["layer"] for v in chunk.graph.nodes if v.op != "placeholder" and v.meta.get("region") == "layer"}
-        stray = sorted(held - set(range(first, end)), key=str)
+        # a node of region "layer" without a layer index (one a pass inserted) goes to chunk 0
+        computed = [v for v in chunk.graph.nodes if v.op != "placeholder"]
+        held = {v.meta.get("layer") for v in computed if v.meta.get("region") == "layer"}
+        stray = sorted(held - {None} - set(range(first, end)))
         if stray:
             return f"chunk {c} holds layers {stray}, outside its [{first}, {end})"
     loss_inputs = [v.name for v in split.loss.graph.nodes if v.op == "placeholder"]
