@@ -3,7 +3,8 @@ recomputes in backward the saved-tensor kinds the plan marks ``recompute``.
 
 Runs after the parallel rewrites and before the pipeline split. A layer's nodes are moved into
 their own graph (inputs: the values it reads from before it; outputs: the values read after it),
-called as ``checkpoint_L(*inputs)``; the layer's parameters stay where they were.
+called as ``checkpoint_L(*inputs)``. The layer's parameters stay attributes of ``gm``; the reads of
+those only the layer used (``get_attr``, as torch.export writes parameters) move into its graph.
 
 Requires ``region`` and ``layer`` on every node and reads ``ctx.recompute``. Guarantees
 (:func:`layers_wrapped`): the only computing nodes left in the ``layer`` region are one
@@ -73,6 +74,9 @@ def activation_checkpoint(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphMo
             o.replace_all_uses_with(r, delete_user_cb=lambda u, m=members: u not in m)
         for n in reversed(body):
             graph.erase_node(n)
+        for a in env:  # parameters only the layer read: its graph reads them now
+            if a.op == "get_attr" and not a.users:
+                graph.erase_node(a)
     graph.lint()
     gm.recompile()
     return gm

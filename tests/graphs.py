@@ -16,25 +16,29 @@ def listing(graph: fx.Graph) -> list[tuple]:
 
 class Block(nn.Module):
     """``x + relu(lin(x))``; with ``device`` it also adds zeros made on that fixed device, as
-    torch.export records a factory call made while tracing on meta."""
+    torch.export records a factory call made while tracing on meta; with ``scale`` it multiplies
+    by a parameter of its own, which the graph reads with ``get_attr`` (as export reads every one)."""
 
-    def __init__(self, dim: int, device: torch.device | None = None):
+    def __init__(self, dim: int, device: torch.device | None = None, scale: bool = False):
         super().__init__()
         self.lin = nn.Linear(dim, dim)
         self.device = device
+        self.scale = nn.Parameter(torch.ones(dim)) if scale else None
 
     def forward(self, x):
         h = x + torch.relu(self.lin(x))
         if self.device is not None:
             h = h + torch.zeros(h.size(-1), device=self.device)
+        if self.scale is not None:
+            h = h * self.scale
         return h
 
 
 class TinyLM(nn.Module):
-    def __init__(self, layers: int, dim: int = 8, vocab: int = 16, device: torch.device | None = None):
+    def __init__(self, layers: int, dim: int = 8, vocab: int = 16, device: torch.device | None = None, scale=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, device) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(dim, device, scale) for _ in range(layers))
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens):

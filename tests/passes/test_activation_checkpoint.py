@@ -82,6 +82,22 @@ def test_the_ensured_fact_holds_after_the_pass_and_not_before():
     assert "recomputes ['activation']" in layers_wrapped(gm, RewriteContext(recompute=("attention",)))
 
 
+def test_a_parameter_only_its_layer_reads_moves_into_the_layer_graph():
+    """Else the first pipeline chunk would keep reads of every layer's parameters (torch.export
+    reads all of them with ``get_attr``) and hold parameters of layers it does not run."""
+    torch.manual_seed(0)
+    gm = capture(TinyLM(2, scale=True), (tokens(),), loss=loss).graph_module
+    params = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    assert params == ["model.layers.0.scale", "model.layers.1.scale"]
+    ctx = RewriteContext(recompute=("activation",), stage_layers=(1, 1))
+    run_passes([p for p in PASSES if p.name in ("activation_checkpoint", "pipeline_split")], gm, ctx)
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr"]
+    for i, chunk in enumerate(ctx.split.chunks):
+        layer = chunk.get_submodule(f"checkpoint_{i}").fn
+        assert [n.target for n in layer.graph.nodes if n.op == "get_attr"] == [f"model.layers.{i}.scale"]
+        assert not [n for n in chunk.graph.nodes if n.op == "get_attr"]
+
+
 def _gpt():
     import gpt
 
