@@ -147,11 +147,9 @@ def _bare_inits(gm, model, origin: dict[str, str]) -> dict[str, tuple]:
             out[node.target] = ("uniform", -bound, bound)
         elif isinstance(owner, (nn.LayerNorm, nn.RMSNorm)) or type(owner).__name__.endswith("Norm"):
             out[node.target] = ("constant", 1.0 if leaf == "weight" else 0.0)
-        elif leaf not in dict(owner.named_parameters(recurse=False)):  # a buffer: its value comes from the model
-            out[node.target] = ("from_model",)
         else:
-            raise AutoshardError(
-                f"parameter {source} of {type(owner).__name__} has no default initialiser; "
-                "run the program with --init-from-model"
-            )
+            # a buffer the model computes, or a parameter of a module whose initialiser autoshard
+            # cannot replay per shard yet: the program takes its value from the model file's own
+            # initialisation (--init-from-model), and says so if started without it
+            out[node.target] = ("from_model",)
     return out

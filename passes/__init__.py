@@ -8,8 +8,6 @@ runs the list, checking every contract on the way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from autoshard.errors import AutoshardError
 from autoshard.passes.activation_checkpoint import activation_checkpoint, layers_wrapped
 from autoshard.passes.context_parallel import context_parallel, no_full_sequence_attention_left
@@ -78,21 +76,11 @@ PASSES: list[Pass] = [
 ]
 
 
-@dataclass
-class Rewritten:
-    """The per-rank program: pipeline chunks and the loss, with what the passes decided."""
-
-    split: object  # pipeline_split.SplitProgram
-    shards: dict  # parameter -> ParamShard (tensor parallelism)
-    origin: dict  # renamed parameter -> name in the model
-    notes: dict  # node name -> decision, shown as comments in the emitted code
-    partial_grads: list  # parameters whose gradients are partial sums over TP (sequence parallel)
-
-
-def apply(captured, plan) -> Rewritten:
+def apply(captured, plan) -> RewriteContext:
     """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, running
-    ``PASSES`` in order. Features of the plan that no pass implements yet are refused here with
-    the reason rather than silently dropped."""
+    ``PASSES`` in order; the context returned holds the pipeline chunks (``split``) and what the
+    passes decided for the emitter. Features of the plan that no pass implements yet are refused
+    here with the reason rather than silently dropped."""
     from autoshard.capabilities import refusals
 
     reasons = refusals(plan)
@@ -100,7 +88,7 @@ def apply(captured, plan) -> Rewritten:
         raise AutoshardError(reasons[0])
     ctx = RewriteContext.from_plan(plan)
     run_passes(PASSES, captured.graph_module, ctx)
-    return Rewritten(ctx.split, ctx.shards, ctx.origin, ctx.notes, ctx.partial_grads)
+    return ctx
 
 
-__all__ = ["PASSES", "Pass", "RewriteContext", "Rewritten", "apply", "run_passes"]
+__all__ = ["PASSES", "Pass", "RewriteContext", "apply", "run_passes"]

@@ -123,7 +123,7 @@ def build_chunks(
         try:
             materialise(module, stage_file, device, ranks.tp, ranks.tp_size, full_state, seed)
         except ValueError as e:
-            raise ProgramError(f"{e}; recompile with autoshard compile") from None
+            raise ProgramError(str(e)) from None
         module.stage_file = stage_file
         modules.append(module)
     return modules

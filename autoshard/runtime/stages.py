@@ -106,14 +106,17 @@ def materialise(
             for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
                 source = origin.get(name, name)
                 if source not in full_state:
-                    raise ValueError(f"the model has no parameter {source}: it changed since this program was compiled")
+                    raise ValueError(
+                        f"the model has no parameter {source}: it changed since this program was compiled; "
+                        "recompile with autoshard compile"
+                    )
                 value = full_state[source]
                 if source in shards:
                     value = slice_full(value, shards[source], tp_rank, tp)
                 if tuple(value.shape) != tuple(t.shape):
                     raise ValueError(
                         f"{source}: the model's piece is {tuple(value.shape)}, the program's {tuple(t.shape)}: "
-                        "the model changed since this program was compiled"
+                        "the model changed since this program was compiled; recompile with autoshard compile"
                     )
                 t.copy_(value)
             return stage
@@ -135,7 +138,12 @@ def materialise(
         for name, spec in getattr(stage_file, "INIT", {}).items():
             p = params[name]
             if spec[0] == "from_model":
-                raise ValueError(f"buffer {name} holds values only the model can compute: run with --init-from-model")
+                what = "buffer" if name in dict(stage.named_buffers()) else "parameter"
+                raise ValueError(
+                    f"{what} {origin.get(name, name)} takes its initial value from the model's own code, which the "
+                    "program does not replay per shard yet: run with --init-from-model (each rank builds the "
+                    "model file's seeded initialisation and keeps its slices)"
+                )
             split = origin.get(name, name) in shards
             gen = torch.Generator(device="cpu").manual_seed(
                 seed * 1_000_003 + zlib.crc32(name.encode()) + (tp_rank + 1) * 7919 * split
