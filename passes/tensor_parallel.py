@@ -150,6 +150,7 @@ class _Propagator:
         self.rows: dict[fx.Node, Shard] = {}  # row matmul -> the layout of its input features
         self.losses: dict[fx.Node, Shard] = {}
         self.sizes: dict[fx.Node, tuple[int, object]] = {}  # node -> (argument index, local value) to write
+        self.entering: dict[fx.Node, set[fx.Node]] = {}  # unsplit tensor read in a region -> its readers there
 
     def fail(self, node: fx.Node, why: str) -> Refusal:
         return _fail(node, why, self.tp)
@@ -395,16 +396,24 @@ class _Propagator:
             return
         k = dim - (rank - len(other))
         if not (0 <= k < len(other)) or _num(other[k]) == 1:
+            self._enters(a, node)
             return
         row = ops.rule_of(a)
         base = _shape(a.args[0]) if a.args and isinstance(a.args[0], fx.Node) else None
-        if localise is not None and row is not None and row.tp == "expand" and base is not None:
+        if localise is not None and row is not None and row.tp == "expand" and base is not None and len(a.users) == 1:
             j = k - (len(other) - len(base))
             if j < 0 or _num(base[j]) == 1:
                 self.shard[a] = Shard(k, localise.factors, localise.index)
                 self.root[a] = self.root[next(iter(x for x in node.args[0] if x in self.shard))]
+                self._enters(a.args[0], a)
                 return
         raise self.fail(node, f"operand {a.name} is not split but spans the split dimension")
+
+    def _enters(self, a: fx.Node, reader: fx.Node) -> None:
+        """A replicated tensor that needs a gradient enters the region: each rank's gradient of
+        it covers its own slice only, so it goes through ``copy_to_tp`` (f: all-reduce backward)."""
+        if a.meta.get("requires_grad"):
+            self.entering.setdefault(a, set()).add(reader)
 
     def _choose_split(self, node: fx.Node, src: fx.Node, gj: list[int], sizes: tuple[int, ...]) -> Shard:
         """The first output dim of the split that divides by tp and that the rest of the region
@@ -545,6 +554,13 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             ctx.shards[lin.bias] = ParamShard(0, layout.factors, layout.index)
         role = "vocabulary-parallel head" if node.meta.get("tp_role") == "vocab" else "column-parallel"
         ctx.notes[node.name] = f"tp={tp}: {role}, out_features {lin.out_f} -> {lin.out_f // tp}"
+    # replicated tensors read inside a region: f on them too, so their gradients are summed
+    for x, readers in prop.entering.items():
+        if x not in f_of:
+            with graph.inserting_after(x):
+                f_of[x] = place(graph.call_function(runtime.copy_to_tp, (x,)), x, tp="replicated")
+        for reader in readers:
+            reader.replace_input_with(x, f_of[x])
     # row matmuls: local weight, g on the output, bias after the reduction
     for node, layout in prop.rows.items():
         lin = _linear(gm, node, tp)

@@ -101,8 +101,10 @@ def _tp_worker(rank, world, name):
     return abs(loss.item() - reference.item()) / abs(reference.item()), worst
 
 
-@pytest.mark.parametrize("name", ["llama3", "gpt"])
+@pytest.mark.parametrize("name", ["llama3", "gpt", "deepseek_v3"])
 def test_tp2_on_two_processes_matches_single_device(name):
+    """deepseek_v3: MLA's split q/k heads, and the shared RoPE key expanded into the split heads
+    (its gradient summed over the ranks by the f on its input)."""
     from distributed import run
 
     for loss_err, grad_err in run(_tp_worker, 2, name, timeout=120):
