@@ -17,9 +17,10 @@ keep it from being emitted (``Plan.not_emitted``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
-from autoshard import planner
+from autoshard import capabilities, planner
 from autoshard.errors import AutoshardError
 from autoshard.plan import Plan
 
@@ -55,8 +56,14 @@ def compile_plan(
             plan.notes.append(comparison)
         if plan_only:
             return Compiled(plan, result, None, comparison)
+        left_out = _left_out(problem)
+        if left_out:
+            plan.notes.append(
+                f"Searched without what the program does not emit yet ({', '.join(left_out)}); "
+                "--plan-only searches the whole space."
+            )
         try:
-            files = program_files(plan, copy.deepcopy(captured), model_file, builder, config)
+            files = program_files(plan, _fresh(captured), model_file, builder, config)
         except Refusal as refusal:
             _exclude(problem, refusal)
             continue
@@ -65,6 +72,31 @@ def compile_plan(
         f"the rewrite passes refused {MAX_ROUNDS} plans in a row ({'; '.join(problem.exclusion_reasons)}); "
         "pin a plan with --force, or use --plan-only"
     )
+
+
+def _left_out(problem: planner.Problem) -> list[str]:
+    """The emitter's limits that block some point of the whole search space of ``problem``."""
+    from autoshard.planner.candidates import family_options, meshes
+
+    whole = dataclasses.replace(problem, emit=False)
+    names = set()
+    for tp, pp, cp, ep, dp in meshes(whole):
+        for fp8, attention in family_options(whole, cp):
+            fields = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp": dp, "fp8": fp8, "attention": attention}
+            for limit in capabilities.EMIT_LIMITS:
+                if all(k in fields for k in limit.reads) and limit.blocks(**{k: fields[k] for k in limit.reads}):
+                    names.add(limit.name)
+    return sorted(names)
+
+
+def _fresh(captured):
+    """A copy of ``captured`` whose graph the passes may rewrite (they rewrite in place), so that
+    a refused attempt leaves the original intact. fx copies a graph without recursing along its
+    node list; the per-layer node lists are mapped onto the copy by name."""
+    gm = copy.deepcopy(captured.graph_module)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    layer_nodes = {k: [by_name[n.name] for n in nodes] for k, nodes in captured.layer_nodes.items()}
+    return dataclasses.replace(captured, graph_module=gm, layer_nodes=layer_nodes)
 
 
 def _exclude(problem: planner.Problem, refusal) -> None:

@@ -52,6 +52,9 @@ def test_plan_only_keeps_what_is_not_emitted_yet_and_says_why():
     emitted = _compile("deepseek_v3", _problem("deepseek_v3", "h800", 16, 32)).plan
     assert emitted.mesh.ep == 1 and not emitted.precision["fp8_matmuls"] and emitted.not_emitted == []
     assert emitted.predicted.step_time_s >= whole.predicted.step_time_s
+    assert any(
+        "without what the program does not emit yet (FP8 matmuls, expert parallelism)" in n for n in emitted.notes
+    )
 
 
 def test_a_pinned_choice_the_program_cannot_emit_is_refused_before_the_search():
