@@ -763,7 +763,8 @@ def _localise(gm: fx.GraphModule, target: str, shape: tuple[int, ...]) -> None:
 
 
 def _tie_shards(gm: fx.GraphModule, shards: dict[str, ParamShard]) -> None:
-    """Every name of a tied parameter is cut as the one the graph reads."""
+    """A tied parameter is read under one name, its first (the one ``named_parameters`` gives and
+    the emitted program holds), and every name of it is cut the same way."""
     names: dict[int, list[str]] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -771,6 +772,9 @@ def _tie_shards(gm: fx.GraphModule, shards: dict[str, ParamShard]) -> None:
         spec = next((shards[n] for n in tied if n in shards), None)
         for n in tied if spec is not None else ():
             shards.setdefault(n, spec)
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and node.target in tied[1:]:
+                node.target = tied[0]
 
 
 def _swap(gm: fx.GraphModule, target: str, module: nn.Module) -> None:
