@@ -9,10 +9,11 @@ from pathlib import Path
 
 from autoshard.cost_models.categories import CHECKPOINT_CATEGORIES
 from autoshard.errors import AutoshardError
+from autoshard.runtime.schedules import NAMES
 
 PLAN_VERSION = 1
 AXES = ("tp", "pp", "cp", "ep", "dp")
-SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "zbv", "dualpipev")
+SCHEDULES = NAMES  # the schedule table's rows (autoshard.runtime.schedules)
 ATTENTION = ("flash", "ring", "allgather-kv")
 
 

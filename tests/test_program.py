@@ -148,7 +148,7 @@ def test_zero3_under_a_split_backward_schedule_is_refused(tmp_path, capsys):
     args = [str(EXAMPLES / "gpt.py"), "--config", "tiny", "--hardware", "cpu", "--gpus", "4", "--seq-len", "32"]
     args += ["--global-batch", "8", "--force", "pp=2,dp=2,zero=3,schedule=zero-bubble", "-o", str(tmp_path / "o")]
     assert main(["compile", *args]) == 2
-    assert "--force zero=3 with schedule=zero-bubble" in capsys.readouterr().err
+    assert "--force pp=2,dp=2,zero=3,schedule=zero-bubble: ZeRO-3 under" in capsys.readouterr().err
 
 
 def test_context_parallel_needs_causal_attention_without_a_mask(tmp_path, capsys):

@@ -11,8 +11,8 @@ from autoshard import capabilities
 from autoshard.cost_models.analyze import ModelCost, category_subsets
 from autoshard.cost_models.hardware import Hardware
 from autoshard.errors import AutoshardError
-from autoshard.plan import ATTENTION, CHECKPOINT_CATEGORIES, SCHEDULES
-from autoshard.runtime.schedules import SPLIT_BACKWARD
+from autoshard.plan import ATTENTION, CHECKPOINT_CATEGORIES
+from autoshard.runtime.schedules import SCHEDULES
 
 ORDER_AXES = ("tp", "cp", "pp", "dp")
 
@@ -210,19 +210,13 @@ def check_problem(problem: Problem) -> None:
             wanted.setdefault("fp8", True)
         for reason in capabilities.blocking(capabilities.EMIT_LIMITS, **wanted):
             raise AutoshardError(reason)
-    if pins.get("schedule") in SPLIT_BACKWARD:
-        name = pins["schedule"]
-        if pins.get("zero") == 3:
-            raise AutoshardError(
-                f"--force zero=3 with schedule={name}: FSDP2's ZeRO-3 resharding loses the schedule's separate "
-                "weight-gradient pass, so the program cannot run it; use zero=2 or schedule=interleaved"
-            )
+    if "schedule" in pins:  # what torch cannot run, for the pins given (other axes as they may be)
         every = problem.categories
-        if "recompute" in pins and pins["recompute"] and frozenset(pins["recompute"]) & every != every:
-            raise AutoshardError(
-                f"--force recompute with schedule={name}: torch's selective checkpointing allows one backward "
-                "per region and this schedule runs two; use recompute=none, recompute=full or schedule=interleaved"
-            )
+        fields = {"schedule": pins["schedule"], "pp": pins.get("pp", 2), "dpcp": pins.get("dp", 2) * pins.get("cp", 1)}
+        fields |= {"zero": pins["zero"]} if "zero" in pins else {}
+        fields |= {"recompute": pins["recompute"] & every, "every": every} if "recompute" in pins else {}
+        for reason in capabilities.blocking(capabilities.TORCH_LIMITS, **fields):
+            raise AutoshardError(f"--force {_given(pins)}: {reason}")
     if "tp" in pins and pins["tp"] not in tp_choices(problem):
         allowed = ", ".join(map(str, tp_choices(problem)))
         raise AutoshardError(
@@ -254,6 +248,12 @@ def check_problem(problem: Problem) -> None:
 
 def replace_batch(problem: Problem, batch: int) -> Problem:
     return replace(problem, global_batch=batch)
+
+
+def _given(pins: dict) -> str:
+    """The pins as the user wrote them (``zero=3,schedule=zbv``)."""
+    shown = {k: "+".join(sorted(v)) if isinstance(v, frozenset) else v for k, v in pins.items()}
+    return ",".join(f"{k}={v}" for k, v in shown.items() if k in ("schedule", "zero", "recompute", "pp", "dp", "cp"))
 
 
 def _pin_text(pins: dict) -> str:
@@ -315,23 +315,18 @@ def recompute_options(problem: Problem) -> list[frozenset[str]]:
 
 
 def schedules(problem: Problem, pp: int, m: int) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) valid for ``pp`` stages and ``m`` micro-batches."""
+    """(schedule, virtual stages) that torch runs with ``pp`` stages and ``m`` micro-batches
+    (``Schedule.runs_with``), at most one chunk per layer (plus the embedding and the head) each:
+    1F1B, then the interleaved schedules by v, then the V-shaped ones."""
     pins = problem.forced
-    if pp == 1:
-        out = [("1f1b", 1)]
-    else:
-        vmax = max(1, (problem.num_layers + 2) // pp)
-        rounds = max(1, m // pp)
-        interleave_ok = m % rounds == 0
-        # torch.distributed.pipelining's Schedule1F1B needs at least one micro-batch per stage
-        out = [("1f1b", 1)] if m >= pp else []
-        for v in range(2, vmax + 1):
-            if interleave_ok:
-                out += [("interleaved", v), ("zero-bubble", v)]
-        if vmax >= 2:
-            out.append(("zbv", 2))
-            if m >= 2 * pp and pp % 2 == 0 and m % 2 == 0:
-                out.append(("dualpipev", 2))
+    vmax = max(1, (problem.num_layers + 2) // pp)
+    out = []
+    for name, s in SCHEDULES.items():
+        for v in [s.fixed_v] if s.fixed_v else range(2, vmax + 1):
+            if (pp > 1 or s.fixed_v == 1) and v <= vmax and s.runs_with(pp, m, v) is None:
+                out.append((name, v))
+    order = list(SCHEDULES)
+    out.sort(key=lambda sv: (SCHEDULES[sv[0]].fixed_v or 1.5, sv[1], order.index(sv[0])))
     return [(s, v) for s, v in out if pins.get("schedule", s) == s and pins.get("v", v) == v]
 
 

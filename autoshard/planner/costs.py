@@ -70,7 +70,7 @@ class CandidateCosts:
 
     def __init__(self, problem: Problem, share: CandidateCosts | None = None):
         self.p = problem
-        sp = problem.forced.get("sp", True)  # sequence parallelism with TP unless pinned off
+        sp = problem.sequence_parallel  # with TP, unless pinned off or refused by the passes
         if share is None:
             self.layers = LayerCosts(problem.cost, problem.seq, problem.hw, sp)
             self.floor = LayerCosts(problem.cost, problem.seq, problem.hw, sp, floor=True)
