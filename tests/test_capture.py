@@ -175,3 +175,14 @@ def test_model_file_loss_replaces_the_default(tmp_path):
     cap = capture_file(str(f), None, 16)
     ops = [n.meta["op"] for n in cap.graph_module.graph.nodes]
     assert "pow" in ops and "cross_entropy" not in ops
+
+
+def test_the_public_capture_function_survives_importing_the_capture_package():
+    import autoshard
+    import autoshard.capture  # rebinds the attribute autoshard.capture to the package
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32))
+    first = autoshard.capture(model, seq=16)
+    again = autoshard.capture(model, seq=16)
+    assert first.tracer == again.tracer == "symbolic_trace"

@@ -15,6 +15,8 @@ The steps, one module each, in the order :func:`capture` runs them:
 
 from __future__ import annotations
 
+import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -96,3 +98,15 @@ def capture(
 
 
 __all__ = ["BATCH_HINT", "Captured", "LayerKind", "TrainingForward", "capture", "capture_file", "causal_lm_loss"]
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this package rebinds the attribute ``autoshard.capture`` from the public function
+    to the package; calling the package runs the function, so ``autoshard.capture(model)`` works
+    whichever one the attribute is."""
+
+    def __call__(self, model, inputs=None, *, seq: int = 128, loss=None) -> Captured:
+        return capture(model, inputs, seq=seq, loss=loss)
+
+
+sys.modules[__name__].__class__ = _CallableModule
