@@ -11,6 +11,8 @@ from autoshard.capture import capture
 from autoshard.cost_models import ops, sharding
 from autoshard.passes.tensor_parallel import _TRANSFER, IMPLEMENTED
 
+from graphs import RMS
+
 FLOPS = ("zero", "pointwise", "matmul", "sdpa", "reduce", "norm", "loss")
 SAVES = ("partner", "in0", "in1", "in2", "out", "mask", "sdpa", "logprobs")
 ATTENTION_SIGNATURES = ("sdpa", "sdpa_flash", "sdpa_efficient", "fused_attention", "cp_attention")
@@ -90,17 +92,6 @@ def test_call_args_read_positional_keyword_and_aten_layouts():
 
 # ---------------------------------------------------------------------------------------------
 # norms from their ops
-
-
-class RMS(nn.Module):
-    """An RMSNorm written by hand, under a name that does not end in 'norm'."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
 
 
 class LN(nn.Module):

@@ -6,7 +6,6 @@ import operator
 import sys
 
 import torch
-from graphs import TinyLM, expected_loss, listing, loss, tokens
 from torch import fx
 
 from autoshard.capture import capture
@@ -16,6 +15,7 @@ from autoshard.passes.activation_checkpoint import activation_checkpoint, layers
 from autoshard.runtime.checkpoint import Checkpoint
 
 from conftest import EXAMPLES
+from graphs import TinyLM, expected_loss, listing, loss, tokens
 
 sys.path.insert(0, str(EXAMPLES))
 

@@ -5,12 +5,13 @@ import operator
 
 import pytest
 import torch
-from graphs import TinyLM, listing, loss, tokens
 from torch import fx, nn
 
 from autoshard.capture import capture
 from autoshard.capture.trace import trace
 from autoshard.passes.canonicalize import canonicalize
+
+from graphs import TinyLM, listing, loss, tokens
 
 META = torch.device("meta")
 

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from graphs import TinyLM, expected_loss, listing, loss, tokens
 from torch import fx
 
 from autoshard.capture import capture, causal_lm_loss
@@ -17,6 +16,7 @@ from autoshard.passes import PASSES, RewriteContext, run_passes
 from autoshard.passes.pipeline_split import SplitProgram, chunks_chained, pipeline_split
 
 from conftest import EXAMPLES
+from graphs import TinyLM, expected_loss, listing, loss, tokens
 
 sys.path.insert(0, str(EXAMPLES))
 

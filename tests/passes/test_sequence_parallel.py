@@ -17,6 +17,7 @@ from autoshard.passes.sequence_parallel import sequence_parallel
 from autoshard.passes.tensor_parallel import tensor_parallel
 
 from conftest import EXAMPLES
+from graphs import RMS
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -52,17 +53,6 @@ def test_llama_tp2_sp_rewrites_collectives_and_lists_partial_norm_gradients():
 
 # ---------------------------------------------------------------------------------------------
 # Before/Expected on a small hand-written model
-
-
-class RMS(nn.Module):
-    """RMSNorm written out, under a class name that says nothing."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
 
 
 class FFN(nn.Module):
