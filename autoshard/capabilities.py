@@ -44,7 +44,7 @@ EMIT_LIMITS: tuple[Limit, ...] = (
         lambda ep: ep > 1,
         lambda ep: (
             f"expert parallelism (EP{ep}) is not emitted yet: the program has no all-to-all token dispatch; "
-            "compile with --force ep=1, or use --plan-only to keep it in the plan"
+            "use --force ep=1"
         ),
     ),
     Limit(
@@ -52,8 +52,8 @@ EMIT_LIMITS: tuple[Limit, ...] = (
         ("fp8",),
         lambda fp8: fp8,
         lambda fp8: (
-            "FP8 matmuls are not emitted yet: the program has no blockwise FP8 casts; compile with "
-            "--precision bf16 (or --force fp8=off), or use --plan-only to keep them in the plan"
+            "FP8 matmuls are not emitted yet: the program has no blockwise FP8 casts; use --precision bf16 "
+            "(or --force fp8=off)"
         ),
     ),
 )

@@ -181,7 +181,7 @@ def _compile(args) -> int:
     else:
         print(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
         for reason in plan.not_emitted:
-            print(f"not emitted yet (compile without --plan-only searches without it): {reason}")
+            print(f"not emitted yet (compile without --plan-only takes the best plan without it): {reason}")
     return 0
 
 

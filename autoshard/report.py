@@ -143,7 +143,12 @@ def _not_emitted(plan: Plan) -> list[str]:
     """Why ``autoshard compile`` would not emit a program for this plan (nothing when it would)."""
     if not plan.not_emitted:
         return []
-    lines = ["## Not emitted yet", "", "The program emitter cannot run this plan yet:", ""]
+    lines = ["## Not emitted yet", ""]
+    lines += [
+        "The program emitter cannot run this plan yet (`compile` without `--plan-only` takes the best plan",
+        "without these):",
+        "",
+    ]
     return lines + [f"- {reason}" for reason in plan.not_emitted] + [""]
 
 
