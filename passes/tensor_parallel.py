@@ -517,23 +517,43 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     into the graph every rank of a ``ctx.tp``-way group runs. Modules are replaced by local-shaped
     ones on the meta device; ``ctx.shards`` says how to cut each parameter (``slice_parameter``),
     ``ctx.origin`` the model's name of each renamed one, ``ctx.notes`` each decision."""
-    tp = ctx.tp
-    if tp == 1:
+    if ctx.tp == 1:
         return gm
-    nodes = list(gm.graph.nodes)
+    nodes = list(gm.graph.nodes)  # as traced: the steps below insert and erase nodes
+    prop = _propagate(gm, nodes, ctx.tp)
+    _rewrite_view_sizes(prop, ctx.tp)
+    _split_columns(gm, ctx, prop)
+    _split_rows(gm, ctx, prop)
+    _split_embeddings(gm, ctx, nodes)
+    _split_losses(gm, ctx, prop)
+    _tie_shards(gm, ctx.shards)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _propagate(gm: fx.GraphModule, nodes: list[fx.Node], tp: int) -> _Propagator:
+    """Follow each column (and vocabulary head) matmul's split through its region."""
     prop = _Propagator(gm, tp)
     for node in nodes:
         if node.meta.get("tp_role") in ("column", "vocab") and node.meta.get("op_class") == "matmul":
             prop.start(node)
     prop.run(nodes)
-    graph = gm.graph
-    # views and splits: rewrite the constant of the split dimension
+    return prop
+
+
+def _rewrite_view_sizes(prop: _Propagator, tp: int) -> None:
+    """Views and splits: rewrite the constant of the split dimension to its local size."""
     for node, s in prop.shard.items():
         if _op_name(node) in ("view", "reshape", "expand") and node.op in ("call_method", "call_function"):
             _rewrite_sizes(node, s, tp)
     for node, (i, value) in prop.sizes.items():
         node.args = (*node.args[:i], value, *node.args[i + 1 :])
-    # column (and vocabulary head) matmuls: local weight, f on the input
+
+
+def _split_columns(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> None:
+    """Column (and vocabulary head) matmuls: local weight, f on the input and on replicated reads."""
+    tp, graph = ctx.tp, gm.graph
     f_of: dict[fx.Node, fx.Node] = {}
     for node, layout in prop.layout.items():
         lin = _linear(gm, node, tp)
@@ -561,7 +581,11 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
                 f_of[x] = place(graph.call_function(runtime.copy_to_tp, (x,)), x, tp="replicated")
         for reader in readers:
             reader.replace_input_with(x, f_of[x])
-    # row matmuls: local weight, g on the output, bias after the reduction
+
+
+def _split_rows(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> None:
+    """Row matmuls: local weight, g on the output, bias added after the reduction."""
+    tp, graph = ctx.tp, gm.graph
     for node, layout in prop.rows.items():
         lin = _linear(gm, node, tp)
         if layout.size != lin.in_f:
@@ -599,7 +623,11 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             f"tp={tp}: row-parallel, in_features {lin.in_f} -> {lin.in_f // tp}, "
             "partial sums all-reduced by reduce_from_tp"
         )
-    # vocabulary-parallel embeddings
+
+
+def _split_embeddings(gm: fx.GraphModule, ctx: RewriteContext, nodes: list[fx.Node]) -> None:
+    """Embeddings of the vocabulary: a 1/tp slice of the rows, looked up by vocab_parallel_embedding."""
+    tp, graph = ctx.tp, gm.graph
     for node in nodes:
         if node.meta.get("tp_role") == "vocab" and node.meta.get("op_class") == "embedding":
             if node.op == "call_module":
@@ -629,7 +657,11 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             graph.erase_node(node)
             ctx.shards[weight_name] = ParamShard(0, (rows,), 0)
             ctx.notes[emb.name] = f"tp={tp}: vocabulary-parallel embedding, rows {rows} -> {rows // tp}"
-    # the loss over vocabulary-split logits
+
+
+def _split_losses(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> None:
+    """The loss over vocabulary-split logits: vocab_parallel_cross_entropy."""
+    tp, graph = ctx.tp, gm.graph
     for node, s in prop.losses.items():
         if s.dim != len(_shape(node.args[0])) - 1:
             raise _fail(node, "only cross-entropy over logits split along the vocabulary is supported", tp)
@@ -649,10 +681,6 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         node.replace_all_uses_with(ce)
         graph.erase_node(node)
         ctx.notes[ce.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
-    _tie_shards(gm, ctx.shards)
-    graph.lint()
-    gm.recompile()
-    return gm
 
 
 def full_weights_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
