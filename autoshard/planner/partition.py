@@ -18,6 +18,11 @@ MEM_UNIT = 2**20  # memory in MiB
 INFLIGHT_SCALE = 8  # in-flight counts are multiples of 1/v; v <= 8 keeps them exact
 PREFIX_ENUMERATION = 6  # a leading run this short is split by enumeration, not CP-SAT
 
+KEYS = ("time", "fwd", "bwd", "act", "state", "dp_time", "dp_gather", "dp_micro")
+# scale of each quantity in the model's integers: times in microseconds, memory in MiB, activations
+# also times INFLIGHT_SCALE so that multiplying by an in-flight count stays integral
+_SCALE = {key: US for key in KEYS} | {"act": INFLIGHT_SCALE / MEM_UNIT, "state": 1 / MEM_UNIT}
+
 
 @dataclass
 class Quantities:
@@ -71,143 +76,187 @@ def solve(
 ) -> Partition | None:
     """Optimal contiguous split of the layers into ``pp*v`` virtual stages, or None if no split
     fits in memory."""
-    layers = len(kinds)
-    chunks = pp * v
     runs = _runs(kinds)
     if fixed is None and len(runs) == 1:
-        return _solve_per_rank(layers, q, pp, v, chunk_rank, in_flight, microbatches, time_limit_s)
+        return _solve_per_rank(len(kinds), q, pp, v, chunk_rank, in_flight, microbatches, time_limit_s)
     if fixed is None and len(runs) == 2 and runs[0][2] <= PREFIX_ENUMERATION:
         return _solve_prefix(kinds, q, pp, v, chunk_rank, in_flight, microbatches)
-    # imported here: OR-Tools' CP-SAT module pulls in pandas (0.4 s), and the shapes above, the
-    # common ones, are solved exactly without it
-    from ortools.sat.python import cp_model
-
-    model = cp_model.CpModel()
-    bound = [model.NewIntVar(0, layers, f"e{c}") for c in range(chunks + 1)]
-    model.Add(bound[0] == 0)
-    model.Add(bound[chunks] == layers)
-    for c in range(chunks):
-        model.Add(bound[c] <= bound[c + 1])
+    split = _SplitModel(kinds, q, pp, v, chunk_rank, in_flight, microbatches)
+    split.add_boundaries()
     if fixed is not None:
+        split.add_fixed_split(fixed)
+    split.add_clamps()
+    split.add_maxima()
+    # rank by rank, each family in turn: the constraint order (and so the search) CP-SAT has always had
+    for r, cs in split.ranks.items():
+        split.add_rank_time(r, cs)
+        split.add_rank_memory(r, cs)
+        split.add_rank_exposure(r, cs)
+    split.set_objective()
+    found = split.solve(time_limit_s)
+    return None if found is None else split.read_partition(*found)
+
+
+class _SplitModel:
+    """The CP-SAT model of one stage partition: chunk boundaries, their clamp terms per run, and
+    per-rank time, memory and exposed data-parallel time under the objective's two maxima."""
+
+    def __init__(self, kinds: list[int], q: Quantities, pp: int, v: int, chunk_rank, in_flight, microbatches: int):
+        # imported here: OR-Tools' CP-SAT module pulls in pandas (0.4 s), and the shapes solve()
+        # handles exactly, the common ones, never need it
+        from ortools.sat.python import cp_model
+
+        self.cp_model = cp_model
+        self.model = cp_model.CpModel()
+        self.kinds, self.q, self.in_flight, self.microbatches = kinds, q, in_flight, microbatches
+        self.layers = len(kinds)
+        self.chunks = pp * v
+        self.runs = _runs(kinds)
+        self.ranks: dict[int, list[int]] = {}
+        for c in range(self.chunks):
+            self.ranks.setdefault(chunk_rank(c), []).append(c)
+        self.last_rank = chunk_rank(self.chunks - 1)
+
+    def add_boundaries(self) -> None:
+        """Boundary e_c (the first layer of chunk c) per chunk edge: 0 first, the layer count last, non-decreasing."""
+        self.bound = [self.model.NewIntVar(0, self.layers, f"e{c}") for c in range(self.chunks + 1)]
+        self.model.Add(self.bound[0] == 0)
+        self.model.Add(self.bound[self.chunks] == self.layers)
+        for c in range(self.chunks):
+            self.model.Add(self.bound[c] <= self.bound[c + 1])
+
+    def add_fixed_split(self, fixed: tuple[int, ...]) -> None:
+        """Pins every boundary to the running total of the given layers per chunk."""
         acc = 0
         for c, n in enumerate(fixed):
             acc += n
-            model.Add(bound[c + 1] == acc)
+            self.model.Add(self.bound[c + 1] == acc)
 
-    # clamp(e - start, 0, len) per run and boundary
-    clamps = []
-    for c, e in enumerate(bound):
-        row = []
-        for j, (_, start, length) in enumerate(runs):
-            y = model.NewIntVar(0, length, f"y{c}_{j}")
-            shifted = model.NewIntVar(-layers, layers, f"d{c}_{j}")
-            model.Add(shifted == e - start)
-            pos = model.NewIntVar(0, layers, f"p{c}_{j}")
-            model.AddMaxEquality(pos, [shifted, 0])
-            model.AddMinEquality(y, [pos, length])
-            row.append(y)
-        clamps.append(row)
+    def add_clamps(self) -> None:
+        """clamp(e - start, 0, len) per boundary and run, then each quantity's sum before every boundary."""
+        layers, model = self.layers, self.model
+        clamps = []
+        for c, e in enumerate(self.bound):
+            row = []
+            for j, (_, start, length) in enumerate(self.runs):
+                y = model.NewIntVar(0, length, f"y{c}_{j}")
+                shifted = model.NewIntVar(-layers, layers, f"d{c}_{j}")
+                model.Add(shifted == e - start)
+                pos = model.NewIntVar(0, layers, f"p{c}_{j}")
+                model.AddMaxEquality(pos, [shifted, 0])
+                model.AddMinEquality(y, [pos, length])
+                row.append(y)
+            clamps.append(row)
+        self.prefix = {}  # key -> linear expression per boundary: the scaled sum over the layers before it
+        for key in KEYS:
+            coef = [round(getattr(self.q, key)[kind] * _SCALE[key]) for kind, _, _ in self.runs]
+            self.prefix[key] = [sum(a * y for a, y in zip(coef, row)) for row in clamps]
 
-    def prefix(values: list[float], scale: float):
-        """Linear expression per boundary: sum of values of the layers before it."""
-        coef = [round(values[kind] * scale) for kind, _, _ in runs]
-        return [sum(a * y for a, y in zip(coef, row)) for row in clamps]
+    def add_maxima(self) -> None:
+        """t_max and d_max, the slowest rank's time and exposed data-parallel time, up to a safe horizon."""
+        q = self.q
+        self.horizon = (
+            int(sum(q.time) * US * self.layers + (q.pre["time"] + q.post["time"]) * US + q.p2p * US * self.chunks) + 1
+        )
+        self.t_max = self.model.NewIntVar(0, self.horizon, "t_max")
+        self.d_max = self.model.NewIntVar(0, self.horizon * max(1, self.microbatches), "d_max")
 
-    def chunk_sum(pref, c):
-        return pref[c + 1] - pref[c]
+    def rank_total(self, cs: list[int], key: str):
+        """Linear expression: one quantity summed over the chunks ``cs``, embedding and head included."""
+        return sum(self.prefix[key][c + 1] - self.prefix[key][c] + self._extra(c, key) for c in cs)
 
-    time_p = prefix(q.time, US)
-    fwd_p = prefix(q.fwd, US)
-    bwd_p = prefix(q.bwd, US)
-    act_p = prefix(q.act, INFLIGHT_SCALE / MEM_UNIT)
-    state_p = prefix(q.state, 1 / MEM_UNIT)
-    dpt_p = prefix(q.dp_time, US)
-    dpg_p = prefix(q.dp_gather, US)
-    dpm_p = prefix(q.dp_micro, US)
-
-    ranks: dict[int, list[int]] = {}
-    for c in range(chunks):
-        ranks.setdefault(chunk_rank(c), []).append(c)
-
-    def extra(c: int, key: str, scale: float) -> int:
+    def _extra(self, c: int, key: str) -> int:
+        """The embedding's and the head's share of a quantity on chunk c, scaled."""
         val = 0.0
         if c == 0:
-            val += q.pre[key]
-        if c == chunks - 1:
-            val += q.post[key]
-        return round(val * scale)
+            val += self.q.pre[key]
+        if c == self.chunks - 1:
+            val += self.q.post[key]
+        return round(val * _SCALE[key])
 
-    horizon = int(sum(q.time) * US * layers + (q.pre["time"] + q.post["time"]) * US + q.p2p * US * chunks) + 1
-    t_max = model.NewIntVar(0, horizon, "t_max")
-    d_max = model.NewIntVar(0, horizon * max(1, microbatches), "d_max")
-    p2p_us = round(q.p2p * US)
-    last_rank = chunk_rank(chunks - 1)
-    for r, cs in ranks.items():
-        t_r = sum(chunk_sum(time_p, c) + extra(c, "time", US) for c in cs) + p2p_us * len(
-            [c for c in cs if c < chunks - 1]
-        )
-        model.Add(t_max >= t_r)
-        f_r = sum(chunk_sum(fwd_p, c) + extra(c, "fwd", US) for c in cs)
-        b_r = sum(chunk_sum(bwd_p, c) + extra(c, "bwd", US) for c in cs)
-        mem = sum(chunk_sum(act_p, c) + extra(c, "act", INFLIGHT_SCALE / MEM_UNIT) for c in cs)
-        inflight = round(in_flight[r] * INFLIGHT_SCALE)
-        states = sum(chunk_sum(state_p, c) + extra(c, "state", 1 / MEM_UNIT) for c in cs)
-        buffers = q.buffers + (q.post_buffers if r == last_rank else 0.0)
+    def add_rank_time(self, r: int, cs: list[int]) -> None:
+        """t_max covers rank r's compute and a point-to-point send from each chunk but the last."""
+        sends = len([c for c in cs if c < self.chunks - 1])
+        self.model.Add(self.t_max >= self.rank_total(cs, "time") + round(self.q.p2p * US) * sends)
+
+    def add_rank_memory(self, r: int, cs: list[int]) -> None:
+        """Rank r's in-flight activations and model states fit beside its buffers."""
+        q = self.q
+        mem = self.rank_total(cs, "act")
+        inflight = round(self.in_flight[r] * INFLIGHT_SCALE)
+        states = self.rank_total(cs, "state")
+        buffers = q.buffers + (q.post_buffers if r == self.last_rank else 0.0)
         cap = int((q.capacity - buffers) / MEM_UNIT)
         # act is scaled by INFLIGHT_SCALE, in-flight too: divide once
-        model.Add(mem * inflight + states * INFLIGHT_SCALE * INFLIGHT_SCALE <= cap * INFLIGHT_SCALE * INFLIGHT_SCALE)
-        # data parallelism: gradient reduction after the last backward, parameter gather before the
-        # first forward, ZeRO-3 traffic per micro-batch; each hidden behind the compute it overlaps
+        scale = INFLIGHT_SCALE * INFLIGHT_SCALE
+        self.model.Add(mem * inflight + states * scale <= cap * scale)
+
+    def add_rank_exposure(self, r: int, cs: list[int]) -> None:
+        """d_max covers rank r's data-parallel time not hidden behind the compute it overlaps."""
+        # gradient reduction after the last backward, parameter gather before the first forward,
+        # ZeRO-3 traffic per micro-batch
+        f_r, b_r = self.rank_total(cs, "fwd"), self.rank_total(cs, "bwd")
         exposed = []
         for lat_s, (traffic, window, times) in zip(
-            q.dp_latency,
+            self.q.dp_latency,
             (
-                (sum(chunk_sum(dpt_p, c) + extra(c, "dp_time", US) for c in cs), b_r, 1),
-                (sum(chunk_sum(dpg_p, c) + extra(c, "dp_gather", US) for c in cs), f_r, 1),
-                (sum(chunk_sum(dpm_p, c) + extra(c, "dp_micro", US) for c in cs), f_r + b_r, microbatches),
+                (self.rank_total(cs, "dp_time"), b_r, 1),
+                (self.rank_total(cs, "dp_gather"), f_r, 1),
+                (self.rank_total(cs, "dp_micro"), f_r + b_r, self.microbatches),
             ),
         ):
             if lat_s == 0:
                 continue
-            x = model.NewIntVar(0, horizon, "")
-            model.Add(x >= traffic + round(lat_s * US) - window)
+            x = self.model.NewIntVar(0, self.horizon, "")
+            self.model.Add(x >= traffic + round(lat_s * US) - window)
             exposed.append(x * times if times > 1 else x)
-        model.Add(d_max >= sum(exposed))
-    model.Minimize(microbatches * t_max + d_max)
+        self.model.Add(self.d_max >= sum(exposed))
 
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.random_seed = 0
-    status = solver.Solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    cuts = [solver.Value(e) for e in bound]
-    stage_layers = [cuts[c + 1] - cuts[c] for c in range(chunks)]
-    memory = []
-    for r, cs in sorted(ranks.items()):
-        total = 0.0
-        for c in cs:
-            n_by_kind = _count(kinds, cuts[c], cuts[c + 1])
-            act = (
-                sum(n * q.act[k] for k, n in n_by_kind.items())
-                + (q.pre["act"] if c == 0 else 0)
-                + (q.post["act"] if c == chunks - 1 else 0)
-            )
-            st = (
-                sum(n * q.state[k] for k, n in n_by_kind.items())
-                + (q.pre["state"] if c == 0 else 0)
-                + (q.post["state"] if c == chunks - 1 else 0)
-            )
-            total += act * in_flight[r] + st
-        memory.append(total + q.buffers + (q.post_buffers if r == last_rank else 0.0))
-    return Partition(
-        stage_layers=stage_layers,
-        t_max=solver.Value(t_max) / US,
-        dp_exposed=solver.Value(d_max) / US,
-        memory=memory,
-        optimal=status == cp_model.OPTIMAL,
-    )
+    def set_objective(self) -> None:
+        """Minimise the step: microbatches x the slowest rank's time, plus the largest exposure."""
+        self.model.Minimize(self.microbatches * self.t_max + self.d_max)
+
+    def solve(self, time_limit_s: float):
+        """(solver, proved optimal) after a deterministic single-worker search, or None if nothing fits."""
+        cp_model = self.cp_model
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        solver.parameters.max_time_in_seconds = time_limit_s
+        solver.parameters.random_seed = 0
+        status = solver.Solve(self.model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
+        return solver, status == cp_model.OPTIMAL
+
+    def read_partition(self, solver, optimal: bool) -> Partition:
+        """Layers per chunk from the solved boundaries, with each rank's memory in bytes."""
+        q, chunks = self.q, self.chunks
+        cuts = [solver.Value(e) for e in self.bound]
+        stage_layers = [cuts[c + 1] - cuts[c] for c in range(chunks)]
+        memory = []
+        for r, cs in sorted(self.ranks.items()):
+            total = 0.0
+            for c in cs:
+                n_by_kind = _count(self.kinds, cuts[c], cuts[c + 1])
+                act = (
+                    sum(n * q.act[k] for k, n in n_by_kind.items())
+                    + (q.pre["act"] if c == 0 else 0)
+                    + (q.post["act"] if c == chunks - 1 else 0)
+                )
+                st = (
+                    sum(n * q.state[k] for k, n in n_by_kind.items())
+                    + (q.pre["state"] if c == 0 else 0)
+                    + (q.post["state"] if c == chunks - 1 else 0)
+                )
+                total += act * self.in_flight[r] + st
+            memory.append(total + q.buffers + (q.post_buffers if r == self.last_rank else 0.0))
+        return Partition(
+            stage_layers=stage_layers,
+            t_max=solver.Value(self.t_max) / US,
+            dp_exposed=solver.Value(self.d_max) / US,
+            memory=memory,
+            optimal=optimal,
+        )
 
 
 def _count(kinds: list[int], start: int, end: int) -> dict[int, int]:
@@ -215,9 +264,6 @@ def _count(kinds: list[int], start: int, end: int) -> dict[int, int]:
     for k in kinds[start:end]:
         out[k] = out.get(k, 0) + 1
     return out
-
-
-KEYS = ("time", "fwd", "bwd", "act", "state", "dp_time", "dp_gather", "dp_micro")
 
 
 def _per_rank_terms(layers, kind, q: Quantities, pp, v, chunk_rank, in_flight, microbatches, extras, closed):
