@@ -122,10 +122,24 @@ if __name__ == "__main__":
 '''
 
 
+def _norm_identity(param) -> float:
+    """The value that makes a norm's parameter the identity at initialisation, from how the graph
+    uses it: 0 where it is added (a bias, or Gemma's ``x * (1 + w)``), 1 where it scales."""
+    for user in param.users:
+        if user.meta.get("op") in ("add", "sub", "iadd", "add_"):
+            return 0.0
+        if user.meta.get("op") in ("layer_norm", "native_layer_norm", "group_norm") and (
+            user.kwargs.get("bias") is param or param in user.args[3:4]
+        ):
+            return 0.0
+    return 1.0
+
+
 def _bare_inits(gm, model, origin: dict[str, str]) -> dict[str, tuple]:
     """Initialisers for the parameters a stage holds outside a torch.nn layer (a vocabulary-split
-    embedding table, a row matmul's bias), from the layer they came from in the model: torch's own
-    defaults for that layer type."""
+    embedding table, a row matmul's bias, a norm written out op by op), from the layer they came from
+    in the model and how the graph uses them: torch's own defaults for that layer type, the
+    identity for a norm (recognised by its ops, ``op_class`` norm)."""
     import math
 
     from torch import nn
@@ -145,8 +159,8 @@ def _bare_inits(gm, model, origin: dict[str, str]) -> dict[str, tuple]:
         elif isinstance(owner, nn.Linear):
             bound = 1 / math.sqrt(owner.in_features)
             out[node.target] = ("uniform", -bound, bound)
-        elif isinstance(owner, (nn.LayerNorm, nn.RMSNorm)) or type(owner).__name__.endswith("Norm"):
-            out[node.target] = ("constant", 1.0 if leaf == "weight" else 0.0)
+        elif isinstance(owner, (nn.LayerNorm, nn.RMSNorm)) or any(u.meta.get("op_class") == "norm" for u in node.users):
+            out[node.target] = ("constant", _norm_identity(node))
         else:
             # a buffer the model computes, or a parameter of a module whose initialiser autoshard
             # cannot replay per shard yet: the program takes its value from the model file's own

@@ -15,6 +15,9 @@ from torch import fx
 GUARDS = "_guards_fn"  # torch.export's submodule that checks the inputs against its shape guards
 
 
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata  # export checks dtypes at run time; a no-op here
+
+
 def canonicalize(gm: fx.GraphModule) -> fx.GraphModule:
     """Bring a freshly traced ``gm`` into canonical form, in place, and return it.
 
@@ -40,7 +43,7 @@ def canonicalize(gm: fx.GraphModule) -> fx.GraphModule:
         if node.users:
             continue
         if (node.op == "call_module" and node.target == GUARDS) or (
-            node.op == "call_function" and getattr(node.target, "__name__", "").startswith("_assert_tensor_metadata")
+            node.op == "call_function" and getattr(node.target, "overloadpacket", None) is _ASSERT_METADATA
         ):
             graph.erase_node(node)
             changed = True
