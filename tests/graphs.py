@@ -14,6 +14,17 @@ def listing(graph: fx.Graph) -> list[tuple]:
     return [(n.op, n.target, ref(n.args), ref(n.kwargs)) for n in graph.nodes]
 
 
+# a transformers decoder config small enough for CPU tests (Llama, Mixtral, ...)
+TINY_DECODER = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
 class RMS(nn.Module):
     """An RMSNorm written by hand, under a class name that says nothing of norms."""
 

@@ -9,6 +9,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import OP_CLASSES, B, S
 
 from conftest import EXAMPLES, captured
+from graphs import TINY_DECODER
 
 META_KEYS = ("shape", "dtype", "module_path", "module_type", "layer", "region", "op", "op_class")
 
@@ -69,14 +70,7 @@ def test_big_configs_capture_on_meta_without_memory():
 
 def _tiny_hf(kind):
     transformers = pytest.importorskip("transformers")
-    common = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    common = dict(TINY_DECODER)
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)

@@ -11,7 +11,7 @@ from autoshard.capture import capture
 from autoshard.capture.trace import trace
 from autoshard.passes.canonicalize import canonicalize
 
-from graphs import TinyLM, listing, loss, tokens
+from graphs import TINY_DECODER, TinyLM, listing, loss, tokens
 
 META = torch.device("meta")
 
@@ -88,14 +88,7 @@ def test_capture_hands_on_the_canonical_graph():
 
 def test_export_path_graphs_carry_no_artefacts():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = transformers.LlamaConfig(**TINY_DECODER)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     cap = capture(model, seq=32)
