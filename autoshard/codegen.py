@@ -91,6 +91,7 @@ def program_files(plan: Plan, captured, model_file: str, builder: str | None, co
         "chunks": chunks,
         "loss": {"file": "loss.py", "class": "Loss"},
         "target": split.target,
+        "tied": split.tied,  # parameters held by several chunks or names: one parameter, gradients summed
     }
     files["program.json"] = json.dumps(program, indent=2) + "\n"
     files["train.py"] = train_launcher(plan)

@@ -88,22 +88,44 @@ def run_reference(plan: Plan, program: dict, steps: int, seed: int) -> tuple[lis
     return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
 
 
-def assemble(params_dir: Path) -> dict[str, torch.Tensor]:
-    """Whole parameters from the ranks' saved pieces (TP slices put back together)."""
-    from autoshard.runtime.stages import unslice
-
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
+def _saved(params_dir: Path) -> tuple[dict[str, dict[int, list[torch.Tensor]]], dict[str, tuple | None]]:
+    """name -> TP rank -> every copy of that piece the ranks saved (several where pipeline chunks
+    hold a copy of a tied parameter), and name -> how it was split."""
+    pieces: dict[str, dict[int, list[torch.Tensor]]] = {}
     specs: dict[str, tuple | None] = {}
     for path in sorted(params_dir.glob("rank*.pt")):
         saved = torch.load(path, weights_only=False)
         for name, (tensor, spec, _chunk) in saved["params"].items():
-            pieces.setdefault(name, {})[saved["tp_rank"]] = tensor
+            pieces.setdefault(name, {}).setdefault(saved["tp_rank"], []).append(tensor)
             specs[name] = spec
+        for name, tensor in saved.get("copies", ()):
+            pieces[name][saved["tp_rank"]].append(tensor)
+    return pieces, specs
+
+
+def assemble(params_dir: Path) -> dict[str, torch.Tensor]:
+    """Whole parameters from the ranks' saved pieces (TP slices put back together)."""
+    from autoshard.runtime.stages import unslice
+
+    pieces, specs = _saved(params_dir)
     whole = {}
     for name, by_rank in pieces.items():
-        spec = specs[name]
-        whole[name] = unslice([by_rank[r] for r in sorted(by_rank)], spec) if spec else by_rank[min(by_rank)]
+        spec, first = specs[name], [by_rank[r][0] for r in sorted(by_rank)]
+        whole[name] = unslice(first, spec) if spec else first[0]
     return whole
+
+
+def copies_apart(params_dir: Path) -> tuple[str | None, float]:
+    """The parameter whose saved copies (held by several pipeline chunks: a tied embedding and
+    head) differ most, and by how much: one parameter's copies must stay equal."""
+    worst_name, worst = None, 0.0
+    for name, by_rank in _saved(params_dir)[0].items():
+        for first, *others in by_rank.values():
+            for other in others:
+                diff = (other - first).abs().max().item()
+                if diff > worst:
+                    worst_name, worst = name, diff
+    return worst_name, worst
 
 
 def verify(out: str | Path, steps: int, tolerance: float, seed: int = 0, timeout: float = 600) -> dict:
@@ -116,6 +138,7 @@ def verify(out: str | Path, steps: int, tolerance: float, seed: int = 0, timeout
         distributed = run_distributed(out, plan, steps, seed, work, timeout)
         reference, ref_params = run_reference(plan, program, steps, seed)
         params = assemble(work / "params")
+        apart_name, apart = copies_apart(work / "params")
     rows = []
     for step, (a, b) in enumerate(zip(distributed, reference)):
         rows.append({"step": step, "distributed": a, "single_device": b, "rel_diff": abs(a - b) / max(abs(b), 1e-12)})
@@ -135,6 +158,7 @@ def verify(out: str | Path, steps: int, tolerance: float, seed: int = 0, timeout
         len(rows) == steps
         and all(r["rel_diff"] <= tolerance for r in rows)
         and worst <= tolerance
+        and apart <= tolerance
         and not [m for m in missing if ref_params[m].is_floating_point()]
     )
     return {
@@ -144,6 +168,8 @@ def verify(out: str | Path, steps: int, tolerance: float, seed: int = 0, timeout
         "max_param_rel_diff": worst_rel,
         "max_param_name": worst_name,
         "missing_params": missing,
+        "max_copy_abs_diff": apart,
+        "max_copy_name": apart_name,
         "tolerance": tolerance,
         "ok": ok,
     }
@@ -163,6 +189,11 @@ def format_report(result: dict) -> str:
         f"absolute ({result['max_param_name']}); {result['max_param_rel_diff']:.2e} relative to that tensor's "
         "largest entry"
     )
+    if result["max_copy_name"]:
+        lines.append(
+            "copies of one parameter held by several pipeline chunks differ by up to "
+            f"{result['max_copy_abs_diff']:.2e} ({result['max_copy_name']})"
+        )
     if result["missing_params"]:
         lines.append(f"parameters the program never saved: {', '.join(result['missing_params'])}")
     verdict = "OK" if result["ok"] else "FAILED"

@@ -8,7 +8,11 @@ which the pipeline runtime calls as ``loss_fn(output, target)`` on the last chun
 micro-batch's token ids. A chunk's inputs are exactly the previous chunk's outputs: values a later
 chunk needs are passed through the chunks in between, so each boundary is one explicit tuple.
 Reads of a model input's size or device carry no data: each chunk that needs one reads it again,
-off its own inputs.
+off its own inputs. A parameter is never a boundary value either: each chunk that reads it holds it.
+A parameter several chunks read (the token embedding tied to the output head: Gemma, GPT-2, small
+Llama and Qwen models) is one parameter held as a copy by each of them, read under one name (its
+first, the one ``named_parameters`` gives); ``SplitProgram.tied`` records its names and the chunks
+holding it, from which the program sums the copies' gradients (Megatron's embedding group).
 
 Requires the canonical graph (``autoshard.passes.canonicalize``: no export guards, no device
 constants) with ``region`` and ``layer`` on every node, and reads ``ctx.stage_layers``. Leaves
@@ -36,6 +40,9 @@ class SplitProgram:
     boundaries: list[list[str]] = field(default_factory=list)  # names of each chunk's outputs
     layers: list[tuple[int, int]] = field(default_factory=list)  # [first, last) layer of each chunk
     target: str | None = None  # the model input the loss reads (the token ids)
+    # each parameter with several names or several holding chunks: {"names": the name the chunks
+    # hold first, then the model's other names for it; "chunks": the chunks holding a copy}
+    tied: list[dict] = field(default_factory=list)
 
 
 def _input_size(node: fx.Node) -> bool:
@@ -62,17 +69,39 @@ def _input_meta(node: fx.Node) -> bool:
     return _input_size(node) or _input_device(node)
 
 
+def tied_parameters(gm: fx.GraphModule) -> list[list[str]]:
+    """The names of each parameter ``gm`` holds under several (tied weights), the one
+    ``named_parameters`` gives first: the name every chunk holding it reads it by."""
+    names: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [tied for tied in names.values() if len(tied) > 1]
+
+
+def _parameter_read(node: fx.Node) -> bool:
+    """A read of a parameter or buffer that some node uses: copied into every chunk using it."""
+    return node.op == "get_attr" and bool(node.users)
+
+
 def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, int]:
-    """Node -> chunk index (``LOSS`` for the loss graph); placeholders are absent."""
+    """Node -> chunk index (``LOSS`` for the loss graph); placeholders and parameter reads are
+    absent (each chunk reading a parameter reads it itself). An unused read of a tied parameter's
+    other name is dropped; any other unused read stays in chunk 0."""
     bounds = list(accumulate(stage_layers))
     last = len(stage_layers) - 1
 
     def chunk_of_layer(layer: int) -> int:
         return next(c for c, end in enumerate(bounds) if layer < end)
 
+    held = held_names(gm)
+    used = {held.get(n.target, n.target) for n in gm.graph.nodes if _parameter_read(n)}
     out: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output", "get_attr") or _input_meta(node):
+        if node.op in ("placeholder", "output") or _input_meta(node) or _parameter_read(node):
+            continue
+        if node.op == "get_attr":
+            if held.get(node.target, node.target) not in used:
+                out[node] = 0
             continue
         if not _in_model(node):
             out[node] = LOSS
@@ -87,17 +116,12 @@ def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, 
             out[node] = last
         else:
             out[node] = 0
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        users = {out[u] for u in node.users if u in out}
-        if len(users) > 1:
-            raise AutoshardError(
-                f"parameter {node.target} is used by pipeline chunks {sorted(users)} (tied weights); "
-                "untie it or plan with --force pp=1"
-            )
-        out[node] = users.pop() if users else 0
     return out
+
+
+def held_names(gm: fx.GraphModule) -> dict[str, str]:
+    """Each name of a tied parameter -> the name chunks read it by (its first)."""
+    return {name: tied[0] for tied in tied_parameters(gm) for name in tied}
 
 
 def pipeline_split(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
@@ -144,13 +168,15 @@ def _num_layers(gm: fx.GraphModule) -> int:
 def split_program(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
     """The chunks holding ``stage_layers[c]`` layers each, in order, and the loss graph."""
     chunk = assign_chunks(gm, stage_layers)
+    held = held_names(gm)
     n = len(stage_layers)
-    nodes = [n for n in gm.graph.nodes if not _input_meta(n)]
+    nodes = [n for n in gm.graph.nodes if not _input_meta(n) and not _parameter_read(n)]
     placeholders = [p for p in nodes if p.op == "placeholder"]
     computed = [v for v in nodes if v.op != "placeholder"]
     for node in nodes:
         for arg in node.all_input_nodes:
-            if arg.op == "placeholder" or _input_meta(arg) or node.op == "output" or node not in chunk:
+            held_by_each = arg.op == "placeholder" or _input_meta(arg) or _parameter_read(arg)
+            if held_by_each or node.op == "output" or node not in chunk:
                 continue
             a, b = chunk[arg], chunk[node]
             if b == LOSS and a not in (LOSS, n - 1):
@@ -188,16 +214,34 @@ def split_program(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
         if c == 0:
             inputs = [p for p in placeholders if p in inputs or p in reads_after[0]]
         mine = [v for v in nodes if chunk.get(v) == c]
-        chunks.append(_subgraph(gm, inputs, mine, reads_after[c], f"Chunk{c}"))
+        chunks.append(_subgraph(gm, inputs, mine, reads_after[c], f"Chunk{c}", held))
     loss_nodes = [v for v in nodes if chunk.get(v) == LOSS]
-    loss = _subgraph(gm, reads_after[-1] + loss_inputs, loss_nodes, None, "Loss")
+    loss = _subgraph(gm, reads_after[-1] + loss_inputs, loss_nodes, None, "Loss", held)
     layers = list(zip([0, *accumulate(stage_layers)][:-1], accumulate(stage_layers)))
     return SplitProgram(
-        chunks, loss, [[v.name for v in r] for r in reads_after], layers, loss_inputs[0].name if loss_inputs else None
+        chunks,
+        loss,
+        [[v.name for v in r] for r in reads_after],
+        layers,
+        loss_inputs[0].name if loss_inputs else None,
+        _ties(gm, chunks),
     )
 
 
-def _subgraph(gm, inputs, body, outputs, name) -> fx.GraphModule:
+def _ties(gm: fx.GraphModule, chunks: list[fx.GraphModule]) -> list[dict]:
+    """Each parameter that is tied (several names) or held by several chunks: its names, the one
+    the chunks hold first, and the chunks holding a copy."""
+    names: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    holders: dict[int, list[int]] = {}
+    for c, chunk in enumerate(chunks):
+        for p in chunk.parameters():
+            holders.setdefault(id(p), []).append(c)
+    return [{"names": names[i], "chunks": cs} for i, cs in holders.items() if len(names[i]) > 1 or len(cs) > 1]
+
+
+def _subgraph(gm, inputs, body, outputs, name, held: dict[str, str]) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for v in inputs:
@@ -205,6 +249,9 @@ def _subgraph(gm, inputs, body, outputs, name) -> fx.GraphModule:
         env[v].meta = dict(v.meta)
 
     def lookup(a: fx.Node) -> fx.Node:
+        if a not in env and _parameter_read(a):  # every chunk reading a parameter holds it
+            env[a] = graph.get_attr(held.get(a.target, a.target))
+            env[a].meta = dict(a.meta)
         if a not in env and _input_meta(a):
             if a.args[0] in env:
                 env[a] = graph.node_copy(a, lambda x: env[x])

@@ -18,7 +18,7 @@ from torch import nn
 
 from autoshard.runtime import groups
 from autoshard.runtime.schedules import schedule, torch_schedule
-from autoshard.runtime.stages import load_stage_file, materialise
+from autoshard.runtime.stages import load_stage_file, materialise, put_parameter
 
 AXES = ("tp", "cp", "pp", "dp")
 
@@ -285,6 +285,98 @@ def optimizer(params: list[nn.Parameter], zero: int, zero_group, lr: float, weig
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=zero_group, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
 
+# ---------------------------------------------------------------------------------------------
+# tied parameters
+
+
+@dataclass
+class Tie:
+    """One parameter held as a copy by several pipeline chunks (the token embedding tied to the
+    output head), or held under several names: this rank's copies (one per chunk holding it) and
+    the group of the pipeline ranks holding the others (None when this rank holds them all)."""
+
+    names: list[str]  # the name the chunks hold first, then the model's other names for it
+    copies: list[nn.Parameter]
+    group: object | None
+    source: int  # the global rank whose copy (of the first chunk holding it) the others start from
+
+
+def tied_parameters(plan: dict, program: dict, mesh, stages: list[nn.Module], chunk_ids: list[int]) -> list[Tie]:
+    """This rank's :class:`Tie` of each parameter ``program.json`` records as tied (``tied``: its
+    names and the chunks holding it), after making the names of one chunk one parameter. Every
+    rank calls it: the groups of the pipeline ranks holding a copy are made collectively, one per
+    replica (same tp, cp and dp coordinates), as Megatron's embedding group."""
+    sched, pp = schedule(plan["schedule"]), plan["mesh"]["pp"]
+    names = list(mesh.mesh_dim_names)
+    replicas = mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, pp).tolist()  # each row: one replica's pp ranks
+    me = dist.get_rank()
+    (row,) = [r for r in replicas if me in r]
+    made: dict[tuple[int, ...], object] = {}
+    ties = []
+    for entry in program.get("tied", []):
+        holding = tuple(sorted({sched.chunk_rank(c, pp) for c in entry["chunks"]}))
+        if len(holding) > 1 and holding not in made:
+            made[holding] = _replica_groups(replicas, holding, me)
+        held = [module for module, c in zip(stages, chunk_ids) if c in entry["chunks"]]
+        copies = [p for p in (_one_parameter(module, entry["names"]) for module in held) if p is not None]
+        if copies:
+            source = row[sched.chunk_rank(min(entry["chunks"]), pp)]
+            ties.append(Tie(entry["names"], copies, made.get(holding), source))
+    return ties
+
+
+def _replica_groups(replicas: list[list[int]], holding: tuple[int, ...], me: int):
+    """The process group of the pipeline ranks ``holding`` in ``me``'s replica; every rank makes
+    every replica's group (``new_group`` is collective)."""
+    mine = None
+    for row in replicas:
+        ranks = [row[r] for r in holding]
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine = group
+    return mine
+
+
+def _one_parameter(module: nn.Module, names: list[str]) -> nn.Parameter | None:
+    """The parameter ``module`` holds under any of ``names``; where it holds several of them
+    separately (a stage file emits a tied module's weight once per module), the first one is
+    registered under the others."""
+    held = dict(module.named_parameters(remove_duplicate=False))
+    found = [n for n in names if n in held]
+    for name in found[1:]:
+        put_parameter(module, name, held[found[0]])
+    return held[found[0]] if found else None
+
+
+def sync_tied_parameters(ties: list[Tie]) -> None:
+    """Every copy of a tied parameter starts from the copy of the first chunk holding it (one
+    broadcast over the ranks holding copies): the copies are one parameter, whatever initialised
+    each of them."""
+    with torch.no_grad():
+        for tie in ties:
+            if tie.group is not None:
+                dist.broadcast(tie.copies[0], src=tie.source, group=tie.group)
+            for p in tie.copies[1:]:
+                p.copy_(tie.copies[0])
+
+
+def sum_tied_gradients(ties: list[Tie]) -> None:
+    """The gradient of a tied parameter is the sum of its copies' gradients: summed over this
+    rank's copies, then over the ranks holding the others, and given to every copy, so that the
+    copies stay equal step after step. Under FSDP the copies are sharded alike over the same
+    data-parallel ranks, so their local shards add up piece by piece."""
+    for tie in ties:
+        for p in tie.copies:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in tie.copies]
+        total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+        if tie.group is not None:
+            dist.all_reduce(total, group=tie.group)
+        for g in grads:
+            g.copy_(total)
+
+
 
 # ---------------------------------------------------------------------------------------------
 # data
@@ -305,20 +397,33 @@ def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int, data: P
     return torch.stack([tokens[s : s + seq] for s in starts.tolist()]).long()
 
 
-def save_parameters(path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids: list[int]) -> None:
-    """This rank's parameters, named as in the single-device model, with how each was split.
+def save_parameters(
+    path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids: list[int], tied: list[dict] = ()
+) -> None:
+    """This rank's parameters, named as in the single-device model, with how each was split; a
+    tied parameter under each of its names (``tied`` as in ``program.json``), and the copies a
+    second chunk of this rank holds under ``copies`` (verification checks that they agree).
     Every rank takes part (FSDP gathers its shards); the first data-parallel replica writes."""
-    out = {}
+    out, copies = {}, []
     for module, c in zip(stages, chunk_ids):
         shards, origin = module.stage_file.SHARDS, module.stage_file.ORIGIN
         for name, p in module.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             source = origin.get(name, name)
-            out[source] = (full.detach().cpu().clone(), shards.get(source), c)
+            value = (full.detach().cpu().clone(), shards.get(source), c)
+            if source in out:
+                copies.append((source, value[0]))
+            else:
+                out[source] = value
+    for entry in tied:
+        held = next((n for n in entry["names"] if n in out), None)
+        for name in entry["names"] if held else ():
+            out.setdefault(name, out[held])
     if ranks.dp != 0 or ranks.cp != 0:
         return
     path.mkdir(parents=True, exist_ok=True)
-    torch.save({"tp_rank": ranks.tp, "tp": ranks.tp_size, "params": out}, path / f"rank{ranks.rank}.pt")
+    saved = {"tp_rank": ranks.tp, "tp": ranks.tp_size, "params": out, "copies": copies}
+    torch.save(saved, path / f"rank{ranks.rank}.pt")
 
 
 def read_json(path: Path) -> dict:

@@ -87,7 +87,7 @@ def train(args: argparse.Namespace, out: Path, plan: dict, program: dict, device
         if loss is not None and trainer.reports:
             record(step, loss, time.perf_counter() - start, args.loss_log)
     if args.save_params:
-        rt.save_parameters(args.save_params, trainer.stages, trainer.ranks, trainer.chunk_ids)
+        rt.save_parameters(args.save_params, trainer.stages, trainer.ranks, trainer.chunk_ids, program.get("tied", []))
 
 
 def record(step: int, loss: float, seconds: float, log: Path | None = None) -> dict:
@@ -113,6 +113,7 @@ class Trainer:
     stages: list[nn.Module]  # one module per chunk
     loss: Callable
     fsdp: bool  # FSDP2 reduces the gradients itself
+    ties: list[rt.Tie]  # parameters held as a copy by several chunks (a tied embedding and head)
     params: list[nn.Parameter]
     optim: torch.optim.Optimizer
     schedule: object | None  # the torch.distributed.pipelining schedule; None without a pipeline
@@ -125,6 +126,8 @@ class Trainer:
         chunk_ids = rt.chunks_of_rank(plan, ranks.pp)
         full = rt.full_state_from_model(program, args.seed) if args.init_from_model else None
         stages = rt.build_chunks(out, program, chunk_ids, device, ranks, full, args.seed)
+        ties = rt.tied_parameters(plan, program, mesh, stages, chunk_ids)
+        rt.sync_tied_parameters(ties)  # a tied parameter's copies start equal
         rt.autocast(stages, plan, device, args.compute_dtype)  # bf16 compute; parameters and gradients stay fp32
         loss = rt.loss_fn(rt.load_loss(out, program, device))
         # 3. data parallelism at the plan's ZeRO stage (FSDP2 for ZeRO-2/3, ZeroRedundancyOptimizer
@@ -137,7 +140,7 @@ class Trainer:
         schedule = None
         if plan["mesh"]["pp"] > 1:
             schedule = rt.pipeline_schedule(plan, stages, ranks, device, plan["microbatches"], loss)
-        return cls(args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, params, optim, schedule)
+        return cls(args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule)
 
     @property
     def first(self) -> bool:
@@ -183,6 +186,7 @@ class Trainer:
         if not self.fsdp:  # (FSDP reduces over dp x cp itself)
             rt.sum_context_parallel_gradients(self.params)  # context parallel: each rank saw 2/(2cp) of each sequence
             rt.average_gradients(self.params, groups.dp_group())
+        rt.sum_tied_gradients(self.ties)  # one parameter: its copies' gradients add up (Megatron's embedding group)
         self.optim.step()
         return mean_loss(losses, self.plan["mesh"]["dp"]) if self.last else None
 
