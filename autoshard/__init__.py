@@ -8,6 +8,17 @@ Python API::
     autoshard.estimate(params=2e12, tokens=40e12, hardware="h100")
     plan = autoshard.plan(model, hardware="h100", gpus=16384, seq_len=8192, global_batch=2048, tp=8)
     plan.save("out/plan.json")
+
+    program = autoshard.compile(model, hardware="cpu", gpus=2, seq_len=32, global_batch=8, out="out/", pp=2)
+    program.plan, program.out, program.files          # the Plan, the directory written, file name -> text
+    program.write("elsewhere/")                       # the same program again; out=None writes nothing
+
+``compile`` writes what ``autoshard compile`` writes (plan.json, plan.md, stage files, loss.py,
+program.json, train.py). The program must rebuild the single-device model (``--init-from-model``,
+``autoshard verify``), so ``program.json`` records how: a transformers model by its class and
+config; any other model by ``builder="package.module:function"`` (or ``"path/to/file.py:function"``,
+or the function itself) with ``builder_args`` / ``builder_kwargs`` (JSON values). A model with
+neither is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -62,6 +73,55 @@ def plan(
     ``compile --force`` does, e.g. ``tp=8, pp=16, schedule="interleaved", recompute="full"``.
     ``hardware`` is a profile name, a TOML path or a loaded ``Hardware``."""
     from autoshard import planner
+
+    problem, _ = _problem(model, inputs, loss, hardware, gpus, seq_len, global_batch, precision, name, force)
+    return planner.solve(problem)[0]
+
+
+def compile(
+    model,
+    inputs=None,
+    *,
+    hardware="h100",
+    gpus: int,
+    seq_len: int,
+    global_batch: int,
+    out="out/",
+    precision: str = "bf16",
+    loss=None,
+    builder=None,
+    builder_args: tuple | list = (),
+    builder_kwargs: dict | None = None,
+    name: str | None = None,
+    **force,
+):
+    """Plan ``model`` (a live or meta ``nn.Module``) as :func:`plan` does, emit the program for
+    the plan and write it to ``out`` (``None``: keep it in memory); returns the
+    :class:`autoshard.compiler.Compiled` (``.plan``, ``.files``, ``.out``, ``.write(dir)``).
+
+    The program rebuilds the model from ``builder`` (``"package.module:function"``,
+    ``"path/to/file.py:function"`` or an importable function, called with ``builder_args`` and
+    ``builder_kwargs``) or, for a transformers model, from its config; ``loss`` (a function or
+    such a name) must be importable too. The model is captured as the recipe builds it, on meta."""
+    from autoshard import rebuild
+    from autoshard.compiler import compile_plan
+
+    recipe = rebuild.for_model(model, builder, builder_args, builder_kwargs, loss)
+    rebuilt = rebuild.build(recipe, "meta")
+    rebuild.check_same(model, rebuilt, recipe)
+    loss_fn = recipe.loss_function()
+    problem, captured = _problem(
+        rebuilt, inputs, loss_fn, hardware, gpus, seq_len, global_batch, precision, name or type(model).__name__, force
+    )
+    compiled = compile_plan(problem, captured, recipe)
+    if out is not None:
+        compiled.write(out)
+    return compiled
+
+
+def _problem(model, inputs, loss, hardware, gpus, seq_len, global_batch, precision, name, force):
+    """The planner's problem for ``model`` (checked arguments, captured and analysed), and the capture."""
+    from autoshard import planner
     from autoshard.capture import capture as _capture
     from autoshard.cost_models import hardware as hw
     from autoshard.cost_models.analyze import analyze as _analyze
@@ -71,9 +131,10 @@ def plan(
         if not isinstance(value, int) or value < 1:
             raise AutoshardError(f"{key}={value!r}: must be a positive whole number")
     pins = planner.parse_force(",".join(f"{k}={_force_text(k, v)}" for k, v in force.items()))
-    cost = _analyze(_capture(model, inputs, seq=seq_len, loss=loss))
+    captured = _capture(model, inputs, seq=seq_len, loss=loss)
+    cost = _analyze(captured)
     problem = planner.Problem(cost, profile, gpus, seq_len, global_batch, precision, pins, name or type(model).__name__)
-    return planner.solve(problem)[0]
+    return problem, captured
 
 
 def _force_text(key: str, value) -> str:
@@ -84,4 +145,4 @@ def _force_text(key: str, value) -> str:
     return str(value)
 
 
-__all__ = ["AutoshardError", "Plan", "capture", "analyze", "estimate", "plan", "__version__"]
+__all__ = ["AutoshardError", "Plan", "capture", "analyze", "estimate", "plan", "compile", "__version__"]

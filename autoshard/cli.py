@@ -143,9 +143,8 @@ def _estimate(args) -> int:
 def _compile(args) -> int:
     from pathlib import Path
 
-    from autoshard import planner
+    from autoshard import planner, rebuild
     from autoshard.capture import capture_file
-    from autoshard.codegen import write_plan
     from autoshard.compiler import compile_plan
     from autoshard.cost_models import hardware
     from autoshard.cost_models.analyze import analyze
@@ -159,9 +158,10 @@ def _compile(args) -> int:
     problem = planner.Problem(
         analyze(captured), hw, args.gpus, args.seq_len, args.global_batch, args.precision, pins, name
     )
-    compiled = compile_plan(problem, captured, path, builder or None, args.config, args.plan_only, reference)
-    plan, comparison, extra = compiled.plan, compiled.comparison, compiled.files
-    out = write_plan(plan, args.out, comparison, extra)
+    recipe = rebuild.for_file(path, builder or None, args.config)
+    compiled = compile_plan(problem, captured, recipe, args.plan_only, reference)
+    plan, extra = compiled.plan, compiled.files
+    out = compiled.write(args.out)
     p = plan.predicted
     print(
         f"{plan.mesh.product_form()}, ZeRO-{plan.zero_stage}, {plan.schedule} (v={plan.virtual_stages}), "

@@ -48,8 +48,10 @@ def write_plan(plan: Plan, out: str | Path, comparison: str | None = None, extra
 # the training program
 
 
-def program_files(plan: Plan, captured, model_file: str, builder: str | None, config: str | None) -> dict[str, str]:
-    """Stage files, the loss, ``program.json`` and ``train.py`` for ``plan`` (file name -> text)."""
+def program_files(plan: Plan, captured, rebuild) -> dict[str, str]:
+    """Stage files, the loss, ``program.json`` and ``train.py`` for ``plan`` (file name -> text);
+    ``program.json`` records ``rebuild`` (``autoshard.runtime.rebuild.Recipe``), how the program
+    rebuilds the single-device model."""
     from autoshard import passes
     from autoshard.stagecode import stage_source
 
@@ -84,9 +86,7 @@ def program_files(plan: Plan, captured, model_file: str, builder: str | None, co
         raise AutoshardError("the model's vocabulary size is unknown, so no synthetic data can be drawn")
     program = {
         "plan_sha256": hashlib.sha256((plan.to_json() + "\n").encode()).hexdigest(),
-        "model_file": str(Path(model_file).resolve()),
-        "builder": builder,
-        "config": config,
+        "rebuild": rebuild.to_dict(),
         "vocab": vocab,
         "chunks": chunks,
         "loss": {"file": "loss.py", "class": "Loss"},

@@ -12,6 +12,10 @@
 
 ``--plan-only`` searches the whole space the cost model prices and records in the plan what would
 keep it from being emitted (``Plan.not_emitted``).
+
+The program records how to rebuild the single-device model (``autoshard.runtime.rebuild.Recipe``,
+made by ``autoshard.rebuild``): the CLI's model file and config, or the Python API's builder or
+transformers config.
 """
 
 from __future__ import annotations
@@ -19,32 +23,43 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from autoshard import capabilities, planner
 from autoshard.errors import AutoshardError
 from autoshard.plan import Plan
+from autoshard.runtime.rebuild import Recipe
 
 MAX_ROUNDS = 8  # searches after refusals; each refusal removes one (axis, value), so few are ever needed
 
 
 @dataclass
 class Compiled:
+    """A compiled program: what ``autoshard.compile`` returns and ``autoshard compile`` writes."""
+
     plan: Plan
     result: object  # planner.search.SearchResult of the final search
     files: dict[str, str] | None  # the program (file name -> text); None for --plan-only
     comparison: str | None = None
+    out: Path | None = None  # where it was last written
+
+    def write(self, out: str | Path) -> Path:
+        """Write ``plan.json``, ``plan.md`` and the program files to ``out`` (see ``codegen.write_plan``)."""
+        from autoshard.codegen import write_plan
+
+        self.out = write_plan(self.plan, out, self.comparison, self.files)
+        return self.out
 
 
 def compile_plan(
     problem: planner.Problem,
     captured,
-    model_file: str,
-    builder: str | None = None,
-    config: str | None = None,
+    rebuild: Recipe,
     plan_only: bool = False,
     compare: dict | None = None,
 ) -> Compiled:
-    """Search ``problem`` and, unless ``plan_only``, emit the program for the plan found."""
+    """Search ``problem`` and, unless ``plan_only``, emit the program for the plan found; the
+    program rebuilds the single-device model with ``rebuild``."""
     from autoshard.codegen import program_files
     from autoshard.passes.contract import Refusal
 
@@ -63,7 +78,7 @@ def compile_plan(
                 "--plan-only searches the whole space."
             )
         try:
-            files = program_files(plan, _fresh(captured), model_file, builder, config)
+            files = program_files(plan, _fresh(captured), rebuild)
         except Refusal as refusal:
             _exclude(problem, refusal)
             continue

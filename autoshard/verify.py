@@ -64,16 +64,16 @@ def run_distributed(out: Path, plan: Plan, steps: int, seed: int, work: Path, ti
 
 
 def run_reference(plan: Plan, program: dict, steps: int, seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    from autoshard import modelfile
+    from autoshard import rebuild
     from autoshard.capture import causal_lm_loss
     from autoshard.runtime.program import global_batch
+    from autoshard.runtime.rebuild import Recipe
 
-    spec = program["model_file"] + (f":{program['builder']}" if program.get("builder") else "")
-    mf = modelfile.load(spec)
+    recipe = Recipe.from_dict(program["rebuild"])
     torch.manual_seed(seed)
-    model = mf.build(program.get("config"), device="cpu").float()
+    model = rebuild.build(recipe, device="cpu").float()
     model.train()
-    loss_fn = mf.loss or (lambda out, tokens: causal_lm_loss(out, tokens))
+    loss_fn = recipe.loss_function() or (lambda out, tokens: causal_lm_loss(out, tokens))
     optim = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
     losses = []
     for step in range(steps):

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from autoshard import capabilities, planner
+from autoshard import capabilities, planner, rebuild
 from autoshard.compiler import compile_plan
 from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
@@ -24,7 +24,8 @@ def _problem(name: str, hw: str, gpus: int, batch: int, precision: str = "auto",
 
 def _compile(name: str, problem: planner.Problem, plan_only: bool = False):
     cap, _ = captured(name, "tiny", SEQ)
-    return compile_plan(problem, copy.deepcopy(cap), str(EXAMPLES / f"{name}.py"), None, "tiny", plan_only)
+    recipe = rebuild.for_file(str(EXAMPLES / f"{name}.py"), None, "tiny")
+    return compile_plan(problem, copy.deepcopy(cap), recipe, plan_only)
 
 
 SWEEP = [

@@ -5,7 +5,6 @@ the user's model file when ``--init-from-model`` asks for the single-device init
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -158,17 +157,17 @@ def loss_fn(loss_module: nn.Module):
 
 
 def full_state_from_model(program: dict, seed: int) -> dict[str, torch.Tensor]:
-    """The seeded single-device initialisation, named as in the traced graph (``model.*``)."""
-    path = Path(program["model_file"])
-    spec = importlib.util.spec_from_file_location(f"autoshard_user_model_{path.stem}", path)
-    if spec is None or not path.exists():
-        raise ProgramError(f"--init-from-model: model file {path} not found")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))
-    spec.loader.exec_module(module)
-    builder = getattr(module, program.get("builder") or "build")
+    """The seeded single-device initialisation, named as in the traced graph (``model.*``), of the
+    model ``program.json``'s ``rebuild`` recipe builds (a model file, a builder or a transformers
+    config: ``autoshard.runtime.rebuild``)."""
+    from autoshard.runtime.rebuild import Recipe
+
+    recipe = Recipe.from_dict(program["rebuild"])
     torch.manual_seed(seed)
-    model = builder(program["config"]) if program.get("config") is not None else builder()
+    try:
+        model = recipe.build("cpu")
+    except (ImportError, AttributeError) as e:
+        raise ProgramError(f"--init-from-model: cannot rebuild the model with {recipe.function}: {e}") from None
     state = {f"model.{k}": v.detach() for k, v in model.named_buffers()}  # non-persistent ones too
     state.update({f"model.{k}": v.detach() for k, v in model.state_dict().items()})
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
@@ -285,6 +284,7 @@ def optimizer(params: list[nn.Parameter], zero: int, zero_group, lr: float, weig
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=zero_group, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
 
+
 # ---------------------------------------------------------------------------------------------
 # tied parameters
 
@@ -375,7 +375,6 @@ def sum_tied_gradients(ties: list[Tie]) -> None:
             dist.all_reduce(total, group=tie.group)
         for g in grads:
             g.copy_(total)
-
 
 
 # ---------------------------------------------------------------------------------------------
