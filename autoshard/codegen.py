@@ -70,7 +70,7 @@ def program_files(plan: Plan, captured, rebuild) -> dict[str, str]:
         rank = schedule(plan.schedule).chunk_rank(c, plan.mesh.pp)
         doc = f"Pipeline chunk {c} of {n} (pipeline rank {rank}): {', '.join(parts)}."
         name = f"stage{c}.py"
-        inits = _bare_inits(gm, captured.model, rewritten.origin)
+        inits = _stage_inits(captured, rewritten.origin)
         files[name] = stage_source(
             gm, f"Chunk{c}", doc, rewritten.notes, rewritten.shards, rewritten.origin, rewritten.partial_grads, inits
         )
@@ -123,48 +123,9 @@ if __name__ == "__main__":
 '''
 
 
-def _norm_identity(param) -> float:
-    """The value that makes a norm's parameter the identity at initialisation, from how the graph
-    uses it: 0 where it is added (a bias, or Gemma's ``x * (1 + w)``), 1 where it scales."""
-    for user in param.users:
-        if user.meta.get("op") in ("add", "sub", "iadd", "add_"):
-            return 0.0
-        if user.meta.get("op") in ("layer_norm", "native_layer_norm", "group_norm") and (
-            user.kwargs.get("bias") is param or param in user.args[3:4]
-        ):
-            return 0.0
-    return 1.0
-
-
-def _bare_inits(gm, model, origin: dict[str, str]) -> dict[str, tuple]:
-    """Initialisers for the parameters a stage holds outside a torch.nn layer (a vocabulary-split
-    embedding table, a row matmul's bias, a norm written out op by op), from the layer they came from
-    in the model and how the graph uses them: torch's own defaults for that layer type, the
-    identity for a norm (recognised by its ops, ``op_class`` norm)."""
-    import math
-
-    from torch import nn
-
-    out = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        source = origin.get(node.target, node.target)
-        owner_path, _, leaf = source.removeprefix("model.").rpartition(".")
-        try:
-            owner = model.get_submodule(owner_path)
-        except AttributeError:
-            continue
-        if isinstance(owner, nn.Embedding) and leaf == "weight":
-            out[node.target] = ("normal", 0.0, 1.0)
-        elif isinstance(owner, nn.Linear):
-            bound = 1 / math.sqrt(owner.in_features)
-            out[node.target] = ("uniform", -bound, bound)
-        elif isinstance(owner, (nn.LayerNorm, nn.RMSNorm)) or any(u.meta.get("op_class") == "norm" for u in node.users):
-            out[node.target] = ("constant", _norm_identity(node))
-        else:
-            # a buffer the model computes, or a parameter of a module whose initialiser autoshard
-            # cannot replay per shard yet: the program takes its value from the model file's own
-            # initialisation (--init-from-model), and says so if started without it
-            out[node.target] = ("from_model",)
-    return out
+def _stage_inits(captured, origin: dict[str, str]) -> dict | None:
+    """How the model initialises each tensor a stage may hold, by the stage's name (a name the
+    passes changed reads its model tensor's through ``origin``); None where it was not recorded."""
+    if captured.inits is None:
+        return None
+    return {**captured.inits, **{k: captured.inits[v] for k, v in origin.items() if v in captured.inits}}

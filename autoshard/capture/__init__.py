@@ -15,6 +15,7 @@ The steps, one module each, in the order :func:`capture` runs them:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from torch import fx, nn
 
 from autoshard import modelfile
 from autoshard.capture import shapes, structure
+from autoshard.capture.init import Init, record_build
 from autoshard.capture.structure import LayerKind
 from autoshard.capture.trace import BATCH_HINT, TrainingForward, causal_lm_loss, trace
 from autoshard.passes.canonicalize import canonicalize
@@ -42,6 +44,9 @@ class Captured:
     input_names: list[str]
     source: str | None = None
     layer_nodes: dict[int, list[fx.Node]] = field(default_factory=dict)
+    # traced parameter/buffer name -> how the model initialises it (``init.record_build``);
+    # None where the model was not built by the recorder
+    inits: dict[str, Init] | None = None
 
     def kind_of(self, layer: int) -> LayerKind:
         return next(k for k in self.kinds if layer in k.layers)
@@ -57,9 +62,9 @@ class Captured:
 def capture_file(spec: str, config: str | None, seq: int, batch: int = BATCH_HINT) -> Captured:
     """Load ``model.py[:builder]``, build ``config`` on the meta device and capture it."""
     mf = modelfile.load(spec)
-    model = mf.build(config)
+    model, inits = record_build(mf.build, config)
     inputs = mf.sample_inputs(config, batch, seq)
-    return capture(model, inputs, loss=mf.loss, source=str(mf.path))
+    return capture(model, inputs, loss=mf.loss, source=str(mf.path), inits=inits)
 
 
 def capture(
@@ -69,8 +74,10 @@ def capture(
     seq: int = 128,
     loss=None,
     source: str | None = None,
+    inits: dict[str, Init] | None = None,
 ) -> Captured:
-    """Trace ``model`` (live or on meta) with ``inputs`` (default: token ids of shape (2, seq))."""
+    """Trace ``model`` (live or on meta) with ``inputs`` (default: token ids of shape (2, seq));
+    ``inits``, from ``init.record_build``, say how the model initialises its tensors."""
     if inputs is None:
         inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
     gm, tracer, names = trace(model, inputs, loss, source)
@@ -94,10 +101,29 @@ def capture(
         input_names=names,
         source=source,
         layer_nodes=layer_nodes,
+        inits=None if inits is None else _traced_names(inits),
     )
 
 
-__all__ = ["BATCH_HINT", "Captured", "LayerKind", "TrainingForward", "capture", "capture_file", "causal_lm_loss"]
+def _traced_names(inits: dict[str, Init]) -> dict[str, Init]:
+    """``inits`` named as the traced graph names the model's tensors (``TrainingForward.model``)."""
+    prefix = structure._WRAPPER_PREFIX
+    return {
+        f"{prefix}{k}": dataclasses.replace(v, tied_to=v.tied_to and f"{prefix}{v.tied_to}") for k, v in inits.items()
+    }
+
+
+__all__ = [
+    "BATCH_HINT",
+    "Captured",
+    "Init",
+    "LayerKind",
+    "TrainingForward",
+    "capture",
+    "capture_file",
+    "causal_lm_loss",
+    "record_build",
+]
 
 
 class _CallableModule(types.ModuleType):

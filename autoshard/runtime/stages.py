@@ -2,15 +2,15 @@
 
 Stage modules are constructed on the meta device (no memory), then materialised: either from the
 single-device model's initial state (``--init-from-model``: every rank builds the seeded model and
-keeps its slices, for verification) or directly at the local shapes, each module initialised by its
-own ``reset_parameters`` from a generator seeded by the parameter's name (and TP rank for split
-ones), with the fan-in correction a row-parallel slice needs so its scale matches the full layer's.
+keeps its slices, for verification) or by replaying, per parameter and buffer, the ops the model's
+own initialisation applied to it (the stage file's ``INIT``, recorded at compile time): directly
+at the local shape where the ops are element-wise, else the one full tensor, then its slice.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
+import inspect
 import sys
 import zlib
 from pathlib import Path
@@ -98,63 +98,106 @@ def materialise(
     full_state: dict[str, torch.Tensor] | None = None,
     seed: int = 0,
 ) -> nn.Module:
-    """Allocate ``stage``'s local parameters on ``device`` and fill them."""
+    """Allocate ``stage``'s local parameters and buffers on ``device`` and fill them: from
+    ``full_state`` (sliced), or by replaying the model's own initialisation (``INIT``)."""
     stage.to_empty(device=device)
     shards, origin = stage_file.SHARDS, stage_file.ORIGIN
+    inits = getattr(stage_file, "INIT", {})
     with torch.no_grad():
-        if full_state is not None:
-            for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
-                source = origin.get(name, name)
-                if source not in full_state:
-                    raise ValueError(
-                        f"the model has no parameter {source}: it changed since this program was compiled; "
-                        "recompile with autoshard compile"
-                    )
-                value = full_state[source]
-                if source in shards:
-                    value = slice_full(value, shards[source], tp_rank, tp)
-                if tuple(value.shape) != tuple(t.shape):
-                    raise ValueError(
-                        f"{source}: the model's piece is {tuple(value.shape)}, the program's {tuple(t.shape)}: "
-                        "the model changed since this program was compiled; recompile with autoshard compile"
-                    )
-                t.copy_(value)
-            return stage
-        for path, module in stage.named_modules():
-            if not hasattr(module, "reset_parameters"):
-                continue
-            own = [f"{path}.{n}" if path else n for n, _ in module.named_parameters(recurse=False)]
-            split = [origin.get(n, n) in shards for n in own]
-            key = zlib.crc32(path.encode()) + (tp_rank + 1) * 7919 * any(split)
-            gen_state = torch.random.get_rng_state()
-            torch.manual_seed(seed * 1_000_003 + key)
-            module.reset_parameters()
-            torch.random.set_rng_state(gen_state)
-            for (name, p), is_split in zip(module.named_parameters(recurse=False), split):
-                spec = shards.get(origin.get(f"{path}.{name}" if path else name, ""))
-                if is_split and spec and spec[0] == 1 and p.dim() == 2:  # fan-in was split: rescale
-                    p.mul_(1.0 / math.sqrt(tp))
-        params = {**dict(stage.named_parameters()), **dict(stage.named_buffers())}
-        for name, spec in getattr(stage_file, "INIT", {}).items():
-            p = params[name]
-            if spec[0] == "from_model":
-                what = "buffer" if name in dict(stage.named_buffers()) else "parameter"
-                raise ValueError(
-                    f"{what} {origin.get(name, name)} takes its initial value from the model's own code, which the "
-                    "program does not replay per shard yet: run with --init-from-model (each rank builds the "
-                    "model file's seeded initialisation and keeps its slices)"
-                )
-            split = origin.get(name, name) in shards
-            gen = torch.Generator(device="cpu").manual_seed(
-                seed * 1_000_003 + zlib.crc32(name.encode()) + (tp_rank + 1) * 7919 * split
-            )
-            kind, *args = spec
-            value = torch.empty(p.shape, dtype=p.dtype)
-            if kind == "normal":
-                value.normal_(args[0], args[1], generator=gen)
-            elif kind == "uniform":
-                value.uniform_(args[0], args[1], generator=gen)
+        for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+            source = origin.get(name, name)
+            if full_state is not None:
+                value = _from_state(full_state, source, shards.get(source), tp_rank, tp)
+            elif name in inits:
+                value = initial_value(inits[name], source, tuple(t.shape), shards.get(source), tp_rank, tp, seed)
             else:
-                value.fill_(args[0])
-            p.copy_(value)
+                raise ValueError(f"{name} has no initialisation in {Path(stage_file.__file__).name}; recompile")
+            if tuple(value.shape) != tuple(t.shape):
+                raise ValueError(
+                    f"{source}: the model's piece is {tuple(value.shape)}, the program's {tuple(t.shape)}: "
+                    "the model changed since this program was compiled; recompile with autoshard compile"
+                )
+            t.copy_(value)
     return stage
+
+
+def _from_state(full_state: dict, source: str, spec: tuple | None, tp_rank: int, tp: int) -> torch.Tensor:
+    if source not in full_state:
+        raise ValueError(
+            f"the model has no parameter {source}: it changed since this program was compiled; "
+            "recompile with autoshard compile"
+        )
+    value = full_state[source]
+    return value if spec is None else slice_full(value, spec, tp_rank, tp)
+
+
+def initial_value(entry, source: str, shape: tuple, spec: tuple | None, tp_rank: int, tp: int, seed: int):
+    """This rank's initial value of a parameter from its ``INIT`` entry: a program that says
+    ``"shape"`` runs at the local ``shape`` with a generator seeded by (seed, name, TP rank where
+    split); any other builds the full tensor with a generator seeded by (seed, name), the same on
+    every TP rank, and keeps this rank's slice. Replays run on CPU, so a GPU run starts where a CPU
+    run does."""
+    steps, key = (entry["steps"], entry["tied_to"]) if isinstance(entry, dict) else (entry, source)
+    at_shard = any(a == "shape" for a in _leaves(steps))
+    split = spec is not None and at_shard
+    gen = torch.Generator(device="cpu").manual_seed(
+        seed * 1_000_003 + zlib.crc32(key.encode()) + (tp_rank + 1) * 7919 * split
+    )
+    value = replay(steps, shape, gen)
+    if spec is not None and not at_shard:
+        value = slice_full(value, spec, tp_rank, tp)
+    return value
+
+
+def replay(steps: list, shape: tuple, generator: torch.Generator) -> torch.Tensor:
+    """Run a recorded initialisation program on CPU (``autoshard.capture.init`` writes them):
+    steps ``(op, *args[, kwargs])``, ``"%k"`` step k's result, ``"shape"`` the local shape,
+    ``"torch.<dtype>"`` a dtype; random ops draw from ``generator``. Returns the last result."""
+    results: list = []
+    with torch.device("cpu"):
+        for op, *args in steps:
+            kwargs = args.pop() if args and isinstance(args[-1], dict) else {}
+            fn, takes_generator = _replay_op(op)
+            args = [_argument(a, results, shape) for a in args]
+            kwargs = {k: _argument(v, results, shape) for k, v in kwargs.items()}
+            if takes_generator:
+                kwargs["generator"] = generator
+            results.append(fn(*args, **kwargs))
+    return results[-1]
+
+
+def _replay_op(op: str):
+    """The callable for a step's op, and whether it draws random numbers."""
+    if op == "tensor":
+        return torch.tensor, False
+    if op.startswith("nn.init."):
+        fn = getattr(nn.init, op.removeprefix("nn.init."))
+        return fn, "generator" in inspect.signature(fn).parameters
+    packet, _, overload = op.partition(".")
+    fn = getattr(getattr(torch.ops.aten, packet), overload or "default")
+    return fn, any(a.name == "generator" for a in fn._schema.arguments)
+
+
+def _argument(value, results: list, shape: tuple):
+    if value == "shape":
+        return list(shape)
+    if isinstance(value, str) and value.startswith("%"):
+        index, _, part = value[1:].partition(".")
+        out = results[int(index)]
+        return out[int(part)] if part else out
+    if isinstance(value, str) and value.startswith("torch."):
+        return getattr(torch, value.removeprefix("torch."))
+    if isinstance(value, (list, tuple)):
+        return [_argument(v, results, shape) for v in value]
+    return value
+
+
+def _leaves(value):
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    else:
+        yield value
