@@ -102,24 +102,23 @@ def compile(
     The program rebuilds the model from ``builder`` (``"package.module:function"``,
     ``"path/to/file.py:function"`` or an importable function, called with ``builder_args`` and
     ``builder_kwargs``) or, for a transformers model, from its config; ``loss`` (a function or
-    such a name) must be importable too. The model is captured as the recipe builds it, on meta."""
+    such a name) must be importable too. The model is captured as the recipe builds it, on meta,
+    with the initialisation its constructor records (replayed per shard by the program)."""
     from autoshard import rebuild
     from autoshard.compiler import compile_plan
 
     recipe = rebuild.for_model(model, builder, builder_args, builder_kwargs, loss)
-    rebuilt = rebuild.build(recipe, "meta")
+    rebuilt, inits = rebuild.record(recipe)
     rebuild.check_same(model, rebuilt, recipe)
-    loss_fn = recipe.loss_function()
-    problem, captured = _problem(
-        rebuilt, inputs, loss_fn, hardware, gpus, seq_len, global_batch, precision, name or type(model).__name__, force
-    )
+    args = (hardware, gpus, seq_len, global_batch, precision, name or type(model).__name__, force)
+    problem, captured = _problem(rebuilt, inputs, recipe.loss_function(), *args, inits=inits)
     compiled = compile_plan(problem, captured, recipe)
     if out is not None:
         compiled.write(out)
     return compiled
 
 
-def _problem(model, inputs, loss, hardware, gpus, seq_len, global_batch, precision, name, force):
+def _problem(model, inputs, loss, hardware, gpus, seq_len, global_batch, precision, name, force, inits=None):
     """The planner's problem for ``model`` (checked arguments, captured and analysed), and the capture."""
     from autoshard import planner
     from autoshard.capture import capture as _capture
@@ -131,7 +130,7 @@ def _problem(model, inputs, loss, hardware, gpus, seq_len, global_batch, precisi
         if not isinstance(value, int) or value < 1:
             raise AutoshardError(f"{key}={value!r}: must be a positive whole number")
     pins = planner.parse_force(",".join(f"{k}={_force_text(k, v)}" for k, v in force.items()))
-    captured = _capture(model, inputs, seq=seq_len, loss=loss)
+    captured = _capture(model, inputs, seq=seq_len, loss=loss, inits=inits)
     cost = _analyze(captured)
     problem = planner.Problem(cost, profile, gpus, seq_len, global_batch, precision, pins, name or type(model).__name__)
     return problem, captured

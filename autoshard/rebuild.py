@@ -10,8 +10,9 @@ A model comes with its recipe in one of three ways, in this order:
    recorded by import path, the configuration as its ``config.json`` values.
 
 Anything else (a module defined in ``__main__``, a lambda) cannot be rebuilt by another process,
-and compile says so and names the fix. Compile then builds the model through the recipe and checks
-that it has the given model's parameters, so the program and ``verify`` rebuild what was compiled.
+and compile says so and names the fix. Compile then builds the model through the recipe (recording
+its initialisation, ``record``) and checks that it has the given model's parameters, so the program
+and ``verify`` rebuild what was compiled.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from autoshard.errors import AutoshardError
 from autoshard.runtime.rebuild import Recipe, is_file_spec, resolve
 
 FIX = 'pass builder="package.module:function" (an importable function that returns the model)'
+LOSS_FIX = 'pass loss="package.module:function" (an importable loss(output, *inputs))'
 
 
 def for_file(path: str, builder: str | None, config: str | None) -> Recipe:
@@ -46,7 +48,7 @@ def for_model(
     loss: str | Callable | None = None,
 ) -> Recipe:
     """The recipe that rebuilds ``model``: the named builder, else the transformers config."""
-    loss_spec = None if loss is None else _spec(loss, "loss")
+    loss_spec = None if loss is None else _spec(loss, "loss", LOSS_FIX)
     if builder is not None:
         _check_json(args, "builder_args")
         _check_json(kwargs or {}, "builder_kwargs")
@@ -66,19 +68,36 @@ def for_model(
 
 def build(recipe: Recipe, device: str = "meta") -> nn.Module:
     """The model the recipe builds, with a failing build as one line naming the user's code."""
+    return _checked(recipe, lambda: recipe.build(device))
+
+
+def record(recipe: Recipe) -> tuple[nn.Module, dict]:
+    """The model the recipe builds on meta, and how it initialises its tensors: the recipe's call
+    under ``autoshard.capture.record_build``, which sees the constructor run."""
+    from autoshard.capture import record_build
+
+    def call():
+        fn, args, kwargs = recipe.call()
+        return record_build(fn, *args, **kwargs)
+
+    return _checked(recipe, call)
+
+
+def _checked(recipe: Recipe, make: Callable):
     from autoshard.modelfile import user_frame
 
     try:
-        model = recipe.build(device)
+        made = make()
     except Exception as e:
         text = str(e).strip().splitlines()
         raise AutoshardError(
             f"rebuilding the model with {recipe.function} raised {type(e).__name__}: "
             f"{text[0] if text else ''} (at {user_frame(e)})"
         ) from e
+    model = made[0] if isinstance(made, tuple) else made
     if not isinstance(model, nn.Module):
         raise AutoshardError(f"{recipe.function} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+    return made
 
 
 def check_same(model: nn.Module, rebuilt: nn.Module, recipe: Recipe) -> None:
@@ -114,30 +133,30 @@ def _transformers_config(model: nn.Module):
     return None
 
 
-def _spec(obj: str | Callable, what: str) -> str:
+def _spec(obj: str | Callable, what: str, fix: str = FIX) -> str:
     """The import path of ``obj`` (a ``module:name`` or ``file.py:name`` text, or a function or
     class another process can import)."""
     if isinstance(obj, str):
         where, _, name = obj.rpartition(":")
-        return _checked_spec(f"{Path(where).resolve()}:{name}" if is_file_spec(obj) else obj, what)
+        return _checked_spec(f"{Path(where).resolve()}:{name}" if is_file_spec(obj) else obj, what, fix)
     module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
     if not module or module == "__main__" or "<" in name:
         where = module or "no module"
-        raise AutoshardError(f"{what} {name or obj!r} is defined in {where}, so it cannot be imported; {FIX}")
+        raise AutoshardError(f"{what} {name or repr(obj)} is defined in {where}, so it cannot be imported; {fix}")
     loaded = sys.modules.get(module)
     top = module.partition(".")[0]
     if importlib.machinery.PathFinder.find_spec(top) is None and getattr(loaded, "__file__", None):
-        return _checked_spec(f"{Path(loaded.__file__).resolve()}:{name}", what)  # a file imported by path
-    return _checked_spec(f"{module}:{name}", what)
+        return _checked_spec(f"{Path(loaded.__file__).resolve()}:{name}", what, fix)  # a file imported by path
+    return _checked_spec(f"{module}:{name}", what, fix)
 
 
-def _checked_spec(spec: str, what: str) -> str:
+def _checked_spec(spec: str, what: str, fix: str = FIX) -> str:
     try:
         obj = resolve(spec)
     except (ImportError, AttributeError) as e:
-        raise AutoshardError(f"{what} {spec!r} cannot be imported ({e}); {FIX}") from None
+        raise AutoshardError(f"{what} {spec!r} cannot be imported ({e}); {fix}") from None
     if not callable(obj):
-        raise AutoshardError(f"{what} {spec!r} is a {type(obj).__name__}, not a function; {FIX}")
+        raise AutoshardError(f"{what} {spec!r} is a {type(obj).__name__}, not a function; {fix}")
     return spec
 
 
