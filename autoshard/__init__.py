@@ -9,7 +9,8 @@ Python API::
     plan = autoshard.plan(model, hardware="h100", gpus=16384, seq_len=8192, global_batch=2048, tp=8)
     plan.save("out/plan.json")
 
-    program = autoshard.compile(model, hardware="cpu", gpus=2, seq_len=32, global_batch=8, out="out/", pp=2)
+    program = autoshard.compile(model, hardware="cpu", gpus=2, seq_len=32, global_batch=8, out="out/",
+                                builder="my_models:build", builder_args=["tiny"], pp=2)
     program.plan, program.out, program.files          # the Plan, the directory written, file name -> text
     program.write("elsewhere/")                       # the same program again; out=None writes nothing
 
