@@ -38,6 +38,7 @@ from autoshard.errors import AutoshardError
 from autoshard.passes._graph import op_name as _op_name
 from autoshard.passes._graph import place
 from autoshard.passes.contract import Refusal, RewriteContext
+from autoshard.passes.pipeline_split import tied_parameters
 from autoshard.runtime.stages import slice_full
 
 # ---------------------------------------------------------------------------------------------
@@ -793,10 +794,7 @@ def _localise(gm: fx.GraphModule, target: str, shape: tuple[int, ...]) -> None:
 def _tie_shards(gm: fx.GraphModule, shards: dict[str, ParamShard]) -> None:
     """A tied parameter is read under one name, its first (the one ``named_parameters`` gives and
     the emitted program holds), and every name of it is cut the same way."""
-    names: dict[int, list[str]] = {}
-    for name, p in gm.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    for tied in names.values():
+    for tied in tied_parameters(gm):
         spec = next((shards[n] for n in tied if n in shards), None)
         for n in tied if spec is not None else ():
             shards.setdefault(n, spec)

@@ -81,7 +81,7 @@ def capture(
     if inputs is None:
         inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
     gm, tracer, names = trace(model, inputs, loss, source)
-    gm = canonicalize(gm)
+    gm = canonicalize(gm, inputs)
     stack = structure.layer_stack(model)
     structure.annotate_modules(gm, model, stack)
     layer_nodes = structure.layer_nodes(gm)
