@@ -112,7 +112,7 @@ def compile(
     rebuilt, inits = rebuild.record(recipe)
     rebuild.check_same(model, rebuilt, recipe)
     args = (hardware, gpus, seq_len, global_batch, precision, name or type(model).__name__, force)
-    problem, captured = _problem(rebuilt, inputs, recipe.loss_function(), *args, inits=inits)
+    problem, captured = _problem(rebuilt, _on_meta(inputs), recipe.loss_function(), *args, inits=inits)
     compiled = compile_plan(problem, captured, recipe)
     if out is not None:
         compiled.write(out)
@@ -135,6 +135,16 @@ def _problem(model, inputs, loss, hardware, gpus, seq_len, global_batch, precisi
     cost = _analyze(captured)
     problem = planner.Problem(cost, profile, gpus, seq_len, global_batch, precision, pins, name or type(model).__name__)
     return problem, captured
+
+
+def _on_meta(inputs):
+    """Example inputs on the meta device, where the rebuilt model is."""
+    if inputs is None:
+        return None
+    import torch
+
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    return tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
 def _force_text(key: str, value) -> str:

@@ -120,7 +120,8 @@ def test_a_transformers_model_is_rebuilt_from_its_config(qwen3, hf_zoo):
 
 def test_a_live_transformers_model_compiles_to_the_same_program(qwen3, hf_zoo):
     _, from_meta = qwen3
-    program = autoshard.compile(hf_zoo.build("qwen3"), out=None, name="hf_zoo:qwen3", **SIZES)
+    tokens = torch.randint(0, 128, (2, SIZES["seq_len"]))  # live inputs, as for the live model
+    program = autoshard.compile(hf_zoo.build("qwen3"), (tokens,), out=None, name="hf_zoo:qwen3", **SIZES)
     assert program.out is None and program.files == from_meta.files
 
 
