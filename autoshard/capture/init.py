@@ -14,9 +14,11 @@ How the ops are seen:
   arrive in many spellings; aten ops come with schemas that say which argument is written, which
   output aliases which input, and which op is pointwise.
 * the ``nn.init`` functions that return early on meta tensors (``_SKIPPED_ON_META``: there is no
-  data to sample) are seen as Python calls through a profile hook, by their code object, so
-  references taken before the build (``from torch.nn.init import trunc_normal_``, transformers'
-  ``TORCH_INIT_FUNCTIONS``) are seen too; the call is one step, replayed by calling the function.
+  data to sample) are seen by a ``TorchFunctionMode`` when they ask ``tensor.is_meta``, the
+  question they return on; the asking frame's code object names the function (so references
+  taken before the build count too: ``from torch.nn.init import trunc_normal_``, transformers'
+  ``TORCH_INIT_FUNCTIONS``) and its arguments are read from that frame. The call is one step,
+  replayed by calling the function.
 * ``torch.tensor(data)`` drops its data on meta; a ``TorchFunctionMode`` keeps small constants.
 
 transformers' ``PreTrainedModel.init_weights`` skips ``initialize_weights`` when the device context
@@ -35,8 +37,10 @@ otherwise it builds the full tensor, which the program cuts into shards.
 
 from __future__ import annotations
 
+import heapq
 import inspect
 import sys
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -111,7 +115,7 @@ def record_build(fn: Callable[..., nn.Module], *args, **kwargs) -> tuple[nn.Modu
     each of its parameters and buffers: ``(model, {name: Init})``, every name the model gives a
     tensor (tied ones included, with ``tied_to``). Errors of ``fn`` propagate unchanged."""
     recorder = _Recorder()
-    with torch.device("meta"), recorder, _Constants(recorder), _SkippedOnMeta(recorder):
+    with torch.device("meta"), recorder, _TorchCalls(recorder):
         model = fn(*args, **kwargs)
         if isinstance(model, nn.Module):
             _run_deferred_init(model)
@@ -162,6 +166,21 @@ def _covers_storage(t: torch.Tensor) -> bool:
     return t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
 
 
+def _takes_generator(func) -> bool:
+    return any(a.name == "generator" for a in func._schema.arguments)
+
+
+def _with_generator(func):
+    """The overload of a random op that takes a generator (``randn`` -> ``randn.generator``)."""
+    overload = func._overloadname
+    name = "generator" if overload == "default" else f"{overload}_generator"
+    if overload.endswith("out"):
+        name = f"{overload[: -len('out')]}generator_out"
+    packet = getattr(torch.ops.aten, func._schema.name.split("::", 1)[1])
+    seeded = getattr(packet, name, None) if name in packet.overloads() else None
+    return seeded if seeded is not None and _takes_generator(seeded) else None
+
+
 def _op_name(func) -> str:
     packet, overload = func._schema.name.split("::", 1)[1], func._overloadname
     return packet if overload == "default" else f"{packet}.{overload}"
@@ -177,13 +196,11 @@ class _Recorder(TorchDispatchMode):
         self.ref_of: dict[int, str] = {}  # id(tensor) -> "%k" / "%k.i"
         self.by_geometry: dict[tuple, str] = {}
         self.alive: list[torch.Tensor] = []  # every tensor known by id, so no id is reused
-        self.suspended = 0  # inside a skipped-on-meta nn.init call: that call is the step
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.suspended:
-            self._record(func, args, kwargs, out)
+        self._record(func, args, kwargs, out)
         return out
 
     # -- tensors and arguments
@@ -257,6 +274,10 @@ class _Recorder(TorchDispatchMode):
         )
         if not schema.name.startswith("aten::"):
             step.problem = f"{schema.name} is not an aten op (the program replays aten ops)"
+        elif torch.Tag.nondeterministic_seeded in func.tags and not _takes_generator(func):
+            seeded = _with_generator(func)
+            step.op = _op_name(seeded) if seeded else name
+            step.problem = None if seeded else f"{name} draws random numbers from no generator a program can seed"
         written: list[tuple[torch.Tensor, bool]] = []  # (tensor, whether the op replaces its values unread)
         for i, a in enumerate(schema.arguments):
             value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
@@ -295,6 +316,10 @@ class _Recorder(TorchDispatchMode):
     # -- what each tensor of the model depends on
 
     def inits(self, model: nn.Module) -> dict[str, Init]:
+        self.touching = defaultdict(list)  # storage -> the steps that write or allocate it, in order
+        for i, step in enumerate(self.steps):
+            for s in {*step.writes, *step.creates}:
+                self.touching[s].append(i)
         first: dict[int, str] = {}
         out = {}
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
@@ -332,8 +357,24 @@ class _Recorder(TorchDispatchMode):
         values are needed (walked backwards: a step is kept when its tensor is used by a kept step
         or it writes values still needed; a tensor whose values are all overwritten before being
         read is needed only as memory, so what computed it is not)."""
-        need_steps, need_values, kept = {result}, {storage}, []
-        for i in range(len(self.steps) - 1, -1, -1):
+        need_steps, need_values, kept = {result}, set(), []
+        candidates, seen = [-result], set()
+        last = len(self.steps)
+
+        def need(storages) -> None:
+            for s in storages - need_values:
+                need_values.add(s)
+                for i in self.touching[s]:
+                    if i < last:
+                        heapq.heappush(candidates, -i)
+
+        need({storage})
+        while candidates:
+            i = -heapq.heappop(candidates)
+            if i in seen:
+                continue
+            seen.add(i)
+            last = i
             step = self.steps[i]
             values = bool(need_values & (set(step.writes) | step.creates))
             if i not in need_steps and not values:
@@ -343,8 +384,10 @@ class _Recorder(TorchDispatchMode):
                 continue
             kept.append((i, True))
             need_values -= step.creates | {s for s, whole in step.writes.items() if whole}
-            need_values |= step.reads
-            need_steps |= set(step.inputs)
+            need(step.reads)
+            for j in step.inputs:
+                need_steps.add(j)
+                heapq.heappush(candidates, -j)
         return kept[::-1]
 
     def _elementwise(self, step: _Step, shape: tuple) -> bool:
@@ -433,50 +476,44 @@ def _is_view_of(out, t: torch.Tensor, schema) -> bool:
     )
 
 
-class _Constants(TorchFunctionMode):
-    """``torch.tensor(data)`` and its kin lose their data on meta: keep small constants as steps."""
+class _TorchCalls(TorchFunctionMode):
+    """What the aten ops do not show: ``torch.tensor(data)`` and its kin, whose data meta drops
+    (small constants are kept as steps), and the ``_SKIPPED_ON_META`` functions, seen when they
+    ask ``tensor.is_meta`` (the question they return early on), as one step each."""
 
-    _FUNCTIONS = {torch.tensor, torch.as_tensor, torch.Tensor.new_tensor}
+    _CONSTANTS = {torch.tensor, torch.as_tensor, torch.Tensor.new_tensor}
+    _CODES = {fn.__code__: fn for fn in _SKIPPED_ON_META}
 
     def __init__(self, recorder: _Recorder):
         super().__init__()
         self.recorder = recorder
+        self.last_call = None  # the frame of the last skipped-on-meta call recorded
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in self._FUNCTIONS and isinstance(out, torch.Tensor) and out.device.type == "meta":
-            data = args[1] if func is torch.Tensor.new_tensor else args[0]
-            if not _tensors([data]) or all(x.device.type != "meta" for x in _tensors([data])):
-                value = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=out.dtype, device="cpu")
-                if value.numel() <= _MAX_CONSTANT:
-                    self.recorder.add_constant(value.detach().cpu().to(out.dtype), out)
+        if func in self._CONSTANTS and isinstance(out, torch.Tensor) and out.device.type == "meta":
+            self._constant(func, args, out)
+        elif getattr(func, "__self__", None) is torch.Tensor.is_meta and out:
+            self._skipped_call(sys._getframe(1))
         return out
 
+    def _constant(self, func, args, out: torch.Tensor) -> None:
+        data = args[1] if func is torch.Tensor.new_tensor else args[0]
+        if any(x.device.type == "meta" for x in _tensors([data])):
+            return
+        value = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=out.dtype, device="cpu")
+        if value.numel() <= _MAX_CONSTANT:
+            self.recorder.add_constant(value.detach().cpu().to(out.dtype), out)
 
-class _SkippedOnMeta:
-    """A profile hook that turns each call of a ``_SKIPPED_ON_META`` function into one step (and
-    hides the ops it runs, were its tensor not on meta)."""
-
-    def __init__(self, recorder: _Recorder):
-        self.recorder = recorder
-        self.codes = {fn.__code__: fn for fn in _SKIPPED_ON_META}
-        self.frames: list = []
-
-    def __enter__(self):
-        self.previous = sys.getprofile()
-        sys.setprofile(self._hook)
-        return self
-
-    def __exit__(self, *exc):
-        sys.setprofile(self.previous)
-
-    def _hook(self, frame, event, arg):
-        if event == "call" and frame.f_code in self.codes:
-            if not self.frames:
-                self.recorder.record_call(self.codes[frame.f_code], frame)
-            self.frames.append(frame)
-            self.recorder.suspended += 1
-        elif event == "return" and self.frames and frame is self.frames[-1]:
-            self.frames.pop()
-            self.recorder.suspended -= 1
+    def _skipped_call(self, frame) -> None:
+        """The outermost skipped-on-meta function among the few frames that asked."""
+        for _ in range(4):
+            if frame is None:
+                return
+            if frame.f_code in self._CODES:
+                if frame is not self.last_call:
+                    self.last_call = frame
+                    self.recorder.record_call(self._CODES[frame.f_code], frame)
+                return
+            frame = frame.f_back
