@@ -91,8 +91,9 @@ def test_a_parameter_tied_under_two_module_names_is_recorded_with_both():
 def test_one_chunk_holding_a_tie_under_two_names_holds_one_parameter():
     chunk = nn.Module()
     chunk.embed, chunk.head = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)  # emitted separately
-    p = _one_parameter(chunk, ["embed.weight", "head.weight"])
-    assert p is chunk.embed.weight and chunk.head.weight is p
+    weight = chunk.embed.weight
+    assert _one_parameter(chunk, ["embed.weight", "head.weight"]) == "embed.weight"
+    assert chunk.embed.weight is weight and chunk.head.weight is weight
     assert [n for n, _ in chunk.named_parameters()] == ["embed.weight"]
     assert _one_parameter(chunk, ["other.weight"]) is None
 
@@ -109,6 +110,7 @@ CASES = {
     "dp2-zero3": ("hf_tied.py", "tiny", 2, "dp=2,zero=3"),
     "tp2": ("hf_tied.py", "tiny", 2, "tp=2"),
     "tp2-pp2": ("hf_tied.py", "tiny", 4, "tp=2,pp=2"),
+    "pp2-dp2-zero3": ("hf_tied.py", "tiny", 4, "pp=2,dp=2,zero=3,schedule=interleaved"),  # copies' shards add up
     "gpt-pp2": ("tied_gpt.py", "tiny", 2, "pp=2,schedule=1f1b"),
 }
 

@@ -292,13 +292,19 @@ def optimizer(params: list[nn.Parameter], zero: int, zero_group, lr: float, weig
 @dataclass
 class Tie:
     """One parameter held as a copy by several pipeline chunks (the token embedding tied to the
-    output head), or held under several names: this rank's copies (one per chunk holding it) and
-    the group of the pipeline ranks holding the others (None when this rank holds them all)."""
+    output head), or held under several names: where this rank holds its copies (one per chunk
+    holding it) and the group of the pipeline ranks holding the others (None when this rank holds
+    them all)."""
 
     names: list[str]  # the name the chunks hold first, then the model's other names for it
-    copies: list[nn.Parameter]
+    held: list[tuple[nn.Module, str]]  # (chunk, name) of each copy on this rank
     group: object | None
     source: int  # the global rank whose copy (of the first chunk holding it) the others start from
+
+    @property
+    def copies(self) -> list[nn.Parameter]:
+        """The copies as the chunks hold them now (FSDP replaces a chunk's parameters by sharded ones)."""
+        return [module.get_parameter(name) for module, name in self.held]
 
 
 def tied_parameters(plan: dict, program: dict, mesh, stages: list[nn.Module], chunk_ids: list[int]) -> list[Tie]:
@@ -307,8 +313,8 @@ def tied_parameters(plan: dict, program: dict, mesh, stages: list[nn.Module], ch
     rank calls it: the groups of the pipeline ranks holding a copy are made collectively, one per
     replica (same tp, cp and dp coordinates), as Megatron's embedding group."""
     sched, pp = schedule(plan["schedule"]), plan["mesh"]["pp"]
-    names = list(mesh.mesh_dim_names)
-    replicas = mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, pp).tolist()  # each row: one replica's pp ranks
+    pp_dim = list(mesh.mesh_dim_names).index("pp")
+    replicas = mesh.mesh.movedim(pp_dim, -1).reshape(-1, pp).tolist()  # each row: one replica's pp ranks
     me = dist.get_rank()
     (row,) = [r for r in replicas if me in r]
     made: dict[tuple[int, ...], object] = {}
@@ -317,11 +323,11 @@ def tied_parameters(plan: dict, program: dict, mesh, stages: list[nn.Module], ch
         holding = tuple(sorted({sched.chunk_rank(c, pp) for c in entry["chunks"]}))
         if len(holding) > 1 and holding not in made:
             made[holding] = _replica_groups(replicas, holding, me)
-        held = [module for module, c in zip(stages, chunk_ids) if c in entry["chunks"]]
-        copies = [p for p in (_one_parameter(module, entry["names"]) for module in held) if p is not None]
-        if copies:
+        chunks = [module for module, c in zip(stages, chunk_ids) if c in entry["chunks"]]
+        held = [(module, name) for module in chunks if (name := _one_parameter(module, entry["names"]))]
+        if held:
             source = row[sched.chunk_rank(min(entry["chunks"]), pp)]
-            ties.append(Tie(entry["names"], copies, made.get(holding), source))
+            ties.append(Tie(entry["names"], held, made.get(holding), source))
     return ties
 
 
@@ -337,15 +343,15 @@ def _replica_groups(replicas: list[list[int]], holding: tuple[int, ...], me: int
     return mine
 
 
-def _one_parameter(module: nn.Module, names: list[str]) -> nn.Parameter | None:
-    """The parameter ``module`` holds under any of ``names``; where it holds several of them
-    separately (a stage file emits a tied module's weight once per module), the first one is
-    registered under the others."""
+def _one_parameter(module: nn.Module, names: list[str]) -> str | None:
+    """The name under which ``module`` holds the parameter named ``names`` (None if it does not);
+    where it holds several of them separately (a stage file emits a tied module's weight once per
+    module), the first one is registered under the others."""
     held = dict(module.named_parameters(remove_duplicate=False))
     found = [n for n in names if n in held]
     for name in found[1:]:
         put_parameter(module, name, held[found[0]])
-    return held[found[0]] if found else None
+    return found[0] if found else None
 
 
 def sync_tied_parameters(ties: list[Tie]) -> None:
@@ -354,10 +360,11 @@ def sync_tied_parameters(ties: list[Tie]) -> None:
     each of them."""
     with torch.no_grad():
         for tie in ties:
+            first, *others = tie.copies
             if tie.group is not None:
-                dist.broadcast(tie.copies[0], src=tie.source, group=tie.group)
-            for p in tie.copies[1:]:
-                p.copy_(tie.copies[0])
+                dist.broadcast(first, src=tie.source, group=tie.group)
+            for p in others:
+                p.copy_(first)
 
 
 def sum_tied_gradients(ties: list[Tie]) -> None:
@@ -366,10 +373,11 @@ def sum_tied_gradients(ties: list[Tie]) -> None:
     copies stay equal step after step. Under FSDP the copies are sharded alike over the same
     data-parallel ranks, so their local shards add up piece by piece."""
     for tie in ties:
-        for p in tie.copies:
+        copies = tie.copies
+        for p in copies:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in tie.copies]
+        grads = [_local(p.grad) for p in copies]
         total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
         if tie.group is not None:
             dist.all_reduce(total, group=tie.group)
