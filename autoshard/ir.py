@@ -56,6 +56,7 @@ KEYS: dict[str, Key] = {
         Key("source", "capture", "'file:line' in the user's code, where the tracer recorded it"),
         Key("op", "capture", "normalised op name, the key of the op table (autoshard.cost_models.ops)"),
         Key("op_class", "capture", "one of OP_CLASSES, from the op table refined by graph patterns"),
+        Key("mask", "capture", "on attention whose mask tensor is not causal: what the mask is, for refusals"),
         # analysis (autoshard.cost_models)
         Key("tp", "analysis", "tensor-parallel state of the output: 'replicated', 'sharded' or 'partial'"),
         Key("tp_role", "analysis", "on weighted matmuls and embeddings: 'column', 'row', 'vocab' or 'replicated'"),

@@ -12,17 +12,21 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autoshard.cost_models import ops
+
 GUARDS = "_guards_fn"  # torch.export's submodule that checks the inputs against its shape guards
 
 
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata  # export checks dtypes at run time; a no-op here
 
 
-def canonicalize(gm: fx.GraphModule) -> fx.GraphModule:
+def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphModule:
     """Bring a freshly traced ``gm`` into canonical form, in place, and return it.
 
     Requires: ``gm`` is a traced training forward (``autoshard.capture.trace``) with at least one
-    placeholder, the model inputs first among them. Nothing is read from ``node.meta``.
+    placeholder, the model inputs first among them; ``inputs`` are the example inputs it was
+    traced with (their shapes are the sizes the program runs at). Nothing is read from
+    ``node.meta``.
 
     Guarantees:
 
@@ -34,6 +38,10 @@ def canonicalize(gm: fx.GraphModule) -> fx.GraphModule:
       export recorded with the capture's device reads the device of the first model input
       instead, from one ``getattr(input, "device")`` node after the placeholders, so the graph
       runs wherever its inputs are;
+    - with ``inputs``: every ``scaled_dot_product_attention`` whose mask tensor is causal at the
+      inputs' sizes is ``is_causal=True`` without the mask, and the nodes that only built the
+      mask are gone (:func:`causal_masks`); a mask that is not causal stays, and the attention
+      node's ``meta["mask"]`` says what it is, for the passes' refusals;
     - every other node, its arguments and its ``meta`` are as traced (a graph already canonical,
       as ``symbolic_trace`` of a model without device constants gives, is left unchanged).
     """
@@ -50,6 +58,8 @@ def canonicalize(gm: fx.GraphModule) -> fx.GraphModule:
     if hasattr(gm, GUARDS) and not any(n.op == "call_module" and n.target == GUARDS for n in graph.nodes):
         gm.delete_submodule(GUARDS)
     changed |= _inputs_device(graph)
+    if inputs is not None:
+        changed |= causal_masks(gm, inputs)
     if changed:
         graph.lint()
         gm.recompile()
@@ -73,3 +83,207 @@ def _inputs_device(graph: fx.Graph) -> bool:
         node.args = tuple(device if _is_meta(a) else a for a in node.args)
         node.kwargs = {k: device if _is_meta(v) else v for k, v in node.kwargs.items()}
     return device is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal masks: a mask tensor computed from positions alone, evaluated at the traced sizes
+
+MASK_LIMIT = 1 << 28  # bytes of the largest tensor a mask check may build (a boolean mask: batch 2 at 11K tokens)
+
+# ops that read only a placeholder's shape, device or dtype, never its values
+_SHAPE_READS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
+_SHAPE_ATTRS = ("device", "shape", "dtype", "ndim")
+_SHAPE_METHODS = ("size", "dim")
+
+
+def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
+    """Make every ``scaled_dot_product_attention`` whose mask is causal at the sizes of
+    ``inputs`` plain causal attention (``is_causal=True``, no mask), erasing what built the mask;
+    record on the others (``meta["mask"]``) why their mask is not. Whether any changed.
+
+    A mask counts as causal only when its value is known from the sizes alone: the nodes that
+    compute it read the inputs' shapes and device, constants and buffers with values, never an
+    input's values or a parameter. It is evaluated on CPU at exactly the traced sizes (those the
+    program runs at), so a sliding window wider than the sequence is causal here and is not at
+    a longer one, which would be a different capture.
+    """
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    sizes = {p: tuple(t.shape) for p, t in zip(placeholders, inputs)}
+    verdicts: dict[fx.Node, str | None] = {}
+    changed = False
+    for node in list(graph.nodes):
+        if node.op not in ("call_function", "call_method") or _signature(node) != "sdpa":
+            continue
+        args = _sdpa_args(node)
+        mask = args["attn_mask"]
+        if not isinstance(mask, fx.Node) or args["is_causal"] is True:
+            continue
+        if mask not in verdicts:
+            verdicts[mask] = mask_verdict(gm, mask, sizes)
+        if verdicts[mask] is not None:
+            node.meta["mask"] = verdicts[mask]
+            continue
+        given = {name: a for (name, _), a in zip(ops.SIGNATURES["sdpa"][3:], node.args[3:])} | dict(node.kwargs)
+        rest = {k: v for k, v in given.items() if k not in ("attn_mask", "is_causal")}
+        node.args = (args["query"], args["key"], args["value"])
+        node.kwargs = {**rest, "is_causal": True}
+        changed = True
+    if changed:
+        _erase_unused(graph, [m for m, why in verdicts.items() if why is None])
+    return changed
+
+
+def _signature(node: fx.Node) -> str | None:
+    row = ops.rule(ops.op_name(node))
+    return row.signature if row is not None else None
+
+
+def _sdpa_args(node: fx.Node) -> dict:
+    layout = ops.SIGNATURES["sdpa"]
+    args = {name: node.args[i] if i < len(node.args) else default for i, (name, default) in enumerate(layout)}
+    args.update(node.kwargs)
+    return args
+
+
+def _erase_unused(graph: fx.Graph, roots: list[fx.Node]) -> None:
+    """Erase ``roots`` and, transitively, the inputs they leave without users."""
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n.users or n.op in ("placeholder", "output") or getattr(n, "_erased", False):
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        stack.extend(inputs)
+
+
+def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple]) -> str | None:
+    """None when ``mask`` is causal at ``sizes`` (placeholder -> traced shape); else what it is,
+    as a phrase for a refusal ("sliding-window attention (window 4096)")."""
+    closure = _closure(mask)
+    why = _not_from_positions(gm, closure)
+    if why is not None:
+        return why
+    order = [n for n in gm.graph.nodes if n in closure]
+    try:
+        _evaluate(gm, order, sizes, torch.device("meta"))  # sizes only: refuses what is too large first
+        value = _evaluate(gm, order, sizes, torch.device("cpu"))
+    except _TooLarge as e:
+        return f"a mask tensor too large to check at the traced sizes ({e})"
+    except Exception as e:  # an op that cannot run on sizes alone
+        return f"a mask tensor that cannot be evaluated from the sizes ({type(e).__name__})"
+    return _causal_verdict(value)
+
+
+def _closure(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _reads_shape_only(user: fx.Node, placeholder: fx.Node) -> bool:
+    if user.op == "call_function" and user.target in _SHAPE_READS:
+        return True
+    if user.op == "call_function" and user.target is getattr:
+        return user.args[1] in _SHAPE_ATTRS
+    return user.op == "call_method" and user.target in _SHAPE_METHODS and user.args[0] is placeholder
+
+
+def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node]) -> str | None:
+    """Why the mask's value is not a function of sizes and constants, or None if it is."""
+    params = {name for name, _ in gm.named_parameters()}
+    for n in closure:
+        if n.op == "placeholder":
+            if any(not _reads_shape_only(u, n) for u in n.users if u in closure):
+                return f"a mask computed from the input '{n.target}' (padding or document masking)"
+        elif n.op == "get_attr":
+            if n.target in params:
+                return f"a mask computed from the parameter '{n.target}'"
+            value = _attr(gm, n.target)
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                return f"a mask read from the buffer '{n.target}', which has no values on the meta device"
+        elif n.op == "call_module":
+            return f"a mask computed by the module '{n.target}'"
+    return None
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _evaluate(gm: fx.GraphModule, order: list[fx.Node], sizes: dict, device: torch.device) -> object:
+    """The value of the last node of ``order`` (a closure in graph order), run with placeholders
+    as empty tensors of their traced sizes on meta and every device argument read as ``device``;
+    every tensor made is checked against ``MASK_LIMIT``, and dropped once nothing needs it."""
+    on = lambda a: device if isinstance(a, torch.device) else a
+    members = set(order)
+    pending = {n: sum(u in members for u in n.users) for n in order}
+    env: dict[fx.Node, object] = {}
+    for n in order:
+        if n.op == "placeholder":
+            env[n] = torch.empty(sizes[n], device="meta")
+            continue
+        if n.op == "get_attr":
+            env[n] = _attr(gm, n.target).to(device)
+            continue
+        args = fx.map_arg(n.args, lambda a: env[a])
+        kwargs = fx.map_arg(n.kwargs, lambda a: env[a])
+        args = tuple(on(a) for a in args)
+        kwargs = {k: on(v) for k, v in kwargs.items()}
+        fn = n.target
+        if n.op == "call_method":
+            fn, args = getattr(args[0], n.target), args[1:]
+        out = fn(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.untyped_storage().nbytes() > MASK_LIMIT:
+            raise _TooLarge(f"{out.untyped_storage().nbytes() >> 20} MiB")
+        env[n] = on(out)
+        for a in n.all_input_nodes:
+            pending[a] -= 1
+            if not pending[a]:
+                del env[a]
+    return env[order[-1]]
+
+
+def _causal_verdict(value) -> str | None:
+    """None when ``value`` (a boolean mask, True where attending, or an additive one, 0 where
+    attending and the dtype's lowest value or -inf elsewhere) is causal over its last two dims."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.is_meta:
+        return "a mask that is not a tensor of positions"
+    for d in range(value.dim() - 2):  # a broadcast (stride-0) dimension holds one value
+        if value.stride(d) == 0:
+            value = value.narrow(d, 0, 1)
+    if value.dtype == torch.bool:
+        allowed = value
+    elif value.dtype.is_floating_point:
+        allowed = value == 0
+        if not (allowed | (value <= torch.finfo(value.dtype).min)).all():
+            return "an additive attention bias (values other than 0 and -inf)"
+    else:
+        return f"a mask of dtype {value.dtype}"
+    q, k = allowed.shape[-2:]
+    if q != k:
+        return f"a mask of {q} queries by {k} keys"
+    causal = torch.ones(q, k, dtype=torch.bool).tril()
+    if torch.equal(allowed, causal.expand_as(allowed)):
+        return None
+    if (allowed & ~causal).any():
+        return "a mask that lets positions attend to later ones (not causal)"
+    window = int(allowed.sum(-1).max())
+    if not window:
+        return "a mask that hides every key"
+    band = causal & ~torch.ones(q, k, dtype=torch.bool).tril(-window)
+    if torch.equal(allowed, band.expand_as(allowed)):
+        return f"sliding-window attention (window {window})"
+    return "a mask that hides earlier positions (document masking or padding)"

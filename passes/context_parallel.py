@@ -9,8 +9,11 @@ Rewrites, before the tensor-parallel pass:
   the next-token targets at chunk edges are right;
 * ``arange`` over the sequence length (rotary angles, position ids) becomes ``cp_positions``: the
   global positions of this rank's chunks, so rotary embeddings see the true positions;
-* causal attention (``scaled_dot_product_attention(..., is_causal=True)`` without a mask) becomes
-  ``cp_attention`` (ring or all-gather-KV over the CP group);
+* causal attention (``scaled_dot_product_attention(..., is_causal=True)`` without a mask or
+  dropout; capture has already made a mask tensor that is causal into ``is_causal``, see
+  ``passes.canonicalize``) becomes ``cp_attention`` (ring or all-gather-KV over the CP group);
+  a mask that is not causal is refused with what it is (``node.meta["mask"]``: a sliding window,
+  document masking);
 * the mean cross-entropy becomes ``cp_cross_entropy``: this rank's sum over the mean's global count,
   so the CP ranks' losses (and gradients) add up to the single-sequence mean.
 
@@ -21,6 +24,7 @@ the pass cannot shard raises ``Refusal(axis="cp")`` naming the line.
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from autoshard import runtime
@@ -69,6 +73,7 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         place(local, model_users[0], ph, region="pre", tp=ph.meta.get("tp", "replicated"))
         for u in model_users:
             u.replace_input_with(ph, local)
+        _local_lengths(graph, ph, local, dim)
         notes[local.name] = f"context parallel: this rank's 2 of {2 * cp} sequence chunks (load-balanced layout)"
     # 2. positions: arange over the sequence length -> the global positions of the local chunks
     for node in list(graph.nodes):
@@ -86,14 +91,13 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     for node in list(graph.nodes):
         kind = _cp(node)
         if kind == "mixes" and _in_model(node) and _along_sequence(node):
-            raise _fail(
-                node, f"a {_op(node)} along the sequence outside attention (run the flash-attention pass first)", cp
-            )
+            raise _fail(node, _unfused_why(node), cp)
         if kind != "attention":
             continue
+        why = _not_shardable(node)
+        if why:
+            raise _fail(node, why, cp)
         args = ops.call_args(node)
-        if args.get("attn_mask") is not None or not args["is_causal"]:
-            raise _fail(node, "attention with a mask or without causality (only causal attention is sharded)", cp)
         with graph.inserting_after(node):
             new = graph.call_function(
                 runtime.cp_attention, (args["query"], args["key"], args["value"], variant, args["scale"])
@@ -133,6 +137,59 @@ def no_full_sequence_attention_left(gm: fx.GraphModule, ctx: RewriteContext) -> 
         if _cp(node) == "attention" or (_cp(node) == "loss" and not _in_model(node)):
             return f"{node.name} ({node.meta.get('op')}) still works on the whole sequence"
     return None
+
+
+def _local_lengths(graph: fx.Graph, ph: fx.Node, local: fx.Node, dim: int) -> None:
+    """The model's reads of the input's sequence length (torch.export's ``sym_size(input, 1)``,
+    which sizes its views, expands and positions) read the local chunks' length instead: each
+    from a sequence-long tensor its user already reads (so it stays in that user's pipeline
+    chunk), else from the local input. The loss keeps the whole sequence's length."""
+    rank = len(ph.meta["shape"])
+    for size in list(ph.users):
+        if not (size.target is torch.ops.aten.sym_size.int and size.args[1] % rank == dim):
+            continue
+        for user in [u for u in size.users if _in_model(u)]:
+            source = next(((a, d) for a in user.all_input_nodes if (d := _seq_dim(a)) is not None), (local, dim))
+            with graph.inserting_before(user):
+                length = graph.call_function(size.target, source)
+            place(length, user, size)
+            user.replace_input_with(size, length)
+
+
+def _not_shardable(attention: fx.Node) -> str | None:
+    """Why ring / all-gather-KV attention cannot compute this attention call, or None."""
+    args = ops.call_args(attention)
+    if args.get("attn_mask") is not None:
+        what = attention.meta.get("mask", "attention with a mask tensor")
+        return f"{what} is not sharded by context parallelism (only causal attention is)"
+    if not args["is_causal"]:
+        return "attention without causality is not sharded by context parallelism (only causal attention is)"
+    if args.get("dropout_p", 0.0) not in (0, 0.0):
+        return f"attention with dropout (p={args['dropout_p']}) is not sharded by context parallelism"
+    return None
+
+
+# ops between QK^T and the softmax that fused attention computes too (scale, mask, casts)
+_FUSED_SCORE_OPS = ("mul", "div", "truediv", "add", "masked_fill", "to", "_to_copy", "type_as", "float")
+
+
+def _unfused_why(node: fx.Node) -> str:
+    """Why a sequence-mixing op is left outside attention: for the softmax of written-out
+    attention the flash-attention pass could not fuse, the ops on its scores that fused
+    attention does not compute (Gemma 2's tanh soft-capping)."""
+    if node.meta.get("op_class") != "attention":
+        return f"a {_op(node)} along the sequence outside attention (run the flash-attention pass first)"
+    extra, scores = [], node.args[0] if node.args else None
+    while isinstance(scores, fx.Node) and not (ops.rule_of(scores) and ops.rule_of(scores).flops == "matmul"):
+        if _op(scores) not in _FUSED_SCORE_OPS and _op(scores) not in extra:
+            extra.append(_op(scores))
+        scores = scores.args[0] if scores.args else None
+    if not extra:
+        return f"written-out attention the flash-attention pass did not fuse (its {_op(node)})"
+    return (
+        f"written-out attention whose scores pass through {', '.join(extra)} (as logit soft-capping does), "
+        "which fused and ring attention do not compute"
+    )
 
 
 def _along_sequence(node: fx.Node) -> bool:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from autoshard.capture import capture
+from autoshard.capture import capture, causal_lm_loss
 from autoshard.capture.trace import trace
 from autoshard.passes.canonicalize import canonicalize
 
@@ -103,3 +103,151 @@ def test_export_path_graphs_carry_no_artefacts():
     (first_input, *_) = [n for n in nodes if n.op == "placeholder"]
     assert device.args[0] is first_input and device.meta["region"] == "pre"
     assert len(device.users) > 2  # the aranges of the positions and the casts of every layer
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal masks: a mask tensor computed from positions becomes is_causal where it is causal
+
+
+class MaskedAttention(nn.Module):
+    """Attention whose mask is built from positions, as transformers builds it: key position <=
+    query position (plus ``ahead``), and within ``window`` positions when one is given; ``additive`` turns it
+    into 0 / lowest-float, as eager attention adds it; ``padding`` also hides the keys the
+    second input marks 0."""
+
+    def __init__(self, window: int | None = None, additive: bool = False, ahead: int = 0):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.qkv = nn.Linear(8, 24, bias=False)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.window, self.additive, self.ahead = window, additive, ahead
+
+    def forward(self, tokens, padding=None):
+        b, s = tokens.size(0), tokens.size(1)
+        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        position = torch.arange(s, device=tokens.device)
+        query, key = position[:, None], position[None, :]
+        mask = key <= query + self.ahead
+        if self.window is not None:
+            mask = mask & (key > query - self.window)
+        mask = mask[None, None].expand(b, 1, s, s)
+        if padding is not None:
+            mask = mask & padding[:, None, None, :].bool()
+        if self.additive:
+            mask = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(out.transpose(1, 2).reshape(b, s, 8))
+
+
+def _attention(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention]
+
+
+def _loss(logits, tokens, *_):
+    return loss(logits, tokens)
+
+
+def _canonical(model, seq: int = 6, *inputs):
+    inputs = (tokens(seq=seq), *inputs)
+    gm, tracer, _ = trace(model, inputs, _loss)
+    assert tracer == "symbolic_trace"
+    return canonicalize(gm, inputs), inputs
+
+
+@pytest.mark.parametrize("additive", [False, True], ids=["boolean", "additive"])
+def test_a_causal_mask_becomes_is_causal_and_its_nodes_go(additive):
+    torch.manual_seed(0)
+    model = MaskedAttention(additive=additive)
+    gm, inputs = _canonical(model)
+    (attention,) = _attention(gm)
+    assert attention.args[3:] == () and attention.kwargs == {"is_causal": True}
+    assert "mask" not in attention.meta
+    made = {getattr(n.target, "__name__", n.target) for n in gm.graph.nodes}
+    assert not made & {"le", "gt", "and_", "where", "arange", "expand"}  # the mask's nodes are gone
+    assert torch.allclose(gm(*inputs), loss(model(*inputs), inputs[0]), atol=1e-6)
+
+
+def test_a_window_wider_than_the_traced_sequence_is_causal_there_and_not_at_a_longer_one():
+    gm, _ = _canonical(MaskedAttention(window=8), seq=6)
+    assert _attention(gm)[0].kwargs == {"is_causal": True}
+    gm, inputs = _canonical(MaskedAttention(window=8), seq=12)
+    (attention,) = _attention(gm)
+    assert attention.meta["mask"] == "sliding-window attention (window 8)"
+    assert "is_causal" not in attention.kwargs and isinstance(attention.kwargs["attn_mask"], fx.Node)
+
+
+def test_a_mask_read_from_an_input_is_not_causal():
+    model = MaskedAttention()
+    padding = torch.ones(2, 6, dtype=torch.long)  # all ones: causal on this data, not on others
+    gm, inputs = _canonical(model, 6, padding)
+    (attention,) = _attention(gm)
+    assert attention.meta["mask"] == "a mask computed from the input 'padding' (padding or document masking)"
+    assert torch.allclose(gm(*inputs), loss(model(*inputs), inputs[0]), atol=1e-6)
+
+
+def test_a_mask_that_sees_later_positions_or_comes_from_a_parameter_stays():
+    class Learned(MaskedAttention):
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(6, 6))
+
+        def forward(self, tokens):
+            b, s = tokens.size(0), tokens.size(1)
+            q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+            return self.head(out.transpose(1, 2).reshape(b, s, 8))
+
+    model = Learned()
+    gm, _ = _canonical(model)
+    assert _attention(gm)[0].meta["mask"] == "a mask computed from the parameter 'model.bias'"
+    gm, _ = _canonical(MaskedAttention(ahead=1))
+    assert _attention(gm)[0].meta["mask"] == "a mask that lets positions attend to later ones (not causal)"
+
+
+def test_a_mask_too_large_to_evaluate_stays(monkeypatch):
+    from autoshard.passes import canonicalize as module
+
+    monkeypatch.setattr(module, "MASK_LIMIT", 16)  # bytes: the 6 x 6 mask is larger
+    gm, _ = _canonical(MaskedAttention())
+    assert _attention(gm)[0].meta["mask"].startswith("a mask tensor too large to check at the traced sizes")
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("config", "extra", "mask"),
+    [
+        ("LlamaConfig", {}, None),
+        ("MistralConfig", {"sliding_window": 16}, "sliding-window attention (window 16)"),
+        ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 256}, None),  # wider than the 32 traced
+    ],
+    ids=["llama", "mistral-window-16", "gemma3-window-256"],
+)
+def test_transformers_masks(config, extra, mask):
+    """transformers builds its causal mask from positions (and sliding layers' windows); capture
+    at 32 tokens sees causal attention where the mask is causal at 32 tokens."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = getattr(transformers, config.replace("Config", "ForCausalLM").replace("TextForCausalLM", "ForCausalLM"))(
+        getattr(transformers, config)(**TINY_DECODER, **extra)
+    )
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    cap = capture(model, (ids,))
+    attention = [n for n in cap.graph_module.graph.nodes if n.meta["op"] == "scaled_dot_product_attention"]
+    assert len(attention) == 2
+    if mask is None:
+        assert all(n.kwargs.get("is_causal") is True and len(n.args) == 3 for n in attention)
+        read = set().union(*(_ancestors(n) for n in attention))
+        assert not [n for n in read if n.meta["op"] in ("cumsum", "diff", "index", "le")]  # no mask reaches it
+    else:
+        assert [n.meta["mask"] for n in attention] == [mask, mask]
+    logits = model(ids, use_cache=False).logits
+    assert torch.allclose(cap.graph_module(ids), causal_lm_loss(logits, ids), atol=1e-5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autoshard import runtime
-from autoshard.capture import capture
+from autoshard.capture import capture, causal_lm_loss
 from autoshard.cost_models.analyze import analyze
 from autoshard.passes.context_parallel import context_parallel, no_full_sequence_attention_left
 from autoshard.passes.contract import Refusal, RewriteContext
@@ -45,19 +45,25 @@ def test_llama_cp2_graph():
 
 
 class Tiny(torch.nn.Module):
-    def __init__(self, masked: bool = False):
+    """Causal attention by ``is_causal``, or by a mask tensor: causal (``window=None``) or a
+    sliding window of ``window`` positions."""
+
+    def __init__(self, masked: bool = False, window: int | None = None):
         super().__init__()
         self.embed = torch.nn.Embedding(64, 32)
         self.qkv = torch.nn.Linear(32, 96, bias=False)
         self.head = torch.nn.Linear(32, 64, bias=False)
-        self.masked = masked
+        self.masked, self.window = masked, window
 
     def forward(self, tokens):
         b, s = tokens.size(0), tokens.size(1)
         positions = torch.arange(s)
         x = self.embed(tokens) + positions[:, None].float()
         q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4).unbind(0)
-        mask = torch.ones(s, s, dtype=torch.bool).tril() if self.masked else None
+        mask = None
+        if self.masked:
+            ones = torch.ones(s, s, dtype=torch.bool)
+            mask = ones.tril() & ~ones.tril(-self.window) if self.window else ones.tril()
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.masked)
         return self.head(out.transpose(1, 2).reshape(b, s, 32))
 
@@ -83,10 +89,23 @@ def test_tokens_positions_attention_and_loss_become_the_cp_calls():
     assert no_full_sequence_attention_left(gm, ctx) is None
 
 
-def test_masked_attention_is_refused_for_cp():
-    cap = capture(Tiny(masked=True), (torch.zeros(2, 8, dtype=torch.long),))
+def test_a_causal_mask_tensor_is_sharded_as_causal_attention():
+    """Capture made the tril mask ``is_causal``: the pass shards it, and the rewritten graph still
+    computes the masked model's loss."""
+    model = Tiny(masked=True)
+    cap = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
     analyze(cap)
-    with pytest.raises(Refusal, match=r"only causal attention is sharded\); plan with --force cp=1") as e:
+    gm = context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
+    assert _calls(gm) == ["cp_shard", "cp_positions", "cp_attention", "cp_shard", "cp_cross_entropy"]
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(gm(tokens), causal_lm_loss(model(tokens), tokens), atol=1e-6)
+
+
+def test_sliding_window_attention_is_refused_for_cp_with_its_window():
+    cap = capture(Tiny(masked=True, window=4), (torch.zeros(2, 8, dtype=torch.long),))
+    analyze(cap)
+    match = r"sliding-window attention \(window 4\) is not sharded by context parallelism .*; plan with --force cp=1"
+    with pytest.raises(Refusal, match=match) as e:
         context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
     assert (e.value.axis, e.value.value) == ("cp", 2)
     assert "test_context_parallel.py:" in str(e.value)

@@ -53,19 +53,23 @@ def test_sdpa_calls_are_fused():
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, masked_sdpa: bool = False):
+    """Written-out causal attention, or SDPA with a mask tensor: causal (``tril``), or with a
+    sliding window of ``window`` positions."""
+
+    def __init__(self, masked_sdpa: bool = False, window: int | None = None):
         super().__init__()
         self.embed = torch.nn.Embedding(64, 32)
         self.qkv = torch.nn.Linear(32, 96, bias=False)
         self.head = torch.nn.Linear(32, 64, bias=False)
-        self.masked_sdpa = masked_sdpa
+        self.masked_sdpa, self.window = masked_sdpa, window
 
     def forward(self, tokens):
         x = self.embed(tokens)
         b, s = tokens.size(0), tokens.size(1)
         q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4).unbind(0)
         if self.masked_sdpa:
-            mask = torch.ones(s, s, dtype=torch.bool).tril()
+            ones = torch.ones(s, s, dtype=torch.bool)
+            mask = ones.tril() & ~ones.tril(-self.window) if self.window else ones.tril()
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / 8**0.5)
@@ -116,7 +120,16 @@ def test_written_out_softmax_qkt_v_becomes_one_fused_call():
     assert torch.allclose(gm(tokens), causal_lm_loss(model(tokens), tokens), atol=1e-6)
 
 
-def test_sdpa_with_a_mask_is_left_alone():
-    gm = flash_attention(_captured(Attention(masked_sdpa=True)), RewriteContext())
+def test_sdpa_with_a_mask_that_is_not_causal_is_left_alone():
+    gm = flash_attention(_captured(Attention(masked_sdpa=True, window=4)), RewriteContext())
     assert [n.meta["op"] for n in gm.graph.nodes].count("scaled_dot_product_attention") == 1
     assert not any(n.target is runtime.fused_attention for n in gm.graph.nodes)
+
+
+def test_sdpa_with_a_causal_mask_tensor_is_fused_as_causal():
+    model = Attention(masked_sdpa=True)
+    gm = flash_attention(_captured(model), RewriteContext())
+    (fused,) = [n for n in gm.graph.nodes if n.target is runtime.fused_attention]
+    assert fused.args[3] is True and "tril" not in _ops(gm)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(gm(tokens), causal_lm_loss(model(tokens), tokens), atol=1e-6)
