@@ -131,8 +131,8 @@ def test_a_tied_model_trains_like_the_single_device_model(case, tmp_path):
 
 
 def test_without_the_single_device_start_the_copies_start_and_stay_equal(tmp_path):
-    """Each chunk initialises its copy as its own layer would (the embedding's normal init, the
-    head's uniform one); the program starts every copy from the first chunk's and keeps them equal."""
+    """Each chunk holding a copy initialises it as the model initialises the one parameter (the
+    embedding's normal init, not the head's uniform one), and the copies stay equal."""
     out = tmp_path / "out"
     args = [str(MODELS / "tied_gpt.py"), "--config", "tiny", "--hardware", "cpu", "--gpus", "2", "--seq-len", "32"]
     assert main(["compile", *args, "--global-batch", "8", "--force", "pp=2,schedule=1f1b", "-o", str(out)]) == 0

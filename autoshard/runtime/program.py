@@ -299,7 +299,6 @@ class Tie:
     names: list[str]  # the name the chunks hold first, then the model's other names for it
     held: list[tuple[nn.Module, str]]  # (chunk, name) of each copy on this rank
     group: object | None
-    source: int  # the global rank whose copy (of the first chunk holding it) the others start from
 
     @property
     def copies(self) -> list[nn.Parameter]:
@@ -311,12 +310,13 @@ def tied_parameters(plan: dict, program: dict, mesh, stages: list[nn.Module], ch
     """This rank's :class:`Tie` of each parameter ``program.json`` records as tied (``tied``: its
     names and the chunks holding it), after making the names of one chunk one parameter. Every
     rank calls it: the groups of the pipeline ranks holding a copy are made collectively, one per
-    replica (same tp, cp and dp coordinates), as Megatron's embedding group."""
+    replica (same tp, cp and dp coordinates), as Megatron's embedding group. The copies start
+    equal: each chunk fills its copy from the same full tensor (``--init-from-model``) or by the
+    same seeded initialisation (the stage files name one parameter once)."""
     sched, pp = schedule(plan["schedule"]), plan["mesh"]["pp"]
     pp_dim = list(mesh.mesh_dim_names).index("pp")
     replicas = mesh.mesh.movedim(pp_dim, -1).reshape(-1, pp).tolist()  # each row: one replica's pp ranks
     me = dist.get_rank()
-    (row,) = [r for r in replicas if me in r]
     made: dict[tuple[int, ...], object] = {}
     ties = []
     for entry in program.get("tied", []):
@@ -326,8 +326,7 @@ def tied_parameters(plan: dict, program: dict, mesh, stages: list[nn.Module], ch
         chunks = [module for module, c in zip(stages, chunk_ids) if c in entry["chunks"]]
         held = [(module, name) for module in chunks if (name := _one_parameter(module, entry["names"]))]
         if held:
-            source = row[sched.chunk_rank(min(entry["chunks"]), pp)]
-            ties.append(Tie(entry["names"], held, made.get(holding), source))
+            ties.append(Tie(entry["names"], held, made.get(holding)))
     return ties
 
 
@@ -352,19 +351,6 @@ def _one_parameter(module: nn.Module, names: list[str]) -> str | None:
     for name in found[1:]:
         put_parameter(module, name, held[found[0]])
     return found[0] if found else None
-
-
-def sync_tied_parameters(ties: list[Tie]) -> None:
-    """Every copy of a tied parameter starts from the copy of the first chunk holding it (one
-    broadcast over the ranks holding copies): the copies are one parameter, whatever initialised
-    each of them."""
-    with torch.no_grad():
-        for tie in ties:
-            first, *others = tie.copies
-            if tie.group is not None:
-                dist.broadcast(first, src=tie.source, group=tie.group)
-            for p in others:
-                p.copy_(first)
 
 
 def sum_tied_gradients(ties: list[Tie]) -> None:

@@ -126,8 +126,7 @@ class Trainer:
         chunk_ids = rt.chunks_of_rank(plan, ranks.pp)
         full = rt.full_state_from_model(program, args.seed) if args.init_from_model else None
         stages = rt.build_chunks(out, program, chunk_ids, device, ranks, full, args.seed)
-        ties = rt.tied_parameters(plan, program, mesh, stages, chunk_ids)
-        rt.sync_tied_parameters(ties)  # a tied parameter's copies start equal
+        ties = rt.tied_parameters(plan, program, mesh, stages, chunk_ids)  # one parameter, a copy per chunk
         rt.autocast(stages, plan, device, args.compute_dtype)  # bf16 compute; parameters and gradients stay fp32
         loss = rt.loss_fn(rt.load_loss(out, program, device))
         # 3. data parallelism at the plan's ZeRO stage (FSDP2 for ZeRO-2/3, ZeroRedundancyOptimizer
