@@ -162,7 +162,9 @@ def replay(steps: list, shape: tuple, generator: torch.Generator) -> torch.Tenso
             kwargs = {k: _argument(v, results, shape) for k, v in kwargs.items()}
             if takes_generator:
                 kwargs["generator"] = generator
-            results.append(fn(*args, **kwargs))
+            with torch.random.fork_rng(devices=[]):  # an nn.init function may also draw from the global generator
+                torch.manual_seed(generator.initial_seed())
+                results.append(fn(*args, **kwargs))
     return results[-1]
 
 
