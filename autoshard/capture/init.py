@@ -106,7 +106,10 @@ class Init:
     def require(self, name: str) -> list:
         """The steps, or a one-line error naming ``name`` and the op that cannot be replayed."""
         if self.problem:
-            raise AutoshardError(f"cannot replay the initialisation of {name}: {self.problem}")
+            raise AutoshardError(
+                f"cannot replay the initialisation of {name}: {self.problem}; "
+                "set its value with torch ops on tensors the builder makes"
+            )
         return self.steps
 
 
