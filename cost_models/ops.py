@@ -45,6 +45,10 @@ from autoshard.ir import B, S
 TP_RULES = {
     "pointwise": "element by element (operands broadcast, none spans the split dimension unsplit)",
     "softmax": "element-wise but normalised along its dim argument, which must not be the split one",
+    "reduce": "a reduction along its dim argument: the split passes when it is another dimension (a "
+    "per-head norm); a sum or mean over the split dimension is this rank's part, all-reduced",
+    "norm": "a normalisation over trailing features (F.layer_norm, F.rms_norm) that are not the split "
+    "dimension: per head",
     "view": "view/reshape: the split dimension is followed through merged and split dimensions",
     "transpose": "two dimensions swapped",
     "permute": "dimensions permuted",
@@ -190,7 +194,8 @@ RULES: dict[str, OpRule] = {
     **_rows("fused_attention", _SDPA, signature="fused_attention"),
     **_rows("cp_attention", _SDPA, cp=None, signature="cp_attention"),
     # normalisation
-    **_rows("layer_norm native_layer_norm rms_norm _fused_rms_norm", _NORM),
+    **_rows("layer_norm rms_norm", _NORM, tp="norm"),
+    **_rows("native_layer_norm _fused_rms_norm", _NORM),
     "group_norm": replace(_NORM, sp=None),  # groups of channels: dim 1, the sequence of a (b, s, h) input
     "embedding": OpRule("embedding", saves=("in0",)),
     "vocab_parallel_embedding": OpRule("embedding", saves=("in0",)),
@@ -210,8 +215,8 @@ RULES: dict[str, OpRule] = {
     "where": replace(_PW, saves=("in0",)),
     **_rows("to float half bfloat16 type_as _to_copy contiguous clone", _PW),
     **_rows("eq ne lt le gt ge logical_not invert bitwise_not", _PW),
-    # reductions and routing (a feature shard cannot pass through them)
-    **_rows("sum mean amax var std", _REDUCE, sp="reduce"),
+    # reductions and routing (a feature shard passes the ones over other dimensions)
+    **_rows("sum mean amax var std", _REDUCE, sp="reduce", tp="reduce"),
     **_rows("max min norm cumsum prod", _REDUCE),
     **_rows("topk sort argsort argmax histc bincount", OpRule("other", "reduce")),
     # indexing: moves data, keeps integer indices for backward

@@ -65,11 +65,32 @@ def _explore(start: fx.Node, gm: fx.GraphModule):
     return region, rows, losses, True
 
 
+def _crossing(start: fx.Node, region: set[fx.Node]) -> str | None:
+    """Does the region reduce over the column's whole output features? ``partial``: a sum or
+    mean (OLMo2's q norm over all heads, written out), which the pass splits as partial sums
+    all-reduced, but a pairing without one is preferred, so such columns are tried last;
+    ``blocked``: a norm op or another reduction over them, which no split can run."""
+    features = (start.meta.get("shape") or (None,))[-1]
+    found = None
+    for n in region:
+        r = ops.rule_of(n)
+        if r is None or r.tp not in ("reduce", "norm") or not n.all_input_nodes:
+            continue
+        shape = n.all_input_nodes[0].meta.get("shape") or ()
+        dims = ops.dims_arg(n, len(shape)) if r.tp == "reduce" else (len(shape) - 1,)
+        if shape and shape[-1] == features and (dims is None or len(shape) - 1 in dims):
+            if r.tp == "norm" or n.meta.get("op") not in ("sum", "mean"):
+                return "blocked"
+            found = "partial"
+    return found
+
+
 def annotate(gm: fx.GraphModule) -> None:
     nodes = list(gm.graph.nodes)
     for n in nodes:
         n.meta["tp"] = "replicated"
         n.meta.pop("tp_role", None)
+    deferred = []
     for n in nodes:
         if n.meta.get("op_class") == "embedding":
             indices = ops.tensor_args(n)
@@ -80,20 +101,37 @@ def annotate(gm: fx.GraphModule) -> None:
         if n.meta.get("op_class") == "router" or not _splittable(n, gm):
             n.meta["tp_role"] = "replicated"
             continue
-        region, rows, losses, ok = _explore(n, gm)
-        if ok and rows and not losses and all(_only_from(r, region | {n}, gm) for r in rows):
-            n.meta["tp_role"] = "column"
-            for r in rows:
-                r.meta["tp_role"] = "row"
-                r.meta["tp"] = "partial"
-        elif ok and losses and not rows:
-            n.meta["tp_role"] = "vocab"
-        else:
+        crossing = _crossing(n, _explore(n, gm)[0])
+        if crossing == "blocked":
             n.meta["tp_role"] = "replicated"
-            continue
-        n.meta["tp"] = "sharded"
-        for m in region:
-            m.meta["tp"] = "sharded"
+        elif crossing == "partial":
+            deferred.append(n)
+        else:
+            _pair(n, gm)
+    for n in deferred:
+        if "tp_role" not in n.meta:
+            _pair(n, gm, crossing=True)
+
+
+def _pair(n: fx.Node, gm: fx.GraphModule, crossing: bool = False) -> None:
+    """Make ``n`` a column (its region's matmuls rows) or the vocabulary head, else replicated. A
+    column that crosses its features (tried last) cannot take a matmul paired already as a column."""
+    region, rows, losses, ok = _explore(n, gm)
+    if crossing and (losses or any(r.meta.get("tp_role") not in (None, "row") for r in rows)):
+        ok = False
+    if ok and rows and not losses and all(_only_from(r, region | {n}, gm) for r in rows):
+        n.meta["tp_role"] = "column"
+        for r in rows:
+            r.meta["tp_role"] = "row"
+            r.meta["tp"] = "partial"
+    elif ok and losses and not rows:
+        n.meta["tp_role"] = "vocab"
+    else:
+        n.meta["tp_role"] = "replicated"
+        return
+    n.meta["tp"] = "sharded"
+    for m in region:
+        m.meta["tp"] = "sharded"
 
 
 def _metadata_query(node: fx.Node) -> bool:

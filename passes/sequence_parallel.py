@@ -116,6 +116,7 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
                     partial.add(other.target)
                     continue
                 _check_broadcast(user, other, node)
+                partial.update(_parameters_behind(other))
         sliced.add(user)
         user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _seq_dim(user), tp
     graph.lint()
@@ -152,6 +153,23 @@ def _residual_reader(node: fx.Node) -> bool:
         return node.meta.get("op_class") == "norm"
     row = ops.rule_of(node)
     return row is not None and row.sp in ("pointwise", "norm")
+
+
+def _parameters_behind(node: fx.Node) -> set[str]:
+    """The trainable parameters a replicated operand is computed from (Gemma's norm scales by
+    ``1 + weight``): applied to this rank's tokens only, their gradients are partial too."""
+    found, seen, todo = set(), set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            if n.meta.get("requires_grad"):
+                found.add(n.target)
+        else:
+            todo.extend(n.all_input_nodes)
+    return found
 
 
 def _check_broadcast(user: fx.Node, other: fx.Node, sliced: fx.Node) -> None:

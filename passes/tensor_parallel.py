@@ -152,6 +152,9 @@ class _Propagator:
         self.losses: dict[fx.Node, Shard] = {}
         self.sizes: dict[fx.Node, tuple[int, object]] = {}  # node -> (argument index, local value) to write
         self.entering: dict[fx.Node, set[fx.Node]] = {}  # unsplit tensor read in a region -> its readers there
+        self.module_partials: set[str] = set()  # parameters of norm modules run per head
+        self.params: dict[fx.Node, Shard] = {}  # a parameter read whole in a region -> its split
+        self.partial_sums: dict[fx.Node, str] = {}  # a sum or mean over the split dimension -> which
 
     def fail(self, node: fx.Node, why: str) -> Refusal:
         return _fail(node, why, self.tp)
@@ -221,6 +224,36 @@ class _Propagator:
         dims = ops.dims_arg(node, len(_shape(node)))
         if dims is None or s.dim in dims:
             raise self.fail(node, f"{_op_name(node)} over the split dimension")
+        return self.pointwise(node, src, s)
+
+    def reduce(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard | None:
+        """Over other dimensions the split passes (a per-head norm's mean over the head's
+        features); a sum or mean over the split dimension is this rank's part of it, completed by
+        an all-reduce after the node (``partial_sums``), and the result is replicated."""
+        rank = len(_shape(src))
+        dims = ops.dims_arg(node, rank)
+        if dims is None:
+            raise self.fail(node, f"{_op_name(node)} over every dimension of a split tensor")
+        if s.dim not in dims:
+            keep = _keepdim(node)
+            return Shard(s.dim - (0 if keep else sum(1 for d in dims if d < s.dim)), s.factors, s.index)
+        if _op_name(node) not in ("sum", "mean") or node.meta.get("dtype") not in (None, *_FLOATS):
+            raise self.fail(node, f"{_op_name(node)} over the split dimension")
+        self.partial_sums[node] = _op_name(node)
+        return None
+
+    def norm(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        """``layer_norm(x, shape, w, b)`` / ``rms_norm(x, shape, w)`` over trailing features that
+        are not the split dimension (q/k norms per head): per-head weights broadcast, and enter."""
+        if node.args[0] is not src:
+            raise self.fail(node, "a split norm weight")
+        module = self.gm.get_submodule(node.target) if node.op == "call_module" else None
+        normalised = getattr(module, "normalized_shape", None) if module is not None else node.args[1]
+        rank = len(_shape(src))
+        if normalised is None or s.dim >= rank - len(normalised):
+            raise self.fail(node, f"{_op_name(node)} normalises over the split dimension")
+        if module is not None:  # its weight sees this rank's heads only: a partial gradient
+            self.module_partials.update(f"{node.target}.{n}" for n, p in module.named_parameters() if p.requires_grad)
         return self.pointwise(node, src, s)
 
     def view(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
@@ -408,6 +441,12 @@ class _Propagator:
                 self.root[a] = self.root[next(iter(x for x in node.args[0] if x in self.shard))]
                 self._enters(a.args[0], a)
                 return
+        if a.op == "get_attr" and localise is None and _num(other[k]) == _num(_shape(node)[dim]):
+            # a parameter over the split features (OLMo2's q/k norm weight over all heads): this
+            # rank's slice of it, in the region's layout
+            s = self.shard[next(x for x in node.all_input_nodes if x in self.shard)]
+            self.params[a] = Shard(k, s.factors, s.index)
+            return
         raise self.fail(node, f"operand {a.name} is not split but spans the split dimension")
 
     def _enters(self, a: fx.Node, reader: fx.Node) -> None:
@@ -473,6 +512,8 @@ class _Propagator:
 _TRANSFER = {
     "pointwise": _Propagator.pointwise,
     "softmax": _Propagator.softmax,
+    "reduce": _Propagator.reduce,
+    "norm": _Propagator.norm,
     "view": _Propagator.view,
     "transpose": _Propagator.transpose,
     "permute": _Propagator.permute,
@@ -490,6 +531,16 @@ _TRANSFER = {
 }
 IMPLEMENTED = frozenset(_TRANSFER) | {"linear", "loss"}  # every kind of ops.TP_RULES
 _CHECKS_OWN_INPUTS = ("attention", "matmul", "cat", "stack")
+
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _keepdim(node: fx.Node) -> bool:
+    """A reduction's ``keepdim`` (positional 2 where it is a bool, as aten's sum/mean/amax have it)."""
+    if "keepdim" in node.kwargs:
+        return bool(node.kwargs["keepdim"])
+    return len(node.args) > 2 and isinstance(node.args[2], bool) and node.args[2]
 
 
 def _norm_dim(d: int, rank: int) -> int:
@@ -527,6 +578,9 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     _split_rows(gm, ctx, prop)
     _split_embeddings(gm, ctx, nodes)
     _split_losses(gm, ctx, prop)
+    _complete_partial_sums(gm, ctx, prop)
+    _split_region_parameters(gm, ctx, prop)
+    ctx.partial_grads.extend(sorted(prop.module_partials))
     _tie_shards(gm, ctx.shards)
     gm.graph.lint()
     gm.recompile()
@@ -577,6 +631,12 @@ def _split_columns(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -
         ctx.notes[node.name] = f"tp={tp}: {role}, out_features {lin.out_f} -> {lin.out_f // tp}"
     # replicated tensors read inside a region: f on them too, so their gradients are summed
     for x, readers in prop.entering.items():
+        if x.op == "get_attr":  # a parameter (a per-head norm's weight): f where each reader is
+            for reader in readers:
+                with graph.inserting_before(reader):
+                    f = place(graph.call_function(runtime.copy_to_tp, (x,)), reader, x, tp="replicated")
+                reader.replace_input_with(x, f)
+            continue
         if x not in f_of:
             with graph.inserting_after(x):
                 f_of[x] = place(graph.call_function(runtime.copy_to_tp, (x,)), x, tp="replicated")
@@ -634,10 +694,12 @@ def _split_embeddings(gm: fx.GraphModule, ctx: RewriteContext, nodes: list[fx.No
             if node.op == "call_module":
                 module = gm.get_submodule(node.target)
                 rows, dim, ids = module.num_embeddings, module.embedding_dim, node.args[0]
-                weight_name = f"{node.target}.weight"
+                weight_name, padding = f"{node.target}.weight", module.padding_idx
             elif node.op == "call_function" and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
-                weight_name, ids = node.args[0].target, node.args[1]  # aten.embedding(weight, ids)
+                weight_name, ids = node.args[0].target, node.args[1]  # aten.embedding(weight, ids, padding_idx)
                 rows, dim = _param(gm, weight_name).shape
+                padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+                padding = None if padding is None or padding < 0 else padding
             else:
                 raise _fail(node, "an embedding whose table is not a parameter", tp)
             tied = ctx.shards.get(weight_name)  # the vocabulary head's weight too: already this rank's rows
@@ -652,7 +714,8 @@ def _split_embeddings(gm: fx.GraphModule, ctx: RewriteContext, nodes: list[fx.No
             with graph.inserting_before(node):
                 w = place(graph.get_attr(weight_name), node, shape=(rows, dim), tp="sharded")
             with graph.inserting_after(node):
-                emb = graph.call_function(runtime.vocab_parallel_embedding, (ids, w))
+                args = (ids, w) if padding is None else (ids, w, padding)
+                emb = graph.call_function(runtime.vocab_parallel_embedding, args)
                 place(emb, node, tp="replicated")
             node.replace_all_uses_with(emb)
             graph.erase_node(node)
@@ -682,6 +745,40 @@ def _split_losses(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) ->
         node.replace_all_uses_with(ce)
         graph.erase_node(node)
         ctx.notes[ce.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
+
+
+def _split_region_parameters(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> None:
+    """A parameter a region reads element by element along its split features is cut the same
+    way; every read of it must be one of those."""
+    for node, s in prop.params.items():
+        others = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == node.target]
+        readers = [u for n in others for u in n.users]
+        if any(u not in prop.shard for u in readers):
+            raise _fail(node, f"parameter {node.target} is split in one place and read whole in another", ctx.tp)
+        shape = list(_param(gm, node.target).shape)
+        shape[s.dim] //= ctx.tp
+        _localise(gm, node.target, tuple(shape))
+        ctx.shards[node.target] = ParamShard(s.dim, s.factors, s.index)
+        ctx.notes[node.name] = f"tp={ctx.tp}: this rank's {shape[s.dim]} of the split features"
+
+
+def _complete_partial_sums(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> None:
+    """A sum or mean over the split dimension (OLMo2's q/k norm over all heads): each rank has its
+    part; ``reduce_from_tp`` adds the parts (a mean of equal parts is their sum over tp). Its
+    readers in the region get it through ``copy_to_tp`` (the region's entering tensors), whose
+    backward sums their partial gradients."""
+    tp, graph = ctx.tp, gm.graph
+    for node, kind in prop.partial_sums.items():
+        with graph.inserting_after(node):
+            total = place(graph.call_function(runtime.reduce_from_tp, (node,)), node, tp="replicated")
+        last = total
+        if kind == "mean":
+            with graph.inserting_after(total):
+                last = place(graph.call_function(operator.truediv, (total, tp)), node, tp="replicated")
+        _redirect(node, total)
+        if last is not total:
+            _redirect(total, last)
+        ctx.notes[node.name] = f"tp={tp}: a {kind} over the split features, this rank's part; all-reduced after"
 
 
 def full_weights_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:

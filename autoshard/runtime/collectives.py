@@ -124,15 +124,17 @@ def scatter_to_sp(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return x if tp_size() == 1 else _ScatterToSP.apply(x, dim)
 
 
-def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None):
     """Embedding lookup with the table's rows split over the TP group: each rank looks up the
-    tokens in its vocabulary range, zeroes the rest, and the partial results are summed."""
+    tokens in its vocabulary range, zeroes the rest, and the partial results are summed. The
+    ``padding_idx`` row (a global id) gets no gradient on the rank that holds it."""
     if tp_size() == 1:
-        return torch.nn.functional.embedding(tokens, weight)
+        return torch.nn.functional.embedding(tokens, weight, padding_idx)
     start = tp_rank() * weight.size(0)
     local = tokens - start
     outside = (local < 0) | (local >= weight.size(0))
-    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    pad = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < weight.size(0) else None
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight, pad)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
     return reduce_from_tp(out)
 

@@ -1,0 +1,40 @@
+"""transformers' decoder architectures at tiny configs, as one autoshard model file: the config
+name is the architecture (``--config qwen3``). Each is built as the library builds it, with the
+features that make it itself (tied embeddings, per-head q/k norms, fused QKV projections,
+soft-capping, non-affine norms); only the sizes are shrunk."""
+
+import torch
+import transformers
+
+# 64 wide, 4 heads of 16 (2 kv heads where the architecture groups them), 2 layers: every axis
+# the matrix splits (TP2, PP2, CP2) divides it
+_DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+_GEMMA = dict(_DECODER, head_dim=16, query_pre_attn_scalar=16, sliding_window=256)
+
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", _DECODER),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(_DECODER, sliding_window=None)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", _DECODER),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(_DECODER, head_dim=16)),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", _GEMMA),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", _GEMMA),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(_DECODER, pad_token_id=0)),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                                   n_positions=256)),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(_DECODER, rotary_pct=0.25)),
+    "olmo": ("OlmoForCausalLM", "OlmoConfig", _DECODER),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", _DECODER),
+}  # fmt: skip
+CONFIGS = {name: spec[2] for name, spec in ARCHITECTURES.items()}
+
+
+def build(config: str = "llama"):
+    model_class, config_class, kwargs = ARCHITECTURES[config]
+    kwargs = {k: v for k, v in kwargs.items() if k != "num_key_value_heads" or config != "gpt_neox"}
+    cfg = getattr(transformers, config_class)(**kwargs)
+    return getattr(transformers, model_class)(cfg)
+
+
+def sample_inputs(config: str, batch: int, seq: int) -> tuple:
+    return (torch.randint(0, 128, (batch, seq)),)
