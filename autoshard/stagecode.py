@@ -157,7 +157,7 @@ def stage_source(
             raise AutoshardError(f"cannot emit attribute {node.target} of type {type(value).__name__}")
     names = {k for _, g in graphs for k, _ in [*g.named_parameters(), *g.named_buffers()]}
     shard_lines = [
-        f'    "{k}": ({v.dim}, {tuple(v.factors)}, {v.index}),'
+        f'    "{k}": ({v.dim}, {tuple(v.factors)}, {v.index}{f", {tuple(v.parts)}" if v.parts else ""}),'
         for k, v in sorted((shards or {}).items())
         if k in names or k in (origin or {}).values()
     ]
@@ -175,7 +175,8 @@ def stage_source(
             "import autoshard.runtime as rt",
             *imports,
             "",
-            "# parameter -> (dimension, that dimension viewed as factors, factor split over the TP ranks)",
+            "# parameter -> (dimension, that dimension viewed as factors, factor split over the TP ranks"
+            "[, or the unequal parts laid end to end along it, each split])",
             "SHARDS = {",
             *shard_lines,
             "}",

@@ -53,6 +53,7 @@ class Shard:
     dim: int
     factors: tuple[int, ...]
     index: int
+    parts: tuple[int, ...] = ()  # or: the dimension is these unequal parts end to end, each split
 
     @property
     def size(self) -> int:
@@ -64,8 +65,11 @@ class ParamShard:
     dim: int
     factors: tuple[int, ...]
     index: int
+    parts: tuple[int, ...] = ()
 
     def describe(self) -> str:
+        if self.parts:
+            return f"dim {self.dim} as parts {self.parts}, each split"
         if all(f == 1 for f in self.factors[: self.index]):
             return f"dim {self.dim}"
         return f"dim {self.dim} viewed as {self.factors}, split along factor {self.index}"
@@ -73,7 +77,7 @@ class ParamShard:
 
 def slice_parameter(full: torch.Tensor, spec: ParamShard, rank: int, tp: int) -> torch.Tensor:
     """Rank ``rank``'s piece of ``full`` under ``spec``."""
-    return slice_full(full, (spec.dim, spec.factors, spec.index), rank, tp).clone()
+    return slice_full(full, (spec.dim, spec.factors, spec.index, spec.parts), rank, tp).clone()
 
 
 def _fail(node: fx.Node, why: str, tp: int) -> Refusal:
@@ -151,6 +155,7 @@ class _Propagator:
         self.rows: dict[fx.Node, Shard] = {}  # row matmul -> the layout of its input features
         self.losses: dict[fx.Node, Shard] = {}
         self.sizes: dict[fx.Node, tuple[int, object]] = {}  # node -> (argument index, local value) to write
+        self.rewrites: dict[fx.Node, tuple] = {}  # node -> its arguments on a shard (a slice's local range)
         self.entering: dict[fx.Node, set[fx.Node]] = {}  # unsplit tensor read in a region -> its readers there
         self.module_partials: set[str] = set()  # parameters of norm modules run per head
         self.params: dict[fx.Node, Shard] = {}  # a parameter read whole in a region -> its split
@@ -261,6 +266,10 @@ class _Propagator:
         for gi, gj in _groups(src_shape, dst_shape):
             if s.dim not in gi:
                 continue
+            if s.parts and (len(gi), len(gj)) != (1, 1):
+                raise self.fail(node, "a view of a split dimension made of unequal parts")
+            if s.parts:
+                return Shard(gj[0], s.factors, s.index, s.parts)
             if len(gi) == 1 and len(gj) == 1:
                 return Shard(gj[0], s.factors, s.index)
             if len(gi) == 1:  # split one dim into several
@@ -328,8 +337,53 @@ class _Propagator:
         shape = _shape(node)
         d = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape))
         if d == s.dim and shape[d] != _shape(src)[d]:
-            raise self.fail(node, "slices the split dimension")
+            return self._part(node, src, s)
         return s
+
+    def _part(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        """A slice of a column's output features (Phi-3's fused q/k/v, of unequal widths): the
+        features become the parts the slices of ``src`` cut, each split over the ranks, the
+        weight's rows taken part by part; the slice takes its part's local range."""
+        start, end = _slice_range(node, _num(_shape(src)[s.dim]))
+        parts = self._parts_of(node, src, s)
+        bounds = [sum(parts[:k]) for k in range(len(parts) + 1)]
+        if start not in bounds or end not in bounds:
+            raise self.fail(node, "slices the split dimension across the parts its other slices cut")
+        first, last = bounds.index(start), bounds.index(end)
+        if last != first + 1:
+            raise self.fail(node, "slices several parts of the split dimension at once")
+        local = bounds[first] // self.tp
+        width = parts[first] // self.tp
+        tail = (width,) if _op_name(node) == "narrow" else (local + width, *node.args[4:])
+        self.rewrites[node] = (*node.args[:2], local, *tail)
+        return Shard(s.dim, (parts[first],), 0)
+
+    def _parts_of(self, node: fx.Node, src: fx.Node, s: Shard) -> tuple[int, ...]:
+        """The parts ``src``'s slices (or an unequal split) cut its split features into; the
+        column's layout becomes them (once, the same for every slice)."""
+        root = self.root[src]
+        size = _num(_shape(src)[s.dim])
+        if s.parts:
+            return s.parts
+        if len(s.factors) != 1 or self.layout[root].factors != s.factors or self.layout[root].parts:
+            raise self.fail(node, "slices an already structured split dimension")
+        cuts = {0, size}
+        for u in src.users:
+            if _op_name(u) in ("slice", "narrow") and _norm_dim(u.args[1], len(_shape(src))) == s.dim:
+                cuts.update(_slice_range(u, size))
+            elif _op_name(u) == "split_with_sizes" or (_op_name(u) == "split" and isinstance(u.args[1], list)):
+                sizes = [int(x) for x in u.args[1]]
+                cuts.update(sum(sizes[:k]) for k in range(len(sizes) + 1))
+        bounds = sorted(cuts)
+        parts = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+        if any(p % self.tp for p in parts):
+            raise self.fail(node, f"parts {parts} of the split dimension do not divide by tp={self.tp}")
+        layout = self.layout[root]
+        self.layout[root] = Shard(layout.dim, layout.factors, layout.index, parts)
+        for n, sh in list(self.shard.items()):
+            if self.root.get(n) is root and sh.factors == layout.factors:
+                self.shard[n] = Shard(sh.dim, sh.factors, sh.index, parts)
+        return parts
 
     def select(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
         d = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs["dim"], len(_shape(src)))
@@ -350,8 +404,13 @@ class _Propagator:
         if d != s.dim:
             return tuple(s for _ in shapes)
         parts = {_num(shape[d]) for shape in shapes}
-        if len(parts) != 1:
-            raise self.fail(node, "splits the split dimension into unequal parts")
+        if len(parts) != 1 or s.parts:
+            whole = self._parts_of(node, src, s)
+            sizes = [_num(shape[d]) for shape in shapes]
+            if list(whole) != sizes:
+                raise self.fail(node, "splits the split dimension unlike its other slices")
+            self.sizes[node] = (1, [x // self.tp for x in sizes])
+            return tuple(Shard(d, (x,), 0) for x in sizes)
         n, c = len(shapes), parts.pop()
         if c % self.tp:
             raise self.fail(node, f"parts of {c} along the split dimension do not divide by tp={self.tp}")
@@ -445,7 +504,7 @@ class _Propagator:
             # a parameter over the split features (OLMo2's q/k norm weight over all heads): this
             # rank's slice of it, in the region's layout
             s = self.shard[next(x for x in node.all_input_nodes if x in self.shard)]
-            self.params[a] = Shard(k, s.factors, s.index)
+            self.params[a] = Shard(k, s.factors, s.index, s.parts)
             return
         raise self.fail(node, f"operand {a.name} is not split but spans the split dimension")
 
@@ -543,6 +602,20 @@ def _keepdim(node: fx.Node) -> bool:
     return len(node.args) > 2 and isinstance(node.args[2], bool) and node.args[2]
 
 
+def _slice_range(node: fx.Node, size: int) -> tuple[int, int]:
+    """``(start, end)`` of ``aten.slice(x, dim, start, end)`` / ``narrow(x, dim, start, length)``,
+    clamped to ``size``; a step other than 1 is refused by the caller's parts check."""
+    args = list(node.args) + [None] * 5
+    if _op_name(node) == "narrow":
+        return int(args[2]), int(args[2]) + int(args[3])
+    start = 0 if args[2] is None else int(args[2])
+    end = size if args[3] is None else min(int(args[3]), size)
+    step = 1 if args[4] is None else int(args[4])
+    if step != 1 or start < 0 or end < 0:
+        return -1, -1
+    return start, end
+
+
 def _norm_dim(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
@@ -604,6 +677,8 @@ def _rewrite_view_sizes(prop: _Propagator, tp: int) -> None:
             _rewrite_sizes(node, s, tp)
     for node, (i, value) in prop.sizes.items():
         node.args = (*node.args[:i], value, *node.args[i + 1 :])
+    for node, args in prop.rewrites.items():
+        node.args = args
 
 
 def _split_columns(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> None:
@@ -626,7 +701,7 @@ def _split_columns(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -
                 _localise(gm, lin.bias, (lin.out_f // tp,))
         ctx.shards[lin.weight] = lin.spec(0, layout)
         if lin.bias is not None:
-            ctx.shards[lin.bias] = ParamShard(0, layout.factors, layout.index)
+            ctx.shards[lin.bias] = ParamShard(0, layout.factors, layout.index, layout.parts)
         role = "vocabulary-parallel head" if node.meta.get("tp_role") == "vocab" else "column-parallel"
         ctx.notes[node.name] = f"tp={tp}: {role}, out_features {lin.out_f} -> {lin.out_f // tp}"
     # replicated tensors read inside a region: f on them too, so their gradients are summed
@@ -758,7 +833,7 @@ def _split_region_parameters(gm: fx.GraphModule, ctx: RewriteContext, prop: _Pro
         shape = list(_param(gm, node.target).shape)
         shape[s.dim] //= ctx.tp
         _localise(gm, node.target, tuple(shape))
-        ctx.shards[node.target] = ParamShard(s.dim, s.factors, s.index)
+        ctx.shards[node.target] = ParamShard(s.dim, s.factors, s.index, s.parts)
         ctx.notes[node.name] = f"tp={ctx.tp}: this rank's {shape[s.dim]} of the split features"
 
 
@@ -843,7 +918,7 @@ class _Lin:
 
     def spec(self, dim: int, layout: Shard) -> ParamShard:
         """How the weight is cut when its features ``dim`` (0: out, 1: in) follow ``layout``."""
-        return ParamShard(1 - dim if self.stored_in_out else dim, layout.factors, layout.index)
+        return ParamShard(1 - dim if self.stored_in_out else dim, layout.factors, layout.index, layout.parts)
 
 
 def _params(*nodes) -> bool:

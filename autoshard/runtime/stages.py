@@ -66,8 +66,14 @@ def load_stage_file(path: str | Path):
 
 
 def slice_full(full: torch.Tensor, spec: tuple, rank: int, tp: int) -> torch.Tensor:
-    """Rank ``rank``'s piece of ``full``; ``spec`` = (dim, factors, index) from a stage's SHARDS."""
-    dim, factors, index = spec
+    """Rank ``rank``'s piece of ``full``; ``spec`` = (dim, factors, index[, parts]) from a stage's
+    SHARDS. With ``parts`` the dimension is those parts end to end (a fused q/k/v projection of
+    unequal widths) and the piece is this rank's block of each part, in order."""
+    if len(spec) > 3 and spec[3]:
+        dim, parts = spec[0], spec[3]
+        blocks = [p.narrow(dim, rank * (p.size(dim) // tp), p.size(dim) // tp) for p in full.split(list(parts), dim)]
+        return torch.cat(blocks, dim)
+    dim, factors, index = spec[:3]
     shape = list(full.shape)
     view = full.reshape(*shape[:dim], *factors, *shape[dim + 1 :])
     block = factors[index] // tp
@@ -78,8 +84,12 @@ def slice_full(full: torch.Tensor, spec: tuple, rank: int, tp: int) -> torch.Ten
 
 def unslice(pieces: list[torch.Tensor], spec: tuple) -> torch.Tensor:
     """Inverse of ``slice_full`` over all ranks' pieces, in TP rank order."""
-    dim, factors, index = spec
     tp = len(pieces)
+    if len(spec) > 3 and spec[3]:
+        dim, parts = spec[0], spec[3]
+        local = [p.split([n // tp for n in parts], dim) for p in pieces]
+        return torch.cat([torch.cat([rank[i] for rank in local], dim) for i in range(len(parts))], dim)
+    dim, factors, index = spec[:3]
     local = list(factors)
     local[index] //= tp
     views = [p.reshape(*p.shape[:dim], *local, *p.shape[dim + 1 :]) for p in pieces]

@@ -25,7 +25,6 @@ MODELS = Path(__file__).resolve().parents[1] / "models"
 ZOO = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2", "gpt_neox", "olmo", "olmo2"]
 # (model file, config, tp); TP2 is forced without sequence parallelism, the TP pass's simplest form
 CASES = [(f, c, tp) for f, cs in [("hf_zoo.py", ZOO), ("custom_init.py", ["tiny"])] for c in cs for tp in (1, 2)]
-REFUSED = {("hf_zoo.py", "phi3", 2): "tensor parallelism refuses Phi-3's fused QKV slices (issue 13, item 3)"}
 
 
 def _compile(model: str, config: str, tp: int, out: Path) -> int:
@@ -99,11 +98,7 @@ def check_like(name: str, got: torch.Tensor, ref: torch.Tensor, other_seed: torc
     assert abs(float(got.std() / ref.std()) - 1) <= std_tol, f"{name}: std {got.std():.4g} vs {ref.std():.4g}"
 
 
-@pytest.mark.parametrize(
-    "case",
-    [pytest.param(c, marks=pytest.mark.xfail(reason=REFUSED[c], strict=True)) if c in REFUSED else c for c in CASES],
-    ids=[f"{c[1]}-tp{c[2]}" for c in CASES],
-)
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[1]}-tp{c[2]}" for c in CASES])
 def test_replayed_initialisation_matches_the_single_device_model(programs, case):
     model, config, _ = case
     got = replayed(programs(case))
