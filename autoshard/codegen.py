@@ -67,6 +67,11 @@ def program_files(plan: Plan, captured, rebuild) -> dict[str, str]:
         )
         if c == n - 1:
             parts.append("the output head")
+        for tie in split.tied:  # one parameter with a copy in each chunk reading it
+            if c in tie["chunks"] and len(tie["chunks"]) > 1:
+                others = [str(o) for o in tie["chunks"] if o != c]
+                chunk_s = "chunk" if len(others) == 1 else "chunks"
+                parts.append(f"a copy of {tie['names'][0]} (tied: gradients summed with {chunk_s} {', '.join(others)})")
         rank = schedule(plan.schedule).chunk_rank(c, plan.mesh.pp)
         doc = f"Pipeline chunk {c} of {n} (pipeline rank {rank}): {', '.join(parts)}."
         name = f"stage{c}.py"

@@ -69,13 +69,23 @@ def _input_meta(node: fx.Node) -> bool:
     return _input_size(node) or _input_device(node)
 
 
-def tied_parameters(gm: fx.GraphModule) -> list[list[str]]:
-    """The names of each parameter ``gm`` holds under several (tied weights), the one
-    ``named_parameters`` gives first: the name every chunk holding it reads it by."""
+def _names(gm: fx.GraphModule) -> dict[int, list[str]]:
+    """id of each parameter of ``gm`` -> its names, in ``named_parameters`` order."""
     names: dict[int, list[str]] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    return [tied for tied in names.values() if len(tied) > 1]
+    return names
+
+
+def tied_parameters(gm: fx.GraphModule) -> list[list[str]]:
+    """The names of each parameter ``gm`` holds under several (tied weights), the one
+    ``named_parameters`` gives first: the name every chunk holding it reads it by."""
+    return [tied for tied in _names(gm).values() if len(tied) > 1]
+
+
+def held_names(gm: fx.GraphModule) -> dict[str, str]:
+    """Each name of a tied parameter -> the name chunks read it by (its first)."""
+    return {name: tied[0] for tied in tied_parameters(gm) for name in tied}
 
 
 def _parameter_read(node: fx.Node) -> bool:
@@ -117,11 +127,6 @@ def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, 
         else:
             out[node] = 0
     return out
-
-
-def held_names(gm: fx.GraphModule) -> dict[str, str]:
-    """Each name of a tied parameter -> the name chunks read it by (its first)."""
-    return {name: tied[0] for tied in tied_parameters(gm) for name in tied}
 
 
 def pipeline_split(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
@@ -231,9 +236,7 @@ def split_program(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
 def _ties(gm: fx.GraphModule, chunks: list[fx.GraphModule]) -> list[dict]:
     """Each parameter that is tied (several names) or held by several chunks: its names, the one
     the chunks hold first, and the chunks holding a copy."""
-    names: dict[int, list[str]] = {}
-    for name, p in gm.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+    names = _names(gm)
     holders: dict[int, list[int]] = {}
     for c, chunk in enumerate(chunks):
         for p in chunk.parameters():
