@@ -67,6 +67,7 @@ def inspect_model(cost: ModelCost, seq: int, float_bytes: int = 2) -> dict:
             if v
         },
         "tracer": cap.tracer,
+        "notes": list(cap.notes),
         "nodes": len(cap.graph_module.graph.nodes),
     }
 
@@ -115,6 +116,7 @@ def format_inspection(info: dict, title: str) -> str:
     lines.append("Forward FLOPs by op class:")
     for cls, v in info["op_classes"].items():
         lines.append(f"  {cls:12s} {v['share'] * 100:6.2f}%  {_si(v['flops_per_token'], 'FLOP')}/token")
+    lines.extend(f"Assumed: {note}" for note in info.get("notes", []))
     return "\n".join(lines)
 
 

@@ -180,3 +180,251 @@ def test_the_public_capture_function_survives_importing_the_capture_package():
     first = autoshard.capture(model, seq=16)
     again = autoshard.capture(model, seq=16)
     assert first.tracer == again.tracer == "symbolic_trace"
+
+
+# ---------------------------------------------------------------------------------------------
+# The export path traces one layer per kind and copies the rest (autoshard.capture.repeat)
+
+
+def _tiny_deep_hf(kind, layers):
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        if kind == "llama":
+            return transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(**{**TINY_DECODER, "num_hidden_layers": layers})
+            )
+        cfg = transformers.DeepseekV3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=layers,
+            first_k_dense_replace=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+        )
+        return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def _graph_text(cap):
+    """Every node's op, target, arguments (by position), layer, module path and shape."""
+    index = {n: i for i, n in enumerate(cap.graph_module.graph.nodes)}
+
+    def arg(x):
+        if isinstance(x, torch.fx.Node):
+            return ("node", index[x])
+        if isinstance(x, (list, tuple)):
+            return tuple(arg(y) for y in x)
+        if isinstance(x, dict):
+            return tuple((k, arg(v)) for k, v in x.items())
+        return str(x)
+
+    return [
+        (n.op, str(n.target), arg(n.args), arg(n.kwargs), n.meta["layer"], n.meta["module_path"], str(n.meta["shape"]))
+        for n in cap.graph_module.graph.nodes
+    ]
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_cut_export_gives_the_graph_and_costs_of_a_full_export(kind, monkeypatch):
+    from collections import Counter
+
+    from autoshard.capture import repeat
+    from autoshard.cost_models.analyze import analyze
+
+    model = _tiny_deep_hf(kind, 3)
+    expanded = []
+    expand = repeat.Cut.expand
+    monkeypatch.setattr(repeat.Cut, "expand", lambda self, *a: expanded.append(self.traced) or expand(self, *a))
+    cut = capture(model, seq=32)
+    assert expanded == [[0, 1]]  # layer 2 was copied, not traced
+    monkeypatch.setattr(repeat, "plan", lambda model: None)
+    full = capture(model, seq=32)
+    assert cut.tracer == full.tracer == "export"
+    assert _graph_text(cut) == _graph_text(full)
+    per_layer = [Counter(n.meta["layer"] for n in c.graph_module.graph.nodes) for c in (cut, full)]
+    assert per_layer[0] == per_layer[1]
+    kinds = [[(k.layers, len(c.layer_nodes[k.template])) for k in c.kinds] for c in (cut, full)]
+    assert kinds[0] == kinds[1] and len(kinds[0]) == (1 if kind == "llama" else 2)
+    a, b = analyze(cut), analyze(full)
+    assert a.params == b.params and a.flops_forward(2, 32) == b.flops_forward(2, 32)
+    for x, y in zip(a.all_blocks(), b.all_blocks()):
+        assert (x.count, x.params, sympy.expand(x.flops - y.flops)) == (y.count, y.params, 0)
+        assert x.saved_bytes(2, 32) == y.saved_bytes(2, 32)
+    assert {n.target for n in cut.graph_module.graph.nodes if n.op == "get_attr"} == {
+        n.target for n in full.graph_module.graph.nodes if n.op == "get_attr"
+    }
+    assert all(cut.graph_module.get_parameter(n) is p for n, p in full.graph_module.named_parameters())
+
+
+def test_layer_kinds_are_read_from_the_modules():
+    from autoshard.capture.structure import module_kinds
+
+    class Layer(torch.nn.Module):
+        def __init__(self, index, window, width=8):
+            super().__init__()
+            self.layer_idx = index  # an index: differs in every layer, not compared
+            self.groups = 2  # equal to one layer's index only: compared
+            self.window = window
+            self.proj = torch.nn.Linear(width, width)
+
+    layers = [Layer(0, None), Layer(1, 4), Layer(2, None), Layer(3, 4), Layer(4, None, width=16)]
+    assert module_kinds(layers) == [0, 1, 0, 1, 2]
+    assert module_kinds([layers[0], layers[0]]) is None  # one layer used twice is not a copy
+
+
+def test_a_layer_that_returns_more_than_its_input_is_exported_whole(monkeypatch):
+    """A cut capture cannot stand for layers handing two tensors on: export every layer."""
+    import sys
+
+    from autoshard.capture import repeat
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x, carry):
+            return self.proj(x) + carry, carry * 2
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 8)
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(4))
+            self.head = torch.nn.Linear(8, 16)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            carry = x
+            for layer in self.layers:
+                x, carry = layer(x, carry)
+            return self.head(x)
+
+    trace_module = sys.modules["autoshard.capture.trace"]
+    monkeypatch.setattr(trace_module, "_symbolic_trace", lambda wrapper: (_ for _ in ()).throw(TypeError("no fx")))
+    expanded = []
+    monkeypatch.setattr(repeat.Cut, "expand", lambda self, *a: expanded.append(1))
+    with torch.device("meta"):
+        model = Model()
+    cap = capture(model, seq=16)
+    assert cap.tracer == "export" and not expanded
+    assert sorted({n.meta["layer"] for n in cap.graph_module.graph.nodes if n.meta["op"] == "linear"} - {None}) == [
+        0,
+        1,
+        2,
+        3,
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data-dependent sizes: estimated under a stated assumption, or one line naming the op
+
+MODELS = EXAMPLES.parent / "tests" / "models"
+
+
+def test_naive_moe_inspects_with_balanced_routing_flops(capsys):
+    from autoshard.cli import main
+    from autoshard.cost_models.analyze import analyze
+
+    assert main(["inspect", str(MODELS / "naive_moe.py"), "--config", "tiny", "--seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "Assumed: naive_moe.py:" in out and "balanced routing" in out
+    moe = capture_file(str(MODELS / "naive_moe.py"), "tiny", 32)
+    dense = capture_file(str(MODELS / "naive_moe.py"), "tiny_dense", 32)
+    assert len(moe.notes) == 1 and "each of 4 experts" in moe.notes[0]
+    a, b = analyze(moe).blocks[0], analyze(dense).blocks[0]
+    # top-2 of 4 experts under balanced routing: each token through two expert MLPs, as the dense
+    # model's two MLP slots; the MoE adds its router
+    assert sympy.expand(a.flops_by_class["matmul"] - b.flops_by_class["matmul"]) == 0
+    assert a.flops_by_class["router"] == 2 * 64 * 4 * B * S
+    assert all(
+        d.free_symbols <= {B, S}
+        for n in moe.graph_module.graph.nodes
+        for d in (n.meta["shape"] or ())
+        if hasattr(d, "free_symbols")
+    )
+
+
+def test_data_dependent_size_on_the_fx_path_is_estimated(tmp_path):
+    f = tmp_path / "fx_moe.py"
+    f.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(MODELS)!r})\n"
+        "import naive_moe\n"
+        "class FxMoE(naive_moe.MoE):\n"
+        "    def forward(self, x):\n"
+        "        shape = x.shape\n"
+        "        x = x.reshape(-1, shape[-1])\n"
+        "        w, topi = torch.softmax(self.router(x), dim=-1).topk(self.top_k, dim=-1)\n"
+        "        out = torch.zeros_like(x)\n"
+        "        for i, expert in enumerate(self.experts):\n"
+        "            idx, slot = torch.where(topi == i)\n"
+        "            out = out.index_add(0, idx, w[idx, slot, None] * expert(x[idx]))\n"
+        "        return out.reshape(shape)\n"
+        "naive_moe.MoE = FxMoE\n"
+        "CONFIGS, build, sample_inputs = naive_moe.CONFIGS, naive_moe.build, naive_moe.sample_inputs\n"
+    )
+    from autoshard.cost_models.analyze import analyze
+
+    cap = capture_file(str(f), "tiny", 32)
+    assert cap.tracer == "symbolic_trace"
+    assert len(cap.notes) == 1 and cap.notes[0].startswith("fx_moe.py:11 (where)")
+    dense = analyze(capture_file(str(MODELS / "naive_moe.py"), "tiny_dense", 32)).blocks[0]
+    assert sympy.expand(analyze(cap).blocks[0].flops_by_class["matmul"] - dense.flops_by_class["matmul"]) == 0
+
+
+def test_a_size_that_cannot_be_estimated_names_the_op_and_line(tmp_path):
+    f = tmp_path / "masked.py"
+    f.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = torch.nn.Embedding(10, 4)\n"
+        "        self.head = torch.nn.Linear(4, 10)\n"
+        "    def forward(self, tokens):\n"
+        "        x = self.emb(tokens)\n"
+        "        kept = x[x.sum(-1) > 0]\n"
+        "        return self.head(x) + self.head(kept).sum()\n"
+        "def build(config=None):\n"
+        "    return M()\n"
+        "def sample_inputs(config, batch, seq):\n"
+        "    return (torch.zeros(batch, seq, dtype=torch.long),)\n"
+    )
+    with pytest.raises(AutoshardError, match=r"masked\.py:9 \(\w+\) has a data-dependent size") as e:
+        capture_file(str(f), None, 16)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_transformers_moe_models_inspect_cleanly(kind):
+    transformers = pytest.importorskip("transformers")
+    from autoshard.cost_models.analyze import analyze
+    from autoshard.summary import format_inspection, inspect_model
+
+    common = dict(TINY_DECODER)
+    with torch.device("meta"):
+        if kind == "mixtral":
+            model = transformers.MixtralForCausalLM(
+                transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+            )
+        else:
+            cfg = transformers.Qwen3MoeConfig(
+                **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16
+            )
+            model = transformers.Qwen3MoeForCausalLM(cfg)
+    cost = analyze(capture(model, seq=32))
+    text = format_inspection(inspect_model(cost, 32), kind)
+    assert "FLOPs per token" in text
+    assert cost.flops_forward(1, 32) > 0 and cost.blocks[0].flops_by_class.get("experts", 0) != 0

@@ -47,6 +47,8 @@ class Captured:
     # traced parameter/buffer name -> how the model initialises it (``init.record_build``);
     # None where the model was not built by the recorder
     inits: dict[str, Init] | None = None
+    # assumptions capture made, for the plan to state (how a data-dependent size was estimated)
+    notes: list[str] = field(default_factory=list)
 
     def kind_of(self, layer: int) -> LayerKind:
         return next(k for k in self.kinds if layer in k.layers)
@@ -86,9 +88,9 @@ def capture(
     structure.annotate_modules(gm, model, stack)
     layer_nodes = structure.layer_nodes(gm)
     if tracer == "symbolic_trace":
-        keys = shapes.propagate(gm, inputs, layer_nodes, model)
+        keys, notes = shapes.propagate(gm, inputs, layer_nodes, model)
     else:
-        keys = shapes.read_export_shapes(gm, layer_nodes)
+        keys, notes = shapes.read_export_shapes(gm, layer_nodes)
     shapes.requires_grad(gm)
     structure.annotate_ops(gm)
     return Captured(
@@ -102,6 +104,7 @@ def capture(
         source=source,
         layer_nodes=layer_nodes,
         inits=None if inits is None else _traced_names(inits),
+        notes=notes,
     )
 
 

@@ -7,6 +7,12 @@ that template's results, which is what makes a 126-layer model quick to capture.
 path, torch.export has already propagated them; they are read off its fake values. Either way
 the result includes each layer's key (signature and input shapes), from which the layer kinds
 follow (``structure.group_kinds``).
+
+A size only the data decides (how many tokens an expert takes from ``torch.where``, ``nonzero``
+or a boolean mask) is an unbacked symbol to the tracer. :func:`_estimate` replaces it by an
+expression in ``b`` and ``s`` with a stated assumption (balanced routing: a mask comparing top-k
+routing choices with one expert holds ``slots / experts`` of them), which capture records as a
+note the plan repeats; a size it cannot estimate is a one-line error naming the op and its line.
 """
 
 from __future__ import annotations
@@ -14,8 +20,14 @@ from __future__ import annotations
 import sympy
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import (
+    DimDynamic,
+    GuardOnDataDependentSymNode,
+    ShapeEnv,
+    StatelessSymbolicContext,
+    free_unbacked_symbols,
+)
 
 from autoshard.capture.structure import layer_signature
 from autoshard.cost_models import ops
@@ -32,6 +44,14 @@ class _Shapes:
         self.symbols = symbols
         self.storage_ids: dict[int, int] = {}
         self.cache: dict = {}
+        self.notes: dict[str, str] = {}  # the assumption behind each estimated size, by where it is
+
+    def estimate_new_sizes(self, node: fx.Node, value) -> None:
+        """Give each data-dependent size that first appears in ``value`` its estimate."""
+        for sym in _unbacked(value):
+            if sym not in self.symbols:
+                self.symbols[sym], note = _estimate(node)
+                self.notes.setdefault(_where(node), note)
 
     def dim(self, d):
         if isinstance(d, int):
@@ -67,6 +87,7 @@ class _Propagator(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, layers: dict[int, list[fx.Node]], shapes: _Shapes, env: ShapeEnv, watched):
         super().__init__(gm, garbage_collect_values=False)
+        self.extra_traceback = False  # its errors are one line (AutoshardError), not fx's node dump
         self.layers = layers
         self.shapes = shapes
         self.shape_env = env
@@ -87,7 +108,14 @@ class _Propagator(fx.Interpreter):
                 if k in src.meta:
                     n.meta[k] = src.meta[k]
             return self.env[src]
-        value = super().run_node(n)
+        try:
+            value = super().run_node(n)
+        except (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise AutoshardError(
+                f"{_where(n)} ({ops.op_name(n, self.module)}) branches on or sizes by the values of a tensor "
+                f"({type(e).__name__}); write it with sizes that follow the inputs' shapes"
+            ) from e
+        self.shapes.estimate_new_sizes(n, value)
         self.shapes.record(n, value)
         if self.specialised is None and any(sym in self.shape_env.replacements for sym in self.watched):
             self.specialised = n
@@ -108,9 +136,9 @@ class _Propagator(fx.Interpreter):
 
 def propagate(
     gm: fx.GraphModule, inputs: tuple, layers: dict[int, list[fx.Node]], model: nn.Module
-) -> dict[int, tuple]:
+) -> tuple[dict[int, tuple], list[str]]:
     """Fake-tensor shape propagation, batch and sequence symbolic, each layer kind once; returns
-    each layer's key."""
+    each layer's key and the assumptions behind the sizes it estimated."""
     env = ShapeEnv(duck_shape=False)
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     device = next((p.device for p in model.parameters()), torch.device("meta"))
@@ -131,11 +159,13 @@ def propagate(
             f"the model fixes the {which} size at {n.meta.get('source') or n.name} ({n.meta.get('op')}); "
             "write that code so its shapes follow the inputs' sizes"
         )
-    return propagator.keys
+    check_sizes(gm)
+    return propagator.keys, list(shapes.notes.values())
 
 
-def read_export_shapes(gm: fx.GraphModule, layers: dict[int, list[fx.Node]]) -> dict[int, tuple]:
-    """The shapes torch.export recorded (``node.meta["val"]``), in B and S; returns each layer's key."""
+def read_export_shapes(gm: fx.GraphModule, layers: dict[int, list[fx.Node]]) -> tuple[dict[int, tuple], list[str]]:
+    """The shapes torch.export recorded (``node.meta["val"]``), in B and S; returns each layer's
+    key and the assumptions behind the sizes it estimated."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     val = placeholders[0].meta["val"]
     symbols = {}
@@ -144,12 +174,118 @@ def read_export_shapes(gm: fx.GraphModule, layers: dict[int, list[fx.Node]]) -> 
             symbols[d.node.expr] = sym
     shapes = _Shapes(symbols)
     for n in gm.graph.nodes:
+        shapes.estimate_new_sizes(n, n.meta.get("val"))
         shapes.record(n, n.meta.get("val"))
+    check_sizes(gm)
     keys = {}
     for i, nodes in layers.items():
         sig, external = layer_signature(gm, nodes, tensors_only=True)
         keys[i] = (sig, shapes.key([e.meta.get("val") for e in external]))
-    return keys
+    return keys, list(shapes.notes.values())
+
+
+def check_sizes(gm: fx.GraphModule) -> None:
+    """Every shape is in ``b``, ``s`` and numbers (what the cost model can evaluate)."""
+    for n in gm.graph.nodes:
+        for shape in [n.meta.get("shape")] + list(n.meta.get("shapes") or []):
+            for d in shape or ():
+                if isinstance(d, sympy.Basic) and not d.free_symbols <= {B, S}:
+                    raise AutoshardError(
+                        f"{_where(n)} ({n.meta.get('op') or ops.op_name(n, gm)}) has a size autoshard cannot "
+                        f"follow ({d}); write it with sizes that follow the inputs' shapes"
+                    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Data-dependent sizes
+
+_COUNTS_TRUE = {"nonzero": 0, "argwhere": 0, "where": 0, "masked_select": 1}  # op -> its mask argument
+_PASSES_VALUES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "contiguous", "clone", "alias",
+                  "detach", "to", "_to_copy", "squeeze", "unsqueeze", "permute", "transpose", "t"}  # fmt: skip
+
+
+def _unbacked(value) -> set:
+    """The data-dependent size symbols in a tensor's shape, a size, or a tuple of them."""
+    if isinstance(value, (tuple, list)):
+        return set().union(*(_unbacked(v) for v in value)) if value else set()
+    if isinstance(value, (torch.Tensor, torch.SymInt)):
+        return set(free_unbacked_symbols(value.shape if isinstance(value, torch.Tensor) else value))
+    return set()
+
+
+def _where(n: fx.Node) -> str:
+    return n.meta.get("source") or n.name
+
+
+def _estimate(n: fx.Node) -> tuple[sympy.Expr, str]:
+    """The expected value of the data-dependent size ``n`` produces, and the assumption behind
+    it: the number of true elements of a mask that compares top-k routing choices with one
+    choice, when routing is balanced (every one of the ``E`` choices equally often)."""
+    op = ops.op_name(n)
+    mask = _mask_of(n, op)
+    routed = _routing_choices(mask) if mask is not None else None
+    if routed is None:
+        raise AutoshardError(
+            f"{_where(n)} ({op}) has a data-dependent size autoshard cannot estimate; give it a static "
+            "size (a fixed capacity per expert, as examples/deepseek_v3.py does)"
+        )
+    slots, choices = routed
+    expected = sympy.expand(ops.numel(mask.meta["shape"]) / choices)
+    note = (
+        f"{_where(n)} ({op}): a data-dependent size, estimated as {expected} assuming balanced routing "
+        f"(each of {choices} experts takes an equal share of the {slots} routed token slots)"
+    )
+    return expected, note
+
+
+def _mask_of(n: fx.Node, op: str) -> fx.Node | None:
+    """The boolean tensor whose true elements ``n`` counts: the argument of ``nonzero``,
+    one-argument ``where`` and ``masked_select``, or a boolean index."""
+    tensors = [a for a in n.args if isinstance(a, fx.Node)]
+    if op in _COUNTS_TRUE and (op != "where" or len(tensors) == 1):
+        i = _COUNTS_TRUE[op]
+        return n.args[i] if len(n.args) > i and isinstance(n.args[i], fx.Node) else None
+    if op in ("getitem", "index", "index_put", "index_put_"):
+        flat = list(_nodes_in(n.args[1:]))
+        masks = [a for a in flat if a.meta.get("dtype") == torch.bool]
+        return masks[0] if len(masks) == 1 else None
+    return None
+
+
+def _nodes_in(x):
+    if isinstance(x, fx.Node):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _nodes_in(y)
+
+
+def _routing_choices(mask: fx.Node) -> tuple[sympy.Expr, int] | None:
+    """(slots, E) when ``mask`` is ``choices == c`` for routing choices that are the indices of a
+    top-k over ``E`` candidates (read through views and casts): each slot holds one of E."""
+    if ops.op_name(mask) != "eq":
+        return None
+    for side in mask.args[:2]:
+        if not isinstance(side, fx.Node):
+            continue
+        topk = _topk_indices(side)
+        if topk is not None:
+            scores = topk.args[0]
+            dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+            return ops.numel(side.meta["shape"]), int(scores.meta["shape"][dim])
+    return None
+
+
+def _topk_indices(n: fx.Node, depth: int = 8) -> fx.Node | None:
+    """The ``topk`` whose indices ``n`` is (through value-preserving views and casts)."""
+    for _ in range(depth):
+        name = ops.op_name(n)
+        if name == "getitem" and n.args[1] == 1 and isinstance(n.args[0], fx.Node):
+            return n.args[0] if ops.op_name(n.args[0]) == "topk" else None
+        if name not in _PASSES_VALUES or not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        n = n.args[0]
+    return None
 
 
 def requires_grad(gm: fx.GraphModule) -> None:

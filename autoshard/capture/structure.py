@@ -48,6 +48,51 @@ def layer_stack(model: nn.Module) -> tuple[str, list[str]] | None:
     return (best[1], best[2]) if best else None
 
 
+def module_kinds(layers: list[nn.Module]) -> list[int] | None:
+    """The kind of each layer of the stack read from its modules alone, before any tracing
+    (0 for the first layer's kind, then in order of first appearance), or None when a module
+    object appears twice in the stack (a layer shared, not copied).
+
+    Two layers are one kind when their module trees agree: each submodule's relative name and
+    class, its parameters' and buffers' names, shapes, dtypes and ``requires_grad``, and its plain
+    attributes (numbers, strings, flags and tuples of them, which is where models keep a layer's
+    attention type or window). An attribute equal to each layer's own position is the layer's
+    index (transformers' ``layer_idx``) and is not compared. Code that branches on that index
+    alone is not seen here; the export path checks the first two layers of a kind against each
+    other (``repeat``)."""
+    if len({id(m) for m in layers}) < len(layers):
+        return None
+    states = [_module_state(m) for m in layers]
+    index_keys = set.intersection(*({k for k, v in st[1].items() if v == repr(i)} for i, st in enumerate(states)))
+    seen: dict[tuple, int] = {}
+    kinds = []
+    for modules, attrs in states:
+        key = (modules, tuple(sorted((k, v) for k, v in attrs.items() if k not in index_keys)))
+        kinds.append(seen.setdefault(key, len(seen)))
+    return kinds
+
+
+def _module_state(layer: nn.Module) -> tuple[tuple, dict]:
+    """A layer's submodules (name, class, parameters, buffers) and its plain attributes by
+    (submodule, attribute) name."""
+
+    def plain(v) -> bool:
+        if isinstance(v, (tuple, list)):
+            return all(plain(x) for x in v)
+        return v is None or isinstance(v, (bool, int, float, str, torch.dtype))
+
+    def tensors(items) -> tuple:
+        return tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in items if t is not None)
+
+    modules, attrs = [], {}
+    for name, mod in layer.named_modules():
+        modules.append(
+            (name, type(mod), tensors(mod.named_parameters(recurse=False)), tensors(mod.named_buffers(recurse=False)))
+        )
+        attrs.update({(name, k): repr(v) for k, v in vars(mod).items() if plain(v)})
+    return tuple(modules), attrs
+
+
 _WRAPPER_PREFIX = "model."
 
 

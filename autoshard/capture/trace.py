@@ -23,6 +23,7 @@ from torch import fx, nn
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from autoshard import modelfile
+from autoshard.capture import repeat
 from autoshard.errors import AutoshardError
 
 BATCH_HINT = 2  # the batch size of the example inputs capture builds (any size >= 2 traces the same graph)
@@ -76,7 +77,7 @@ def trace(model: nn.Module, inputs: tuple, loss=None, source: str | None = None)
             return _symbolic_trace(wrapper), "symbolic_trace", names
         except Exception as fx_error:
             try:
-                return _export(wrapper, inputs), "export", names
+                return _export(wrapper, inputs, model), "export", names
             except Exception as export_error:
                 raise AutoshardError(_trace_failure(fx_error, export_error, source)) from export_error
 
@@ -155,10 +156,31 @@ def _symbolic_trace(wrapper: nn.Module) -> fx.GraphModule:
         return _make_graph_module(tracer.root, graph, "TrainingForward")
 
 
-def _export(wrapper: nn.Module, inputs: tuple) -> fx.GraphModule:
+def _export(wrapper: nn.Module, inputs: tuple, model: nn.Module) -> fx.GraphModule:
+    """torch.export of the training forward. With a layer stack whose layers repeat, the model
+    is exported with one traced layer per kind and the rest copied (``repeat``); where the cut
+    cannot stand for the whole model, or its export fails, the whole model is exported (and its
+    failure is the user's error)."""
+    cut = repeat.plan(model)
+    if cut is not None and cut.saves:
+        try:
+            with cut.passthrough():
+                cut_gm = _export_program(wrapper, inputs)
+        except Exception:  # the cut model does not export (NotRepeated among the reasons)
+            cut_gm = None
+        if cut_gm is not None:
+            try:
+                return cut.expand(cut_gm, wrapper)
+            except repeat.NotRepeated:
+                pass
+    return _export_program(wrapper, inputs)
+
+
+def _export_program(wrapper: nn.Module, inputs: tuple) -> fx.GraphModule:
     from torch.export import Dim
 
-    batch, seq = Dim("batch", min=2), Dim("seq", min=2)
+    # seq >= 3: at 2 the loss's shifted labels have length 1, a broadcast export must guard on
+    batch, seq = Dim("batch", min=2), Dim("seq", min=3)
     dims = tuple({0: batch, 1: seq} for _ in inputs)
     try:
         program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=dims)

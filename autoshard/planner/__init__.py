@@ -129,7 +129,8 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
         + [
             f"Left out of the search, as the rewrite passes cannot emit it for this model: {r}"
             for r in problem.exclusion_reasons
-        ],
+        ]
+        + list(problem.cost.captured.notes),
     )
     if not problem.emit:
         plan.not_emitted = capabilities.refusals(plan)
