@@ -343,6 +343,11 @@ def test_naive_moe_inspects_with_balanced_routing_flops(capsys):
     moe = capture_file(str(MODELS / "naive_moe.py"), "tiny", 32)
     dense = capture_file(str(MODELS / "naive_moe.py"), "tiny_dense", 32)
     assert len(moe.notes) == 1 and "each of 4 experts" in moe.notes[0]
+    from autoshard import planner
+    from autoshard.cost_models import hardware
+
+    plan, _ = planner.solve(planner.Problem(analyze(moe), hardware.load("cpu"), 2, 32, 8))
+    assert moe.notes[0] in plan.notes  # plan.md states the assumption
     a, b = analyze(moe).blocks[0], analyze(dense).blocks[0]
     # top-2 of 4 experts under balanced routing: each token through two expert MLPs, as the dense
     # model's two MLP slots; the MoE adds its router
