@@ -74,6 +74,8 @@ SP_RULES = {
     "reduce": "per token when it reduces over other dimensions than the sequence (a norm written out)",
     "norm": "a normalisation over features: per token; its weight and bias see only this rank's tokens",
     "same_shape": "per token when its output has its input's shape (a slice that keeps everything)",
+    "view": "per token when it keeps each token's features together: the sequence kept as a "
+    "dimension, or (batch, sequence) flattened into rows and back (GPT-2's Conv1D)",
 }
 
 CP_RULES = {
@@ -223,7 +225,8 @@ RULES: dict[str, OpRule] = {
     **_rows("index_select gather index index_add", OpRule("other", saves=("in2",))),
     **_rows("scatter scatter_add index_put index_put_ index_copy", _OTHER),
     # views
-    **_rows("view reshape _unsafe_view flatten unflatten view_as", _VIEW, tp="view"),
+    **_rows("view reshape _unsafe_view", _VIEW, tp="view", sp="view"),
+    **_rows("flatten unflatten view_as", _VIEW, tp="view"),
     **_rows("transpose swapaxes t", _VIEW, tp="transpose"),
     "permute": replace(_VIEW, tp="permute"),
     "getitem": replace(_VIEW, tp="getitem"),
@@ -252,6 +255,7 @@ RULES: dict[str, OpRule] = {
     **_rows("numel sym_numel", _OTHER, metadata="numel"),
     # collectives the passes insert
     **_rows("copy_to_tp reduce_from_tp gather_from_sp reduce_scatter_to_sp scatter_to_sp", _COLLECTIVE),
+    **_rows("gather_tokens reduce_scatter_tokens", _COLLECTIVE),
 }
 
 # Modules torch.fx keeps as leaves (torch.nn's own), by class name.

@@ -66,22 +66,30 @@ def _explore(start: fx.Node, gm: fx.GraphModule):
 
 
 def _crossing(start: fx.Node, region: set[fx.Node]) -> str | None:
-    """Does the region reduce over the column's whole output features? ``partial``: a sum or
-    mean (OLMo2's q norm over all heads, written out), which the pass splits as partial sums
-    all-reduced, but a pairing without one is preferred, so such columns are tried last;
-    ``blocked``: a norm op or another reduction over them, which no split can run."""
-    features = (start.meta.get("shape") or (None,))[-1]
+    """Does the region reduce over the column's output features themselves (not per head)?
+    ``partial``: a sum or mean (OLMo2's q norm over all heads, written out), which the pass
+    splits as partial sums all-reduced, but a pairing without one is preferred, so such columns
+    are tried last; ``blocked``: a norm op or another reduction over them, which no split can run
+    (a low-rank projection's norm, after a split off of its rope part or not)."""
+    features = {start}  # tensors whose last dimension is (a part of) the column's features
+    order = {n: i for i, n in enumerate(start.graph.nodes)}
     found = None
-    for n in region:
-        r = ops.rule_of(n)
-        if r is None or r.tp not in ("reduce", "norm") or not n.all_input_nodes:
+    for n in sorted(region, key=order.__getitem__):
+        src = next((a for a in n.all_input_nodes if a in features), None)
+        if src is None:
             continue
-        shape = n.all_input_nodes[0].meta.get("shape") or ()
-        dims = ops.dims_arg(n, len(shape)) if r.tp == "reduce" else (len(shape) - 1,)
-        if shape and shape[-1] == features and (dims is None or len(shape) - 1 in dims):
-            if r.tp == "norm" or n.meta.get("op") not in ("sum", "mean"):
-                return "blocked"
-            found = "partial"
+        r = ops.rule_of(n)
+        shape, before = n.meta.get("shape") or (), src.meta.get("shape") or ()
+        if r is not None and r.tp in ("reduce", "norm"):
+            dims = ops.dims_arg(n, len(before)) if r.tp == "reduce" else (len(before) - 1,)
+            if dims is None or len(before) - 1 in dims:
+                if r.tp == "norm" or n.meta.get("op") not in ("sum", "mean"):
+                    return "blocked"
+                found = "partial"
+                continue
+        kept = r is not None and r.tp in ("pointwise", "slice", "split", "getitem", "softmax", "reduce", "norm")
+        if kept or (r is not None and r.tp == "view" and shape and before and shape[-1] == before[-1]):
+            features.add(n)
     return found
 
 

@@ -34,6 +34,7 @@ class RewriteContext:
     sequence_parallel: bool = False
     recompute: tuple[str, ...] = ()  # saved-tensor categories the layers recompute
     stage_layers: tuple[int, ...] = ()  # layers per pipeline chunk, in chunk order; () for one chunk
+    seq: int = 0  # tokens per sequence on one context-parallel rank (0: unknown)
     # written by the passes
     notes: dict[str, str] = field(default_factory=dict)  # node name -> decision, a comment in the emitted code
     shards: dict = field(default_factory=dict)  # parameter -> tensor_parallel.ParamShard
@@ -52,6 +53,7 @@ class RewriteContext:
             sequence_parallel=bool(plan.sequence_parallel) and m.tp > 1,
             recompute=tuple(sorted(k for k, v in plan.checkpoint.items() if v == "recompute")),
             stage_layers=tuple(plan.stage_layers),
+            seq=plan.seq_len // m.cp,
         )
 
 

@@ -24,6 +24,7 @@ from torch import fx
 
 from autoshard import runtime
 from autoshard.cost_models import ops
+from autoshard.ir import B, S
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import place
 from autoshard.passes._graph import seq_dim as _seq_dim
@@ -56,9 +57,13 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is runtime.reduce_from_tp and node.meta.get("region") != "pre":
             dim = _seq_dim(node)
-            if dim is None:
+            if dim is None and _flat_tokens(node) and ctx.seq:
+                _retarget(node, runtime.reduce_scatter_tokens, (node.args[0], ctx.seq))
+                dim = 0
+            elif dim is None:
                 raise _fail(node, "no sequence dimension")
-            _retarget(node, runtime.reduce_scatter_to_sp, (node.args[0], dim))
+            else:
+                _retarget(node, runtime.reduce_scatter_to_sp, (node.args[0], dim))
             notes[node.name] = f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices"
             node.meta["sp_sliced_dim"], node.meta["sp_tp"] = dim, tp
             frontier.append(node)
@@ -93,7 +98,10 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
             continue
         node = inputs[0]
         if user.op == "call_function" and user.target is runtime.copy_to_tp:
-            _retarget(user, runtime.gather_from_sp, (user.args[0], _seq_dim(node)))
+            if _seq_dim(node) is None:  # rows of flattened (batch, sequence)
+                _retarget(user, runtime.gather_tokens, (user.args[0], ctx.seq))
+            else:
+                _retarget(user, runtime.gather_from_sp, (user.args[0], _seq_dim(node)))
             notes[user.name] = "sequence parallel: all-gather the sequence before the column matmuls"
             continue
         if user.op == "output":
@@ -104,6 +112,12 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
             continue
         if row is not None and row.metadata == "attr":
             continue  # reads only the dtype, device or rank
+        if row is not None and row.sp == "view":
+            if not _view_of_tokens(graph, user, node, tp, ctx.seq):
+                raise _fail(user, "a view that mixes the sequence with features")
+            sliced.add(user)
+            user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _sliced_dim(user), tp
+            continue
         if not _per_token(user, node, row):
             raise _fail(user, f"{_op(user)!r} is not per-token")
         if user.op == "call_module":  # a norm module's parameters see this rank's tokens only
@@ -118,7 +132,7 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
                 _check_broadcast(user, other, node)
                 partial.update(_parameters_behind(other))
         sliced.add(user)
-        user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _seq_dim(user), tp
+        user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _sliced_dim(user), tp
     graph.lint()
     gm.recompile()
     ctx.partial_grads.extend(sorted(partial))
@@ -131,9 +145,9 @@ def _per_token(user: fx.Node, sliced: fx.Node, row: ops.OpRule | None) -> bool:
     if kind in ("norm", "pointwise"):
         return True
     if kind == "reduce":  # over features: the sequence dimension stays where it was
-        seq = _seq_dim(sliced)
+        seq = _sliced_dim(sliced)
         dims = ops.dims_arg(user, len(sliced.meta["shape"]))
-        return _seq_dim(user) == seq and dims is not None and seq not in dims
+        return _sliced_dim(user) == seq and dims is not None and seq not in dims
     if kind == "same_shape":
         return user.meta.get("shape") == sliced.meta.get("shape")
     return False
@@ -153,6 +167,59 @@ def _residual_reader(node: fx.Node) -> bool:
         return node.meta.get("op_class") == "norm"
     row = ops.rule_of(node)
     return row is not None and row.sp in ("pointwise", "norm")
+
+
+def _flat_tokens(node: fx.Node) -> bool:
+    """Rows of flattened (batch, sequence): a 2-or-more-dimensional tensor whose first size is b*s."""
+    shape = node.meta.get("shape")
+    return isinstance(shape, (tuple, list)) and len(shape) >= 2 and getattr(shape[0], "free_symbols", None) and (
+        shape[0] == B * S
+    )
+
+
+def _sliced_dim(node: fx.Node) -> int | None:
+    """The dimension that holds this rank's tokens: the sequence, or the rows of flattened tokens."""
+    dim = _seq_dim(node)
+    return 0 if dim is None and _flat_tokens(node) else dim
+
+
+def _view_of_tokens(graph: fx.Graph, view: fx.Node, src: fx.Node, tp: int, seq: int) -> bool:
+    """A view of the sliced stream that keeps every token's features together: the sequence stays
+    a dimension, or (batch, sequence) is flattened into rows or unflattened back. A size it is
+    given for the sequence is the whole one (read from an unsliced input, or made whole by
+    ``_size_to_full``) and becomes this rank's share."""
+    before, after = _sliced_dim(src), _sliced_dim(view)
+    if before is None or after is None or (_seq_dim(src) is None and _seq_dim(view) is None and not seq):
+        return False
+    args = list(view.args)
+    packed = len(args) == 2 and isinstance(args[1], (tuple, list))
+    sizes = list(args[1]) if packed else args[1:]
+    if _seq_dim(view) is None:  # into rows: (b, s, ...) -> (b*s, ...), which -1 or b*s spells
+        if before != 0 and _seq_dim(src) != 1:
+            return False
+        lead = sizes[0] if sizes else None
+        if lead != -1:
+            sizes[0] = -1
+    else:
+        if _seq_dim(src) is None and _seq_dim(view) != 1:
+            return False
+        k = _seq_dim(view)
+        if k >= len(sizes) or (isinstance(sizes[k], int) and sizes[k] == -1):
+            pass
+        elif isinstance(sizes[k], int):
+            sizes[k] = sizes[k] // tp
+        elif isinstance(sizes[k], fx.Node):
+            with graph.inserting_before(view):
+                local = graph.call_function(operator.floordiv, (sizes[k], tp))
+            place(local, view, like=sizes[k])
+            sizes[k] = local
+        else:
+            return False
+    if packed:
+        view.args = (args[0], type(args[1])(sizes))
+    else:
+        view.args = (args[0], *sizes)
+    return True
 
 
 def _parameters_behind(node: fx.Node) -> set[str]:
@@ -184,7 +251,7 @@ def _check_broadcast(user: fx.Node, other: fx.Node, sliced: fx.Node) -> None:
 
 def _size_to_full(graph: fx.Graph, size: fx.Node, source: fx.Node, tp: int) -> None:
     dim = size.args[1] if len(size.args) > 1 else size.kwargs.get("dim")
-    seq = _seq_dim(source)
+    seq = _sliced_dim(source)
     rank = len(source.meta["shape"])
     if dim is None or (dim + rank if dim < 0 else dim) != seq:
         return

@@ -8,7 +8,8 @@ building a stage (``__init__``, on the meta device; the training program fills t
     the way; ``Checkpoint``: a layer's forward under the plan's selective recomputation.
 tensor and sequence parallelism (the autograd-aware collectives over the TP group)
     ``copy_to_tp``, ``reduce_from_tp``, ``gather_from_sp``, ``scatter_to_sp``,
-    ``reduce_scatter_to_sp``, ``vocab_parallel_embedding``, ``vocab_parallel_cross_entropy``.
+    ``reduce_scatter_to_sp``, ``gather_tokens``, ``reduce_scatter_tokens`` (the same on rows of
+    flattened batch and sequence), ``vocab_parallel_embedding``, ``vocab_parallel_cross_entropy``.
 context parallelism
     ``cp_shard``, ``cp_positions``, ``cp_attention``, ``cp_cross_entropy``.
 attention and graph helpers
@@ -26,8 +27,10 @@ from autoshard.runtime.checkpoint import Checkpoint
 from autoshard.runtime.collectives import (
     copy_to_tp,
     gather_from_sp,
+    gather_tokens,
     reduce_from_tp,
     reduce_scatter_to_sp,
+    reduce_scatter_tokens,
     scatter_to_sp,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
@@ -46,6 +49,8 @@ __all__ = [
     "gather_from_sp",
     "scatter_to_sp",
     "reduce_scatter_to_sp",
+    "gather_tokens",
+    "reduce_scatter_tokens",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
     "cp_shard",

@@ -119,6 +119,25 @@ def reduce_scatter_to_sp(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return x if tp_size() == 1 else _ReduceScatterToSP.apply(x, dim)
 
 
+def gather_tokens(x: torch.Tensor, seq: int) -> torch.Tensor:
+    """``gather_from_sp`` for a tensor whose batch and sequence are flattened into rows, as
+    GPT-2's Conv1D runs its matmul on ``x.view(-1, features)``: rows are (batch, this rank's
+    tokens); ``seq`` is the whole sequence's length."""
+    if tp_size() == 1:
+        return x
+    rest = x.shape[1:]
+    return gather_from_sp(x.reshape(-1, seq // tp_size(), *rest), 1).reshape(-1, *rest)
+
+
+def reduce_scatter_tokens(x: torch.Tensor, seq: int) -> torch.Tensor:
+    """``reduce_scatter_to_sp`` for rows of flattened (batch, sequence) of length ``seq``: each rank
+    keeps the rows of its tokens, batch by batch, as the rest of the sequence-parallel stream does."""
+    if tp_size() == 1:
+        return x
+    rest = x.shape[1:]
+    return reduce_scatter_to_sp(x.reshape(-1, seq, *rest), 1).reshape(-1, *rest)
+
+
 def scatter_to_sp(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """Keep this rank's token shard of a replicated tensor (all-gather backward)."""
     return x if tp_size() == 1 else _ScatterToSP.apply(x, dim)

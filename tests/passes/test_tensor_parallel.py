@@ -188,8 +188,9 @@ class _Zoo(torch.nn.Module):
         x = self.embed(tokens)
         b, s = tokens.size(0), tokens.size(1)
         q, k, v = self.qkv(x).split(32, dim=-1)  # split: equal parts of the split dimension
-        q = q.view(b, s, 4, 8).transpose(1, 2)  # view, transpose
-        k = k.view(b, s, 4, 8).permute(0, 2, 1, 3)  # permute
+        q = F.rms_norm(q.view(b, s, 4, 8), (8,)).transpose(1, 2)  # view, norm (per head), transpose
+        k = k.view(b, s, 4, 8)
+        k = (k - k.mean(-1, keepdim=True)).permute(0, 2, 1, 3)  # reduce (per head), permute
         v = v.reshape(b, s, 4, 8).transpose(1, 2)
         fused = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # attention
         scores = torch.matmul(q, k.transpose(-2, -1)) * 0.125  # matmul, pointwise
