@@ -42,6 +42,10 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
       inputs' sizes is ``is_causal=True`` without the mask, and the nodes that only built the
       mask are gone (:func:`causal_masks`); a mask that is not causal stays, and the attention
       node's ``meta["mask"]`` says what it is, for the passes' refusals;
+    - every ``scaled_dot_product_attention`` whose keys and values are repeated to the query
+      heads by views (transformers' ``repeat_kv``: unsqueeze, expand, reshape) reads them
+      unrepeated with ``enable_gqa=True`` (:func:`grouped_keys`), so the cost model, context
+      parallelism and tensor parallelism see the model's own key/value heads;
     - every other node, its arguments and its ``meta`` are as traced (a graph already canonical,
       as ``symbolic_trace`` of a model without device constants gives, is left unchanged).
     """
@@ -60,6 +64,7 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
     changed |= _inputs_device(graph)
     if inputs is not None:
         changed |= causal_masks(gm, inputs)
+    changed |= grouped_keys(gm)
     if changed:
         graph.lint()
         gm.recompile()
@@ -287,3 +292,63 @@ def _causal_verdict(value) -> str | None:
     if torch.equal(allowed, band.expand_as(allowed)):
         return f"sliding-window attention (window {window})"
     return "a mask that hides earlier positions (document masking or padding)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped-query attention: keys repeated by views become enable_gqa
+
+
+def grouped_keys(gm: fx.GraphModule) -> bool:
+    """Make every ``scaled_dot_product_attention`` whose key and value are both repeated per
+    head by views (``x[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)``) read
+    ``x`` with ``enable_gqa=True``: the same attention (query head ``i`` reads key head
+    ``i // rep`` either way), without the copies. Needs the traced values (torch.export's
+    ``meta["val"]``); whether any changed."""
+    graph, changed, repeats = gm.graph, False, []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or _signature(node) != "sdpa":
+            continue
+        args = _sdpa_args(node)
+        key, value = _unrepeated(args["key"]), _unrepeated(args["value"])
+        if key is None or value is None or args.get("enable_gqa"):
+            continue
+        repeats += [args["key"], args["value"]]
+        node.args = tuple({1: key, 2: value}.get(i, a) for i, a in enumerate(node.args))
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+        changed = True
+    _erase_unused(graph, repeats)
+    return changed
+
+
+def _shape(node) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _unrepeated(node) -> fx.Node | None:
+    """For ``reshape(expand(unsqueeze(x, 2), (b, kv, rep, s, d)), (b, kv * rep, s, d))`` (whole
+    slices allowed between them): ``x``, of shape (b, kv, s, d); else None."""
+    if ops.op_name(node) not in ("reshape", "view", "_unsafe_view") or not node.args:
+        return None
+    expand = node.args[0]
+    out, wide = _shape(node), _shape(expand)
+    if ops.op_name(expand) != "expand" or out is None or wide is None or len(wide) != 5 or len(out) != 4:
+        return None
+    x = _whole_slices(expand.args[0])
+    if ops.op_name(x) != "unsqueeze" or tuple(x.args[1:]) != (2,):
+        return None
+    x = _whole_slices(x.args[0])
+    b, kv, rep, s, d = wide
+    if _shape(x) != (b, kv, s, d) or out != (b, kv * rep, s, d):
+        return None
+    return x
+
+
+def _whole_slices(node):
+    """``node`` past slices that keep the whole dimension (``x[:, :]``, as export writes them)."""
+    while ops.op_name(node) == "slice" and tuple(node.args[2:4]) in ((), (0,), (0, _END)) and len(node.args) < 5:
+        node = node.args[0]
+    return node
+
+
+_END = 9223372036854775807  # the end export writes for an open slice

@@ -29,14 +29,13 @@ CASES = {
     "cp2-tp2-allgather": (4, "cp=2,tp=2,attention=allgather-kv"),
     "cp2-dp2-zero3": (4, "cp=2,dp=2,zero=3"),  # ZeRO over dp x cp
 }
-# HuggingFace Llama builds an explicit (batch, 1, s, s) mask for attention, which context
-# parallelism does not shard: its CP plans are refused at compile (tested in test_program.py)
-SKIP = {("hf_llama", c) for c in CASES if c.startswith("cp")}  # not collected at all
+# HuggingFace Llama builds an explicit (batch, 1, s, s) causal mask for attention; capture reads
+# it as causal attention (passes/canonicalize.py), so its CP plans run as the examples' do
 SEQ = {"gpt": 32, "llama3": 64, "hf_llama": 32}
 MODELS = Path(__file__).parent / "models"
 
 
-PAIRS = [(m, c) for m in ("gpt", "llama3", "hf_llama") for c in CASES if (m, c) not in SKIP]
+PAIRS = [(m, c) for m in ("gpt", "llama3", "hf_llama") for c in CASES]
 
 
 @pytest.mark.parametrize("model,case", PAIRS, ids=[f"{m}-{c}" for m, c in PAIRS])

@@ -231,9 +231,10 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     ],
     ids=["llama", "mistral-window-16", "gemma3-window-256"],
 )
-def test_transformers_masks(config, extra, mask):
+def test_transformers_masks_and_grouped_keys(config, extra, mask):
     """transformers builds its causal mask from positions (and sliding layers' windows); capture
-    at 32 tokens sees causal attention where the mask is causal at 32 tokens."""
+    at 32 tokens sees causal attention where the mask is causal at 32 tokens, and the keys and
+    values repeat_kv copied per query head as the grouped heads they are."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = getattr(transformers, config.replace("Config", "ForCausalLM").replace("TextForCausalLM", "ForCausalLM"))(
@@ -243,6 +244,8 @@ def test_transformers_masks(config, extra, mask):
     cap = capture(model, (ids,))
     attention = [n for n in cap.graph_module.graph.nodes if n.meta["op"] == "scaled_dot_product_attention"]
     assert len(attention) == 2
+    # repeat_kv's copies are gone: attention reads the 2 key/value heads, grouped
+    assert all(n.kwargs["enable_gqa"] is True and n.args[1].meta["shape"][1] == 2 for n in attention)
     if mask is None:
         assert all(n.kwargs.get("is_causal") is True and len(n.args) == 3 for n in attention)
         read = set().union(*(_ancestors(n) for n in attention))
