@@ -227,22 +227,25 @@ def analyze(captured: Captured) -> ModelCost:
         blocks.append(_block(f"layer kind {kind.id}", kind.count, kind.layers, nodes, gm))
     pre = _block("embedding", 1, [], captured.region_nodes("pre"), gm)
     post = _block("output", 1, [], captured.region_nodes("post"), gm)
-    return ModelCost(captured, blocks, pre, post, _facts(gm, [pre, *blocks, post]))
+    return ModelCost(captured, blocks, pre, post, _facts(gm, blocks, [pre, *blocks, post]))
 
 
-def _facts(gm: fx.GraphModule, blocks: list[BlockCost]) -> dict:
-    """What divisibility constraints and sizes the planner needs, read off the graph."""
+def _facts(gm: fx.GraphModule, layers: list[BlockCost], blocks: list[BlockCost]) -> dict:
+    """What divisibility constraints and sizes the planner needs, read off the graph: ``layers``
+    are the repeated layer kinds, ``blocks`` every block (embedding and output regions too)."""
     heads, kv_heads = set(), set()
     for n in gm.graph.nodes:
-        if n.meta.get("op_class") == "attention" and ops.rule(n.meta["op"]).flops == "sdpa":
+        if n.meta.get("op_class") != "attention" or ops.rule(n.meta["op"]).flops not in ("sdpa", "matmul"):
+            continue
+        if ops.rule(n.meta["op"]).flops == "sdpa":
             q, k = ops.tensor_args(n)[:2]
             heads.add(int(q.meta["shape"][1]))
-            kv_heads.add(int(k.meta["shape"][1]))
-        elif n.meta.get("op_class") == "attention" and ops.rule(n.meta["op"]).flops == "matmul":
+            kv_heads.add(_distinct_heads(k))
+        else:
             shape = n.meta["shape"]
-            if len(shape) == 4 and shape[-1] == shape[-2]:  # scores (b, heads, s, s)
+            if len(shape) == 4 and shape[-1] == shape[-2]:  # scores (b, heads, s, s) = q @ k^T
                 heads.add(int(shape[1]))
-                kv_heads.add(int(shape[1]))
+                kv_heads.add(_distinct_heads(ops.tensor_args(n)[1]))
     tp_dims, expert_counts, vocab = set(), set(), None
     for blk in blocks:
         for g in blk.gemms:
@@ -254,15 +257,41 @@ def _facts(gm: fx.GraphModule, blocks: list[BlockCost]) -> dict:
                 tp_dims.add(g.k)
             elif g.role == "vocab":
                 vocab = g.n
-    hidden = int(blocks[0].boundary_elems.subs({B: 1, S: 1})) if blocks[0].boundary_elems.free_symbols else None
     return {
         "heads": sorted(heads),
         "kv_heads": sorted(kv_heads),
         "experts": max(expert_counts) if expert_counts else 0,
         "tp_dims": sorted(tp_dims | heads | kv_heads),
-        "hidden": hidden,
+        "hidden": _hidden(layers[0] if layers else blocks[0]),
         "vocab": vocab,
     }
+
+
+def _hidden(block: BlockCost) -> int | None:
+    """The width of the residual stream: what a layer hands the next, per token."""
+    per_token = sympy.simplify(block.boundary_elems / (B * S))
+    return int(per_token) if per_token.is_Integer else None
+
+
+# ops that hand keys on unchanged or repeat them: grouped-query attention's ``repeat_kv``
+# (unsqueeze, expand, reshape) or ``repeat_interleave`` on the way to attention
+_REPEATS = ("repeat", "repeat_interleave", "contiguous", "clone")
+
+
+def _distinct_heads(key: fx.Node) -> int:
+    """How many different key (or value) heads attention reads: the fewest heads on the way
+    back from its key operand through views and repeats, so keys repeated for grouped-query
+    attention count once (a (batch, heads, seq, dim) tensor's dim 1)."""
+    fewest, node = None, key
+    while isinstance(node, fx.Node):
+        shape = node.meta.get("shape")
+        if isinstance(shape, (tuple, list)) and len(shape) == 4 and isinstance(shape[1], int):
+            fewest = shape[1] if fewest is None else min(fewest, shape[1])
+        row = ops.rule_of(node)
+        if row is None or not (row.alias or node.meta["op"] in _REPEATS) or not node.args:
+            break
+        node = node.args[0]
+    return int(fewest if fewest is not None else key.meta["shape"][1])
 
 
 def _with_params(nodes: list[fx.Node], gm: fx.GraphModule) -> list[fx.Node]:
@@ -360,15 +389,13 @@ def _gemm(n: fx.Node, gm: fx.GraphModule) -> Gemm | None:
     out = n.meta["shape"]
     role = n.meta.get("tp_role", "replicated")
     experts = n.meta.get("op_class") == "experts"
-    if len(w) == 3 and len(out) == 3:  # (E, C, k) @ (E, k, n)
-        return Gemm(m=sympy.sympify(out[1]), n=int(out[2]), k=int(w[1]), batch=int(w[0]), role=role, experts=experts)
     n_out = int(out[-1])
-    k = (
-        int(ops.tensor_args(n)[0].meta["shape"][-1])
-        if n.op != "call_module"
-        else gm.get_submodule(n.target).in_features
-    )
-    return Gemm(m=sympy.expand(ops.numel(out) / n_out), n=n_out, k=k, batch=1, role=role, experts=experts)
+    # the contraction as the op table's FLOP count reads it (addmm(bias, x, w) contracts x's last dim)
+    k = int(sympy.simplify(ops.matmul_flops(n, gm) / (2 * ops.numel(out))))
+    batch = int(w[0]) if len(w) == 3 else 1  # stacked experts: (E, C, k) @ (E, k, n), or grouped rows
+    # rows per expert: C of a batched product; a grouped product's rows shared evenly (balanced routing)
+    m = sympy.expand(ops.numel(out) / n_out / batch)
+    return Gemm(m=m, n=n_out, k=k, batch=batch, role=role, experts=experts)
 
 
 def _kv_elems(nodes: list[fx.Node]) -> sympy.Expr:

@@ -1,6 +1,7 @@
 """The cost model against numbers worked by hand from published formulas."""
 
 import pytest
+import torch
 
 from conftest import captured
 
@@ -95,3 +96,62 @@ def test_deepseek_latent_projections_stay_replicated_and_experts_use_expert_para
     assert roles["ffn.gate"] == "replicated"
     assert moe.params_experts == 256 * 3 * 7168 * 2048
     assert [c.axis for c in moe.collectives].count("ep") == 2  # dispatch and combine
+
+
+# ---------------------------------------------------------------------------------------------
+# Facts read off the graph however the model writes its layers
+
+
+class _Layer(torch.nn.Module):
+    """Attention written as transformers writes it: K/V of ``kv_heads`` heads repeated to the
+    query heads (``repeat_kv``: unsqueeze, expand, reshape), the fused QKV projection as GPT-2's
+    Conv1D (``addmm(bias, x, weight)``, the weight stored (in, out))."""
+
+    def __init__(self, hidden, heads, kv_heads):
+        super().__init__()
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, hidden // heads
+        out = (heads + 2 * kv_heads) * self.dim
+        self.weight = torch.nn.Parameter(torch.randn(hidden, out) / 8)
+        self.bias = torch.nn.Parameter(torch.zeros(out))
+
+    def forward(self, x, rotary):
+        b, s = x.size(0), x.size(1)
+        qkv = torch.addmm(self.bias, x.reshape(b * s, -1), self.weight).view(b, s, -1, self.dim)
+        q, k, v = qkv.transpose(1, 2).split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+        q = q * rotary
+        rep = self.heads // self.kv_heads
+        k = k[:, :, None].expand(b, self.kv_heads, rep, s, self.dim).reshape(b, self.heads, s, self.dim)
+        v = v[:, :, None].expand(b, self.kv_heads, rep, s, self.dim).reshape(b, self.heads, s, self.dim)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + out.transpose(1, 2).reshape(b, s, -1)
+
+
+class _Decoder(torch.nn.Module):
+    """Layers of :class:`_Layer` after a rotary table of the head width made before them (the
+    last thing the embedding region hands on, narrower than the residual stream)."""
+
+    def __init__(self, hidden=32, heads=4, kv_heads=2, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, hidden)
+        self.layers = torch.nn.ModuleList(_Layer(hidden, heads, kv_heads) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, 64, bias=False)
+        self.dim = hidden // heads
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        angles = torch.arange(tokens.size(1), device=tokens.device)[:, None] * torch.ones(self.dim // 2)
+        rotary = torch.cat([angles.cos(), angles.sin()], -1)
+        for layer in self.layers:
+            x = layer(x, rotary)
+        return self.head(x)
+
+
+def test_facts_of_repeated_keys_a_narrow_rotary_table_and_addmm_projections():
+    from autoshard.capture import capture
+    from autoshard.cost_models.analyze import analyze
+
+    cost = analyze(capture(_Decoder(), (torch.zeros(2, 8, dtype=torch.long),)))
+    facts = cost.facts
+    assert (facts["heads"], facts["kv_heads"], facts["hidden"]) == ([4], [2], 32)  # not 4 kv heads, not 4 wide
+    (qkv,) = [g for g in cost.blocks[0].gemms]
+    assert (qkv.n, qkv.k) == (64, 32)  # addmm(bias, x, w): contracts x's 32, not the bias's 64
