@@ -21,25 +21,19 @@ ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "tests" / "models" / "hf_zoo.py"
 sys.path.insert(0, str(ZOO.parent))
 
-# the layouts of the matrix: name -> (gpus, pins)
-CASES = {
-    "tp2-sp": (2, "tp=2,sp=on"),
-    "pp2": (2, "pp=2,schedule=1f1b"),
-    "dp2": (2, "dp=2,zero=1"),
-    "cp2": (2, "cp=2,attention=ring"),
-    "tp2-pp2": (4, "tp=2,pp=2,sp=on,schedule=1f1b"),
-}
 SEQ, BATCH, STEPS = 32, 8, 2
 
 
 def run_case(arch: str, case: str, work: Path) -> tuple[str, str]:
     """``(status, detail)``: status is ok, refused (compile said no) or FAIL (verify differed or
     the program crashed)."""
+    import hf_zoo
+
     from autoshard.cli import main
     from autoshard.errors import AutoshardError
     from autoshard.verify import verify
 
-    gpus, pins = CASES[case]
+    gpus, pins = hf_zoo.LAYOUTS[case]
     out = work / f"{arch}-{case}"
     args = ["compile", str(ZOO), "--config", arch, "--hardware", "cpu", "--gpus", str(gpus)]
     args += ["--seq-len", str(SEQ), "--global-batch", str(BATCH), "--force", pins, "-o", str(out)]
@@ -64,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default=",".join(hf_zoo.ARCHITECTURES))
-    p.add_argument("--case", default=",".join(CASES))
+    p.add_argument("--case", default=",".join(hf_zoo.LAYOUTS))
     a = p.parse_args(argv)
     archs, cases = a.arch.split(","), a.case.split(",")
     table: dict[tuple[str, str], tuple[str, str]] = {}

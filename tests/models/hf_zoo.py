@@ -30,6 +30,29 @@ ARCHITECTURES = {
 }  # fmt: skip
 CONFIGS = {name: spec[2] for name, spec in ARCHITECTURES.items()}
 
+# the architecture matrix (benchmarks/architectures.py runs all of it, tests/test_architectures.py
+# the CI subset): layout name -> (gpus, --force pins)
+LAYOUTS = {
+    "tp2-sp": (2, "tp=2,sp=on"),
+    "pp2": (2, "pp=2,schedule=1f1b"),
+    "dp2": (2, "dp=2,zero=1"),
+    "cp2": (2, "cp=2,attention=ring"),
+    "tp2-pp2": (4, "tp=2,pp=2,sp=on,schedule=1f1b"),
+}
+# one case per feature that needed its own rule: per-head norms, a partial-sum norm with a padding
+# row, unequal fused-QKV slices, Conv1D rows with tied weights, tied weights across stages with
+# soft-capping, a scaled tied embedding under ZeRO, a causal mask tensor under CP, fused-QKV chunks
+CI_SUBSET = [
+    ("qwen3", "tp2-sp"),
+    ("olmo2", "tp2-sp"),
+    ("phi3", "tp2-sp"),
+    ("gpt2", "tp2-sp"),
+    ("gemma2", "pp2"),
+    ("gemma3", "dp2"),
+    ("llama", "cp2"),
+    ("gpt_neox", "tp2-pp2"),
+]
+
 
 def build(config: str = "llama"):
     model_class, config_class, kwargs = ARCHITECTURES[config]
