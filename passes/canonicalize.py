@@ -46,6 +46,8 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
       heads by views (transformers' ``repeat_kv``: unsqueeze, expand, reshape) reads them
       unrepeated with ``enable_gqa=True`` (:func:`grouped_keys`), so the cost model, context
       parallelism and tensor parallelism see the model's own key/value heads;
+    - every RMS norm written out op by op is one ``rms_norm(x, [d], weight, eps)`` node
+      (:func:`rms_norms`), but for one over a projection's output features;
     - every other node, its arguments and its ``meta`` are as traced (a graph already canonical,
       as ``symbolic_trace`` of a model without device constants gives, is left unchanged).
     """
@@ -65,6 +67,7 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
     if inputs is not None:
         changed |= causal_masks(gm, inputs)
     changed |= grouped_keys(gm)
+    changed |= rms_norms(gm)
     if changed:
         graph.lint()
         gm.recompile()
@@ -352,3 +355,140 @@ def _whole_slices(node):
 
 
 _END = 9223372036854775807  # the end export writes for an open slice
+
+
+# ---------------------------------------------------------------------------------------------
+# RMS norms written out op by op become one rms_norm
+
+_RMS_NORM = torch.ops.aten.rms_norm.default
+_NO_OP_CASTS = ("to", "_to_copy", "type_as")  # a cast is dropped only where the traced dtype stays the same
+
+
+def rms_norms(gm: fx.GraphModule) -> bool:
+    """Replace every RMS norm written out op by op (transformers' ``RMSNorm``:
+    ``x * rsqrt(mean(x**2, -1, keepdim=True) + eps)``, then a multiply by a weight) by one
+    ``rms_norm(x, [d], weight, eps)`` node, which computes the same values: the cost model then
+    prices one norm that saves its input, as it does for a model that calls ``F.rms_norm``, and
+    the program runs the fused op. Found from the ops alone (:func:`_written_rms_norm`), whatever
+    the module is called; needs the traced values (torch.export's ``meta["val"]``). The fused
+    node takes the meta of the last node it replaces (its value, module and source line).
+
+    A norm over a projection's output features (``rms_norm(q_proj(x))``, OLMo2's q/k norm over
+    all heads) stays written out: tensor parallelism may split those features column-wise, and
+    normalises them as a partial-sum mean only in the written-out form. A norm per head (over a
+    view of the projection, Qwen3's q/k norm) is fused. Whether any changed."""
+    graph, changed = gm.graph, False
+    for node in list(graph.nodes):
+        if getattr(node, "_erased", False):
+            continue
+        found = _written_rms_norm(node)
+        if found is None:
+            continue
+        x, d, weight, eps, tail = found
+        with graph.inserting_before(tail):
+            fused = graph.call_function(_RMS_NORM, (x, [d], weight, eps))
+        fused.meta = dict(tail.meta)
+        tail.replace_all_uses_with(fused)
+        _erase_unused(graph, [tail])
+        changed = True
+    return changed
+
+
+def _written_rms_norm(stat: fx.Node) -> tuple | None:
+    """For ``stat = mean(x**2, -1, keepdim=True)`` (``x * x`` too) starting
+    ``x * rsqrt(stat + eps)`` (or ``x / sqrt(stat + eps)``), then, in any order, casts that keep
+    the traced dtype and one multiply by a tensor ``weight`` of shape ``(d,)`` (any expression:
+    Gemma's ``1 + w``): ``(x, d, weight or None, eps, the last of those nodes)``. None when
+    any step differs, a step's result is read elsewhere, ``x`` is (past casts) a projection's
+    output, or ``rms_norm`` would give another dtype than the written-out ops."""
+    if _op(stat) != "mean" or stat.kwargs.get("dtype") is not None or not _keepdim(stat):
+        return None
+    square = stat.args[0]
+    x = _squared(square)
+    shape = _shape(x)
+    if x is None or not shape or len(square.users) != 1 or len(stat.users) != 1:
+        return None
+    d = shape[-1]
+    if not isinstance(d, int) or list(stat.args[1]) not in ([-1], [len(shape) - 1]):
+        return None
+    add, eps = _only_user(stat), None
+    if _op(add) == "add" and len(add.args) == 2 and isinstance(add.args[1 - add.args.index(stat)], float):
+        eps = add.args[1 - add.args.index(stat)]
+    root = _only_user(add) if eps is not None else None
+    tail = _normalised(x, root)
+    if tail is None or _projection(x):
+        return None
+    weight = None
+    while len(tail.users) == 1:
+        user = _only_user(tail)
+        if _op(user) in _NO_OP_CASTS and user.args[0] is tail and _dtype(user) == _dtype(tail):
+            tail = user
+        elif weight is None and _op(user) == "mul" and len(user.args) == 2 and tail in user.args:
+            other = user.args[1 - user.args.index(tail)]
+            if not isinstance(other, fx.Node) or other is tail or _shape(other) != (d,):
+                break
+            weight, tail = other, user
+        else:
+            break
+    return (x, d, weight, eps, tail) if _same_result(x, d, weight, eps, tail) else None
+
+
+def _op(node) -> str:
+    """The op's normalised name; "" for a module call (the fusion reads functions only)."""
+    return ops.op_name(node) if isinstance(node, fx.Node) and node.op != "call_module" else ""
+
+
+def _keepdim(node: fx.Node) -> bool:
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+
+
+def _squared(square) -> fx.Node | None:
+    """``x`` for ``x ** 2`` or ``x * x``."""
+    if _op(square) == "pow" and len(square.args) == 2 and square.args[1] == 2:
+        return square.args[0] if isinstance(square.args[0], fx.Node) else None
+    if _op(square) == "mul" and len(square.args) == 2 and square.args[0] is square.args[1]:
+        return square.args[0]
+    return None
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _normalised(x: fx.Node, root) -> fx.Node | None:
+    """``x * rsqrt(...)`` for ``root = rsqrt(...)``, ``x / sqrt(...)`` for ``root = sqrt(...)``."""
+    product = _only_user(root) if isinstance(root, fx.Node) else None
+    if product is None or len(product.args) != 2 or product.kwargs:
+        return None
+    if _op(root) == "rsqrt" and _op(product) == "mul" and set(product.args) == {x, root}:
+        return product
+    if _op(root) == "sqrt" and _op(product) == "div" and tuple(product.args) == (x, root):
+        return product
+    return None
+
+
+def _projection(x: fx.Node) -> bool:
+    """``x`` is, past casts, a matmul by a parameter (a projection's output features)."""
+    while _op(x) in ("to", "_to_copy", "type_as") and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    row = ops.rule(_op(x))
+    if row is None or row.flops != "matmul":
+        return False
+    return any(a.op == "get_attr" for a in x.all_input_nodes)
+
+
+def _dtype(node) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _same_result(x: fx.Node, d: int, weight, eps, tail: fx.Node) -> bool:
+    """``rms_norm`` of tensors of the traced dtypes has the dtype the written-out ops traced, and
+    the shape of ``x`` (no broadcast widened it)."""
+    if _shape(tail) != _shape(x) or _dtype(x) is None or _dtype(tail) is None:
+        return False
+    if weight is not None and _dtype(weight) is None:
+        return False
+    w = None if weight is None else torch.empty(d, dtype=_dtype(weight), device="meta")
+    got = _RMS_NORM(torch.empty(1, d, dtype=_dtype(x), device="meta"), [d], w, eps)
+    return got.dtype == _dtype(tail)

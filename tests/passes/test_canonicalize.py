@@ -254,3 +254,87 @@ def test_transformers_masks_and_grouped_keys(config, extra, mask):
         assert [n.meta["mask"] for n in attention] == [mask, mask]
     logits = model(ids, use_cache=False).logits
     assert torch.allclose(cap.graph_module(ids), causal_lm_loss(logits, ids), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMS norms written out op by op become one rms_norm
+
+aten = torch.ops.aten
+EPS = 1e-6
+
+
+def _with_values(gm: fx.GraphModule, *shapes) -> fx.GraphModule:
+    """Record each node's value as torch.export does (``meta["val"]``)."""
+
+    class _Record(fx.Interpreter):
+        def run_node(self, n):
+            n.meta["val"] = super().run_node(n)
+            return n.meta["val"]
+
+    _Record(gm).run(*(torch.randn(s) for s in shapes))
+    return gm
+
+
+def _norm_graph(dim=-1, root=aten.rsqrt.default, gemma=False, project=False, weight=True) -> fx.GraphModule:
+    """transformers' RMSNorm as export writes it (upcast, pow, mean, + eps, rsqrt, multiply, cast,
+    scale), with one thing changed per argument: the dim of the mean, the op in place of rsqrt,
+    Gemma's ``(1 + w)`` scale before the cast, a projection's output as the normalised input,
+    no scale."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    w = g.get_attr("weight") if weight or gemma else None
+    if project:
+        x = g.call_function(aten.linear.default, (x, g.get_attr("proj")))
+    up = g.call_function(aten.to.dtype, (x, torch.float32))
+    mean = g.call_function(aten.mean.dim, (g.call_function(aten.pow.Tensor_Scalar, (up, 2)), [dim], True))
+    rooted = g.call_function(root, (g.call_function(aten.add.Tensor, (mean, EPS)),))
+    normed = g.call_function(aten.mul.Tensor, (up, rooted))
+    if gemma:
+        scale = g.call_function(aten.add.Tensor, (g.call_function(aten.to.dtype, (w, torch.float32)), 1.0))
+        out = g.call_function(aten.type_as.default, (g.call_function(aten.mul.Tensor, (normed, scale)), up))
+    else:
+        out = g.call_function(aten.to.dtype, (normed, torch.float32))
+        out = g.call_function(aten.mul.Tensor, (w, out)) if weight else out
+    g.output(g.call_function(aten.add.Tensor, (out, x)))  # the residual reads x after the norm
+    root_module = nn.Module()
+    root_module.weight = nn.Parameter(torch.randn(8))
+    root_module.proj = nn.Parameter(torch.randn(8, 8))
+    return _with_values(fx.GraphModule(root_module, g), (2, 5, 8))
+
+
+def _fused_graph(gemma=False, weight=True) -> fx.Graph:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    w = g.get_attr("weight") if weight else None
+    up = g.call_function(aten.to.dtype, (x, torch.float32))
+    if gemma:
+        w = g.call_function(aten.add.Tensor, (g.call_function(aten.to.dtype, (w, torch.float32)), 1.0))
+    out = g.call_function(aten.rms_norm.default, (up, [8], w, EPS))
+    g.output(g.call_function(aten.add.Tensor, (out, x)))
+    return g
+
+
+@pytest.mark.parametrize(
+    "form", [{}, {"gemma": True}, {"weight": False}], ids=["llama-scale", "gemma-one-plus-w", "no-scale"]
+)
+def test_a_written_out_rms_norm_becomes_one_rms_norm_of_the_same_values(form):
+    before = _norm_graph(**form)
+    x = torch.randn(2, 5, 8)
+    expected = before(x)
+    gm = canonicalize(before)
+    graph = gm.graph
+    assert listing(graph) == listing(_fused_graph(**form))
+    (fused,) = [n for n in graph.nodes if n.target is aten.rms_norm.default]
+    assert tuple(fused.meta["val"].shape) == (2, 5, 8)  # the meta of the node it replaced
+    assert torch.allclose(gm(x), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "miss",
+    [{"dim": 1}, {"root": aten.sqrt.default}, {"project": True}],
+    ids=["mean-over-another-dim", "sqrt-not-rsqrt", "over-a-projections-features"],
+)
+def test_what_is_not_an_rms_norm_or_is_over_a_projections_features_stays_written_out(miss):
+    gm = _norm_graph(**miss)
+    before = listing(gm.graph)
+    assert listing(canonicalize(gm).graph) == before
