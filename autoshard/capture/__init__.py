@@ -84,6 +84,10 @@ def capture(
         inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
     gm, tracer, names = trace(model, inputs, loss, source)
     gm = canonicalize(gm, inputs)
+    # what nothing reads (a mask built for a kind of layer the model has none of, as Gemma3's
+    # global-attention mask with only sliding layers) would be run, and sharded, for nothing
+    if gm.graph.eliminate_dead_code():
+        gm.recompile()
     stack = structure.layer_stack(model)
     structure.annotate_modules(gm, model, stack)
     layer_nodes = structure.layer_nodes(gm)

@@ -102,7 +102,7 @@ def test_export_path_graphs_carry_no_artefacts():
     (device,) = [n for n in nodes if n.target is getattr and n.args[1:] == ("device",)]
     (first_input, *_) = [n for n in nodes if n.op == "placeholder"]
     assert device.args[0] is first_input and device.meta["region"] == "pre"
-    assert len(device.users) > 2  # the aranges of the positions and the casts of every layer
+    assert len(device.users) >= 2  # the positions' arange and the casts (nodes nothing reads are gone)
 
 
 # ---------------------------------------------------------------------------------------------
