@@ -187,7 +187,7 @@ class ModelCost:
     blocks: list[BlockCost]  # layer kinds, in order of first appearance
     pre: BlockCost
     post: BlockCost
-    facts: dict = field(default_factory=dict)  # heads, kv_heads, experts, tp_dims, hidden, vocab
+    facts: dict = field(default_factory=dict)  # heads, kv_heads, experts, tp_dims, hidden, vocab, tied
 
     @property
     def params(self) -> int:
@@ -225,9 +225,13 @@ def analyze(captured: Captured) -> ModelCost:
     for kind in captured.kinds:
         nodes = _with_params(captured.layer_nodes[kind.template], gm)
         blocks.append(_block(f"layer kind {kind.id}", kind.count, kind.layers, nodes, gm))
-    pre = _block("embedding", 1, [], captured.region_nodes("pre"), gm)
-    post = _block("output", 1, [], captured.region_nodes("post"), gm)
-    return ModelCost(captured, blocks, pre, post, _facts(gm, blocks, [pre, *blocks, post]))
+    pre_nodes = captured.region_nodes("pre")
+    pre = _block("embedding", 1, [], pre_nodes, gm)
+    # a parameter the embedding holds (a head tied to it) is counted there, not again in the head
+    held = {id(p) for n in pre_nodes for _, p in _param_tensors(n, gm)}
+    post = _block("output", 1, [], captured.region_nodes("post"), gm, counted=held)
+    facts = _facts(gm, blocks, [pre, *blocks, post]) | {"tied": _tied(gm)}
+    return ModelCost(captured, blocks, pre, post, facts)
 
 
 def _facts(gm: fx.GraphModule, layers: list[BlockCost], blocks: list[BlockCost]) -> dict:
@@ -265,6 +269,39 @@ def _facts(gm: fx.GraphModule, layers: list[BlockCost], blocks: list[BlockCost])
         "hidden": _hidden(layers[0] if layers else blocks[0]),
         "vocab": vocab,
     }
+
+
+def _tied(gm: fx.GraphModule) -> dict[str, int]:
+    """The parameters both the embedding region and the output region read (a token embedding
+    tied to the head), found by identity: one parameter read by nodes of both regions, as a
+    ``get_attr`` whose users are in both or as modules sharing it. The embedding block counts it
+    once; a pipeline whose last chunk is not its first holds a second copy there. ``params`` its
+    elements, ``params_tp`` those TP divides (split alike in both copies)."""
+    regions: dict[int, set] = {}
+    sizes: dict[int, tuple[int, bool]] = {}
+    for n in gm.graph.nodes:
+        for pname, p in _parameters_read(n, gm):
+            if n.op == "get_attr":
+                readers = _weight_users(n)
+                split = any(_param_tp_sharded(u, "weight") for u in readers)
+            else:
+                readers, split = [n], _param_tp_sharded(n, pname)
+            regions.setdefault(id(p), set()).update(u.meta.get("region") for u in readers)
+            numel, was_split = sizes.get(id(p), (p.numel(), False))
+            sizes[id(p)] = (numel, was_split or split)
+    tied = [sizes[key] for key, where in regions.items() if {"pre", "post"} <= where]
+    return {"params": sum(n for n, _ in tied), "params_tp": sum(n for n, split in tied if split)}
+
+
+def _parameters_read(node: fx.Node, gm: fx.GraphModule) -> list:
+    """(name, parameter) of what ``node`` reads: a module's parameters, or the parameter a
+    ``get_attr`` names under any of its names (a tied one's second name is not ``is_param``)."""
+    if node.op == "get_attr":
+        try:
+            return [("", gm.get_parameter(node.target))]
+        except AttributeError:  # a buffer or a constant
+            return []
+    return _param_tensors(node, gm)
 
 
 def _hidden(block: BlockCost) -> int | None:
@@ -308,14 +345,20 @@ def _param_tensors(node: fx.Node, gm: fx.GraphModule):
     return []
 
 
-def _block(name: str, count: int, layers: list[int], nodes: list[fx.Node], gm: fx.GraphModule) -> BlockCost:
+def _block(
+    name: str, count: int, layers: list[int], nodes: list[fx.Node], gm: fx.GraphModule, counted: set[int] = frozenset()
+) -> BlockCost:
+    """The costs of ``nodes``; parameters whose ids are in ``counted`` (held by another block)
+    are not counted again."""
     zero = sympy.Integer(0)
     inside = set(nodes)
     flops = flops_tp = flops_experts = flops_attn = moved = zero
     by_class: dict[str, sympy.Expr] = {}
     bytes_by_class: dict[str, sympy.Expr] = {}
     params = params_tp = params_experts = 0
-    seen_params: set[int] = set()
+    seen_params: set[int] = set(counted)
+    split_experts: set[int] = set()  # parameters read by several names count once
+    split_tp: set[int] = set()
     for n in nodes:
         cost: ops.NodeCost = n.meta["cost"]
         flops += cost.flops
@@ -328,21 +371,25 @@ def _block(name: str, count: int, layers: list[int], nodes: list[fx.Node], gm: f
             flops_experts += cost.flops
         if n.meta["op_class"] == "attention":
             flops_attn += cost.flops
-        for pname, p in _param_tensors(n, gm):
+        read = _parameters_read(n, gm)  # a tied parameter's second name too
+        for pname, p in read:
             if id(p) in seen_params:
                 continue
             seen_params.add(id(p))
             params += p.numel()
             if _param_tp_sharded(n, pname):
                 params_tp += p.numel()
-        if n.op == "get_attr" and n.meta.get("is_param"):
-            users = list(n.users)
-            if any(u.meta.get("op_class") == "experts" for u in users) or any(
-                ops.is_weight(u) and any(w.meta.get("op_class") == "experts" for w in u.users) for u in users
+        if n.op == "get_attr" and read and id(read[0][1]) not in counted:
+            users, p = list(n.users), read[0][1]
+            if id(p) not in split_experts and (
+                any(u.meta.get("op_class") == "experts" for u in users)
+                or any(ops.is_weight(u) and any(w.meta.get("op_class") == "experts" for w in u.users) for u in users)
             ):
-                params_experts += gm.get_parameter(n.target).numel()
-            if any(_param_tp_sharded(u, "weight") for u in _weight_users(n)):
-                params_tp += gm.get_parameter(n.target).numel()
+                split_experts.add(id(p))
+                params_experts += p.numel()
+            if id(p) not in split_tp and any(_param_tp_sharded(u, "weight") for u in _weight_users(n)):
+                split_tp.add(id(p))
+                params_tp += p.numel()
     gemms = [g for n in nodes if (g := _gemm(n, gm)) is not None]
     pointwise = pointwise_tp = zero
     for n in nodes:

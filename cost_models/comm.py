@@ -166,6 +166,14 @@ def p2p(nbytes: float, span: int, hw: Hardware) -> float:
     return nbytes / network + hw.network_latency_us * 1e-6
 
 
+def pipeline_ends_all_reduce(nbytes: float, pp: Where, hw: Hardware) -> float:
+    """All-reduce of ``nbytes`` between the first and the last rank of a pipeline laid out as
+    ``pp`` (the gradient of a parameter both ends hold, such as an embedding tied to the head):
+    two ranks, on NVLink where the pipeline stays in one domain, else on the network."""
+    inside = pp.domains == 1
+    return all_reduce(nbytes, _placement(2, 2 if inside else 1, 1 if inside else 2), hw)
+
+
 def data_parallel(
     params_dense: float, params_expert: float, zero: int, dense: Where, expert: Where, hw: Hardware
 ) -> dict:

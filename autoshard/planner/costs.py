@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from autoshard.cost_models.comm import Where
+from autoshard.cost_models.comm import Where, pipeline_ends_all_reduce
 from autoshard.cost_models.hardware import Hardware
 from autoshard.cost_models.layers import POST, PRE, LayerCost, LayerCosts
 from autoshard.cost_models.memory import sharded_state_bytes
@@ -122,12 +122,18 @@ class CandidateCosts:
         """The totals of ``c`` with the EP all-to-all overlapped or not, recomputing ``recompute``
         (default: ``c.recompute``)."""
         rc = c.recompute if recompute is None else recompute
-        key = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, where_key, overlap)
+        # the layers read only these placements: layouts that differ in the data-parallel groups
+        # alone share one Work
+        places = (where["tp"], where["cp"], where["ep"], where["pp"])
+        key = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, places, overlap)
         w = self.memo.work.get(key)
         if w is None:
             c2 = c if rc == c.recompute else replace(c, recompute=rc)
             kinds = [self.layer(i, c2, where) for i in range(len(self.p.cost.blocks))]
             pre, post = self.layer(PRE, c2, where), self.layer(POST, c2, where)
+            copy = self.tied_copy(c)
+            if copy:  # the head's chunk holds its own copy of the tied parameters
+                post = replace(post, params_dense=post.params_dense + copy)
             counts = self.kind_counts
 
             def tot(attr):
@@ -157,6 +163,26 @@ class CandidateCosts:
             )
             self.memo.work[key] = w
         return w
+
+    def tied_copy(self, c: Candidate) -> float:
+        """Parameters one GPU of the head's chunk holds as its copy of the ones tied to the
+        embedding (``facts["tied"]``), TP-split as the embedding's are; none without a pipeline,
+        where one chunk holds both ends."""
+        tied = self.p.cost.facts.get("tied") or {}
+        if c.pp == 1 or not tied.get("params"):
+            return 0.0
+        return tied["params_tp"] / c.tp + tied["params"] - tied["params_tp"]
+
+    def tied_sync(self, c: Candidate, schedule: Schedule, where: dict[str, Where], zero: int) -> float:
+        """Seconds per step summing the tied copies' gradients between the ranks holding the first
+        and the last chunk (one all-reduce of the gradient each holds at this ZeRO stage); none
+        where one rank holds both ends (V-shaped schedules) or nothing is tied."""
+        copy = self.tied_copy(c)
+        last = c.pp * c.v - 1
+        if not copy or schedule.chunk_rank(0, c.pp) == schedule.chunk_rank(last, c.pp):
+            return 0.0
+        grads = sharded_state_bytes(copy, 0.0, zero, c.dp * c.cp, c.ep)["grads"]
+        return pipeline_ends_all_reduce(grads, where["pp"], self.p.hw)
 
     def states(self, c: Candidate, w: Work, zero: int) -> tuple[list[float], float, float]:
         """(per-kind, embedding, head) model-state bytes at this ZeRO stage."""
@@ -188,7 +214,9 @@ class CandidateCosts:
         key = (schedule.name, v, pp, m)
         table = self.memo.in_flight
         if key not in table:
-            table[key] = tuple(schedule.in_flight(r, pp, m, v) for r in range(pp))
+            counts = tuple(schedule.in_flight(r, pp, m, v) for r in range(pp))
+            # one tuple per value: schedules keeping the same counts share the bounds memoised by it
+            table[key] = self.memo.in_flight_values.setdefault(counts, counts)
         return table[key]
 
     def schedule_shapes(self, pp: int, m: int):

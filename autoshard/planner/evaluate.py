@@ -83,10 +83,14 @@ class Evaluator:
             )
         bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
         breakdown = self._breakdown(c, sched, w, part, bubble, m, where)
+        # the tied copies' gradients are summed after the last backward, before the step
+        tied = costs.tied_sync(c, sched, where, c.zero)
+        breakdown["comm_s"]["pp"]["total"] += tied
+        breakdown["comm_s"]["pp"]["exposed"] += tied
         # pipeline sends and data-parallel traffic hidden behind compute slow that compute down
         # (the layers' hidden TP/CP/EP traffic is already in their times)
         hidden = sum(breakdown["comm_s"][a]["total"] - breakdown["comm_s"][a]["exposed"] for a in ("pp", "dp"))
-        step = m * part.t_max + bubble + part.dp_exposed + hw.overlap_slowdown * max(0.0, hidden)
+        step = m * part.t_max + bubble + part.dp_exposed + tied + hw.overlap_slowdown * max(0.0, hidden)
         breakdown["overlap_s"] += hw.overlap_slowdown * max(0.0, hidden)
         ev = Evaluation(c, True, step, part.stage_layers, optimal=part.optimal)
         ev.memory_ranks = part.memory

@@ -21,9 +21,13 @@ class Memo:
     places: dict = _table()
     """(tp, pp, cp, ep, dp, axis order or None for the best case) -> (layout key, {axis: Where})."""
     work: dict = _table()
-    """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, layout key, EP overlapped) -> Work."""
+    """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, the TP, CP, EP and PP placements,
+    EP overlapped) -> Work."""
     in_flight: dict = _table()
-    """(schedule, v, pp, micro-batches) -> per-rank micro-batches in flight (a tuple)."""
+    """(schedule, v, pp, micro-batches) -> per-rank micro-batches in flight (a tuple, the one
+    ``in_flight_values`` holds for its value)."""
+    in_flight_values: dict = _table()
+    """in-flight tuple -> itself: one object per value, so equal counts have one identity."""
     schedule_shapes: dict = _table()
     """(pp, micro-batches) -> ([(schedule row, v, in-flight tuple)], per-rank least in flight)."""
     least_bubble: dict = _table()
