@@ -228,7 +228,7 @@ def analyze(captured: Captured) -> ModelCost:
     pre_nodes = captured.region_nodes("pre")
     pre = _block("embedding", 1, [], pre_nodes, gm)
     # a parameter the embedding holds (a head tied to it) is counted there, not again in the head
-    held = {id(p) for n in pre_nodes for _, p in _param_tensors(n, gm)}
+    held = {id(p) for n in pre_nodes for _, p in _parameters_read(n, gm)}
     post = _block("output", 1, [], captured.region_nodes("post"), gm, counted=held)
     facts = _facts(gm, blocks, [pre, *blocks, post]) | {"tied": _tied(gm)}
     return ModelCost(captured, blocks, pre, post, facts)
