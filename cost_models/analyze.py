@@ -641,7 +641,7 @@ def _closure_flops(blk: BlockCost, dropped: frozenset[str]) -> sympy.Expr:
             if root not in inside or root.meta.get("storage") in kept_storages and root is not n:
                 continue
             need.append(a)
-    return sympy.expand(sum((n.meta["cost"].flops for n in rerun), sympy.Integer(0)))
+    return sympy.expand(sympy.Add(*(n.meta["cost"].flops for n in rerun)))  # one flattening, not one per term
 
 
 def _collectives(nodes: list[fx.Node]) -> list[Collective]:

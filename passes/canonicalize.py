@@ -9,6 +9,8 @@ cleans up after a tracer.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -212,19 +214,12 @@ def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node]) -> str | None
         elif n.op == "get_attr":
             if n.target in params:
                 return f"a mask computed from the parameter '{n.target}'"
-            value = _attr(gm, n.target)
+            value = operator.attrgetter(n.target)(gm)
             if isinstance(value, torch.Tensor) and value.is_meta:
                 return f"a mask read from the buffer '{n.target}', which has no values on the meta device"
         elif n.op == "call_module":
             return f"a mask computed by the module '{n.target}'"
     return None
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 class _TooLarge(Exception):
@@ -244,7 +239,7 @@ def _evaluate(gm: fx.GraphModule, order: list[fx.Node], sizes: dict, device: tor
             env[n] = torch.empty(sizes[n], device="meta")
             continue
         if n.op == "get_attr":
-            env[n] = _attr(gm, n.target).to(device)
+            env[n] = operator.attrgetter(n.target)(gm).to(device)
             continue
         args = fx.map_arg(n.args, lambda a: env[a])
         kwargs = fx.map_arg(n.kwargs, lambda a: env[a])

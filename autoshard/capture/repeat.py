@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -360,9 +361,9 @@ class _Expansion:
             if n.op not in ("get_attr", "call_module"):
                 continue
             try:
-                value = _lookup(self.gm, n.target)
+                value = operator.attrgetter(n.target)(self.gm)
             except AttributeError:
-                value = _lookup(self.wrapper, n.target)
+                value = operator.attrgetter(n.target)(self.wrapper)
             if isinstance(value, torch.Tensor):
                 if id(value) in seen:
                     raise NotRepeated(f"{n.target} is shared with another attribute")
@@ -420,13 +421,6 @@ def _attribute(graph: fx.Graph, like: fx.Node, target: str) -> fx.Node:
     node = graph.create_node("get_attr", target, name=target.replace(".", "_"))
     node.meta = dict(like.meta)
     return node
-
-
-def _lookup(module: nn.Module, target: str):
-    value = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _size_expr(n: fx.Node):

@@ -9,7 +9,7 @@ from torch import fx, nn
 
 from autoshard.capture import capture, causal_lm_loss
 from autoshard.capture.trace import trace
-from autoshard.passes.canonicalize import canonicalize
+from autoshard.passes.canonicalize import _closure, canonicalize
 
 from graphs import TINY_DECODER, TinyLM, listing, loss, tokens
 
@@ -212,16 +212,6 @@ def test_a_mask_too_large_to_evaluate_stays(monkeypatch):
     assert _attention(gm)[0].meta["mask"].startswith("a mask tensor too large to check at the traced sizes")
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
 @pytest.mark.parametrize(
     ("config", "extra", "mask"),
     [
@@ -248,7 +238,7 @@ def test_transformers_masks_and_grouped_keys(config, extra, mask):
     assert all(n.kwargs["enable_gqa"] is True and n.args[1].meta["shape"][1] == 2 for n in attention)
     if mask is None:
         assert all(n.kwargs.get("is_causal") is True and len(n.args) == 3 for n in attention)
-        read = set().union(*(_ancestors(n) for n in attention))
+        read = set().union(*(_closure(n) for n in attention))
         assert not [n for n in read if n.meta["op"] in ("cumsum", "diff", "index", "le")]  # no mask reaches it
     else:
         assert [n.meta["mask"] for n in attention] == [mask, mask]
