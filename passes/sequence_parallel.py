@@ -172,9 +172,9 @@ def _residual_reader(node: fx.Node) -> bool:
 def _flat_tokens(node: fx.Node) -> bool:
     """Rows of flattened (batch, sequence): a 2-or-more-dimensional tensor whose first size is b*s."""
     shape = node.meta.get("shape")
-    return isinstance(shape, (tuple, list)) and len(shape) >= 2 and getattr(shape[0], "free_symbols", None) and (
-        shape[0] == B * S
-    )
+    if not isinstance(shape, (tuple, list)) or len(shape) < 2 or not getattr(shape[0], "free_symbols", None):
+        return False
+    return bool(shape[0] == B * S)
 
 
 def _sliced_dim(node: fx.Node) -> int | None:
