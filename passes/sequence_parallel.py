@@ -194,27 +194,22 @@ def _view_of_tokens(graph: fx.Graph, view: fx.Node, src: fx.Node, tp: int, seq: 
     args = list(view.args)
     packed = len(args) == 2 and isinstance(args[1], (tuple, list))
     sizes = list(args[1]) if packed else args[1:]
-    if _seq_dim(view) is None:  # into rows: (b, s, ...) -> (b*s, ...), which -1 or b*s spells
-        if before != 0 and _seq_dim(src) != 1:
+    k = _seq_dim(view)
+    if k is None:  # into rows: (b, s, ...) -> (b*s, ...), spelt -1
+        if _seq_dim(src) not in (None, 1) or not sizes:
             return False
-        lead = sizes[0] if sizes else None
-        if lead != -1:
-            sizes[0] = -1
-    else:
-        if _seq_dim(src) is None and _seq_dim(view) != 1:
-            return False
-        k = _seq_dim(view)
-        if k >= len(sizes) or (isinstance(sizes[k], int) and sizes[k] == -1):
-            pass
-        elif isinstance(sizes[k], int):
-            sizes[k] = sizes[k] // tp
-        elif isinstance(sizes[k], fx.Node):
-            with graph.inserting_before(view):
-                local = graph.call_function(operator.floordiv, (sizes[k], tp))
-            place(local, view, like=sizes[k])
-            sizes[k] = local
-        else:
-            return False
+        sizes[0] = -1
+    elif _seq_dim(src) is None and k != 1:  # out of rows: (b*s, ...) -> (b, s, ...) only
+        return False
+    elif k < len(sizes) and isinstance(sizes[k], int) and sizes[k] != -1:
+        sizes[k] = sizes[k] // tp
+    elif k < len(sizes) and isinstance(sizes[k], fx.Node):
+        with graph.inserting_before(view):
+            local = graph.call_function(operator.floordiv, (sizes[k], tp))
+        place(local, view, like=sizes[k])
+        sizes[k] = local
+    elif k < len(sizes) and not isinstance(sizes[k], int):
+        return False
     if packed:
         view.args = (args[0], type(args[1])(sizes))
     else:

@@ -380,9 +380,7 @@ class _Propagator:
             raise self.fail(node, f"parts {parts} of the split dimension do not divide by tp={self.tp}")
         layout = self.layout[root]
         self.layout[root] = Shard(layout.dim, layout.factors, layout.index, parts)
-        for n, sh in list(self.shard.items()):
-            if self.root.get(n) is root and sh.factors == layout.factors:
-                self.shard[n] = Shard(sh.dim, sh.factors, sh.index, parts)
+        self._refit(root, layout.factors, layout.index, parts)
         return parts
 
     def select(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
@@ -537,10 +535,11 @@ class _Propagator:
             raise self.fail(node, "a second, different split of a column's features")
         raise self.fail(node, reasons[0] if reasons else f"none of {sizes} divides by tp={self.tp}")
 
-    def _refit(self, root: fx.Node, sizes: tuple[int, ...], k: int) -> None:
+    def _refit(self, root: fx.Node, sizes: tuple[int, ...], k: int, parts: tuple[int, ...] = ()) -> None:
+        """Every tensor split as ``root``'s plain features takes its new layout."""
         for n, sh in list(self.shard.items()):
             if self.root.get(n) is root and len(sh.factors) == 1:
-                self.shard[n] = Shard(sh.dim, sizes, k)
+                self.shard[n] = Shard(sh.dim, sizes, k, parts)
 
     def _try(self, node: fx.Node, trial: Shard) -> str | None:
         """Propagate ``trial`` through everything downstream of ``node`` on a scratch copy."""

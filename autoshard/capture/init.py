@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.errors import AutoshardError
+from autoshard.runtime.stages import at_shard_shape
 
 # nn.init functions that return early on a meta tensor -> whether they are element-wise (each
 # element drawn on its own, so a shard can be drawn at its own shape)
@@ -101,7 +102,7 @@ class Init:
     @property
     def at_shard_shape(self) -> bool:
         """Whether the program runs at a shard's own shape (it says ``"shape"``)."""
-        return any(a == "shape" for step in self.steps for a in _flat(step))
+        return at_shard_shape(self.steps)
 
     def require(self, name: str) -> list:
         """The steps, or a one-line error naming ``name`` and the op that cannot be replayed."""
@@ -445,17 +446,6 @@ def _mark_shape(step: tuple, shape: list) -> tuple:
     """The size arguments equal to the parameter's shape, as ``"shape"``."""
     op, *args = step
     return (op, *["shape" if a == shape else a for a in args])
-
-
-def _flat(value):
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flat(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _flat(v)
-    else:
-        yield value
 
 
 def _tensors(values) -> list[torch.Tensor]:

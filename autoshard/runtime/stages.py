@@ -148,7 +148,7 @@ def initial_value(entry, source: str, shape: tuple, spec: tuple | None, tp_rank:
     every TP rank, and keeps this rank's slice. Replays run on CPU, so a GPU run starts where a CPU
     run does."""
     steps, key = (entry["steps"], entry["tied_to"]) if isinstance(entry, dict) else (entry, source)
-    at_shard = any(a == "shape" for a in _leaves(steps))
+    at_shard = at_shard_shape(steps)
     split = spec is not None and at_shard
     gen = torch.Generator(device="cpu").manual_seed(
         seed * 1_000_003 + zlib.crc32(key.encode()) + (tp_rank + 1) * 7919 * split
@@ -202,6 +202,11 @@ def _argument(value, results: list, shape: tuple):
     if isinstance(value, (list, tuple)):
         return [_argument(v, results, shape) for v in value]
     return value
+
+
+def at_shard_shape(steps) -> bool:
+    """Whether an ``INIT`` program runs at a shard's own shape: it says ``"shape"`` somewhere."""
+    return any(a == "shape" for a in _leaves(steps))
 
 
 def _leaves(value):
