@@ -1,0 +1,59 @@
+"""transformers' mixture-of-experts decoders, as one autoshard model file.
+
+``--config deepseek_v3 | mixtral | qwen3_moe`` are tiny configs (CPU tests); a suffix picks the
+experts implementation transformers runs them with (``-eager``: a loop over expert ids,
+``-batched``: per-token gathered weights; none: its default, grouped GEMMs). ``deepseek_v3-671b``
+and ``mixtral-8x22b`` are the published configurations (planning only, on the meta device).
+"""
+
+import torch
+import transformers
+
+# 64 wide, 4 heads, 2 layers (DeepSeek-V3's first dense), 8 or 4 experts of top-2: EP2 and EP4 divide them
+_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=256)  # fmt: skip
+
+ARCHITECTURES = {
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        _TINY, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=32,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
+        _TINY, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        _TINY, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2)),
+    # DeepSeek-V3 (arXiv 2412.19437, its config.json) and Mixtral 8x22B (its config.json)
+    "deepseek_v3-671b": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128)),
+    "mixtral-8x22b": ("MixtralForCausalLM", "MixtralConfig", dict(
+        vocab_size=32768, hidden_size=6144, intermediate_size=16384, num_hidden_layers=56,
+        num_attention_heads=48, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=65536, rope_theta=1e6)),
+}  # fmt: skip
+IMPLEMENTATIONS = {"eager": "eager", "batched": "batched_mm"}
+
+
+def _parse(config: str) -> tuple[str, str | None]:
+    name, _, impl = config.partition("-")
+    if name in ARCHITECTURES and impl in IMPLEMENTATIONS:
+        return name, IMPLEMENTATIONS[impl]
+    return config, None
+
+
+def build(config: str = "deepseek_v3"):
+    name, impl = _parse(config)
+    model_class, config_class, kwargs = ARCHITECTURES[name]
+    cfg = getattr(transformers, config_class)(**kwargs)
+    if impl is not None:
+        cfg._experts_implementation = impl
+    return getattr(transformers, model_class)(cfg)
+
+
+def sample_inputs(config: str, batch: int, seq: int) -> tuple:
+    name, _ = _parse(config)
+    return (torch.randint(0, ARCHITECTURES[name][2]["vocab_size"], (batch, seq)),)
