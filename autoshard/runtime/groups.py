@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-_GROUPS: dict[str, dist.ProcessGroup | None] = {"tp": None, "pp": None, "dp": None, "cp": None}
+# ep: this rank's expert-parallel group; edp: the ranks holding the same experts (expert data
+# parallel); route: every rank that routes the same MoE layers (the stage's tp x cp x dp ranks)
+_GROUPS: dict[str, dist.ProcessGroup | None] = {
+    "tp": None,
+    "pp": None,
+    "dp": None,
+    "cp": None,
+    "ep": None,
+    "edp": None,
+    "route": None,
+}
 
 
 def set_groups(**groups: dist.ProcessGroup | None) -> None:
@@ -45,3 +55,25 @@ def dp_group() -> dist.ProcessGroup | None:
 
 def cp_group() -> dist.ProcessGroup | None:
     return _GROUPS["cp"]
+
+
+def ep_group() -> dist.ProcessGroup | None:
+    return _GROUPS["ep"]
+
+
+def ep_size() -> int:
+    group = _GROUPS["ep"]
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def ep_rank() -> int:
+    group = _GROUPS["ep"]
+    return 0 if group is None else dist.get_rank(group)
+
+
+def edp_group() -> dist.ProcessGroup | None:
+    return _GROUPS["edp"]
+
+
+def route_group() -> dist.ProcessGroup | None:
+    return _GROUPS["route"]

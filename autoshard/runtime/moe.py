@@ -1,0 +1,354 @@
+"""Mixture-of-experts runtime: grouped GEMM, expert-parallel dispatch and combine, load balancing.
+
+Emitted stage code calls these on tensors, so each takes and returns tensors and reads its process
+group from ``autoshard.runtime.groups``; with no EP group (one process, or one rank's graph in a
+test) dispatch and combine do the single-device computation (capacity drops included) with no
+communication.
+
+Token layout. A rank's routed rows ``[S, H]`` are sorted by global expert id; ``offs`` (int32
+``[E]``) holds the cumulative counts (expert ``g`` owns rows ``offs[g-1]:offs[g]``), the form
+``torch._grouped_mm`` reads. EP rank ``r`` holds experts ``[r*E/ep, (r+1)*E/ep)``. Dispatch sends
+each rank the rows of its experts (token counts exchanged first, so splits may be uneven, zeros
+included) and reorders what arrives from source-major to local-expert-major; combine is the exact
+inverse. Both are differentiable: the token all-to-alls are
+``all_to_all_single_autograd`` (its backward is the reverse all-to-all).
+
+Load balancing is DeepSeek-V3's auxiliary-loss-free method: ``record_load`` counts each layer's
+selected experts in forward, ``update_biases`` (once per optimizer step) sums the counts over
+every rank routing the layer and nudges each routing bias by ``gamma * sign(mean - load)``.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from autoshard.runtime.groups import ep_group, ep_size, route_group, tp_rank, tp_size
+
+# where torch._grouped_mm has a kernel (device type -> dtypes); elsewhere a loop over groups runs
+_GROUPED_MM_DTYPES = {"cpu": {torch.float32, torch.bfloat16, torch.float16}, "cuda": {torch.bfloat16}}
+
+_dropped = 0  # rows dropped by capacity since the last dropped_tokens(reset=True), this rank
+_loads: dict[str, torch.Tensor] = {}  # layer name -> tokens routed to each expert since the last update
+
+
+# --- grouped GEMM ---------------------------------------------------------------------------------
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: ``_grouped_mm``'s backward rejects an
+    expanded one (the gradient of a ``.sum()``) with "Invalid strides/sizes"."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """``_grouped_mm`` needs 16-byte aligned data and 16-byte multiples for every non-unit stride."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride() if s != 1)
+
+
+def grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``grouped_mm(a, b, offs)`` takes ``torch._grouped_mm`` (else the loop over groups)."""
+    dtypes = _GROUPED_MM_DTYPES.get(a.device.type, set())
+    inner = b.stride(-1) == 1 or b.stride(-2) == 1
+    return hasattr(torch, "_grouped_mm") and a.dtype == b.dtype in dtypes and inner and _aligned(a) and _aligned(b)
+
+
+def _grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))])
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of ``a`` ``[S, K]`` grouped by ``offs`` (cumulative counts ``[G]``, ``offs[-1] == S``)
+    times their group's matrix of ``b`` ``[G, K, N]``: ``[S, N]``, differentiable in ``a`` and ``b``.
+    ``torch._grouped_mm`` where it has a kernel (``grouped_mm_runs``), a per-group loop elsewhere."""
+    a = a.contiguous()
+    if grouped_mm_runs(a, b):
+        return _ContiguousGrad.apply(torch._grouped_mm(a, b, offs.to(torch.int32)))
+    return _grouped_mm_loop(a, b, offs)
+
+
+# --- dropless (or capacity-bounded) dispatch and combine over the EP group --------------------------
+
+
+def _counts(offs: torch.Tensor) -> torch.Tensor:
+    """Rows per expert (int64 ``[E]``) from cumulative counts."""
+    offs = offs.long()
+    return torch.diff(offs, prepend=offs.new_zeros(1))
+
+
+def capacity(rows: int, experts: int, capacity_factor: float | Fraction) -> int:
+    """Rows one rank may send one expert: ``ceil(capacity_factor * rows / experts)``, exactly (a
+    float factor is read as written: 1.1 is 11/10)."""
+    return math.ceil(Fraction(str(capacity_factor)) * rows / experts)
+
+
+def _kept(offs: torch.Tensor, capacity_factor: float | Fraction | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows kept per expert (int64 ``[E]``) and the indices of the kept rows (``None``: all kept).
+    Under a capacity each expert keeps its first ``capacity(...)`` rows."""
+    counts = _counts(offs)
+    if capacity_factor is None:
+        return counts, None
+    rows = int(offs[-1])
+    limit = capacity(rows, counts.numel(), capacity_factor)
+    expert = torch.repeat_interleave(torch.arange(counts.numel(), device=offs.device), counts, output_size=rows)
+    position = torch.arange(rows, device=offs.device) - (offs.long() - counts)[expert]
+    return counts.clamp(max=limit), torch.nonzero(position < limit).squeeze(1)
+
+
+def _block_transpose(counts: torch.Tensor) -> torch.Tensor:
+    """Rows laid out in blocks of ``counts[i, j]`` rows, ``i``-major, as indices that reorder them
+    ``j``-major: ``rows[_block_transpose(counts)]``. ``_block_transpose(counts.t())`` undoes it."""
+    lengths = counts.t().reshape(-1)
+    flat = counts.reshape(-1)
+    old_start = (flat.cumsum(0) - flat).view_as(counts).t().reshape(-1)
+    new_start = lengths.cumsum(0) - lengths
+    total = int(flat.sum())
+    shift = torch.repeat_interleave(old_start - new_start, lengths, output_size=total)
+    return torch.arange(total, device=counts.device) + shift
+
+
+def _recomputing() -> bool:
+    """True while autograd runs a backward pass: forward code running then is an
+    activation-checkpointed region recomputing, whose counts were taken in the forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def dispatch(
+    rows: torch.Tensor, offs: torch.Tensor, capacity_factor: float | Fraction | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Send routed rows to the EP ranks holding their experts.
+
+    ``rows`` ``[S, H]`` sorted by global expert, ``offs`` int32 ``[E]`` cumulative counts. Returns
+    ``(local_rows, local_offs, recv_counts)``: the rows this rank's ``E/ep`` experts compute, grouped
+    by local expert (``local_offs`` int32 ``[E/ep]``, for ``grouped_mm``), and ``recv_counts`` int64
+    ``[ep, E/ep]`` (rows from each source rank per local expert), which ``combine`` needs.
+    ``capacity_factor``: each expert keeps at most ``capacity(S, E, capacity_factor)`` of this rank's
+    rows (the first ones); the rest are dropped, counted in ``dropped_tokens()``, and come back
+    from ``combine`` as zeros. ``None`` (the default) drops nothing.
+    """
+    global _dropped
+    ep, experts = ep_size(), offs.numel()
+    if experts % ep:
+        raise ValueError(f"expert parallelism over {ep} ranks does not divide {experts} experts")
+    send_counts, keep = _kept(offs, capacity_factor)
+    if keep is not None:
+        rows = rows.index_select(0, keep)
+        if not _recomputing():
+            _dropped += int(offs[-1]) - keep.numel()
+    send_counts = send_counts.view(ep, experts // ep)
+    if ep == 1:
+        return rows, send_counts.cumsum(1).to(torch.int32).view(-1), send_counts
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=ep_group())
+    received = all_to_all_single_autograd(
+        rows.contiguous(), recv_counts.sum(1).tolist(), send_counts.sum(1).tolist(), ep_group()
+    )
+    local_offs = recv_counts.sum(0).cumsum(0).to(torch.int32)
+    return received.index_select(0, _block_transpose(recv_counts)), local_offs, recv_counts
+
+
+def combine(
+    local_out: torch.Tensor,
+    offs: torch.Tensor,
+    recv_counts: torch.Tensor,
+    capacity_factor: float | Fraction | None = None,
+) -> torch.Tensor:
+    """The inverse of ``dispatch``: the experts' output rows ``[R, N]`` (local-expert-major) back to
+    the ranks that routed them, in their original order: ``[S, N]``. ``offs`` and
+    ``capacity_factor`` are the ones given to ``dispatch``, ``recv_counts`` the one it returned;
+    dropped rows are zeros."""
+    send_counts, keep = _kept(offs, capacity_factor)
+    if ep_size() > 1:
+        source_major = local_out.index_select(0, _block_transpose(recv_counts.t()))
+        send_counts = send_counts.view(ep_size(), -1)
+        local_out = all_to_all_single_autograd(
+            source_major.contiguous(), send_counts.sum(1).tolist(), recv_counts.sum(1).tolist(), ep_group()
+        )
+    if keep is None:
+        return local_out
+    return local_out.new_zeros(int(offs[-1]), local_out.size(1)).index_copy(0, keep, local_out)
+
+
+def dropped_tokens(reset: bool = False) -> int:
+    """Rows this rank's ``dispatch`` calls dropped by capacity (a backward-time recomputation is not
+    counted again) since the last reset; ``reset=True`` (the trainer, once per logged step) starts
+    the count again after reading it. Sum over ranks for a global figure."""
+    global _dropped
+    count = _dropped
+    if reset:
+        _dropped = 0
+    return count
+
+
+# --- fixed-capacity buffers ([E, C, H], GShard style) ----------------------------------------------
+
+
+def dispatch_buffer(buf: torch.Tensor) -> torch.Tensor:
+    """A fixed-capacity buffer ``[E, C, ...]`` (each expert's ``C`` slots of this rank's tokens) to
+    ``[E/ep, ep*C, ...]``: this rank's experts, each with the slots of every source rank side by
+    side (source order). An equal-split all-to-all along dim 0; differentiable."""
+    ep = ep_size()
+    if ep == 1:
+        return buf
+    if buf.size(0) % ep:
+        raise ValueError(f"expert parallelism over {ep} ranks does not divide {buf.size(0)} experts")
+    rest = buf.shape[2:]
+    received = all_to_all_single_autograd(buf.contiguous(), None, None, ep_group())
+    by_source = received.view(ep, buf.size(0) // ep, buf.size(1), *rest)
+    return by_source.transpose(0, 1).reshape(buf.size(0) // ep, ep * buf.size(1), *rest)
+
+
+def combine_buffer(out: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``dispatch_buffer``: ``[E/ep, ep*C, ...]`` back to ``[E, C, ...]``."""
+    ep = ep_size()
+    if ep == 1:
+        return out
+    local, slots, rest = out.size(0), out.size(1) // ep, out.shape[2:]
+    by_source = out.view(local, ep, slots, *rest).transpose(0, 1).reshape(ep * local, slots, *rest)
+    return all_to_all_single_autograd(by_source.contiguous(), None, None, ep_group())
+
+
+# --- load balancing --------------------------------------------------------------------------------
+
+
+def record_load(indices: torch.Tensor, experts: int, layer: str) -> torch.Tensor:
+    """Count the experts a layer selected (``indices`` ``[T, k]``, any shape) into its load since
+    the last ``update_biases``; returns ``indices`` unchanged (so a graph keeps the call in line).
+    Not counted while an activation-checkpointed region recomputes in backward."""
+    if not _recomputing():
+        with torch.no_grad():
+            flat = indices.reshape(-1).long()
+            counts = torch.zeros(experts, dtype=torch.long, device=flat.device).index_add_(
+                0, flat, torch.ones_like(flat)
+            )
+            _loads[layer] = _loads[layer] + counts if layer in _loads else counts
+    return indices
+
+
+def expert_loads() -> dict[str, torch.Tensor]:
+    """This rank's per-expert loads recorded since the last ``update_biases`` (not summed)."""
+    return dict(_loads)
+
+
+def update_biases(biases: dict[str, torch.Tensor], gamma: float = 1e-3) -> dict[str, tuple[float, float]]:
+    """DeepSeek-V3's auxiliary-loss-free balancing step, after the optimizer step.
+
+    The recorded loads are summed over ``route_group()`` (every rank routing these layers, so all
+    replicas take the same step), then each layer's routing bias (named as in ``record_load``)
+    moves by ``gamma * sign(mean load - load)`` in place, and the loads are reset. Returns, per
+    layer recorded or given, ``(max load, mean load)`` in routed tokens for the step's log (their
+    ratio is the imbalance). Every rank of the group must pass the same layers.
+    """
+    names = sorted(set(biases) | set(_loads))
+    if not names:
+        return {}
+    device = next(iter(biases.values())).device if biases else next(iter(_loads.values())).device
+    loads = [_loads.pop(n) if n in _loads else torch.zeros(biases[n].numel(), dtype=torch.long) for n in names]
+    flat = torch.cat([load.to(device) for load in loads])
+    if route_group() is not None:
+        dist.all_reduce(flat, group=route_group())
+    report = {}
+    with torch.no_grad():
+        for name, load in zip(names, flat.split([load.numel() for load in loads])):
+            mean = load.double().mean()
+            if name in biases:
+                biases[name].add_(torch.sign(mean - load).to(biases[name].dtype), alpha=gamma)
+            report[name] = (float(load.max()), float(mean))
+    return report
+
+
+def sequence_balance_loss(
+    scores: torch.Tensor, indices: torch.Tensor, experts: int, seq: int, alpha: float
+) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss (eq. 17-20), averaged over sequences.
+
+    ``scores`` ``[T, E]`` the token-expert affinities (sigmoid outputs), ``indices`` ``[T, k]`` the
+    selected experts, ``T`` rows of whole sequences of ``seq`` tokens in order. Per sequence
+    ``f_i = E / (k * seq) * (tokens selecting i)``, ``P_i = mean_t s_{i,t} / sum_j s_{j,t}`` and the
+    loss is ``alpha * sum_i f_i * P_i``; gradients reach ``scores`` through ``P`` only.
+    """
+    k = indices.size(-1)
+    s = scores.reshape(-1, seq, experts)
+    p = (s / s.sum(-1, keepdim=True)).mean(1)
+    picked = indices.reshape(s.size(0), seq * k)
+    counts = torch.zeros(s.size(0), experts, dtype=s.dtype, device=s.device).scatter_add_(
+        1, picked, torch.ones_like(picked, dtype=s.dtype)
+    )
+    f = counts * (experts / (k * seq))
+    return alpha * (f * p).sum(-1).mean()
+
+
+def switch_aux_loss(probs: torch.Tensor, indices: torch.Tensor, experts: int, alpha: float) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss ``alpha * E * sum_i f_i * P_i``: ``f_i`` the fraction
+    of routed assignments (tokens x ``k``) sent to expert ``i``, ``P_i`` the mean router
+    probability of ``i`` (``probs`` ``[T, E]``, softmax outputs); ``indices`` ``[T, k]``."""
+    flat = indices.reshape(-1)
+    counts = torch.zeros(experts, dtype=probs.dtype, device=probs.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=probs.dtype)
+    )
+    f = counts / flat.numel()
+    return alpha * experts * (f * probs.reshape(-1, experts).mean(0)).sum()
+
+
+# --- tensor-parallel shares of the routed rows -------------------------------------------------------
+# With tensor parallelism every TP rank routes the same tokens; each computes its share of every
+# expert's rows (the expert-parallel pass puts ``copy_to_tp`` before the share, so the rows'
+# gradient is summed over TP, and ``reduce_from_tp`` after the unshare, so every rank has all rows).
+
+
+def tp_share(rows: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This TP rank's share of each expert's rows (rows sorted by expert, ``offs`` cumulative):
+    ``(rows, offs, index)``, ``index`` the rows taken, for ``tp_unshare``."""
+    tp, r = tp_size(), tp_rank()
+    counts = _counts(offs)
+    if tp == 1:
+        return rows, offs, torch.arange(rows.size(0), device=rows.device)
+    lo, hi = counts * r // tp, counts * (r + 1) // tp
+    starts = offs.long() - counts + lo
+    mine = hi - lo
+    total = int(mine.sum())
+    index = torch.repeat_interleave(starts - mine.cumsum(0) + mine, mine, output_size=total)
+    index = index + torch.arange(total, device=rows.device)
+    return rows.index_select(0, index), mine.cumsum(0).to(torch.int32), index
+
+
+def tp_unshare(out: torch.Tensor, index: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The rows of ``tp_share`` put back in place among ``offs[-1]`` rows, zeros elsewhere."""
+    if tp_size() == 1:
+        return out
+    return out.new_zeros(int(offs[-1]), *out.shape[1:]).index_copy(0, index, out)
+
+
+def tp_share_buffer(buf: torch.Tensor) -> torch.Tensor:
+    """This TP rank's slots of a fixed-capacity buffer ``[E, C, ...]``: ``[E, C/tp, ...]``."""
+    tp = tp_size()
+    if tp == 1:
+        return buf
+    if buf.size(1) % tp:
+        raise ValueError(f"tensor parallelism over {tp} ranks does not divide the experts' {buf.size(1)} slots")
+    slots = buf.size(1) // tp
+    return buf.narrow(1, tp_rank() * slots, slots)
+
+
+def tp_unshare_buffer(out: torch.Tensor) -> torch.Tensor:
+    """The slots of ``tp_share_buffer`` back in place, zeros in the other ranks' slots."""
+    tp = tp_size()
+    if tp == 1:
+        return out
+    slots = out.size(1)
+    index = torch.arange(tp_rank() * slots, (tp_rank() + 1) * slots, device=out.device)
+    return out.new_zeros(out.size(0), tp * slots, *out.shape[2:]).index_copy(1, index, out)
