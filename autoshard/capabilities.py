@@ -39,15 +39,6 @@ def _selective(recompute: frozenset, every: frozenset) -> bool:
 
 EMIT_LIMITS: tuple[Limit, ...] = (
     Limit(
-        "expert parallelism",
-        ("ep",),
-        lambda ep: ep > 1,
-        lambda ep: (
-            f"expert parallelism (EP{ep}) is not emitted yet: the program has no all-to-all token dispatch; "
-            "use --force ep=1"
-        ),
-    ),
-    Limit(
         "FP8 matmuls",
         ("fp8",),
         lambda fp8: fp8,

@@ -77,7 +77,16 @@ def program_files(plan: Plan, captured, rebuild) -> dict[str, str]:
         name = f"stage{c}.py"
         inits = _stage_inits(captured, rewritten.origin)
         files[name] = stage_source(
-            gm, f"Chunk{c}", doc, rewritten.notes, rewritten.shards, rewritten.origin, rewritten.partial_grads, inits
+            gm,
+            f"Chunk{c}",
+            doc,
+            rewritten.notes,
+            rewritten.shards,
+            rewritten.origin,
+            rewritten.partial_grads,
+            inits,
+            rewritten.expert_params,
+            rewritten.routing,
         )
         chunks.append({"file": name, "class": f"Chunk{c}", "layers": [first, last], "rank": rank})
     files["loss.py"] = stage_source(
@@ -97,6 +106,7 @@ def program_files(plan: Plan, captured, rebuild) -> dict[str, str]:
         "loss": {"file": "loss.py", "class": "Loss"},
         "target": split.target,
         "tied": split.tied,  # parameters held by several chunks or names: one parameter, gradients summed
+        "routing": rewritten.routing,  # MoE layer -> experts, top_k, routing bias (balanced after each step)
     }
     files["program.json"] = json.dumps(program, indent=2) + "\n"
     files["train.py"] = train_launcher(plan)

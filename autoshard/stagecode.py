@@ -90,9 +90,12 @@ def stage_source(
     origin: dict[str, str] | None = None,
     partial_grads: list[str] | None = None,
     inits: dict | None = None,
+    experts: list[str] | None = None,
+    routing: dict | None = None,
 ) -> str:
     """The module file for ``gm``: ``class_name(nn.Module)`` plus ``SHARDS``, ``ORIGIN``,
-    ``PARTIAL_GRADS`` and ``INIT`` (``inits``: stage name -> ``autoshard.capture.init.Init``)."""
+    ``PARTIAL_GRADS``, ``EXPERTS``, ``ROUTING`` and ``INIT`` (``inits``: stage name ->
+    ``autoshard.capture.init.Init``)."""
     notes = notes or {}
     from autoshard.runtime.checkpoint import Checkpoint
 
@@ -157,10 +160,12 @@ def stage_source(
             raise AutoshardError(f"cannot emit attribute {node.target} of type {type(value).__name__}")
     names = {k for _, g in graphs for k, _ in [*g.named_parameters(), *g.named_buffers()]}
     shard_lines = [
-        f'    "{k}": ({v.dim}, {tuple(v.factors)}, {v.index}{f", {tuple(v.parts)}" if v.parts else ""}),'
+        f'    "{k}": {_shard_tuple(v)},'
         for k, v in sorted((shards or {}).items())
         if k in names or k in (origin or {}).values()
     ]
+    expert_lines = [f'    "{k}",' for k in sorted(experts or []) if k in names]
+    routing_lines = [f'    "{k}": {v!r},' for k, v in sorted((routing or {}).items()) if _routed_here(k, gm)]
     origin_lines = [f'    "{k}": "{v}",' for k, v in sorted((origin or {}).items()) if k in names]
     partial_lines = [f'    "{k}",' for k in sorted(partial_grads or []) if k in names]
     init_lines = _init_lines(sorted(names), inits)
@@ -176,7 +181,7 @@ def stage_source(
             *imports,
             "",
             "# parameter -> (dimension, that dimension viewed as factors, factor split over the TP ranks"
-            "[, or the unequal parts laid end to end along it, each split])",
+            "[, or the unequal parts laid end to end along it, each split][, the group split over: ep])",
             "SHARDS = {",
             *shard_lines,
             "}",
@@ -188,6 +193,16 @@ def stage_source(
             "PARTIAL_GRADS = [",
             *partial_lines,
             "]",
+            "# stacked expert weights: this rank holds its EP rank's experts; gradients summed over the",
+            "# expert-data-parallel ranks (those holding the same experts)",
+            "EXPERTS = [",
+            *expert_lines,
+            "]",
+            "# MoE layer -> its experts, top-k and routing bias (a buffer updated after each step from the",
+            "# layer's expert loads, or None): what the program balances and logs",
+            "ROUTING = {",
+            *routing_lines,
+            "}",
             "# parameter -> the ops the model's own initialisation applies to it, replayed when the program",
             '# starts without --init-from-model: "%k" is the result of step k, the last one the value; a',
             '# program that says "shape" runs at the shape of this rank, any other builds the full tensor,',
@@ -245,3 +260,16 @@ def _attr(gm: nn.Module, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _shard_tuple(v) -> str:
+    """A ``SHARDS`` entry: (dim, factors, index[, parts][, axis]); the axis only where it is not tp."""
+    axis = getattr(v, "axis", "tp")
+    parts = tuple(v.parts) if v.parts or axis != "tp" else None
+    tail = (f", {parts}" if parts is not None else "") + (f", {axis!r}" if axis != "tp" else "")
+    return f"({v.dim}, {tuple(v.factors)}, {v.index}{tail})"
+
+
+def _routed_here(key: str, gm) -> bool:
+    """A MoE layer's routing entry belongs to the chunk that counts its loads."""
+    return any(n.op == "call_function" and n.args[2:3] == (key,) for n in gm.graph.nodes)

@@ -4,6 +4,7 @@ optimizer, and compare the losses step by step and the parameters at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -12,9 +13,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from autoshard.errors import AutoshardError
 from autoshard.plan import Plan
+from autoshard.runtime import moe
 
 LR = 1e-3
 WEIGHT_DECAY = 0.1
@@ -24,6 +27,7 @@ WEIGHT_DECAY = 0.1
 # sum in a different order. eps = 1e-6 bounds that amplification to lr * noise / eps while leaving
 # every real gradient's update as it was; the program's own default stays 1e-8.
 ADAM_EPS = 1e-6
+BALANCE_GAMMA = 1e-3  # MoE routing-bias step (the program's default, passed to it explicitly)
 
 
 def _read_program(out: Path) -> tuple[Plan, dict]:
@@ -40,7 +44,7 @@ def run_distributed(out: Path, plan: Plan, steps: int, seed: int, work: Path, ti
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={plan.gpus}",
         str(out / "train.py"), "--steps", str(steps), "--seed", str(seed), "--init-from-model",
         "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY), "--adam-eps", str(ADAM_EPS),
-        "--loss-log", str(log), "--save-params", str(params),
+        "--loss-log", str(log), "--save-params", str(params), "--balance-gamma", str(BALANCE_GAMMA),
         "--timeout", str(timeout),
     ]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
@@ -76,30 +80,78 @@ def run_reference(plan: Plan, program: dict, steps: int, seed: int) -> tuple[lis
     loss_fn = recipe.loss_function() or (lambda out, tokens: causal_lm_loss(out, tokens))
     optim = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
     losses = []
-    for step in range(steps):
-        tokens = global_batch(step, plan.global_batch, plan.seq_len, program["vocab"], seed)
-        optim.zero_grad(set_to_none=True)
-        out = model(tokens)
-        out = out["logits"] if isinstance(out, dict) else out[0] if isinstance(out, (tuple, list)) else out
-        loss = loss_fn(out, tokens)
-        loss.backward()
-        optim.step()
-        losses.append(loss.item())
+    routing = program.get("routing") or {}
+    biases = {k: model.get_buffer(_in_model(e["bias"])) for k, e in routing.items() if e.get("bias")}
+    with _counting_loads(model, routing):
+        for step in range(steps):
+            tokens = global_batch(step, plan.global_batch, plan.seq_len, program["vocab"], seed)
+            optim.zero_grad(set_to_none=True)
+            out = model(tokens)
+            out = out["logits"] if isinstance(out, dict) else out[0] if isinstance(out, (tuple, list)) else out
+            loss = loss_fn(out, tokens)
+            loss.backward()
+            optim.step()
+            if routing:  # as the program does after each step: DeepSeek-V3's bias update
+                moe.update_biases(biases, BALANCE_GAMMA)
+            losses.append(loss.item())
     return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
 
 
+def _in_model(name: str) -> str:
+    """A traced name (``model.`` + the user's model's name) as the user's model names it."""
+    return name.removeprefix("model.")
+
+
+@contextlib.contextmanager
+def _counting_loads(model: torch.nn.Module, routing: dict):
+    """Count each MoE layer's expert loads in the single-device model as the program's
+    ``rt.moe_record_load`` does: the top-k over that layer's experts made inside its router
+    module (``routing``'s ``router``) is its choice."""
+    if not routing:
+        yield
+        return
+    current: list[str] = []
+    hooks = []
+    for key, entry in routing.items():
+        module = model.get_submodule(_in_model(entry["router"]))
+        hooks.append(module.register_forward_pre_hook(lambda m, a, key=key: current.append(key) and None))
+        hooks.append(module.register_forward_hook(lambda m, a, o: current.pop() and None))
+
+    class Loads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.topk, torch.Tensor.topk) and current:
+                entry = routing[current[-1]]
+                if args[0].size(-1) == entry["experts"] and out[1].size(-1) == entry["top_k"]:
+                    moe.record_load(out[1], entry["experts"], current[-1])
+            return out
+
+    try:
+        with Loads():
+            yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def _saved(params_dir: Path) -> tuple[dict[str, dict[int, list[torch.Tensor]]], dict[str, tuple | None]]:
-    """name -> TP rank -> every copy of that piece the ranks saved (several where pipeline chunks
-    hold a copy of a tied parameter), and name -> how it was split."""
+    """name -> TP rank (EP rank for stacked expert weights) -> every copy of that piece the ranks
+    saved (several where pipeline chunks hold a copy of a tied parameter), and name -> how it
+    was split."""
+    from autoshard.runtime.stages import piece_axis
+
     pieces: dict[str, dict[int, list[torch.Tensor]]] = {}
     specs: dict[str, tuple | None] = {}
     for path in sorted(params_dir.glob("rank*.pt")):
         saved = torch.load(path, weights_only=False)
         for name, (tensor, spec, _chunk) in saved["params"].items():
-            pieces.setdefault(name, {}).setdefault(saved["tp_rank"], []).append(tensor)
+            rank = saved.get("ep_rank", 0) if piece_axis(spec) == "ep" else saved["tp_rank"]
+            pieces.setdefault(name, {}).setdefault(rank, []).append(tensor)
             specs[name] = spec
         for name, tensor in saved.get("copies", ()):
-            pieces[name][saved["tp_rank"]].append(tensor)
+            spec = specs.get(name)
+            rank = saved.get("ep_rank", 0) if piece_axis(spec) == "ep" else saved["tp_rank"]
+            pieces[name][rank].append(tensor)
     return pieces, specs
 
 

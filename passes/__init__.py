@@ -12,6 +12,7 @@ from autoshard.errors import AutoshardError
 from autoshard.passes.activation_checkpoint import activation_checkpoint, layers_wrapped
 from autoshard.passes.context_parallel import context_parallel, no_full_sequence_attention_left
 from autoshard.passes.contract import Pass, RewriteContext, run_passes
+from autoshard.passes.expert_parallel import expert_balance, expert_parallel, no_experts_left_whole
 from autoshard.passes.flash_attention import flash_attention, no_fusable_sdpa_left
 from autoshard.passes.pipeline_split import chunks_chained, pipeline_split
 from autoshard.passes.sequence_parallel import no_tp_all_reduce_left, sequence_parallel
@@ -54,6 +55,21 @@ PASSES: list[Pass] = [
         writes=("sp_sliced_dim", "sp_tp"),
         ensures=(no_tp_all_reduce_left,),
         summary="norms, dropouts and residual adds on this rank's slice of the sequence between TP regions",
+    ),
+    Pass(
+        "expert_balance",
+        expert_balance,
+        lambda ctx: True,
+        requires=_CAPTURED,
+        summary="each MoE layer's expert loads counted in forward; its routing bias found for balancing",
+    ),
+    Pass(
+        "expert_parallel",
+        expert_parallel,
+        lambda ctx: ctx.ep > 1 or ctx.tp > 1,
+        requires=_CAPTURED,
+        ensures=(no_experts_left_whole,),
+        summary="routed experts split over the EP ranks: all-to-all dispatch and combine; TP ranks share the rows",
     ),
     Pass(
         "activation_checkpoint",

@@ -50,6 +50,13 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
       parallelism and tensor parallelism see the model's own key/value heads;
     - every RMS norm written out op by op is one ``rms_norm(x, [d], weight, eps)`` node
       (:func:`rms_norms`), but for one over a projection's output features;
+    - every grouped GEMM over rows grouped by expert (``torch._grouped_mm``, transformers'
+      ``grouped_mm_fallback`` custom op) is one ``rt.moe_grouped_mm(rows, weights, offs)`` node
+      (:func:`grouped_gemms`): the program then needs no library's custom op, and runs
+      ``torch._grouped_mm`` where it has a kernel, a loop over experts elsewhere;
+    - every tensor assembled in place from pieces that tile one of its dimensions
+      (``buf = x.new_empty(...)``, then ``buf[..., a:b].copy_(piece)``) is one ``cat`` of the
+      pieces (:func:`assembled_cats`);
     - every other node, its arguments and its ``meta`` are as traced (a graph already canonical,
       as ``symbolic_trace`` of a model without device constants gives, is left unchanged).
     """
@@ -70,6 +77,8 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
         changed |= causal_masks(gm, inputs)
     changed |= grouped_keys(gm)
     changed |= rms_norms(gm)
+    changed |= assembled_cats(gm)
+    changed |= grouped_gemms(gm)
     if changed:
         graph.lint()
         gm.recompile()
@@ -487,3 +496,94 @@ def _same_result(x: fx.Node, d: int, weight, eps, tail: fx.Node) -> bool:
     w = None if weight is None else torch.empty(d, dtype=_dtype(weight), device="meta")
     got = _RMS_NORM(torch.empty(1, d, dtype=_dtype(x), device="meta"), [d], w, eps)
     return got.dtype == _dtype(tail)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors assembled in place from pieces become one cat
+
+_CAT = torch.ops.aten.cat.default
+
+
+def assembled_cats(gm: fx.GraphModule) -> bool:
+    """Replace every tensor assembled in place, ``buf = x.new_empty(shape)`` then
+    ``buf[..., a:b].copy_(piece)`` for slices that tile one dimension of ``buf`` (transformers'
+    DeepseekV3 writes its keys so: the per-head part and the rope part shared by every head), by
+    ``cat(pieces, dim)``: the same values as data flow, which the sharding analysis and the passes
+    follow (a write into a slice of another tensor they cannot). Needs the traced values
+    (torch.export's ``meta["val"]``); a buffer read before it is complete, a piece of another
+    shape or dtype than its slice (``copy_`` broadcasts and casts), or slices that overlap or
+    leave a gap stay as written. Whether any changed."""
+    graph, changed = gm.graph, False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for buf in list(graph.nodes):
+        found = _assembled(buf, order) if _op(buf) == "new_empty" else None
+        if found is None:
+            continue
+        dim, pieces, slices = found
+        copies = [next(iter(s.users)) for s in slices]
+        with graph.inserting_after(max(copies, key=order.__getitem__)):
+            cat = graph.call_function(_CAT, (pieces, dim))
+        cat.meta = dict(buf.meta)
+        for reader in [u for u in buf.users if u not in slices]:
+            reader.replace_input_with(buf, cat)
+        for node in (*copies, *slices, buf):
+            graph.erase_node(node)
+        changed = True
+    return changed
+
+
+def _assembled(buf: fx.Node, order: dict[fx.Node, int]) -> tuple[int, list[fx.Node], list[fx.Node]] | None:
+    """For a ``new_empty`` buffer filled by ``copy_`` into slices along one dimension that tile
+    it, each slice written once and read by nothing else, every other reader after the last
+    copy: ``(dim, the pieces in order, their slices)``; else None."""
+    shape = _shape(buf)
+    slices = [u for u in buf.users if _op(u) == "slice" and u.args[0] is buf]
+    if shape is None or not slices:
+        return None
+    spans, last = [], -1
+    for s in slices:
+        copy = _only_user(s)
+        dim, start, end, step = (*s.args[1:], *(0, 0, _END, 1)[len(s.args) - 1 :])
+        dim = dim + len(shape) if dim < 0 else dim
+        if _op(copy) != "copy_" or copy.args[0] is not s or copy.users or step != 1 or s.kwargs:
+            return None
+        piece = copy.args[1]
+        if _shape(piece) != _shape(s) or _dtype(piece) != _dtype(buf) or not isinstance(shape[dim], int):
+            return None
+        spans.append((start, min(_END if end is None else end, shape[dim]), dim, piece, s))
+        last = max(last, order[copy])
+    spans.sort(key=lambda x: x[0])
+    dims = {x[2] for x in spans}
+    bounds = [0, *(x[1] for x in spans)]
+    if len(dims) != 1 or [x[0] for x in spans] != bounds[:-1] or bounds[-1] != shape[dims.pop()]:
+        return None
+    if any(order[u] < last for u in buf.users if u not in slices):
+        return None
+    return spans[0][2], [x[3] for x in spans], [x[4] for x in spans]
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMMs become the runtime's
+
+
+def grouped_gemms(gm: fx.GraphModule) -> bool:
+    """Replace every grouped GEMM ``f(rows, weights, offs)`` (rows grouped by expert, ``weights``
+    ``[E, K, N]``, ``offs`` cumulative rows per expert) that takes no bias and no output dtype by
+    ``autoshard.runtime.moe.grouped_mm``: the same product. Whether any changed."""
+    from autoshard.runtime import moe
+
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is moe.grouped_mm:
+            continue
+        if ops.op_name(node) not in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback"):
+            continue
+        args = list(node.args) + [None] * (3 - len(node.args))
+        offs = node.kwargs.get("offs", args[2])
+        extra = [a for a in args[3:] if a is not None]
+        extra += [v for k, v in node.kwargs.items() if k != "offs" and v is not None]
+        if not isinstance(offs, fx.Node) or extra:
+            continue
+        node.target, node.args, node.kwargs = moe.grouped_mm, (args[0], args[1], offs), {}
+        changed = True
+    return changed

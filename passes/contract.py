@@ -30,6 +30,7 @@ class RewriteContext:
 
     tp: int = 1
     cp: int = 1
+    ep: int = 1
     attention: str = "flash"  # flash | ring | allgather-kv (autoshard.plan.ATTENTION)
     sequence_parallel: bool = False
     recompute: tuple[str, ...] = ()  # saved-tensor categories the layers recompute
@@ -41,6 +42,8 @@ class RewriteContext:
     origin: dict[str, str] = field(default_factory=dict)  # renamed parameter -> its name in the model
     partial_grads: list[str] = field(default_factory=list)  # parameters with partial gradients over TP
     split: object = None  # pipeline_split.SplitProgram, once the pipeline split has run
+    expert_params: list[str] = field(default_factory=list)  # stacked expert weights (gradients over EDP)
+    routing: dict = field(default_factory=dict)  # MoE layer -> {"experts", "top_k", "bias"} for balancing
 
     @classmethod
     def from_plan(cls, plan) -> RewriteContext:
@@ -49,6 +52,7 @@ class RewriteContext:
         return cls(
             tp=m.tp,
             cp=m.cp,
+            ep=m.ep,
             attention=plan.attention,
             sequence_parallel=bool(plan.sequence_parallel) and m.tp > 1,
             recompute=tuple(sorted(k for k, v in plan.checkpoint.items() if v == "recompute")),

@@ -66,6 +66,7 @@ class ParamShard:
     factors: tuple[int, ...]
     index: int
     parts: tuple[int, ...] = ()
+    axis: str = "tp"  # the group the pieces are spread over: tp, or ep for stacked expert weights
 
     def describe(self) -> str:
         if self.parts:
@@ -449,8 +450,12 @@ class _Propagator:
         return Shard(s.dim + len(_shape(node)) - rank_in, s.factors, s.index)
 
     def attention(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard | tuple[Shard | None, ...]:
-        if s.dim != len(_shape(src)) - 3:
-            raise self.fail(node, "attention's inputs must be split along heads")
+        """q, k and v each split along their own heads (fewer key heads with GQA); that none is
+        left whole is checked once the propagation is complete (``whole_heads``)."""
+        args = ops.call_args(node)
+        for x in (args["query"], args["key"], args["value"]):
+            if x in self.shard and self.shard[x].dim != len(_shape(x)) - 3:
+                raise self.fail(node, "attention's inputs must be split along heads")
         if "shapes" in node.meta:  # an aten kernel: the output, the log-sum-exp, ...
             return tuple(Shard(s.dim, s.factors, s.index) if x is not None else None for x in node.meta["shapes"])
         return Shard(len(_shape(node)) - 3, s.factors, s.index)
@@ -466,6 +471,17 @@ class _Propagator:
         d = _norm_dim(node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0), len(_shape(node)))
         self._same_inputs(node, s)
         return Shard(s.dim + (1 if d <= s.dim else 0), s.factors, s.index)
+
+    def whole_heads(self) -> None:
+        """Every split attention reads q, k and v split along heads, but a key or value of one
+        head, which every query head reads: a whole input of more heads (a key made by a matmul
+        the analysis left replicated) would meet another number of heads on each rank."""
+        for node in [n for n in self.shard if ops.rule_of(n) is not None and ops.rule_of(n).tp == "attention"]:
+            args = ops.call_args(node)
+            for name in ("query", "key", "value"):
+                x, shape = args[name], _shape(args[name])
+                if x not in self.shard and shape is not None and (name == "query" or _num(shape[-3]) != 1):
+                    raise self.fail(node, f"its {name} {x.name} keeps all {shape[-3]} heads, another input is split")
 
     # helpers ----------------------------------------------------------------------------
     def _same_inputs(self, node: fx.Node, s: Shard) -> None:
@@ -666,6 +682,7 @@ def _propagate(gm: fx.GraphModule, nodes: list[fx.Node], tp: int) -> _Propagator
         if node.meta.get("tp_role") in ("column", "vocab") and node.meta.get("op_class") == "matmul":
             prop.start(node)
     prop.run(nodes)
+    prop.whole_heads()
     return prop
 
 

@@ -12,6 +12,12 @@ tensor and sequence parallelism (the autograd-aware collectives over the TP grou
     flattened batch and sequence), ``vocab_parallel_embedding``, ``vocab_parallel_cross_entropy``.
 context parallelism
     ``cp_shard``, ``cp_positions``, ``cp_attention``, ``cp_cross_entropy``.
+mixture of experts (``autoshard.runtime.moe``)
+    ``moe_grouped_mm`` (rows grouped by expert times stacked weights), ``moe_dispatch`` /
+    ``moe_combine`` (dropless all-to-all over the EP group, counts first), ``moe_dispatch_buffer`` /
+    ``moe_combine_buffer`` (fixed-capacity buffers), ``moe_tp_share`` / ``moe_tp_unshare`` and their
+    ``_buffer`` forms (each TP rank's share of the routed rows), ``moe_record_load`` (expert loads
+    for balancing).
 attention and graph helpers
     ``fused_attention`` (Triton FlashAttention on CUDA, SDPA elsewhere), ``size_of``.
 process groups (set once by the training program from its device mesh)
@@ -37,6 +43,16 @@ from autoshard.runtime.collectives import (
 )
 from autoshard.runtime.context import cp_attention, cp_cross_entropy, cp_positions, cp_shard
 from autoshard.runtime.groups import set_groups, tp_group, tp_rank, tp_size
+from autoshard.runtime.moe import combine as moe_combine
+from autoshard.runtime.moe import combine_buffer as moe_combine_buffer
+from autoshard.runtime.moe import dispatch as moe_dispatch
+from autoshard.runtime.moe import dispatch_buffer as moe_dispatch_buffer
+from autoshard.runtime.moe import grouped_mm as moe_grouped_mm
+from autoshard.runtime.moe import record_load as moe_record_load
+from autoshard.runtime.moe import tp_share as moe_tp_share
+from autoshard.runtime.moe import tp_share_buffer as moe_tp_share_buffer
+from autoshard.runtime.moe import tp_unshare as moe_tp_unshare
+from autoshard.runtime.moe import tp_unshare_buffer as moe_tp_unshare_buffer
 from autoshard.runtime.stages import put_buffer, put_module, put_parameter, size_of
 
 __all__ = [
@@ -58,6 +74,16 @@ __all__ = [
     "cp_attention",
     "cp_cross_entropy",
     "fused_attention",
+    "moe_grouped_mm",
+    "moe_dispatch",
+    "moe_combine",
+    "moe_dispatch_buffer",
+    "moe_combine_buffer",
+    "moe_tp_share",
+    "moe_tp_unshare",
+    "moe_tp_share_buffer",
+    "moe_tp_unshare_buffer",
+    "moe_record_load",
     "size_of",
     "set_groups",
     "tp_group",

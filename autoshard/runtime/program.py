@@ -45,6 +45,9 @@ class Ranks:
     tp_size: int
     pp_size: int
     dp_size: int
+    ep: int = 0  # this rank's place in its expert-parallel group
+    ep_size: int = 1
+    edp: int = 0  # and in its expert-data-parallel group (the ranks holding the same experts)
 
 
 def check_program(here: Path, plan: dict, program: dict) -> None:
@@ -101,6 +104,42 @@ def build_mesh(plan: dict, device_type: str):
     return mesh, ranks
 
 
+def build_expert_mesh(plan: dict, device_type: str, ranks: Ranks):
+    """The (pp, edp, ep) mesh of MoE parallel folding (``expert_mesh``); sets the ``ep``, ``edp``
+    and ``route`` groups and this rank's places in them."""
+    experts = expert_mesh(plan, device_type)
+    ep_mesh, edp_mesh = experts["ep"], experts["edp"]
+    ranks.ep, ranks.ep_size, ranks.edp = ep_mesh.get_local_rank(), ep_mesh.size(), edp_mesh.get_local_rank()
+    groups.set_groups(
+        ep=ep_mesh.get_group() if ep_mesh.size() > 1 else None,
+        edp=edp_mesh.get_group(),
+        route=experts["edp", "ep"]._flatten("route").get_group(),  # DeviceMesh has no public flatten yet
+    )
+    return experts
+
+
+def stage_positions(plan: dict) -> torch.Tensor:
+    """The global ranks as (pp, the stage's tp x cp x dp ranks): each pipeline stage's ranks
+    flattened in the mesh's order (inside out, innermost fastest), as ``build_mesh`` lays them."""
+    order = plan["mesh"]["order"]
+    names = tuple(reversed(order))  # outermost first, as init_device_mesh lays ranks out
+    grid = torch.arange(plan["gpus"]).reshape([plan["mesh"][a] for a in names])
+    pp = names.index("pp")
+    return grid.movedim(pp, 0).reshape(plan["mesh"]["pp"], -1)
+
+
+def expert_mesh(plan: dict, device_type: str):
+    """MoE parallel folding: a (pp, edp, ep) device mesh over the same ranks. An expert-parallel
+    group is ``ep`` consecutive ranks of a stage's tp x cp x dp ranks in mesh order; the ranks at
+    the same place in every EP group of the stage hold the same experts (expert data parallelism)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ep = plan["mesh"].get("ep", 1)
+    positions = stage_positions(plan)
+    grid = positions.reshape(positions.size(0), -1, ep)
+    return DeviceMesh(device_type, grid, mesh_dim_names=("pp", "edp", "ep"))
+
+
 # ---------------------------------------------------------------------------------------------
 # pipeline chunks
 
@@ -120,7 +159,7 @@ def build_chunks(
         with torch.device("meta"):
             module = getattr(stage_file, info["class"])()
         try:
-            materialise(module, stage_file, device, ranks.tp, ranks.tp_size, full_state, seed)
+            materialise(module, stage_file, device, ranks.tp, ranks.tp_size, full_state, seed, ranks.ep, ranks.ep_size)
         except ValueError as e:
             raise ProgramError(str(e)) from None
         module.stage_file = stage_file
@@ -213,6 +252,43 @@ def sum_partial_gradients(stages: list[nn.Module]) -> None:
     _all_reduce_flat(grads, group)
 
 
+def expert_parameters(stages: list[nn.Module]) -> list[nn.Parameter]:
+    """The stacked expert weights the chunks hold (their stage files' ``EXPERTS``)."""
+    out = []
+    for module in stages:
+        wanted = set(getattr(module.stage_file, "EXPERTS", ()))
+        out += [p for name, p in module.named_parameters() if name in wanted]
+    return out
+
+
+def reduce_expert_gradients(params: list[nn.Parameter], dp: int) -> None:
+    """Expert weights: each rank's gradient covers the tokens its EP group sent it; summed over
+    the ranks holding the same experts (expert data parallelism, which spans the TP, CP and DP
+    ranks the EP groups do not) and divided by ``dp``, as the dense weights' mean over replicas."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    group = groups.edp_group()
+    if group is not None and dist.get_world_size(group) > 1:
+        _all_reduce_flat(grads, group)
+    if dp > 1:
+        for g in grads:
+            g.div_(dp)
+
+
+def routing_biases(stages: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """MoE layer -> the routing-bias buffer the chunks hold (their stage files' ``ROUTING``)."""
+    out = {}
+    for module in stages:
+        buffers = dict(module.named_buffers())
+        for layer, entry in getattr(module.stage_file, "ROUTING", {}).items():
+            if entry.get("bias") is not None:
+                out[layer] = buffers[entry["bias"]]
+    return out
+
+
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a gradient (FSDP2 keeps them as DTensors)."""
     return grad.to_local() if hasattr(grad, "to_local") else grad
@@ -256,12 +332,16 @@ def zero_mesh(plan: dict, mesh):
     return mesh["dp", "cp"]._flatten("dp_cp")  # DeviceMesh has no public flatten yet
 
 
-def shard_data_parallel(stages: list[nn.Module], plan: dict, mesh) -> bool:
+def shard_data_parallel(stages: list[nn.Module], plan: dict, mesh, experts: list[nn.Parameter] = ()) -> bool:
     """ZeRO-2/3: FSDP2 ``fully_shard`` each chunk over the dp x cp ranks (ZeRO-3 frees the
     gathered parameters after forward, ZeRO-2 keeps them until backward is done). Returns whether
     FSDP owns gradient reduction. The reduction sums over dp x cp and divides by dp: the mean over
     replicas of the CP ranks' summed shares. (Forcing the sum also sidesteps pytorch#162338, FSDP2
-    on gloo summing where it should average.)"""
+    on gloo summing where it should average.) Stacked expert weights (``experts``) are left out:
+    their replicas are the expert-data-parallel ranks, not dp x cp; ``reduce_expert_gradients``
+    sums them and an optimizer over that group shards their states (ZeRO-1 for experts: FSDP2
+    gathers a module's parameters in its forward, and the stage code reads expert weights as
+    tensors of the chunk, not through a module of their own)."""
     zero, dp, cp = plan["zero_stage"], plan["mesh"]["dp"], plan["mesh"]["cp"]
     if zero < 2 or dp * cp == 1:
         return False
@@ -269,20 +349,55 @@ def shard_data_parallel(stages: list[nn.Module], plan: dict, mesh) -> bool:
 
     shard_mesh = zero_mesh(plan, mesh)
     for module in stages:
-        fully_shard(module, mesh=shard_mesh, reshard_after_forward=zero == 3)
+        ignored = {p for p in module.parameters() if any(p is e for e in experts)}
+        fully_shard(module, mesh=shard_mesh, reshard_after_forward=zero == 3, ignored_params=ignored or None)
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(float(dp))
     return True
 
 
-def optimizer(params: list[nn.Parameter], zero: int, zero_group, lr: float, weight_decay: float, eps: float = 1e-8):
-    """AdamW; for ZeRO-1 its states sharded over ``zero_group`` (dp x cp) by ZeroRedundancyOptimizer."""
+def optimizer(
+    params: list[nn.Parameter],
+    zero: int,
+    zero_group,
+    lr: float,
+    weight_decay: float,
+    eps: float = 1e-8,
+    experts: list[nn.Parameter] = (),
+):
+    """AdamW; for ZeRO-1 its states sharded over ``zero_group`` (dp x cp) by ZeroRedundancyOptimizer.
+    Stacked expert weights (``experts``, also in ``params``) are held alike only by their
+    expert-data-parallel ranks: at any ZeRO stage their states are sharded over that group."""
     kwargs = {"lr": lr, "betas": (0.9, 0.95), "eps": eps, "weight_decay": weight_decay}
-    if zero == 1 and dist.get_world_size(zero_group) > 1:  # ZeRO-2/3: FSDP already shards the parameters
+    expert_ids = {id(p) for p in experts}
+    dense = [p for p in params if id(p) not in expert_ids]
+    parts = [_adamw(dense, zero == 1, zero_group, kwargs)] if dense else []
+    if experts:
+        parts.append(_adamw(list(experts), zero >= 1, groups.edp_group(), kwargs))
+    return parts[0] if len(parts) == 1 else Optimizers(parts)
+
+
+def _adamw(params: list[nn.Parameter], shard: bool, group, kwargs: dict):
+    if shard and group is not None and dist.get_world_size(group) > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=zero_group, **kwargs)
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=group, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
+
+
+class Optimizers:
+    """Several optimizers stepped as one (dense and expert weights, sharded over different groups)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.parts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.parts:
+            o.step()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,11 +511,18 @@ def save_parameters(
     """This rank's parameters, named as in the single-device model, with how each was split; a
     tied parameter under each of its names (``tied`` as in ``program.json``), and the copies a
     second chunk of this rank holds under ``copies`` (verification checks that they agree).
-    Every rank takes part (FSDP gathers its shards); the first data-parallel replica writes."""
+    Every rank takes part (FSDP gathers its shards); the first data-parallel replica writes, and
+    for stacked expert weights the first rank holding them; routing biases are saved with them."""
     out, copies = {}, []
+    first_replica = ranks.dp == 0 and ranks.cp == 0
     for module, c in zip(stages, chunk_ids):
         shards, origin = module.stage_file.SHARDS, module.stage_file.ORIGIN
-        for name, p in module.named_parameters():
+        experts = set(getattr(module.stage_file, "EXPERTS", ()))
+        biases = {e["bias"] for e in getattr(module.stage_file, "ROUTING", {}).values() if e.get("bias")}
+        state = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n in biases)]
+        for name, p in state:
+            if not (ranks.edp == 0 if name in experts else first_replica):
+                continue  # expert weights: the first of the ranks holding them writes; the rest: the first replica
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             source = origin.get(name, name)
             value = (full.detach().cpu().clone(), shards.get(source), c)
@@ -412,10 +534,10 @@ def save_parameters(
         held = next((n for n in entry["names"] if n in out), None)
         for name in entry["names"] if held else ():
             out.setdefault(name, out[held])
-    if ranks.dp != 0 or ranks.cp != 0:
+    if not out:
         return
     path.mkdir(parents=True, exist_ok=True)
-    saved = {"tp_rank": ranks.tp, "tp": ranks.tp_size, "params": out, "copies": copies}
+    saved = {"tp_rank": ranks.tp, "tp": ranks.tp_size, "ep_rank": ranks.ep, "params": out, "copies": copies}
     torch.save(saved, path / f"rank{ranks.rank}.pt")
 
 

@@ -107,19 +107,25 @@ def materialise(
     tp: int,
     full_state: dict[str, torch.Tensor] | None = None,
     seed: int = 0,
+    ep_rank: int = 0,
+    ep: int = 1,
 ) -> nn.Module:
     """Allocate ``stage``'s local parameters and buffers on ``device`` and fill them: from
-    ``full_state`` (sliced), or by replaying the model's own initialisation (``INIT``)."""
+    ``full_state`` (sliced), or by replaying the model's own initialisation (``INIT``). A piece is
+    this rank's along the group its ``SHARDS`` entry names: TP (``tp_rank`` of ``tp``), or EP
+    (``ep_rank`` of ``ep``) for stacked expert weights."""
     stage.to_empty(device=device)
     shards, origin = stage_file.SHARDS, stage_file.ORIGIN
     inits = getattr(stage_file, "INIT", {})
     with torch.no_grad():
         for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
             source = origin.get(name, name)
+            spec = shards.get(source)
+            rank, size = (ep_rank, ep) if piece_axis(spec) == "ep" else (tp_rank, tp)
             if full_state is not None:
-                value = _from_state(full_state, source, shards.get(source), tp_rank, tp)
+                value = _from_state(full_state, source, spec, rank, size)
             elif name in inits:
-                value = initial_value(inits[name], source, tuple(t.shape), shards.get(source), tp_rank, tp, seed)
+                value = initial_value(inits[name], source, tuple(t.shape), spec, rank, size, seed)
             else:
                 raise ValueError(f"{name} has no initialisation in {Path(stage_file.__file__).name}; recompile")
             if tuple(value.shape) != tuple(t.shape):
@@ -129,6 +135,14 @@ def materialise(
                 )
             t.copy_(value)
     return stage
+
+
+def piece_axis(spec: tuple | None) -> str | None:
+    """The group a ``SHARDS`` entry spreads its pieces over: "tp" (the default), "ep", or None
+    for a parameter every rank holds whole."""
+    if spec is None:
+        return None
+    return spec[4] if len(spec) > 4 else "tp"
 
 
 def _from_state(full_state: dict, source: str, spec: tuple | None, tp_rank: int, tp: int) -> torch.Tensor:

@@ -17,14 +17,14 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.runtime import groups
+from autoshard.runtime import groups, moe
 from autoshard.runtime import program as rt
 
 
@@ -43,6 +43,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         "--init-from-model",
         action="store_true",
         help="slice the seeded single-device initialisation of the model file (verification)",
+    )
+    p.add_argument(
+        "--balance-gamma",
+        type=float,
+        default=1e-3,
+        help="MoE: routing-bias step per optimizer step, DeepSeek-V3's auxiliary-loss-free balancing (0: off)",
     )
     p.add_argument("--loss-log", type=Path, help="append one JSON line per step here")
     p.add_argument("--save-params", type=Path, help="save each rank's parameters here after the last step")
@@ -85,14 +91,14 @@ def train(args: argparse.Namespace, out: Path, plan: dict, program: dict, device
         start = time.perf_counter()
         loss = trainer.step(step)
         if loss is not None and trainer.reports:
-            record(step, loss, time.perf_counter() - start, args.loss_log)
+            record(step, loss, time.perf_counter() - start, args.loss_log, trainer.expert_load())
     if args.save_params:
         rt.save_parameters(args.save_params, trainer.stages, trainer.ranks, trainer.chunk_ids, program.get("tied", []))
 
 
-def record(step: int, loss: float, seconds: float, log: Path | None = None) -> dict:
-    """Print the step's JSON line (and append it to ``log``)."""
-    line = {"step": step, "loss": loss, "seconds": seconds}
+def record(step: int, loss: float, seconds: float, log: Path | None = None, extra: dict | None = None) -> dict:
+    """Print the step's JSON line (and append it to ``log``), with ``extra`` fields."""
+    line = {"step": step, "loss": loss, "seconds": seconds, **(extra or {})}
     print(json.dumps(line), flush=True)
     if log:
         with open(log, "a") as f:
@@ -117,11 +123,16 @@ class Trainer:
     params: list[nn.Parameter]
     optim: torch.optim.Optimizer
     schedule: object | None  # the torch.distributed.pipelining schedule; None without a pipeline
+    experts: list[nn.Parameter]  # stacked expert weights (gradients summed over the EDP group)
+    biases: dict[str, torch.Tensor]  # MoE layer -> routing bias, updated after each step
+    loads: dict = field(default_factory=dict)  # MoE layer -> (max, mean) expert load of the last step
 
     @classmethod
     def build(cls, args: argparse.Namespace, out: Path, plan: dict, program: dict, device: torch.device) -> Trainer:
         # 1. the device mesh: tp innermost (NVLink), then the plan's order outwards
         mesh, ranks = rt.build_mesh(plan, device.type)
+        if program.get("routing"):  # MoE layers: the expert-parallel and expert-data-parallel groups
+            rt.build_expert_mesh(plan, device.type, ranks)
         # 2. this rank's pipeline chunks, built on meta and filled with only its own shards
         chunk_ids = rt.chunks_of_rank(plan, ranks.pp)
         full = rt.full_state_from_model(program, args.seed) if args.init_from_model else None
@@ -131,15 +142,27 @@ class Trainer:
         loss = rt.loss_fn(rt.load_loss(out, program, device))
         # 3. data parallelism at the plan's ZeRO stage (FSDP2 for ZeRO-2/3, ZeroRedundancyOptimizer
         #    for ZeRO-1, a gradient all-reduce for ZeRO-0), and AdamW
-        fsdp = rt.shard_data_parallel(stages, plan, mesh)
+        experts = rt.expert_parameters(stages)  # stacked expert weights: replicas over the EDP ranks
+        fsdp = rt.shard_data_parallel(stages, plan, mesh, experts)
         params = [p for m in stages for p in m.parameters()]
         zero_group = rt.zero_mesh(plan, mesh).get_group()  # ZeRO shards over dp x cp, as planned
-        optim = rt.optimizer(params, plan["zero_stage"], zero_group, args.lr, args.weight_decay, args.adam_eps)
+        optim = rt.optimizer(params, plan["zero_stage"], zero_group, args.lr, args.weight_decay, args.adam_eps, experts)
         # 4. the plan's pipeline schedule (torch.distributed.pipelining) over the chunks
         schedule = None
         if plan["mesh"]["pp"] > 1:
             schedule = rt.pipeline_schedule(plan, stages, ranks, device, plan["microbatches"], loss)
-        return cls(args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule)
+        biases = rt.routing_biases(stages)
+        return cls(
+            args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule,
+            experts, biases,
+        )  # fmt: skip
+
+    def expert_load(self) -> dict:
+        """The last step's expert imbalance per MoE layer (max load / mean load over every rank
+        routing it), and the rows dropped by capacity, for the step's log line."""
+        if not self.loads:
+            return {}
+        return {"expert_load": {k: round(mx / mean, 4) if mean else 0.0 for k, (mx, mean) in self.loads.items()}}
 
     @property
     def first(self) -> bool:
@@ -182,11 +205,16 @@ class Trainer:
                 (value / m).backward()
                 losses.append(value.detach())
         rt.sum_partial_gradients(self.stages)  # sequence parallel: norms saw 1/tp of the tokens
+        expert_ids = {id(p) for p in self.experts}
         if not self.fsdp:  # (FSDP reduces over dp x cp itself)
-            rt.sum_context_parallel_gradients(self.params)  # context parallel: each rank saw 2/(2cp) of each sequence
-            rt.average_gradients(self.params, groups.dp_group())
+            dense = [p for p in self.params if id(p) not in expert_ids]
+            rt.sum_context_parallel_gradients(dense)  # context parallel: each rank saw 2/(2cp) of each sequence
+            rt.average_gradients(dense, groups.dp_group())
+        rt.reduce_expert_gradients(self.experts, self.plan["mesh"]["dp"])  # summed over the ranks holding them
         rt.sum_tied_gradients(self.ties)  # one parameter: its copies' gradients add up (Megatron's embedding group)
         self.optim.step()
+        if self.program.get("routing"):  # MoE: routing biases nudged toward balance, loads for the log
+            self.loads = moe.update_biases(self.biases, self.args.balance_gamma)
         return mean_loss(losses, self.plan["mesh"]["dp"]) if self.last else None
 
 

@@ -1,0 +1,464 @@
+"""Expert parallelism: each MoE layer's routed experts split over the plan's EP ranks, tokens sent
+to the rank that holds their expert and back by all-to-all.
+
+A MoE layer is found from what its graph computes, not from names: an expert GEMM (op class
+``experts``: a product by a stacked ``(E, ., .)`` weight, or a grouped GEMM over rows grouped by
+expert) and everything computed from its rows alone, row by row, with the stacked weights (the
+*expert region*: the activation between the up and down projections, the other GEMMs). What
+enters the region is dispatched, what leaves it is combined:
+
+* ``grouped``: rows sorted by expert with cumulative counts ``offs`` (transformers' grouped-GEMM
+  experts, ``torch._grouped_mm``): ``rt.moe_dispatch`` exchanges the per-expert counts, then the
+  rows (dropless: as many as each expert got), regrouped by local expert with local ``offs``;
+  ``rt.moe_combine`` sends the results back in the original order;
+* ``buffer``: a fixed-capacity ``(E, C, H)`` buffer (GShard): ``rt.moe_dispatch_buffer`` sends
+  each rank its experts' slots, ``rt.moe_combine_buffer`` returns them.
+
+The region's stacked weights keep this rank's ``E/ep`` experts (``ctx.shards`` with axis ``ep``);
+their gradients are summed over the expert-data-parallel ranks (``ctx.expert_params``).
+
+With tensor parallelism the routed tokens are the same on every TP rank (sequence parallelism
+does not reach the router), so each TP rank takes its share of every expert's rows before the
+dispatch (``rt.moe_tp_share``: ``copy_to_tp`` first, so the input's gradient is summed over TP)
+and the shares are put back together after the combine (``rt.moe_tp_unshare``, zeros elsewhere,
+then ``reduce_from_tp``): experts compute each token once, wherever the EP group lies
+(MoE parallel folding: the EP ranks come from the stage's tp x cp x dp ranks).
+
+``expert_balance`` (a pass of its own, run for every plan) counts each layer's expert loads in
+forward (``rt.moe_record_load`` on the selected expert ids) and finds the layer's routing bias: a
+buffer added to the router scores that reaches only the choice of experts, never the gates
+(DeepSeek-V3's auxiliary-loss-free balancing); the training program updates it after each step.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from autoshard.cost_models import ops
+from autoshard.passes._graph import place
+from autoshard.passes.contract import Refusal, RewriteContext
+from autoshard.runtime import collectives, moe
+
+_GROUPED = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
+_ROWWISE = ("pointwise", "softmax", "norm")  # op-table tp kinds that act on each row alone
+_KEEP_ROWS = ("getitem", "split", "view", "unsqueeze", "squeeze", "transpose", "permute", "expand", "slice")
+
+
+@dataclass
+class Region:
+    """One MoE layer's expert region."""
+
+    kind: str  # grouped | buffer
+    experts: int
+    inlet: fx.Node  # the tensor dispatched: rows grouped by expert, or the (E, C, H) buffer
+    offs: fx.Node | None  # grouped: cumulative rows per expert
+    gemms: list[fx.Node]
+    weights: list[str]  # stacked expert parameters
+    members: set[fx.Node] = field(default_factory=set)
+
+    @property
+    def where(self) -> str:
+        return _module_path(self.gemms[0]) or self.gemms[0].name
+
+
+def _module_path(node: fx.Node) -> str:
+    """The dotted path of the innermost module ``node`` was traced in ("" outside every module)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [str(v[0]) for v in stack.values() if isinstance(v, tuple)]
+    return paths[-1] if paths else ""
+
+
+def _fail(region_or_node, why: str, ep: int) -> Refusal:
+    where = region_or_node.where if isinstance(region_or_node, Region) else region_or_node.name
+    return Refusal(f"expert parallelism cannot shard the experts of {where}: {why}; plan with --force ep=1", "ep", ep)
+
+
+# ---------------------------------------------------------------------------------------------
+# finding the regions
+
+
+def _weight_target(node: fx.Node) -> str | None:
+    """The parameter a stacked-weight argument reads (through views and casts), or None."""
+    while node.op != "get_attr":
+        if not ops.is_weight(node):
+            return None
+        node = node.args[0]
+    return node.target
+
+
+def _gemm_parts(gemm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """(activation, weight, offs) of an expert GEMM; None if it is not one this pass reads."""
+    args = [a for a in gemm.args if isinstance(a, fx.Node)]
+    if ops.op_name(gemm) in _GROUPED or gemm.meta.get("op") in _GROUPED:
+        offs = gemm.args[2] if len(gemm.args) > 2 else gemm.kwargs.get("offs")
+        return (gemm.args[0], gemm.args[1], offs) if isinstance(offs, fx.Node) else None
+    weights = [a for a in args if ops.is_weight(a)]
+    acts = [a for a in args if not ops.is_weight(a)]
+    if len(weights) == 1 and len(acts) == 1 and len(acts[0].meta.get("shape") or ()) == 3:
+        return acts[0], weights[0], None
+    return None
+
+
+def find_regions(gm: fx.GraphModule) -> list[Region]:
+    """Every MoE layer's expert region, in graph order."""
+    regions: list[Region] = []
+    done: set[fx.Node] = set()
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for gemm in gm.graph.nodes:
+        if gemm.meta.get("op_class") != "experts" or gemm in done:
+            continue
+        parts = _gemm_parts(gemm)
+        if parts is None:
+            raise _fail(gemm, f"{gemm.format_node()} is an expert product this pass does not read", 0)
+        act, weight, offs = parts
+        target = _weight_target(weight)
+        if target is None:
+            raise _fail(gemm, f"the expert weights of {gemm.name} are not a stacked parameter", 0)
+        experts = int(_param(gm, target).shape[0])
+        region = Region("grouped" if offs is not None else "buffer", experts, act, offs, [], [])
+        _grow(region, gm, order)
+        loose = [
+            n
+            for n in gm.graph.nodes
+            if n.meta.get("op_class") == "experts" and n not in region.members and _shares_inlet(n, region)
+        ]
+        if loose:
+            raise _fail(region, f"{loose[0].name} reads the experts' rows together with other tensors", 0)
+        done |= set(region.gemms)
+        regions.append(region)
+    return regions
+
+
+def _shares_inlet(node: fx.Node, region: Region) -> bool:
+    parts = _gemm_parts(node)
+    if parts is None:
+        return False
+    return parts[2] is region.offs if region.offs is not None else parts[0] is region.inlet
+
+
+def _grow(region: Region, gm: fx.GraphModule, order: dict) -> None:
+    """The nodes computed from the inlet alone, row by row, with the stacked weights: the
+    region's members (the GEMMs among them)."""
+    inside = {region.inlet}
+    rows = _rows(region.inlet, region.kind)
+    start = order[region.inlet]
+    for node in list(gm.graph.nodes)[start + 1 :]:
+        ins = node.all_input_nodes
+        if not any(i in inside for i in ins):
+            continue
+        if not all(i in inside or _outside_ok(i, region) for i in ins):
+            continue
+        if node.meta.get("op_class") == "experts":
+            parts = _gemm_parts(node)
+            if parts is None or (region.offs is not None and parts[2] is not region.offs):
+                continue
+            target = _weight_target(parts[1])
+            if target is None or int(_param(gm, target).shape[0]) != region.experts:
+                continue
+            region.gemms.append(node)
+            if target not in region.weights:
+                region.weights.append(target)
+        elif not _keeps_rows(node, rows, region.kind):
+            continue
+        inside.add(node)
+    region.members = inside - {region.inlet}
+
+
+def _outside_ok(node: fx.Node, region: Region) -> bool:
+    """An input a region node may read from outside: the stacked weights, the counts, sizes."""
+    return node is region.offs or ops.is_weight(node) or node.meta.get("shape") is None and node.op != "call_function"
+
+
+def _rows(node: fx.Node, kind: str):
+    shape = node.meta.get("shape") or ()
+    return tuple(shape[:2]) if kind == "buffer" else tuple(shape[:1])
+
+
+def _keeps_rows(node: fx.Node, rows: tuple, kind: str) -> bool:
+    """Acts on each row (each expert's slot) alone and keeps the row dimension(s) first."""
+    r = ops.rule_of(node)
+    if r is None or r.metadata:
+        return False
+    if r.tp not in (*_ROWWISE, *_KEEP_ROWS) and r.op_class != "elementwise":
+        return False
+    shape = node.meta.get("shape")
+    if shape is None:  # a split/chunk: its getitems carry the shapes
+        dim = ops.dims_arg(node, len(node.all_input_nodes[0].meta.get("shape") or ()))
+        return r.tp == "split" and dim is not None and min(dim) >= len(rows)
+    return tuple(shape[: len(rows)]) == rows and (r.tp not in ("softmax", "norm") or _last_dim(node))
+
+
+def _last_dim(node: fx.Node) -> bool:
+    dims = ops.dims_arg(node, len(node.meta.get("shape") or ()))
+    return dims is None or all(d == len(node.meta["shape"]) - 1 for d in dims)
+
+
+def _param(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    owner, _, leaf = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, leaf)
+
+
+# ---------------------------------------------------------------------------------------------
+# the rewrite
+
+
+def has_experts(gm: fx.GraphModule) -> bool:
+    return any(n.meta.get("op_class") == "experts" for n in gm.graph.nodes)
+
+
+def expert_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    """Shard every MoE layer's experts over ``ctx.ep`` ranks, each TP rank computing its share of
+    the routed tokens (see the module docstring)."""
+    regions = find_regions(gm)
+    for region in regions:
+        if region.experts % ctx.ep:
+            raise _fail(region, f"EP{ctx.ep} does not divide its {region.experts} experts", ctx.ep)
+        _rewrite(gm, region, ctx)
+        for target in region.weights:
+            if target not in ctx.expert_params:
+                ctx.expert_params.append(target)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _call(gm: fx.GraphModule, anchor: fx.Node, fn, args: tuple, like: fx.Node | None = None) -> fx.Node:
+    with gm.graph.inserting_after(anchor):
+        node = gm.graph.call_function(fn, args)
+    return place(node, anchor, like)
+
+
+def _getitem(gm: fx.GraphModule, anchor: fx.Node, source: fx.Node, i: int, like: fx.Node | None) -> fx.Node:
+    with gm.graph.inserting_after(anchor):
+        node = gm.graph.call_function(operator.getitem, (source, i))
+    return place(node, anchor, like)
+
+
+def _rewrite(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
+    tp, ep = ctx.tp, ctx.ep
+    inlet, offs = region.inlet, region.offs
+    cursor, rows = inlet, inlet
+    share = None
+    if tp > 1:  # every TP rank holds the same tokens: each computes its share of each expert's rows
+        rows = cursor = _call(gm, cursor, collectives.copy_to_tp, (rows,), inlet)
+        if region.kind == "grouped":
+            share = cursor = _call(gm, cursor, moe.tp_share, (rows, offs), inlet)
+            rows = cursor = _getitem(gm, cursor, share, 0, inlet)
+            offs = cursor = _getitem(gm, cursor, share, 1, region.offs)
+        else:
+            rows = cursor = _call(gm, cursor, moe.tp_share_buffer, (rows,), inlet)
+    local_offs, recv = offs, None
+    if ep > 1:
+        if region.kind == "grouped":
+            sent = cursor = _call(gm, cursor, moe.dispatch, (rows, offs), inlet)
+            rows = cursor = _getitem(gm, cursor, sent, 0, inlet)
+            local_offs = cursor = _getitem(gm, cursor, sent, 1, region.offs)
+            recv = cursor = _getitem(gm, cursor, sent, 2, region.offs)
+        else:
+            rows = cursor = _call(gm, cursor, moe.dispatch_buffer, (rows,), inlet)
+    ctx.notes[rows.name] = (
+        f"ep={ep}, tp={tp}: this rank's experts' rows ({region.experts // ep} of {region.experts} experts)"
+    )
+    for node in region.members:
+        node.args = _swap_args(node.args, {inlet: rows, region.offs: local_offs})
+        node.kwargs = _swap_args(node.kwargs, {inlet: rows, region.offs: local_offs})
+    _localise_weights(gm, region, ctx)
+    for leaving in sorted(_exits(region), key=lambda n: list(gm.graph.nodes).index(n)):
+        _combine(gm, leaving, region, ctx, offs, recv, share)
+
+
+def _swap_args(value, mapping: dict):
+    if isinstance(value, fx.Node):
+        return mapping.get(value, value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_swap_args(v, mapping) for v in value)
+    if isinstance(value, dict):
+        return {k: _swap_args(v, mapping) for k, v in value.items()}
+    return value
+
+
+def _exits(region: Region) -> list[fx.Node]:
+    return [n for n in region.members if any(u not in region.members for u in n.users)]
+
+
+def _combine(gm, leaving: fx.Node, region: Region, ctx: RewriteContext, offs, recv, share) -> None:
+    users = [u for u in leaving.users if u not in region.members]
+    cursor = out = leaving
+    if ctx.ep > 1:
+        if region.kind == "grouped":
+            out = cursor = _call(gm, cursor, moe.combine, (out, offs, recv), leaving)
+        else:
+            out = cursor = _call(gm, cursor, moe.combine_buffer, (out,), leaving)
+    if ctx.tp > 1:
+        if region.kind == "grouped":
+            index = _getitem(gm, cursor, share, 2, None)
+            cursor = index
+            out = cursor = _call(gm, cursor, moe.tp_unshare, (out, index, region.offs), leaving)
+        else:
+            out = cursor = _call(gm, cursor, moe.tp_unshare_buffer, (out,), leaving)
+        out = _call(gm, cursor, collectives.reduce_from_tp, (out,), leaving)
+    for u in users:
+        u.args = _swap_args(u.args, {leaving: out})
+        u.kwargs = _swap_args(u.kwargs, {leaving: out})
+
+
+def _localise_weights(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
+    """This rank's ``E/ep`` experts of each stacked weight (axis ``ep`` of ``ctx.shards``)."""
+    from autoshard.passes.tensor_parallel import ParamShard
+
+    if ctx.ep == 1:
+        return
+    local = region.experts // ctx.ep
+    for target in region.weights:
+        old = _param(gm, target)
+        new = nn.Parameter(torch.empty((local, *old.shape[1:]), dtype=old.dtype, device="meta"), old.requires_grad)
+        for module in gm.modules():
+            for name, p in list(module._parameters.items()):
+                if p is old:
+                    setattr(module, name, new)
+        ctx.shards[target] = ParamShard(0, (region.experts,), 0, axis="ep")
+    for node in gm.graph.nodes:  # the weights' views: E -> E/ep in the recorded shapes
+        if ops.is_weight(node) and _weight_target(node) in region.weights:
+            shape = node.meta.get("shape")
+            if shape and shape[0] == region.experts:
+                node.meta["shape"] = (local, *shape[1:])
+
+
+def no_experts_left_whole(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
+    """After the pass: every stacked expert weight holds ``E/ep`` experts."""
+    if ctx.ep == 1:
+        return None
+    for target in ctx.expert_params:
+        spec = ctx.shards.get(target)
+        if spec is None or getattr(spec, "axis", "tp") != "ep":
+            return f"expert weight {target} is not split over the EP ranks"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# load balancing
+
+
+def expert_balance(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    """Count each MoE layer's expert loads in forward and record its routing bias, if it has one
+    (``ctx.routing``: layer key -> {"experts", "bias"}), for the program's balancing step."""
+    for region in find_regions(gm):
+        chosen = _selection(region)
+        if chosen is None:
+            raise _fail(region, "the expert ids the router selects were not found", ctx.ep)
+        key = region.where
+        with gm.graph.inserting_after(chosen):
+            counted = gm.graph.call_function(moe.record_load, (chosen, region.experts, key))
+        place(counted, chosen, chosen)
+        for u in [u for u in chosen.users if u is not counted]:
+            u.args = _swap_args(u.args, {chosen: counted})
+            u.kwargs = _swap_args(u.kwargs, {chosen: counted})
+        bias = _routing_bias(gm, chosen, region.experts)
+        ctx.routing[key] = {
+            "experts": region.experts,
+            "top_k": _top_k(chosen),
+            "bias": bias,
+            "router": _module_path(chosen.args[0]),  # where the choice is made (verification replays it)
+        }
+        ctx.notes[counted.name] = "expert loads counted for balancing" + (f" (routing bias {bias})" if bias else "")
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _top_k(chosen: fx.Node) -> int:
+    shape = chosen.meta.get("shape") or (0, 0)
+    return int(shape[-1])
+
+
+def _ancestors(node: fx.Node, stop=lambda n: False) -> list[fx.Node]:
+    seen, frontier, out = {node}, [node], []
+    while frontier:
+        n = frontier.pop()
+        for a in n.all_input_nodes:
+            if a not in seen and not stop(a):
+                seen.add(a)
+                out.append(a)
+                frontier.append(a)
+    return out
+
+
+def _selection(region: Region) -> fx.Node | None:
+    """The router's choice of experts that orders the region's rows: the indices output of a
+    top-k over the ``E`` expert scores, the nearest one above the inlet (and the counts)."""
+    starts = [region.inlet] + ([region.offs] if region.offs is not None else [])
+    best, best_depth = None, None
+    for start in starts:
+        frontier, seen, depth = [start], {start}, 0
+        while frontier and depth < 40:
+            nxt = []
+            for n in frontier:
+                if _is_topk_indices(n, region.experts):
+                    if best_depth is None or depth < best_depth:
+                        best, best_depth = n, depth
+                    continue
+                for a in n.all_input_nodes:
+                    if a not in seen and a.op != "get_attr":
+                        seen.add(a)
+                        nxt.append(a)
+            frontier, depth = nxt, depth + 1
+    return best
+
+
+def _is_topk_indices(node: fx.Node, experts: int) -> bool:
+    if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 1:
+        return False
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or src.meta.get("op") != "topk":
+        return False
+    shape = src.args[0].meta.get("shape") if isinstance(src.args[0], fx.Node) else None
+    return bool(shape) and shape[-1] == experts
+
+
+def _routing_bias(gm: fx.GraphModule, chosen: fx.Node, experts: int) -> str | None:
+    """A buffer of ``E`` values added to the scores the choice is made from, whose values reach
+    nothing but that choice (a float path from it ends in ids, masks or nothing)."""
+    topk = chosen.args[0]
+    for node in _ancestors(topk, stop=lambda n: n.meta.get("op_class") in ("router", "matmul")):
+        if node.op != "get_attr" or _is_parameter(gm, node.target):
+            continue
+        if tuple(node.meta.get("shape") or ()) != (experts,):
+            continue
+        if _selection_only(node):
+            return node.target
+    return None
+
+
+def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
+    owner, _, leaf = target.rpartition(".")
+    return leaf in (gm.get_submodule(owner) if owner else gm)._parameters
+
+
+def _selection_only(bias: fx.Node) -> bool:
+    """Every float value computed from ``bias`` dies out in integer or boolean tensors (ids,
+    masks) before anything is output: it steers which experts are chosen, not their gates."""
+    frontier, seen = [bias], {bias}
+    while frontier:
+        for u in frontier.pop().users:
+            if u.op == "output":
+                return False
+            if u not in seen and not _ids_or_mask(u):
+                seen.add(u)
+                frontier.append(u)
+    return True
+
+
+def _ids_or_mask(node: fx.Node) -> bool:
+    """An integer or boolean tensor: the indices a top-k returns, a comparison's mask."""
+    src = node.args[0] if node.args else None
+    if node.target is operator.getitem and isinstance(src, fx.Node) and src.meta.get("op") == "topk":
+        return node.args[1] == 1
+    dtype = node.meta.get("dtype")
+    return isinstance(dtype, torch.dtype) and not dtype.is_floating_point
+
+
+__all__ = ["Region", "find_regions", "has_experts", "expert_parallel", "expert_balance", "no_experts_left_whole"]
