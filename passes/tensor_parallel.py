@@ -904,6 +904,10 @@ def load_local(gm: fx.GraphModule, ctx: RewriteContext, full: dict[str, torch.Te
         if tuple(value.shape) != tuple(t.shape):
             raise AutoshardError(f"{source}: local shape {tuple(value.shape)} but the graph expects {tuple(t.shape)}")
         local[name] = by_id[id(t)] = nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
+    persistent = gm.state_dict(keep_vars=True)
+    for name in [n for n in local if n not in persistent]:  # a buffer outside the state (a rope's frequencies)
+        owner, _, leaf = name.rpartition(".")
+        setattr(gm.get_submodule(owner) if owner else gm, leaf, local.pop(name))
     gm.load_state_dict(local, strict=True, assign=True)
 
 

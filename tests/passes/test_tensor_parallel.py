@@ -368,3 +368,72 @@ def test_the_pass_keeps_its_contract_and_its_check_sees_a_full_weight():
     ctx = RewriteContext(tp=2)
     gm = run_passes([p for p in PASSES if p.name == "tensor_parallel"], cap.graph_module, ctx)  # checks ensures
     assert full_weights_left(gm, ctx) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-head latent attention as transformers writes it, and attention inputs left whole
+
+
+def _hf_mla():
+    """transformers' DeepseekV3 with one dense layer: MLA, whose keys are assembled in place
+    (``new_empty``, then the per-head part and the rope part shared by all heads copied in)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, first_k_dense_replace=1,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, q_lora_rank=32,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def test_hf_mla_keys_values_and_queries_carry_the_same_local_heads():
+    model = _hf_mla()
+    cap = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
+    analyze(cap)
+    ctx = RewriteContext(tp=2)
+    gm = tensor_parallel(cap.graph_module, ctx)
+    assert not [n for n in gm.graph.nodes if n.meta.get("op") in ("copy_", "new_empty")]  # one cat instead
+    # kv_b_proj's rows are (heads, k_nope | v): split by heads, as q_b_proj's (heads, nope | rope)
+    assert ctx.shards["model.model.layers.0.self_attn.kv_b_proj.weight"] == ParamShard(0, (4, 32), 0)
+    assert ctx.shards["model.model.layers.0.self_attn.q_b_proj.weight"] == ParamShard(0, (4, 24), 0)
+    assert "model.model.layers.0.self_attn.kv_a_proj_with_mqa.weight" not in ctx.shards  # low rank: whole
+    state = [*model.named_parameters(), *model.named_buffers()]  # the rope's frequencies are not persistent
+    load_local(gm, ctx, {f"model.{k}": v.detach() for k, v in state}, 0)
+    seen = {}
+
+    class Recorder(torch.fx.Interpreter):  # rank 0, without a TP group: collectives are identities
+        def run_node(self, n):
+            value = super().run_node(n)
+            if ops.rule_of(n) is not None and ops.rule_of(n).tp == "attention":
+                seen[n.name] = [tuple(a.shape) for a in self.fetch_args_kwargs_from_env(n)[0][:3]]
+            return value
+
+    Recorder(gm).run(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)))  # rank 0's rows
+    assert list(seen.values()) == [[(2, 2, 8, 24), (2, 2, 8, 24), (2, 2, 8, 16)]]  # q, k, v: 2 of 4 heads
+
+
+class _WholeKeys(torch.nn.Module):
+    """Keys from a projection normalised over all its features (the analysis leaves it whole),
+    queries and values split by heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.head = torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, tokens):
+        F = torch.nn.functional
+        x = self.embed(tokens)
+        b, s = tokens.size(0), tokens.size(1)
+        q, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.v))
+        k = F.rms_norm(self.k(x), (32,)).view(b, s, 4, 8).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 32)
+        return self.head(x + self.o(out))
+
+
+def test_attention_whose_keys_stay_whole_is_refused_by_name():
+    with pytest.raises(Refusal, match=r"its key transpose_2 keeps all 4 heads, another input is split") as e:
+        _rewrite(_WholeKeys())
+    assert (e.value.axis, e.value.value) == ("tp", 2)
