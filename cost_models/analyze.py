@@ -80,6 +80,7 @@ class Gemm:
     batch: int  # stacked experts (1 for a plain linear)
     role: str  # TP role: column | row | vocab | replicated
     experts: bool
+    count: int = 1  # experts the routing chooses among (1 for a dense product)
 
 
 @dataclass
@@ -220,7 +221,7 @@ def analyze(captured: Captured) -> ModelCost:
     sharding.annotate(gm)
     float_bytes = 2
     for n in gm.graph.nodes:
-        n.meta["cost"] = ops.node_cost(n, gm, float_bytes)
+        n.meta["cost"] = _node_cost(n, gm, float_bytes)
     blocks = []
     for kind in captured.kinds:
         nodes = _with_params(captured.layer_nodes[kind.template], gm)
@@ -232,6 +233,20 @@ def analyze(captured: Captured) -> ModelCost:
     post = _block("output", 1, [], captured.region_nodes("post"), gm, counted=held)
     facts = _facts(gm, blocks, [pre, *blocks, post]) | {"tied": _tied(gm)}
     return ModelCost(captured, blocks, pre, post, facts)
+
+
+def _node_cost(n: fx.Node, gm: fx.GraphModule, float_bytes: int) -> ops.NodeCost:
+    """The op table's cost of ``n``, but experts whose stacked weights are gathered per routed
+    token (``W[choices]``, then a batched product) priced as a grouped GEMM runs them, as the
+    expert-parallel pass does: the gather copies nothing, the product reads each weight once."""
+    if ops.expert_rows(n):
+        return ops.ZERO_COST
+    cost = ops.node_cost(n, gm, float_bytes)
+    gathered = [a for a in ops.tensor_args(n) if ops.expert_rows(a)]
+    if not gathered:
+        return cost
+    copies = sum(ops.numel(a.meta["shape"]) - ops.numel(a.args[0].meta["shape"]) for a in gathered)
+    return ops.NodeCost(cost.flops, sympy.expand(cost.bytes_moved - copies * float_bytes))
 
 
 def _facts(gm: fx.GraphModule, layers: list[BlockCost], blocks: list[BlockCost]) -> dict:
@@ -254,7 +269,7 @@ def _facts(gm: fx.GraphModule, layers: list[BlockCost], blocks: list[BlockCost])
     for blk in blocks:
         for g in blk.gemms:
             if g.experts:
-                expert_counts.add(g.batch)
+                expert_counts.add(g.count)
             if g.role == "column":
                 tp_dims.add(g.n)
             elif g.role == "row":
@@ -379,6 +394,9 @@ def _block(
             params += p.numel()
             if _param_tp_sharded(n, pname):
                 params_tp += p.numel()
+            if n.op == "call_module" and n.meta["op_class"] == "experts":  # an expert's own nn.Linear
+                split_experts.add(id(p))
+                params_experts += p.numel()
         if n.op == "get_attr" and read and id(read[0][1]) not in counted:
             users, p = list(n.users), read[0][1]
             if id(p) not in split_experts and (
@@ -390,7 +408,7 @@ def _block(
             if id(p) not in split_tp and any(_param_tp_sharded(u, "weight") for u in _weight_users(n)):
                 split_tp.add(id(p))
                 params_tp += p.numel()
-    gemms = [g for n in nodes if (g := _gemm(n, gm)) is not None]
+    gemms = _grouped_experts([g for n in nodes if (g := _gemm(n, gm)) is not None])
     pointwise = pointwise_tp = zero
     for n in nodes:
         if _gemm(n, gm) is None:
@@ -436,13 +454,33 @@ def _gemm(n: fx.Node, gm: fx.GraphModule) -> Gemm | None:
     out = n.meta["shape"]
     role = n.meta.get("tp_role", "replicated")
     experts = n.meta.get("op_class") == "experts"
-    n_out = int(out[-1])
+    flops = ops.matmul_flops(n, gm)
     # the contraction as the op table's FLOP count reads it (addmm(bias, x, w) contracts x's last dim)
-    k = int(sympy.simplify(ops.matmul_flops(n, gm) / (2 * ops.numel(out))))
-    batch = int(w[0]) if len(w) == 3 else 1  # stacked experts: (E, C, k) @ (E, k, n), or grouped rows
-    # rows per expert: C of a batched product; a grouped product's rows shared evenly (balanced routing)
-    m = sympy.expand(ops.numel(out) / n_out / batch)
-    return Gemm(m=m, n=n_out, k=k, batch=batch, role=role, experts=experts)
+    k = int(sympy.simplify(flops / (2 * ops.numel(out))))
+    # output features: the weight's other dimension (whichever side of the product it is on)
+    n_out = int(ops.numel(w[-2:]) // k) if len(w) >= 2 else int(out[-1])
+    # stacked experts: (E, C, k) @ (E, k, n), grouped rows, or rows gathered per routed token
+    batch = int(w[0]) if len(w) == 3 else 1
+    # rows per expert: C of a batched product; routed rows shared evenly (balanced routing)
+    m = sympy.expand(flops / (2 * n_out * k * batch))
+    count = ops.expert_count(n, gm) if experts else None
+    return Gemm(m=m, n=n_out, k=k, batch=batch, role=role, experts=experts, count=count or 1)
+
+
+def _grouped_experts(gemms: list[Gemm]) -> list[Gemm]:
+    """``gemms`` with the one-expert products of a loop over E experts (an ``nn.ModuleList`` of
+    MLPs) grouped E at a time into one product of ``batch`` E, as a grouped GEMM runs them."""
+    out, loops = [], {}
+    for g in gemms:
+        if g.experts and g.batch == 1 and g.count > 1:
+            loops.setdefault((g.m, g.n, g.k, g.role, g.count), []).append(g)
+        else:
+            out.append(g)
+    for (m, n, k, role, count), same in loops.items():
+        for start in range(0, len(same), count):
+            batch = len(same[start : start + count])
+            out.append(Gemm(m=m, n=n, k=k, batch=batch, role=role, experts=True, count=count))
+    return out
 
 
 def _kv_elems(nodes: list[fx.Node]) -> sympy.Expr:
@@ -657,17 +695,42 @@ def _collectives(nodes: list[fx.Node]) -> list[Collective]:
             if key not in column_inputs:
                 column_inputs.add(key)
                 out.append(Collective("tp", "all_reduce", ops.numel(act[0].meta["shape"]), backward=True))
-    expert_inputs = set()
-    for n in nodes:
-        if n.meta.get("op_class") == "experts" and n.meta.get("tp_role") != "row":
-            act = [a for a in ops.tensor_args(n) if not ops.is_weight(a)]
-            key = act[0].meta.get("storage") if act else None
-            if act and key not in expert_inputs:
-                expert_inputs.add(key)
-                out.append(Collective("ep", "all_to_all", ops.numel(act[0].meta["shape"]), backward=True))
-        if n.meta.get("op_class") == "experts" and n.meta.get("tp_role") == "row":
-            out.append(Collective("ep", "all_to_all", ops.numel(n.meta["shape"]), backward=True))
+    out.extend(Collective("ep", "all_to_all", ops.numel(a.meta["shape"]), backward=True) for a in _dispatched(nodes))
     return out
+
+
+def _dispatched(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The tokens entering routed experts from outside them, once per storage: what expert
+    parallelism sends to the experts' ranks (one collective per dispatch; the cost model prices
+    its combine, the same size, with it). Whatever form the experts take (grouped, batched,
+    stacked, a loop of MLPs), that is the input of their first products, not of a second one
+    that reads the first's output."""
+    found, seen = [], set()
+    for n in nodes:
+        if n.meta.get("op_class") != "experts":
+            continue
+        for a in ops.tensor_args(n):
+            floating = a.meta.get("dtype") is not None and a.meta["dtype"].is_floating_point
+            if not floating or ops.is_weight(a) or a.meta.get("storage") in seen or _from_experts(a):
+                continue
+            seen.add(a.meta.get("storage"))
+            found.append(a)
+    return found
+
+
+def _from_experts(node: fx.Node, limit: int = 16) -> bool:
+    """Whether ``node`` is computed from an experts product through pointwise ops and views."""
+    frontier = [node]
+    for _ in range(limit):
+        nxt = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                if a.meta.get("op_class") == "experts":
+                    return True
+                if ops.carries_values(ops.rule_of(a)):
+                    nxt.append(a)
+        frontier = nxt
+    return False
 
 
 def category_subsets(categories: list[str]):

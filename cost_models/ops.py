@@ -448,14 +448,15 @@ _CASTS = ("to", "_to_copy", "float", "half", "bfloat16", "type_as")
 
 
 def is_weight(node: fx.Node) -> bool:
-    """A parameter, or a view/cast of one (``w.t()``, ``w.to(bf16)``)."""
+    """A parameter, or a view/cast of one (``w.t()``, ``w.to(bf16)``), or the rows of a stacked
+    expert parameter that routing choices select (:func:`expert_rows`)."""
     while True:
         if node.op == "get_attr":
             return True
         if node.op == "call_module" or not node.args or not isinstance(node.args[0], fx.Node):
             return False
         r = rule(node.meta.get("op", ""))
-        if r is None or not (r.alias or node.meta.get("op") in _CASTS):
+        if r is None or not (r.alias or node.meta.get("op") in _CASTS or expert_rows(node)):
             return False
         node = node.args[0]
 
@@ -485,8 +486,12 @@ def _is_param(gm: fx.GraphModule, target: str) -> bool:
 def classify(gm: fx.GraphModule) -> None:
     """Set ``op_class`` on every node: the table's class, then three graph patterns.
 
-    - a matmul by a 3-D (stacked) weight is ``experts``; by a 2-D weight whose output reaches a
-      ``topk`` through pointwise ops is ``router``;
+    - a matmul by a 3-D (stacked) weight is ``experts`` (a grouped GEMM, a batched product, or a
+      stacked weight's rows gathered per routed token, :func:`expert_rows`); by a 2-D weight
+      whose output reaches a ``topk`` through pointwise ops is ``router``;
+    - every weighted matmul on the rows a loop over experts dispatches to one expert
+      (:func:`dispatched_experts`: ``x[where(choices == i)]``), up to where they are combined,
+      is ``experts``, whatever its module is (an ``nn.ModuleList`` of ordinary MLPs);
     - a matmul of two activations (QK^T, probabilities @ V) is ``attention``, and so is every
       node on a path from one such matmul to another (scale, mask, softmax, dropout);
     - a normalisation written out op by op (HuggingFace's RMSNorm, a hand-written LayerNorm) is
@@ -509,6 +514,10 @@ def classify(gm: fx.GraphModule) -> None:
                 n.meta["op_class"] = "experts"
             elif _reaches_topk(n):
                 n.meta["op_class"] = "router"
+    for n in nodes:
+        if dispatched_experts(n) is not None:
+            for m in _expert_work(n, gm):
+                m.meta["op_class"] = "experts"
     for n in written_norms(nodes):
         n.meta["op_class"] = "norm"
     act = set(act_matmuls)
@@ -636,7 +645,7 @@ def _norm_head(base: fx.Node, members: set[fx.Node]) -> set[fx.Node]:
     return head
 
 
-def _carries_values(r: OpRule | None) -> bool:
+def carries_values(r: OpRule | None) -> bool:
     """Pointwise ops and views: what lies between a matmul and what consumes its result."""
     return r is not None and r.flops != "matmul" and (r.op_class == "elementwise" or r.tp not in (None, "loss"))
 
@@ -655,7 +664,7 @@ def _reaches_topk(start: fx.Node, limit: int = 12) -> bool:
             for u, r in _pointwise_users(n):
                 if u.meta.get("op") == "topk":
                     return True
-                if u not in seen and _carries_values(r):
+                if u not in seen and carries_values(r):
                     seen.add(u)
                     nxt.append(u)
         frontier = nxt
@@ -673,13 +682,161 @@ def _forward_until(start: fx.Node, stops: set[fx.Node], limit: int = 16) -> set[
         for u, r in _pointwise_users(n):
             if u in stops:
                 hit = True
-            elif _carries_values(r) and walk(u, depth + 1):
+            elif carries_values(r) and walk(u, depth + 1):
                 on_path.add(u)
                 hit = True
         return hit
 
     walk(start, 0)
     return on_path
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts, from the routing: top-k choices select each token's experts
+
+# ops that hand integer routing choices (or positions) on with their values unchanged
+_KEEPS_VALUES = ("view", "reshape", "_unsafe_view", "flatten", "unflatten", "contiguous", "clone", "alias",
+                 "detach", "to", "_to_copy", "squeeze", "unsqueeze", "permute", "transpose", "t")  # fmt: skip
+_ROW_SELECTS = ("index", "getitem", "index_select")
+
+
+def _name(n: fx.Node) -> str:
+    """``n``'s op name, before capture has annotated it too (``op_name`` without modules)."""
+    return n.meta.get("op") or ("" if n.op == "call_module" else op_name(n))
+
+
+def topk_of(n: fx.Node, depth: int = 8) -> fx.Node | None:
+    """The ``topk`` whose indices ``n`` is (through value-preserving views and casts)."""
+    for _ in range(depth):
+        name = _name(n)
+        if name == "getitem" and n.args[1] == 1 and isinstance(n.args[0], fx.Node):
+            return n.args[0] if _name(n.args[0]) == "topk" else None
+        if name not in _KEEPS_VALUES or not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        n = n.args[0]
+    return None
+
+
+def routing_candidates(n: fx.Node) -> int | None:
+    """E when ``n`` holds routing choices: the indices of a top-k over E candidates."""
+    topk = topk_of(n)
+    if topk is None:
+        return None
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    return int(topk.args[0].meta["shape"][dim])
+
+
+def routing_mask(mask: fx.Node) -> tuple[sympy.Expr, int] | None:
+    """(slots, E) when ``mask`` is ``choices == c`` for routing choices over E candidates: each
+    of its ``slots`` elements holds one of E, so under balanced routing 1/E of them are true."""
+    if _name(mask) != "eq":
+        return None
+    for side in mask.args[:2]:
+        if isinstance(side, fx.Node) and (experts := routing_candidates(side)) is not None:
+            return numel(side.meta["shape"]), experts
+    return None
+
+
+def _selected(node) -> tuple[fx.Node, fx.Node] | None:
+    """(source, index) of a row selection along dim 0 by one index tensor: ``x[idx]``
+    (``index`` or ``getitem``) or ``index_select(x, 0, idx)``."""
+    name = _name(node) if isinstance(node, fx.Node) else ""
+    if name not in _ROW_SELECTS or len(node.args) < 2 or not isinstance(node.args[0], fx.Node):
+        return None
+    if name == "index_select":
+        idx = node.args[2] if node.args[1] == 0 and len(node.args) > 2 else None
+    else:
+        idx = node.args[1]
+        if name == "index" and isinstance(idx, (list, tuple)) and len(idx) == 1:
+            idx = idx[0]
+    dtype = idx.meta.get("dtype") if isinstance(idx, fx.Node) else None
+    if dtype is None or dtype == torch.bool or dtype.is_floating_point:  # integer positions only
+        return None
+    return node.args[0], idx
+
+
+def expert_rows(node: fx.Node) -> bool:
+    """``W[choices]``: each routed token slot's expert's weight, selected from a parameter
+    stacked over the E experts a top-k routing chooses among (transformers' ``batched_mm``)."""
+    sel = _selected(node)
+    if sel is None:
+        return False
+    src, idx = sel
+    shape = src.meta.get("shape")
+    return isinstance(shape, tuple) and len(shape) >= 3 and is_weight(src) and routing_candidates(idx) == shape[0]
+
+
+def dispatched_experts(node: fx.Node) -> int | None:
+    """E when ``node`` takes the token rows routed to one expert out of E: ``x[idx]`` with
+    ``idx`` the positions of the true elements (``where``, ``nonzero``) of a mask comparing the
+    routing choices with that expert (:func:`routing_mask`)."""
+    sel = _selected(node)
+    if sel is None or is_weight(sel[0]):
+        return None
+    idx = sel[1]
+    for _ in range(8):
+        if _name(idx) not in _KEEPS_VALUES or not idx.args or not isinstance(idx.args[0], fx.Node):
+            break
+        idx = idx.args[0]
+    if _name(idx) == "getitem" and isinstance(idx.args[0], fx.Node):
+        idx = idx.args[0]
+    if _name(idx) not in ("where", "nonzero", "argwhere") or not idx.args or not isinstance(idx.args[0], fx.Node):
+        return None
+    if _name(idx) == "where" and len(idx.args) != 1:
+        return None
+    routed = routing_mask(idx.args[0])
+    return routed[1] if routed is not None else None
+
+
+def _rows(n: fx.Node):
+    """The leading size of ``n``'s output (of its first output, for a split)."""
+    shape = n.meta.get("shape") or (n.meta.get("shapes") or [None])[0]
+    return shape[0] if shape else None
+
+
+def _expert_work(dispatch: fx.Node, gm: fx.GraphModule, limit: int = 32) -> list[fx.Node]:
+    """The weighted matmuls computing on the rows ``dispatch`` took for one expert: reached from
+    it through pointwise ops, views and weighted matmuls that keep those rows, up to where the
+    rows are combined (an index_put, index_add or scatter, which carries no values on)."""
+    rows = _rows(dispatch)
+    found, seen, frontier = [], {dispatch}, [dispatch]
+    for _ in range(limit):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u in seen or _rows(u) != rows:
+                    continue
+                seen.add(u)
+                r = rule_of(u)
+                if r is not None and r.flops == "matmul" and weight_of(u, gm) is not None:
+                    found.append(u)
+                elif not carries_values(r):
+                    continue
+                nxt.append(u)
+        frontier = nxt
+    return found
+
+
+def expert_count(node: fx.Node, gm: fx.GraphModule) -> int | None:
+    """How many experts the routing of an ``experts`` matmul chooses among: its stacked weight's
+    leading size, or, for one expert's matmul in a loop over experts, the routing candidates of
+    the dispatch its rows came from (found walking back through what :func:`_expert_work` follows)."""
+    w = weight_of(node, gm)
+    if w is not None and len(w) == 3:
+        return int(w[0])
+    seen, frontier = set(), [node]
+    while frontier:
+        n = frontier.pop()
+        for a in tensor_args(n):
+            if a in seen or is_weight(a):
+                continue
+            seen.add(a)
+            if (experts := dispatched_experts(a)) is not None:
+                return experts
+            r = rule_of(a)
+            if carries_values(r) or r is not None and r.flops == "matmul" and a.meta.get("op_class") == "experts":
+                frontier.append(a)
+    return None
 
 
 __all__ = [
@@ -700,6 +857,11 @@ __all__ = [
     "node_cost",
     "classify",
     "written_norms",
+    "expert_rows",
+    "dispatched_experts",
+    "expert_count",
+    "routing_mask",
+    "routing_candidates",
     "B",
     "S",
 ]

@@ -348,11 +348,20 @@ def test_naive_moe_inspects_with_balanced_routing_flops(capsys):
 
     plan, _ = planner.solve(planner.Problem(analyze(moe), hardware.load("cpu"), 2, 32, 8))
     assert moe.notes[0] in plan.notes  # plan.md states the assumption
-    a, b = analyze(moe).blocks[0], analyze(dense).blocks[0]
+    moe_cost = analyze(moe)
+    a, b = moe_cost.blocks[0], analyze(dense).blocks[0]
     # top-2 of 4 experts under balanced routing: each token through two expert MLPs, as the dense
-    # model's two MLP slots; the MoE adds its router
-    assert sympy.expand(a.flops_by_class["matmul"] - b.flops_by_class["matmul"]) == 0
+    # model's two MLP slots; the MoE adds its router. The ModuleList's MLPs are found as experts
+    # from the routing (each reads the tokens where(choices == i) selects), not from their names
+    mlp_slots = 2 * (2 * 64 * 96 * 2) * B * S  # two slots of up and down
+    assert sympy.expand(b.flops_by_class["matmul"] - a.flops_by_class["matmul"] - mlp_slots) == 0
+    assert sympy.expand(a.flops_experts - mlp_slots) == 0 and a.flops_by_class["experts"] == a.flops_experts
     assert a.flops_by_class["router"] == 2 * 64 * 4 * B * S
+    assert moe_cost.facts["experts"] == 4 and a.params_experts == 4 * 2 * 64 * 96
+    # grouped as one product of the 4 experts' rows per projection, as a grouped GEMM runs them
+    assert sorted((g.batch, g.n, g.k) for g in a.gemms if g.experts) == [(4, 64, 96), (4, 96, 64)]
+    ep = [c for c in a.collectives if c.axis == "ep"]  # each expert's tokens dispatched: 2 slots of 64
+    assert sympy.expand(sum(c.elems for c in ep) - 2 * 64 * B * S) == 0
     assert all(
         d.free_symbols <= {B, S}
         for n in moe.graph_module.graph.nodes
@@ -386,7 +395,9 @@ def test_data_dependent_size_on_the_fx_path_is_estimated(tmp_path):
     assert cap.tracer == "symbolic_trace"
     assert len(cap.notes) == 1 and cap.notes[0].startswith("fx_moe.py:11 (where)")
     dense = analyze(capture_file(str(MODELS / "naive_moe.py"), "tiny_dense", 32)).blocks[0]
-    assert sympy.expand(analyze(cap).blocks[0].flops_by_class["matmul"] - dense.flops_by_class["matmul"]) == 0
+    moe = analyze(cap).blocks[0]
+    assert moe.params_experts == 4 * 2 * 64 * 96  # nn.Linear modules (call_module) found as experts too
+    assert sympy.expand(moe.flops_by_class["matmul"] + moe.flops_experts - dense.flops_by_class["matmul"]) == 0
 
 
 def test_a_size_that_cannot_be_estimated_names_the_op_and_line(tmp_path):
@@ -433,3 +444,37 @@ def test_transformers_moe_models_inspect_cleanly(kind):
     text = format_inspection(inspect_model(cost, 32), kind)
     assert "FLOPs per token" in text
     assert cost.flops_forward(1, 32) > 0 and cost.blocks[0].flops_by_class.get("experts", 0) != 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts found from the routing whatever form they take (tests/models/hf_moe.py)
+
+
+def _hf_moe(config: str):
+    pytest.importorskip("transformers")
+    from autoshard.cost_models.analyze import analyze
+
+    return analyze(capture_file(str(MODELS / "hf_moe.py"), config, 32))
+
+
+@pytest.mark.parametrize("arch,experts", [("mixtral", 4), ("deepseek_v3", 8)])
+def test_batched_experts_cost_as_the_grouped_form(arch, experts):
+    """transformers' ``batched_mm`` gathers each token's expert weights (``W[choices]``, then
+    bmm): the same experts as its grouped GEMMs, at the same FLOPs, parameters and dispatch."""
+    grouped, batched = _hf_moe(arch), _hf_moe(f"{arch}-batched")
+    g, b = grouped.blocks[-1], batched.blocks[-1]
+    assert batched.facts["experts"] == grouped.facts["experts"] == experts
+    assert b.params_experts == g.params_experts > 0
+    assert sympy.expand(b.flops_experts - g.flops_experts) == 0 and b.flops_experts != 0  # exact
+    assert sympy.expand(b.flops_by_class["router"] - g.flops_by_class["router"]) == 0
+    shapes = [sorted((str(x.m), x.n, x.k, x.batch, x.count) for x in c.gemms if x.experts) for c in (b, g)]
+    assert shapes[0] == shapes[1]
+    assert [str(c.elems) for c in b.collectives if c.axis == "ep"] == [
+        str(c.elems) for c in g.collectives if c.axis == "ep"
+    ]
+    # the gathered weights are not priced as a copy per routed token (which would be b*s*8192 B
+    # and more): no more pointwise traffic than the grouped form's sort and gathers of tokens
+    at = {B: 1, S: 4096}
+    assert b.bytes_pointwise.subs(at) <= g.bytes_pointwise.subs(at)
+    # the rest (norms, attention, casts) within 2% of the whole forward
+    assert abs(b.flops.subs(at) - g.flops.subs(at)) <= 0.02 * g.flops.subs(at)

@@ -200,8 +200,6 @@ def check_sizes(gm: fx.GraphModule) -> None:
 # Data-dependent sizes
 
 _COUNTS_TRUE = {"nonzero": 0, "argwhere": 0, "where": 0, "masked_select": 1}  # op -> its mask argument
-_PASSES_VALUES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "contiguous", "clone", "alias",
-                  "detach", "to", "_to_copy", "squeeze", "unsqueeze", "permute", "transpose", "t"}  # fmt: skip
 
 
 def _unbacked(value) -> set:
@@ -223,7 +221,7 @@ def _estimate(n: fx.Node) -> tuple[sympy.Expr, str]:
     choice, when routing is balanced (every one of the ``E`` choices equally often)."""
     op = ops.op_name(n)
     mask = _mask_of(n, op)
-    routed = _routing_choices(mask) if mask is not None else None
+    routed = ops.routing_mask(mask) if mask is not None else None
     if routed is None:
         raise AutoshardError(
             f"{_where(n)} ({op}) has a data-dependent size autoshard cannot estimate; give it a static "
@@ -258,34 +256,6 @@ def _nodes_in(x):
     elif isinstance(x, (list, tuple)):
         for y in x:
             yield from _nodes_in(y)
-
-
-def _routing_choices(mask: fx.Node) -> tuple[sympy.Expr, int] | None:
-    """(slots, E) when ``mask`` is ``choices == c`` for routing choices that are the indices of a
-    top-k over ``E`` candidates (read through views and casts): each slot holds one of E."""
-    if ops.op_name(mask) != "eq":
-        return None
-    for side in mask.args[:2]:
-        if not isinstance(side, fx.Node):
-            continue
-        topk = _topk_indices(side)
-        if topk is not None:
-            scores = topk.args[0]
-            dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-            return ops.numel(side.meta["shape"]), int(scores.meta["shape"][dim])
-    return None
-
-
-def _topk_indices(n: fx.Node, depth: int = 8) -> fx.Node | None:
-    """The ``topk`` whose indices ``n`` is (through value-preserving views and casts)."""
-    for _ in range(depth):
-        name = ops.op_name(n)
-        if name == "getitem" and n.args[1] == 1 and isinstance(n.args[0], fx.Node):
-            return n.args[0] if ops.op_name(n.args[0]) == "topk" else None
-        if name not in _PASSES_VALUES or not n.args or not isinstance(n.args[0], fx.Node):
-            return None
-        n = n.args[0]
-    return None
 
 
 def requires_grad(gm: fx.GraphModule) -> None:
