@@ -19,9 +19,16 @@ ATTENTION = ("flash", "ring", "allgather-kv")
 
 @dataclass
 class Mesh:
-    """Parallel degrees. ``tp*pp*cp*dp`` GPUs; expert layers take their ``ep`` ranks out of the
-    ``dp*cp`` ranks of a stage (expert data parallelism ``dp*cp/ep``). ``order`` lists tp, cp,
-    pp, dp from innermost (consecutive ranks, NVLink) to outermost."""
+    """Parallel degrees. ``tp*pp*cp*dp`` GPUs; ``order`` lists tp, cp, pp, dp from innermost
+    (consecutive ranks, NVLink) to outermost.
+
+    Expert layers fold their own grid over the same ranks (Megatron-Core's MoE parallel folding):
+    a pipeline stage's ``tp*cp*dp`` ranks, flattened in ``order`` with pp skipped (innermost
+    fastest), split into expert-parallel groups of ``ep`` consecutive positions; rank ``r`` of a
+    group holds experts ``[r*E/ep, (r+1)*E/ep)``. The ranks at the same index of every group are
+    the expert-data-parallel group (``edp``), which sums the experts' gradients and over which
+    ZeRO shards their states. ``etp`` is expert tensor parallelism: 1, experts keep whole
+    weights (the only value the planner chooses)."""
 
     tp: int = 1
     pp: int = 1
@@ -29,6 +36,12 @@ class Mesh:
     ep: int = 1
     dp: int = 1
     order: list[str] = field(default_factory=lambda: ["tp", "cp", "pp", "dp"])
+    etp: int = 1
+
+    @property
+    def edp(self) -> int:
+        """Ranks of a stage holding the same experts: ``tp*cp*dp / (ep*etp)``."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     @property
     def gpus(self) -> int:
@@ -163,8 +176,10 @@ class Plan:
             raise AutoshardError(f"{source}: {problems[0]}")
         if m.gpus != self.gpus:
             problems.append(f"tp*pp*cp*dp = {m.gpus} but gpus = {self.gpus}")
-        if (m.dp * m.cp) % m.ep:
-            problems.append(f"ep = {m.ep} does not divide dp*cp = {m.dp * m.cp}")
+        if not isinstance(m.etp, int) or m.etp < 1:
+            problems.append("mesh.etp must be a positive integer")
+        elif (m.tp * m.cp * m.dp) % (m.ep * m.etp):
+            problems.append(f"ep*etp = {m.ep * m.etp} does not divide a stage's tp*cp*dp = {m.tp * m.cp * m.dp} ranks")
         if sorted(m.order) != ["cp", "dp", "pp", "tp"]:
             problems.append(f"mesh.order must list tp, cp, pp, dp once each, got {m.order}")
         if self.schedule not in SCHEDULES:

@@ -40,6 +40,12 @@ def mesh_drawing(plan: Plan, domain: int) -> list[str]:
         f"Inside one NVLink domain of {domain} GPUs: {', '.join(inside) or 'nothing'}; "
         f"across domains: {', '.join(crossing) or 'nothing'}."
     )
+    if m.ep > 1:
+        stage = " x ".join(f"{a}{sizes[a]}" for a in m.order if a != "pp" and sizes[a] > 1)
+        lines.append(
+            f"Expert layers fold over each stage's {stage} ranks (in that order): EP{m.ep} groups of "
+            f"{m.ep} consecutive positions, EDP{m.edp} (the same position in every group), ETP{m.etp}."
+        )
     shown = min(domain, plan.gpus)
     lines.append("")
     lines.append("```")

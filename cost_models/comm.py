@@ -178,9 +178,12 @@ def data_parallel(
     params_dense: float, params_expert: float, zero: int, dense: Where, expert: Where, hw: Hardware
 ) -> dict:
     """Per-step data-parallel communication of one GPU holding these parameters, the dense ones
-    reduced over the ``dense`` group (dp x cp) and the routed experts' over ``expert`` (expert
-    data parallelism): ``after_backward`` (gradient reduction), ``before_forward`` (parameter
-    gather), ``per_microbatch`` (ZeRO-2/3's reductions and re-gathers).
+    reduced over the ``dense`` group (dp x cp) and the routed experts' over ``expert``, the
+    expert-data-parallel group (the ranks of a stage's tp x cp x dp that hold the same experts,
+    ``tp*cp*dp/ep`` of them; with TP in it, its members hold the experts' gradients from
+    different TP ranks' tokens, so the sum runs over it all): ``after_backward`` (gradient
+    reduction), ``before_forward`` (parameter gather), ``per_microbatch`` (ZeRO-2/3's reductions
+    and re-gathers).
 
     Gradients are all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1) in fp32 once per step;
     parameters all-gathered in bf16 after the step. ZeRO-2 keeps only a gradient shard, so it

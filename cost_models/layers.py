@@ -21,9 +21,12 @@ Modelling choices (each can be checked against the formula it names):
   (Megatron-LM's asynchronous overlap), exposing only what is longer than those GEMMs.
 - CP ring: K/V blocks move around the ring while the previous block is computed; only the part of
   each step's transfer longer than its compute is exposed. All-gather K/V: exposed.
-- EP: all-to-all dispatch and combine, forward and backward; hidden behind the other micro-batch's
-  compute only by a schedule that overlaps it (``Schedule.overlaps_ep``: DualPipeV, whose F&B
-  chunks pair one micro-batch's forward with another's backward).
+- EP: all-to-all dispatch and combine, forward and backward, over the expert-parallel group
+  folded from a stage's tp x cp x dp ranks; each rank sends its 1/tp of the routed tokens (x
+  top-k x hidden) and its experts take tokens from ep ranks. Without SP the MoE output is
+  all-gathered over TP. Hidden behind the other micro-batch's compute only by a schedule that
+  overlaps it (``Schedule.overlaps_ep``: DualPipeV, whose F&B chunks pair one micro-batch's
+  forward with another's backward).
 - PP: one activation send per stage boundary per micro-batch each way (bsh/t with SP).
 - Hidden is not free: while a collective runs beside compute, its kernels take SMs and HBM
   bandwidth from the GEMMs, so every second of communication hidden behind compute costs
@@ -129,9 +132,11 @@ class LayerCosts:
             m = float(mfn(mbs, sl))
             n, k, batch = g.n, g.k, g.batch
             if g.experts:
-                # Experts keep whole weights (expert TP = 1); SP splits the tokens among TP ranks.
-                # With EP each rank holds batch/ep experts, each receiving tokens from ep ranks.
-                m = (m / tp if sp else m) * ep
+                # Experts keep whole weights (expert TP = 1). The routed tokens are split among
+                # the TP ranks: SP splits them, and without it the EP pass does before dispatch
+                # (``comm``). Each rank holds batch/ep experts, each receiving tokens from ep
+                # ranks. Without EP and SP no pass splits them: each TP rank runs all its tokens.
+                m = m / tp * ep if sp or ep > 1 else m
                 batch = batch / ep
             elif g.role in ("column", "vocab"):
                 n = n / tp
@@ -225,12 +230,19 @@ class LayerCosts:
                 else:
                     t_tp += comm.all_reduce(nbytes, where_tp.placement(), hw)
             elif coll.axis == "ep" and ep > 1:
-                local = nbytes / (tp if sp else 1)
-                dispatch = local / 2 if fp8 else local  # DeepSeek-V3 dispatches in FP8, combines in bf16
-                t_ep += comm.all_to_all(dispatch, where_ep.placement(), hw) + comm.all_to_all(
-                    local, where_ep.placement(), hw
-                )
+                # one dispatch of the routed tokens (x top-k x hidden), each TP rank its share,
+                # and its combine, the same size; backward sends their gradients the other way
+                local = nbytes / tp
+                dispatch = local / 2 if fp8 else local  # DeepSeek-V3 dispatches in FP8, the rest in bf16
+                place = where_ep.placement()
+                t_ep += comm.all_to_all(dispatch, place, hw) + 3 * comm.all_to_all(local, place, hw)
                 transient = max(transient, 2 * local)
+        if ep > 1 and tp > 1 and not sp and blk.params_experts:
+            # Without SP the tokens entering the experts are replicated over TP: the EP pass takes
+            # each rank's share before dispatch and all-gathers the combined output, and in
+            # backward gathers the input's gradient (the output's gradient is replicated, so its
+            # share is a slice): two all-gathers of the layer's (tokens, hidden) output
+            t_tp += 2 * comm.all_gather(2 * blk.eval("boundary", mbs, sl), where_tp.placement(), hw)
         t_cp = cp_total = 0.0
         if cp > 1:
             kv_bytes = 2 * blk.eval("kv_elems", mbs, sl)

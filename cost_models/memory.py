@@ -33,10 +33,12 @@ def model_state_bytes(params: float, zero: int = 0, dp: int = 1, grad_bytes: int
 
 
 @lru_cache(maxsize=65536)
-def sharded_state_bytes(params_dense: float, params_expert: float, zero: int, dpcp: int, ep: int) -> dict[str, float]:
+def sharded_state_bytes(params_dense: float, params_expert: float, zero: int, dpcp: int, edp: int) -> dict[str, float]:
     """Model states per GPU holding ``params_dense`` dense and ``params_expert`` routed-expert
-    parameters, with fp32 gradients: ZeRO shards the dense ones over the ``dpcp`` data x context
-    parallel ranks and the experts over their expert-data-parallel ranks (``dpcp / ep``)."""
+    parameters, with fp32 gradients. ZeRO shards a parameter's states over the ranks that hold
+    the same copy of it: the dense ones over the ``dpcp`` data x context parallel ranks (TP ranks
+    hold different slices), the experts over their ``edp`` expert-data-parallel ranks (a stage's
+    tp*cp*dp ranks over ``ep``: each expert-parallel rank holds whole experts, 1/ep of them)."""
     dense = model_state_bytes(params_dense, zero, dpcp, GRAD_REDUCE_BYTES)
-    expert = model_state_bytes(params_expert, zero, max(1, dpcp // ep), GRAD_REDUCE_BYTES)
+    expert = model_state_bytes(params_expert, zero, edp, GRAD_REDUCE_BYTES)
     return {k: dense[k] + expert[k] for k in dense}

@@ -15,6 +15,7 @@ from autoshard.plan import ATTENTION, CHECKPOINT_CATEGORIES
 from autoshard.runtime.schedules import SCHEDULES
 
 ORDER_AXES = ("tp", "cp", "pp", "dp")
+MESH_AXES = ("tp", "pp", "cp", "ep", "dp")  # the order of a mesh tuple
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class Candidate:
 
     def mesh_key(self) -> tuple[int, ...]:
         return (self.tp, self.pp, self.cp, self.ep, self.dp)
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallelism: the ranks of a stage's tp x cp x dp that hold the same
+        experts (``Mesh.edp``, expert tensor parallelism 1)."""
+        return self.tp * self.cp * self.dp // self.ep
 
 
 @dataclass
@@ -239,11 +246,45 @@ def check_problem(problem: Problem) -> None:
                 f"({smallest_dp}) that {problem.gpus} GPUs allow{_pin_text(pins)}; "
                 f"raise it to a multiple of {smallest_dp}"
             )
-        raise AutoshardError(
-            f"{problem.gpus} GPUs admit no factorisation tp*pp*cp*dp with tp in {tp_choices(problem)}, "
-            f"pp <= {problem.num_layers + 2}, 2*cp dividing --seq-len {problem.seq} and dp dividing "
-            f"--global-batch {problem.global_batch}{_pin_text(pins)}; try a power-of-two GPU count"
+        raise AutoshardError(_no_mesh(problem))
+
+
+def _no_mesh(problem: Problem) -> str:
+    """Why no mesh satisfies the divisibility rules: the pin that rules every mesh out, where
+    dropping that one pin would leave some, else the rules themselves."""
+    pins = problem.forced
+    mesh_pins = {k: pins[k] for k in MESH_AXES if k in pins}
+    shown = ",".join(f"{k}={v}" for k, v in mesh_pins.items())
+    grid = [k for k in ("tp", "pp", "cp", "dp") if k in mesh_pins]
+    product = math.prod(mesh_pins[k] for k in grid)
+    if problem.gpus % product or (len(grid) == 4 and product != problem.gpus):
+        relation = "is not" if len(grid) == 4 else "does not divide"
+        return f"--force {shown}: {'*'.join(grid)} = {product} {relation} --gpus {problem.gpus}"
+    if mesh_pins.get("pp", 1) > problem.num_layers + 2:
+        return (
+            f"--force pp={mesh_pins['pp']}: more pipeline stages than the model's {problem.num_layers} layers "
+            "and its embedding and head"
         )
+    for axis, value in sorted(mesh_pins.items(), key=lambda kv: kv[0] != "ep"):  # EP's folding first
+        others = meshes(replace(problem, forced={k: v for k, v in pins.items() if k != axis}))
+        if not others:
+            continue
+        if axis == "ep":
+            stages = sorted({tp * cp * dp for tp, _, cp, _, dp in others})
+            return (
+                f"--force {shown}: ep={value} does not divide the tp*cp*dp ranks of a pipeline stage, which "
+                f"expert layers take their EP groups from; the other settings leave stages of "
+                f"{', '.join(map(str, stages))} ranks"
+            )
+        allowed = sorted({m[MESH_AXES.index(axis)] for m in others})
+        choices = ", ".join(map(str, allowed))
+        return f"--force {shown}: no mesh has {axis}={value} with the other settings; {axis} can be {choices}"
+    hint = "; try a power-of-two GPU count" if problem.gpus & (problem.gpus - 1) else ""
+    return (
+        f"{problem.gpus} GPUs admit no factorisation tp*pp*cp*dp with tp in {tp_choices(problem)}, "
+        f"pp <= {problem.num_layers + 2}, 2*cp dividing --seq-len {problem.seq} and dp dividing "
+        f"--global-batch {problem.global_batch}{_pin_text(pins)}{hint}"
+    )
 
 
 def replace_batch(problem: Problem, batch: int) -> Problem:
@@ -277,7 +318,8 @@ def meshes(problem: Problem) -> list[tuple[int, int, int, int, int]]:
                 dp = rest // (cp * pp)
                 if problem.global_batch % dp:
                     continue
-                eps = [e for e in divisors(math.gcd(experts, dp * cp))] if experts else [1]
+                # expert layers fold EP over the stage's tp x cp x dp ranks (``Mesh``)
+                eps = divisors(math.gcd(experts, tp * cp * dp)) if experts else [1]
                 for ep in eps:
                     mesh = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp": dp}
                     if all(mesh[k] == pins[k] for k in mesh if k in pins) and problem.allowed(**mesh):

@@ -29,16 +29,18 @@ def _strides(c: Candidate, order: tuple[str, ...]) -> dict[str, tuple[int, int]]
 def placements(c: Candidate, order: tuple[str, ...] | None, hw: Hardware) -> dict[str, Where]:
     """Where each axis lands; ``order=None`` gives every axis its best case (for lower bounds).
 
-    The expert-parallel group is the first ``ep`` of a stage's dp x cp ranks, taken in the order
-    those axes are laid out; expert data parallelism is every ``ep``-th of them."""
+    The expert groups fold over a stage's tp x cp x dp ranks (``Mesh``): flattened in ``order``
+    with pp skipped, the expert-parallel group is the first ``ep`` positions and the expert-data-
+    parallel group every ``ep``-th."""
     d = hw.nvlink_domain
     if order is None:
         best = {a: Where.best(getattr(c, a), hw) for a in ("tp", "cp", "pp", "dp", "ep")}
-        return best | {"dpcp": Where.best(c.dp * c.cp, hw), "edp": Where.best(max(1, c.dp * c.cp // c.ep), hw)}
+        # (the family floor's stand-in has dp = 1, fewer ranks than ep may need; it reads no edp)
+        return best | {"dpcp": Where.best(c.dp * c.cp, hw), "edp": Where.best(max(1, c.edp), hw)}
     st = _strides(c, order)
     out = {a: Where.grid((st[a],), d) for a in ("tp", "cp", "pp", "dp")}
-    stage = tuple(sorted((st["cp"], st["dp"]), key=lambda x: x[1]))
-    out["dpcp"] = Where.grid(stage, d)
+    out["dpcp"] = Where.grid(tuple(st[a] for a in order if a in ("cp", "dp")), d)
+    stage = tuple(st[a] for a in order if a != "pp")
     out["ep"] = Where.grid(stage, d, take=c.ep)
     out["edp"] = Where.grid(stage, d, every=c.ep)
     return out
@@ -181,7 +183,7 @@ class CandidateCosts:
         last = c.pp * c.v - 1
         if not copy or schedule.chunk_rank(0, c.pp) == schedule.chunk_rank(last, c.pp):
             return 0.0
-        grads = sharded_state_bytes(copy, 0.0, zero, c.dp * c.cp, c.ep)["grads"]
+        grads = sharded_state_bytes(copy, 0.0, zero, c.dp * c.cp, c.edp)["grads"]
         return pipeline_ends_all_reduce(grads, where["pp"], self.p.hw)
 
     def states(self, c: Candidate, w: Work, zero: int) -> tuple[list[float], float, float]:
@@ -189,7 +191,7 @@ class CandidateCosts:
         if zero not in w.states:
 
             def total(k: LayerCost) -> float:
-                return sharded_state_bytes(k.params_dense, k.params_expert, zero, c.dp * c.cp, c.ep)["total"]
+                return sharded_state_bytes(k.params_dense, k.params_expert, zero, c.dp * c.cp, c.edp)["total"]
 
             w.states[zero] = ([total(k) for k in w.kinds], total(w.pre), total(w.post))
         return w.states[zero]

@@ -194,7 +194,7 @@ class Evaluator:
                     dense += extra.params_dense
                     expert += extra.params_expert
                     act += extra.activation_bytes
-        states = sharded_state_bytes(dense, expert, c.zero, c.dp * c.cp, c.ep)
+        states = sharded_state_bytes(dense, expert, c.zero, c.dp * c.cp, c.edp)
         activations = act * in_flight[worst]
         return {
             "rank": worst,

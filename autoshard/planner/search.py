@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autoshard.errors import AutoshardError
-from autoshard.planner.candidates import Candidate, Problem, check_problem, meshes
+from autoshard.planner.candidates import MESH_AXES, Candidate, Problem, check_problem, meshes
 from autoshard.planner.costs import CandidateCosts
 from autoshard.planner.evaluate import Evaluation
 from autoshard.planner.gpus import smallest_gpus_that_fit
@@ -21,7 +21,6 @@ from autoshard.planner.parallel import Helper
 from autoshard.planner.tree import Tree
 
 SHARES = 2  # independent searches the families are dealt into (one per process)
-MESH_AXES = ("tp", "pp", "cp", "ep", "dp")
 
 
 @dataclass

@@ -58,3 +58,17 @@ def test_roofline(h100):
     # 1 TFLOP of matmul at 80.3% of 989 TFLOP/s; 1 GB of pointwise traffic at 3.35 TB/s.
     assert roofline(1e12, 1e6, h100) == pytest.approx(1e12 / (989e12 * 0.803))
     assert roofline(1e6, 1e9, h100) == pytest.approx(1e9 / 3350e9)
+
+
+def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group(h100):
+    """Dense gradients go over dp x cp, the experts' over their EDP group alone: none where every
+    rank of the stage holds different experts (EDP 1), a reduce-scatter over the group otherwise."""
+    dense = comm.Where.grid(((32, 2),), h100.nvlink_domain)
+    alone = comm.Where.grid(((1, 1),), h100.nvlink_domain)
+    pair = comm.Where.grid(((2, 64),), h100.nvlink_domain)
+    assert comm.data_parallel(0.0, GB, 1, dense, alone, h100)["after_backward"] == 0.0
+    reduced = comm.data_parallel(0.0, GB, 1, dense, pair, h100)["after_backward"]
+    grads = GB * comm.GRAD_REDUCE_BYTES
+    assert reduced == pytest.approx(comm.reduce_scatter(grads, pair.placement(), h100))
+    both = comm.data_parallel(GB, GB, 1, dense, pair, h100)["after_backward"]
+    assert both == pytest.approx(reduced + comm.reduce_scatter(grads, dense.placement(), h100))

@@ -25,12 +25,16 @@ def test_worked_estimate_example():
     assert out["cost_usd"] == pytest.approx(out["gpu_hours"] * 2.0)
 
 
-def test_experts_shard_over_their_expert_data_parallel_ranks():
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_experts_shard_over_their_expert_data_parallel_ranks(zero):
+    """TP2 x DP64 with EP16 folded over the stage's 128 ranks: the dense states shard over the 64
+    DP ranks, the experts' over the 128 / 16 = 8 ranks holding the same experts."""
     from autoshard.cost_models.memory import GRAD_REDUCE_BYTES, sharded_state_bytes
 
     dense, expert = 1e9, 8e9
-    both = sharded_state_bytes(dense, expert, 1, 64, 8)
-    assert both["total"] == pytest.approx(
-        model_state_bytes(dense, 1, 64, GRAD_REDUCE_BYTES)["total"]
-        + model_state_bytes(expert, 1, 8, GRAD_REDUCE_BYTES)["total"]
-    )
+    both = sharded_state_bytes(dense, expert, zero, 64, 2 * 64 // 16)
+    for part in ("params", "grads", "optimizer", "total"):
+        assert both[part] == pytest.approx(
+            model_state_bytes(dense, zero, 64, GRAD_REDUCE_BYTES)[part]
+            + model_state_bytes(expert, zero, 8, GRAD_REDUCE_BYTES)[part]
+        )

@@ -3,7 +3,9 @@
 These runs were not used to set any profile value. When this was written the predictions came
 within -8%..+1% of the measured step times in BF16 (seven NVIDIA runs: LLaMA-3 8B, 70B and 405B
 at 8K tokens, 8 to 2,304 H100) and within -5%..+16% in FP8 (four NVIDIA runs and DeepSeek-V3 on
-H800). The bounds below guard that agreement against drift; ``benchmarks/accuracy.py`` prints it.
+H800). NVIDIA's DeepSeek-V3 BF16 recipes: -6% on 1,024 H100 (49.1 s against 52.04 s), -67% on 128
+GB200 (11.5 s against 34.23 s; ``measured`` says why, and that run's bound is its own). The bounds
+below guard that agreement against drift; ``benchmarks/accuracy.py`` prints it.
 """
 
 from dataclasses import replace
@@ -11,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from autoshard.planner import parse_force
-from autoshard.planner.measured import RUNS, masked_attention_share, predict
+from autoshard.planner.measured import _DGXC, RUNS, masked_attention_share, predict
 
 from conftest import captured
 
@@ -31,7 +33,7 @@ def test_predicted_step_time_is_close_to_the_measured_one(run):
         pins.get("schedule", plan.schedule),
         pins.get("mbs", plan.microbatch_size),
     )
-    assert plan.predicted.step_time_s == pytest.approx(run.step_s, rel=WITHIN[run.precision])
+    assert plan.predicted.step_time_s == pytest.approx(run.step_s, rel=run.within or WITHIN[run.precision])
 
 
 @pytest.mark.parametrize("seq", [8192, 131072])
@@ -44,8 +46,12 @@ def test_masked_attention_share_is_the_attention_core_over_the_causal_count(seq)
 
 
 def _smallest_bf16_recipes():
-    """NVIDIA's tuned BF16 recipes, the smallest scale of each model (the rest repeat the mesh)."""
-    recipes = [r for r in STEP_RUNS if r.source.startswith("NVIDIA") and r.precision == "bf16"]
+    """NVIDIA's tuned dense BF16 recipes, the smallest scale of each model (the rest repeat the
+    mesh). Not the DeepSeek-V3 ones: by the cost model their EP64 all-to-all over the network
+    (H100) and 1F1B without overlap cost far more than the search's plans (23.9 s against 49.1 s
+    on 1,024 H100, an EP8 inside each node; 9.1 s against 11.5 s on 128 GB200), and that
+    comparison is a search of minutes."""
+    recipes = [r for r in STEP_RUNS if r.source == _DGXC and r.precision == "bf16"]
     configs = dict.fromkeys(r.config for r in recipes)
     return [min((r for r in recipes if r.config == c), key=lambda r: r.gpus) for c in configs]
 
