@@ -54,6 +54,10 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
       ``grouped_mm_fallback`` custom op) is one ``rt.moe_grouped_mm(rows, weights, offs)`` node
       (:func:`grouped_gemms`): the program then needs no library's custom op, and runs
       ``torch._grouped_mm`` where it has a kernel, a loop over experts elsewhere;
+    - every ``histc`` of integers (expert ids) counts them as floats (:func:`float_histograms`):
+      the same counts, on every device (CPU has no integer ``histc``; a model that picked the
+      integer form for the device it was traced on, as transformers' grouped experts do for
+      anything but CPU, would not run on CPU);
     - every tensor assembled in place from pieces that tile one of its dimensions
       (``buf = x.new_empty(...)``, then ``buf[..., a:b].copy_(piece)``) is one ``cat`` of the
       pieces (:func:`assembled_cats`);
@@ -79,6 +83,7 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
     changed |= rms_norms(gm)
     changed |= assembled_cats(gm)
     changed |= grouped_gemms(gm)
+    changed |= float_histograms(gm)
     if changed:
         graph.lint()
         gm.recompile()
@@ -585,5 +590,24 @@ def grouped_gemms(gm: fx.GraphModule) -> bool:
         if not isinstance(offs, fx.Node) or extra:
             continue
         node.target, node.args, node.kwargs = moe.grouped_mm, (args[0], args[1], offs), {}
+        changed = True
+    return changed
+
+
+def float_histograms(gm: fx.GraphModule) -> bool:
+    """``histc(ids)`` of an integer tensor -> ``histc(ids.float())`` (exact below 2**24). Needs the
+    traced values (``meta["val"]``). Whether any changed."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if _op(node) != "histc" or not isinstance(node.args[0], fx.Node):
+            continue
+        dtype = _dtype(node.args[0])
+        if dtype is None or dtype.is_floating_point:
+            continue
+        with gm.graph.inserting_before(node):
+            cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (node.args[0],), {"dtype": torch.float32})
+        val = node.args[0].meta["val"]
+        cast.meta = {**node.args[0].meta, "val": val.to(torch.float32)}
+        node.args = (cast, *node.args[1:])
         changed = True
     return changed

@@ -187,9 +187,15 @@ def _keeps_rows(node: fx.Node, rows: tuple, kind: str) -> bool:
         return False
     shape = node.meta.get("shape")
     if shape is None:  # a split/chunk: its getitems carry the shapes
-        dim = ops.dims_arg(node, len(node.all_input_nodes[0].meta.get("shape") or ()))
-        return r.tp == "split" and dim is not None and min(dim) >= len(rows)
+        return r.tp == "split" and _split_dim(node) >= len(rows)
     return tuple(shape[: len(rows)]) == rows and (r.tp not in ("softmax", "norm") or _last_dim(node))
+
+
+def _split_dim(node: fx.Node) -> int:
+    """The dimension a split/chunk cuts (``x.chunk(n, dim)``, ``x.split(size, dim)``), >= 0."""
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    rank = len(node.args[0].meta.get("shape") or ()) if isinstance(node.args[0], fx.Node) else 0
+    return dim % rank if isinstance(dim, int) and rank else -1
 
 
 def _last_dim(node: fx.Node) -> bool:

@@ -16,16 +16,24 @@ inverse. Both are differentiable: the token all-to-alls are
 Load balancing is DeepSeek-V3's auxiliary-loss-free method: ``record_load`` counts each layer's
 selected experts in forward, ``update_biases`` (once per optimizer step) sums the counts over
 every rank routing the layer and nudges each routing bias by ``gamma * sign(mean - load)``.
+
+Timing (benchmarks/moe.py): with ``AUTOSHARD_MOE_TIMING=1`` in the environment when this module is
+imported, dispatch, combine and their buffer forms add their wall time, forward and backward, to
+``timings()``; unset, they are the plain functions (nothing is paid).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import os
+import time
 from fractions import Fraction
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single_autograd, wait_tensor
 
 from autoshard.runtime.groups import ep_group, ep_size, route_group, tp_rank, tp_size
 
@@ -81,6 +89,69 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return _grouped_mm_loop(a, b, offs)
 
 
+# --- opt-in timing of dispatch and combine ---------------------------------------------------------
+
+_TIMING = os.environ.get("AUTOSHARD_MOE_TIMING") == "1"  # read once, at import
+_seconds: dict[str, float] = {}  # "dispatch", "combine backward", ... -> wall seconds since the last reset
+
+
+class _BackwardClock(torch.autograd.Function):
+    """Identity marking one end of a timed region for the backward pass: the gradient reaching the
+    region's output starts ``clock``, the gradient leaving its input adds the elapsed time to
+    ``name``. (Backward runs nodes newest first, so other work seldom runs in between.)"""
+
+    @staticmethod
+    def forward(ctx, x, name, clock, starts):
+        ctx.name, ctx.clock, ctx.starts = name, clock, starts
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        now = time.perf_counter()
+        if ctx.starts:
+            ctx.clock.append(now)
+        elif ctx.clock:
+            _seconds[ctx.name] = _seconds.get(ctx.name, 0.0) + now - ctx.clock.pop()
+        return grad, None, None, None
+
+
+def _timed(fn):
+    """``fn`` unchanged unless timing is on; then ``fn`` whose forward wall time (its all-to-all
+    waited for) and the backward of its first argument to its first result add up in ``timings()``."""
+    if not _TIMING:
+        return fn
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def timed(x, *args, **kwargs):
+        clock: list[float] = []
+        tracked = torch.is_grad_enabled() and x.requires_grad
+        if tracked:
+            x = _BackwardClock.apply(x, f"{name} backward", clock, False)
+        start = time.perf_counter()
+        out = fn(x, *args, **kwargs)
+        first = out[0] if isinstance(out, tuple) else out
+        if isinstance(first, AsyncCollectiveTensor):
+            wait_tensor(first.elem)  # the collective's time belongs here, not to the first reader
+        _seconds[name] = _seconds.get(name, 0.0) + time.perf_counter() - start
+        if tracked:
+            first = _BackwardClock.apply(first, f"{name} backward", clock, True)
+            out = (first, *out[1:]) if isinstance(out, tuple) else first
+        return out
+
+    return timed
+
+
+def timings(reset: bool = False) -> dict[str, float]:
+    """Wall seconds this rank spent in each timed function (``"dispatch"``, ``"combine backward"``,
+    ...) since the last reset; empty unless ``AUTOSHARD_MOE_TIMING=1``. ``reset=True`` (once per
+    step) starts the sums again after reading them."""
+    out = dict(_seconds)
+    if reset:
+        _seconds.clear()
+    return out
+
+
 # --- dropless (or capacity-bounded) dispatch and combine over the EP group --------------------------
 
 
@@ -96,10 +167,21 @@ def capacity(rows: int, experts: int, capacity_factor: float | Fraction) -> int:
     return math.ceil(Fraction(str(capacity_factor)) * rows / experts)
 
 
+_capacity_factor: float | Fraction | None = None  # the program's setting (train.py --capacity-factor)
+
+
+def set_capacity_factor(capacity_factor: float | Fraction | None) -> None:
+    """What ``dispatch`` and ``combine`` use when called without one (as emitted stage code
+    calls them): ``None``, the default, drops nothing."""
+    global _capacity_factor
+    _capacity_factor = capacity_factor
+
+
 def _kept(offs: torch.Tensor, capacity_factor: float | Fraction | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows kept per expert (int64 ``[E]``) and the indices of the kept rows (``None``: all kept).
     Under a capacity each expert keeps its first ``capacity(...)`` rows."""
     counts = _counts(offs)
+    capacity_factor = _capacity_factor if capacity_factor is None else capacity_factor
     if capacity_factor is None:
         return counts, None
     rows = int(offs[-1])
@@ -121,12 +203,30 @@ def _block_transpose(counts: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, device=counts.device) + shift
 
 
+_counting = True  # False while a forward runs that is not one of the step's (see uncounted)
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Forwards run inside are not counted (loads, capacity drops): torch's pipelining runs each
+    stage once on its first step to learn the shapes it sends, on copies of the inputs or on
+    empty tensors."""
+    global _counting
+    before, _counting = _counting, False
+    try:
+        yield
+    finally:
+        _counting = before
+
+
 def _recomputing() -> bool:
-    """True while autograd runs a backward pass: forward code running then is an
-    activation-checkpointed region recomputing, whose counts were taken in the forward."""
-    return torch._C._current_graph_task_id() != -1
+    """True while autograd runs a backward pass (forward code running then is an
+    activation-checkpointed region recomputing, whose counts were taken in the forward), or
+    inside ``uncounted``."""
+    return torch._C._current_graph_task_id() != -1 or not _counting
 
 
+@_timed
 def dispatch(
     rows: torch.Tensor, offs: torch.Tensor, capacity_factor: float | Fraction | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,6 +261,7 @@ def dispatch(
     return received.index_select(0, _block_transpose(recv_counts)), local_offs, recv_counts
 
 
+@_timed
 def combine(
     local_out: torch.Tensor,
     offs: torch.Tensor,
@@ -197,6 +298,7 @@ def dropped_tokens(reset: bool = False) -> int:
 # --- fixed-capacity buffers ([E, C, H], GShard style) ----------------------------------------------
 
 
+@_timed
 def dispatch_buffer(buf: torch.Tensor) -> torch.Tensor:
     """A fixed-capacity buffer ``[E, C, ...]`` (each expert's ``C`` slots of this rank's tokens) to
     ``[E/ep, ep*C, ...]``: this rank's experts, each with the slots of every source rank side by
@@ -212,6 +314,7 @@ def dispatch_buffer(buf: torch.Tensor) -> torch.Tensor:
     return by_source.transpose(0, 1).reshape(buf.size(0) // ep, ep * buf.size(1), *rest)
 
 
+@_timed
 def combine_buffer(out: torch.Tensor) -> torch.Tensor:
     """The inverse of ``dispatch_buffer``: ``[E/ep, ep*C, ...]`` back to ``[E, C, ...]``."""
     ep = ep_size()

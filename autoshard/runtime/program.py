@@ -220,8 +220,27 @@ def pipeline_schedule(plan: dict, stages: list[nn.Module], ranks: Ranks, device,
     pp, v = plan["mesh"]["pp"], plan["virtual_stages"]
     ids = chunks_of_rank(plan, ranks.pp)
     pipeline = [PipelineStage(m, i, pp * v, device, group=groups.pp_group()) for m, i in zip(stages, ids)]
+    for stage in pipeline:
+        _uncounted_inference(stage)
     cls = torch_schedule(plan["schedule"], v)
     return cls(pipeline[0] if issubclass(cls, PipelineScheduleSingle) else pipeline, microbatches, loss_fn=loss)
+
+
+def _uncounted_inference(stage) -> None:
+    """On its first step a ``PipelineStage`` runs its module once to learn the shapes it sends
+    (``_forward_metadata_inference``, on copies of the inputs or on empty tensors): that forward
+    must not count MoE expert loads, which balancing sums as the step's."""
+    from autoshard.runtime import moe
+
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:  # a torch without it runs no such forward
+        return
+
+    def uncounted(*args, **kwargs):
+        with moe.uncounted():
+            return infer(*args, **kwargs)
+
+    stage._forward_metadata_inference = uncounted
 
 
 # ---------------------------------------------------------------------------------------------

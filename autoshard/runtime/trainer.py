@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -50,6 +51,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         default=1e-3,
         help="MoE: routing-bias step per optimizer step, DeepSeek-V3's auxiliary-loss-free balancing (0: off)",
     )
+    p.add_argument(
+        "--capacity-factor",
+        type=Fraction,
+        help="MoE: each expert takes at most this times its mean share of a rank's routed tokens at the "
+        "expert-parallel dispatch; the rest skip it, counted in the step's log (default: dropless)",
+    )
     p.add_argument("--loss-log", type=Path, help="append one JSON line per step here")
     p.add_argument("--save-params", type=Path, help="save each rank's parameters here after the last step")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
@@ -81,7 +88,7 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     gc.collect()
     # every rank finishes its collectives (FSDP's last ones included) before the group goes away
     dist.barrier()
-    groups.set_groups(tp=None, pp=None, dp=None, cp=None)
+    groups.set_groups(tp=None, pp=None, dp=None, cp=None, ep=None, edp=None, route=None)
     dist.destroy_process_group()
 
 
@@ -126,10 +133,12 @@ class Trainer:
     experts: list[nn.Parameter]  # stacked expert weights (gradients summed over the EDP group)
     biases: dict[str, torch.Tensor]  # MoE layer -> routing bias, updated after each step
     loads: dict = field(default_factory=dict)  # MoE layer -> (max, mean) expert load of the last step
+    dropped: int | None = None  # routed rows the capacity dropped in the last step, all ranks
 
     @classmethod
     def build(cls, args: argparse.Namespace, out: Path, plan: dict, program: dict, device: torch.device) -> Trainer:
         # 1. the device mesh: tp innermost (NVLink), then the plan's order outwards
+        moe.set_capacity_factor(args.capacity_factor)
         mesh, ranks = rt.build_mesh(plan, device.type)
         if program.get("routing"):  # MoE layers: the expert-parallel and expert-data-parallel groups
             rt.build_expert_mesh(plan, device.type, ranks)
@@ -162,7 +171,8 @@ class Trainer:
         routing it), and the rows dropped by capacity, for the step's log line."""
         if not self.loads:
             return {}
-        return {"expert_load": {k: round(mx / mean, 4) if mean else 0.0 for k, (mx, mean) in self.loads.items()}}
+        out = {"expert_load": {k: round(mx / mean, 4) if mean else 0.0 for k, (mx, mean) in self.loads.items()}}
+        return out if self.dropped is None else {**out, "dropped_tokens": self.dropped}
 
     @property
     def first(self) -> bool:
@@ -215,7 +225,17 @@ class Trainer:
         self.optim.step()
         if self.program.get("routing"):  # MoE: routing biases nudged toward balance, loads for the log
             self.loads = moe.update_biases(self.biases, self.args.balance_gamma)
+            if self.args.capacity_factor is not None:
+                self.dropped = dropped_everywhere()
         return mean_loss(losses, self.plan["mesh"]["dp"]) if self.last else None
+
+
+def dropped_everywhere() -> int:
+    """Routed rows dropped by the capacity since the last call, summed over every rank."""
+    count = torch.tensor([moe.dropped_tokens(reset=True)], dtype=torch.long)
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    return int(count)
 
 
 def mean_loss(losses: list[torch.Tensor], dp: int) -> float:
