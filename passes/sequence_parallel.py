@@ -119,7 +119,7 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
             user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _sliced_dim(user), tp
             continue
         if not _per_token(user, node, row):
-            raise _fail(user, f"{_op(user)!r} is not per-token")
+            raise _fail(user, _why_not_per_token(user, row))
         if user.op == "call_module":  # a norm module's parameters see this rank's tokens only
             partial.update(f"{user.target}.{p}" for p, _ in gm.get_submodule(user.target).named_parameters())
         elif row.sp in ("pointwise", "norm"):
@@ -151,6 +151,24 @@ def _per_token(user: fx.Node, sliced: fx.Node, row: ops.OpRule | None) -> bool:
     if kind == "same_shape":
         return user.meta.get("shape") == sliced.meta.get("shape")
     return False
+
+
+def _why_not_per_token(user: fx.Node, row: ops.OpRule | None) -> str:
+    """Why ``user`` cannot run on the slice. A linear layer left whole by tensor parallelism (a
+    router; a low-rank projection before its norm, as in multi-head latent attention) is itself
+    per token, but the slice would then go on past it, into routing (the expert-parallel pass
+    takes every TP rank's whole sequence and splits the routed rows itself) or, for attention's
+    latents, into splits of its features and a rope over the whole sequence's positions, which
+    have no sequence-parallel rules: the slice ends only where a column-parallel matmul's input is
+    gathered."""
+    if row is None or row.tp != "linear":
+        return f"{_op(user)!r} is not per-token"
+    if user.meta.get("op_class") == "router":
+        return "it is a MoE router, and expert parallelism routes the whole sequence of each TP rank"
+    return (
+        "a linear layer that tensor parallelism leaves whole (not column-parallel) would carry the slice on past "
+        "it, and sequence parallelism ends a slice only at a column-parallel input"
+    )
 
 
 def no_tp_all_reduce_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:

@@ -132,3 +132,23 @@ def test_an_op_across_the_sequence_is_refused():
         _tp_sp(Tiny(cumsum=True))
     assert (e.value.axis, e.value.value) == ("sp", True)
     assert "test_sequence_parallel.py:" in str(e.value)
+
+
+class LowRank(nn.Module):
+    """A low-rank projection normalised over its own features before the column matmul (MLA's
+    q_a_proj and q_a_layernorm): tensor parallelism leaves it whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.low, self.ffn = RMS(64), nn.Linear(64, 16, bias=False), FFN()
+        self.ffn.fc1 = nn.Linear(16, 64, bias=False)
+
+    def forward(self, x):
+        return x + self.ffn(nn.functional.rms_norm(self.low(self.norm(x)), (16,)))
+
+
+def test_a_linear_left_whole_on_the_slice_is_refused_with_why():
+    model = Tiny()
+    model.layers = nn.ModuleList(LowRank() for _ in range(2))
+    with pytest.raises(Refusal, match=r"a linear layer that tensor parallelism leaves whole \(not column-parallel\)"):
+        _tp_sp(model)
