@@ -478,3 +478,46 @@ def test_batched_experts_cost_as_the_grouped_form(arch, experts):
     assert b.bytes_pointwise.subs(at) <= g.bytes_pointwise.subs(at)
     # the rest (norms, attention, casts) within 2% of the whole forward
     assert abs(b.flops.subs(at) - g.flops.subs(at)) <= 0.02 * g.flops.subs(at)
+
+
+def test_a_loop_over_data_dependent_expert_ids_names_the_module_and_the_fix():
+    """transformers' eager experts loop over ``nonzero`` of the experts hit: no tracer unrolls
+    that; the error names the module and line, and the implementation that captures."""
+    pytest.importorskip("transformers")
+    with pytest.raises(AutoshardError) as e:
+        capture_file(str(MODELS / "hf_moe.py"), "mixtral-eager", 32)
+    message = str(e.value)
+    assert message.startswith("cannot trace model.layers.0.mlp.experts (MixtralExperts, modeling_mixtral.py:")
+    assert "`for expert_idx in expert_hit:` is a Python loop over data-dependent ids" in message
+    assert 'config._experts_implementation = "grouped_mm"' in message and "\n" not in message
+
+
+def test_a_loop_over_data_dependent_ids_in_any_model_names_its_module(tmp_path):
+    f = tmp_path / "hit.py"
+    f.write_text(
+        "import torch\n"
+        "class Hits(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.proj = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        out = torch.zeros_like(x)\n"
+        "        for i in (x.sum(-1) > 0).flatten().nonzero():\n"
+        "            out = out + self.proj(x) * i\n"
+        "        return out\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = torch.nn.Embedding(10, 4)\n"
+        "        self.hits = Hits()\n"
+        "        self.head = torch.nn.Linear(4, 10)\n"
+        "    def forward(self, tokens):\n"
+        "        return self.head(self.hits(self.emb(tokens)))\n"
+        "def build(config=None):\n"
+        "    return M()\n"
+        "def sample_inputs(config, batch, seq):\n"
+        "    return (torch.zeros(batch, seq, dtype=torch.long),)\n"
+    )
+    with pytest.raises(AutoshardError, match=r"^cannot trace hits \(Hits, hit\.py:8\): `for i in") as e:
+        capture_file(str(f), None, 16)
+    assert "transformers" not in str(e.value) and "\n" not in str(e.value)

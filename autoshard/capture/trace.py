@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import linecache
 import logging
 import os
 import sys
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autoshard import modelfile
 from autoshard.capture import repeat
@@ -79,7 +81,8 @@ def trace(model: nn.Module, inputs: tuple, loss=None, source: str | None = None)
             try:
                 return _export(wrapper, inputs, model), "export", names
             except Exception as export_error:
-                raise AutoshardError(_trace_failure(fx_error, export_error, source)) from export_error
+                message = _data_dependent_loop(export_error, model) or _trace_failure(fx_error, export_error, source)
+                raise AutoshardError(message) from export_error
 
 
 @contextlib.contextmanager
@@ -200,3 +203,40 @@ def _trace_failure(fx_error: Exception, export_error: Exception, source: str | N
         f"(torch.fx: {modelfile._first_line(fx_error)}); make that code shape-static or "
         "data-independent"
     )
+
+
+def _data_dependent_loop(error: Exception, model: nn.Module) -> str | None:
+    """The error for a Python loop over a tensor whose length only the data decides (``for e in
+    expert_hit:``, the ids of the experts a routing hit, as ``nonzero`` gives them): no tracer can
+    unroll it. It names the module whose code loops, the line, and the forms that do capture.
+    None when ``error`` is not a data-dependent guard raised by iterating a tensor."""
+    if not isinstance(error, GuardOnDataDependentSymNode):
+        return None
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    iterating = [i for i, (f, _) in enumerate(frames) if f.f_code.co_name == "__iter__" and _torch_tensor_file(f)]
+    if not iterating or iterating[0] == 0:
+        return None
+    frame, line = frames[iterating[0] - 1]
+    names = {id(m): name for name, m in model.named_modules()}
+    owner = frame.f_locals.get("self")
+    where = f"{os.path.basename(frame.f_code.co_filename)}:{line}"
+    module = f"{names[id(owner)] or 'the model'} ({type(owner).__name__}, {where})" if id(owner) in names else where
+    code = linecache.getline(frame.f_code.co_filename, line).strip()
+    config = getattr(model, "config", None)
+    option = (
+        ' (transformers: config._experts_implementation = "grouped_mm")'
+        if hasattr(config, "_experts_implementation")
+        else ""
+    )
+    return (
+        f"cannot trace {module}: `{code}` is a Python loop over data-dependent ids (a tensor whose length "
+        "only the data decides); loop over every expert instead (for i in range(num_experts), each taking "
+        f"its tokens with torch.where) or run the experts as grouped GEMMs over stacked weights{option}"
+    )
+
+
+def _torch_tensor_file(frame) -> bool:
+    return os.path.normpath(frame.f_code.co_filename).endswith(os.path.join("torch", "_tensor.py"))
