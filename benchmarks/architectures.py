@@ -5,6 +5,9 @@ reason compile refused (a refusal the planner knows) or verify failed.
 
     python benchmarks/architectures.py                      # the full matrix (about 30 min here)
     python benchmarks/architectures.py --arch qwen3,gpt2 --case tp2-sp
+    python benchmarks/architectures.py --moe                # the MoE matrix (tests/models/hf_moe.py):
+                                                            # EP layouts of the bundled DeepSeek-V3 and
+                                                            # transformers' DeepseekV3 / Mixtral, 3 steps
 """
 
 from __future__ import annotations
@@ -24,18 +27,21 @@ sys.path.insert(0, str(ZOO.parent))
 SEQ, BATCH, STEPS = 32, 8, 2
 
 
-def run_case(arch: str, case: str, work: Path) -> tuple[str, str]:
+def run_case(arch: str, case: str, work: Path, zoo=None, steps: int = STEPS) -> tuple[str, str]:
     """``(status, detail)``: status is ok, refused (compile said no) or FAIL (verify differed or
-    the program crashed)."""
+    the program crashed). ``zoo``: the module naming the models and layouts (``hf_zoo``; for
+    ``hf_moe`` its ``MODELS`` give each model's file and config)."""
     import hf_zoo
 
     from autoshard.cli import main
     from autoshard.errors import AutoshardError
     from autoshard.verify import verify
 
-    gpus, pins = hf_zoo.LAYOUTS[case]
-    out = work / f"{arch}-{case}"
-    args = ["compile", str(ZOO), "--config", arch, "--hardware", "cpu", "--gpus", str(gpus)]
+    zoo = zoo or hf_zoo
+    gpus, pins = zoo.LAYOUTS[case]
+    path, config = (ROOT / zoo.MODELS[arch][0], zoo.MODELS[arch][1]) if hasattr(zoo, "MODELS") else (ZOO, arch)
+    out = work / f"{arch}-{case}".replace(" ", "_")
+    args = ["compile", str(path), "--config", config, "--hardware", "cpu", "--gpus", str(gpus)]
     args += ["--seq-len", str(SEQ), "--global-batch", str(BATCH), "--force", pins, "-o", str(out)]
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -44,7 +50,7 @@ def run_case(arch: str, case: str, work: Path) -> tuple[str, str]:
         return "refused", err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else f"exit {rc}"
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            result = verify(out, steps=STEPS, tolerance=1e-5, timeout=240)
+            result = verify(out, steps=steps, tolerance=1e-5, timeout=240)
     except AutoshardError as e:
         return "FAIL", str(e)[:200]
     if result["ok"]:
@@ -57,18 +63,25 @@ def main(argv: list[str] | None = None) -> int:
     import hf_zoo
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", default=",".join(hf_zoo.ARCHITECTURES))
-    p.add_argument("--case", default=",".join(hf_zoo.LAYOUTS))
+    p.add_argument("--moe", action="store_true", help="the MoE matrix (tests/models/hf_moe.py) instead")
+    p.add_argument("--arch", help="comma-separated models (default: all of the matrix)")
+    p.add_argument("--case", help="comma-separated layouts (default: all)")
     a = p.parse_args(argv)
-    archs, cases = a.arch.split(","), a.case.split(",")
+    zoo = __import__("hf_moe") if a.moe else hf_zoo
+    names = zoo.MODELS if a.moe else zoo.ARCHITECTURES
+    archs = a.arch.split(",") if a.arch else list(names)
+    cases = a.case.split(",") if a.case else list(zoo.LAYOUTS)
+    steps = 3 if a.moe else STEPS  # MoE: three steps, so the routing biases move twice before the last
     table: dict[tuple[str, str], tuple[str, str]] = {}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
             for case in cases:
-                table[arch, case] = run_case(arch, case, Path(tmp))
+                start = time.perf_counter()
+                table[arch, case] = run_case(arch, case, Path(tmp), zoo, steps)
                 status, detail = table[arch, case]
-                print(f"{arch:10s} {case:8s} {status:8s} {detail}", file=sys.stderr, flush=True)
+                took = time.perf_counter() - start
+                print(f"{arch:10s} {case:8s} {status:8s} {took:5.0f} s {detail}", file=sys.stderr, flush=True)
     print(f"\n| architecture | {' | '.join(cases)} |")
     print(f"|---|{'---|' * len(cases)}")
     for arch in archs:

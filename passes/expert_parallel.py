@@ -73,7 +73,8 @@ def _module_path(node: fx.Node) -> str:
 
 
 def _fail(region_or_node, why: str, ep: int) -> Refusal:
-    where = region_or_node.where if isinstance(region_or_node, Region) else region_or_node.name
+    node = region_or_node
+    where = node.where if isinstance(node, Region) else f"{_module_path(node) or 'the model'} ({node.name})"
     return Refusal(f"expert parallelism cannot shard the experts of {where}: {why}; plan with --force ep=1", "ep", ep)
 
 
@@ -103,8 +104,9 @@ def _gemm_parts(gemm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None
     return None
 
 
-def find_regions(gm: fx.GraphModule) -> list[Region]:
-    """Every MoE layer's expert region, in graph order."""
+def find_regions(gm: fx.GraphModule, ep: int | None = None) -> list[Region]:
+    """Every MoE layer's expert region, in graph order. Experts this pass cannot read are refused
+    for ``ep`` (``Refusal``), or, with ``ep=None``, left out."""
     regions: list[Region] = []
     done: set[fx.Node] = set()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -112,12 +114,18 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
         if gemm.meta.get("op_class") != "experts" or gemm in done:
             continue
         parts = _gemm_parts(gemm)
-        if parts is None:
-            raise _fail(gemm, f"{gemm.format_node()} is an expert product this pass does not read", 0)
-        act, weight, offs = parts
-        target = _weight_target(weight)
+        target = _weight_target(parts[1]) if parts is not None else None
         if target is None:
-            raise _fail(gemm, f"the expert weights of {gemm.name} are not a stacked parameter", 0)
+            if ep is None:
+                continue
+            raise _fail(
+                gemm,
+                f"{gemm.format_node()} is an expert product of a kind this pass does not split (it splits "
+                "stacked (E, ., .) weights read by a grouped GEMM over rows sorted by expert, or by a batched "
+                "product over an (E, C, H) buffer)",
+                ep,
+            )
+        act, weight, offs = parts
         experts = int(_param(gm, target).shape[0])
         region = Region("grouped" if offs is not None else "buffer", experts, act, offs, [], [])
         _grow(region, gm, order)
@@ -126,8 +134,11 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
             for n in gm.graph.nodes
             if n.meta.get("op_class") == "experts" and n not in region.members and _shares_inlet(n, region)
         ]
+        if loose and ep is None:
+            done |= set(loose)
+            continue
         if loose:
-            raise _fail(region, f"{loose[0].name} reads the experts' rows together with other tensors", 0)
+            raise _fail(region, f"{loose[0].name} reads the experts' rows together with other tensors", ep)
         done |= set(region.gemms)
         regions.append(region)
     return regions
@@ -219,7 +230,8 @@ def has_experts(gm: fx.GraphModule) -> bool:
 def expert_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Shard every MoE layer's experts over ``ctx.ep`` ranks, each TP rank computing its share of
     the routed tokens (see the module docstring)."""
-    regions = find_regions(gm)
+    # with EP1 (TP only) experts this pass cannot read stay whole on every TP rank, as before it
+    regions = find_regions(gm, ctx.ep if ctx.ep > 1 else None)
     for region in regions:
         if region.experts % ctx.ep:
             raise _fail(region, f"EP{ctx.ep} does not divide its {region.experts} experts", ctx.ep)
@@ -354,8 +366,8 @@ def expert_balance(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     (``ctx.routing``: layer key -> {"experts", "bias"}), for the program's balancing step."""
     for region in find_regions(gm):
         chosen = _selection(region)
-        if chosen is None:
-            raise _fail(region, "the expert ids the router selects were not found", ctx.ep)
+        if chosen is None:  # the loads of a routing this pass does not read are not logged
+            continue
         key = region.where
         with gm.graph.inserting_after(chosen):
             counted = gm.graph.call_function(moe.record_load, (chosen, region.experts, key))

@@ -540,9 +540,9 @@ def save_parameters(
         biases = {e["bias"] for e in getattr(module.stage_file, "ROUTING", {}).values() if e.get("bias")}
         state = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n in biases)]
         for name, p in state:
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p  # collective under FSDP: every rank
             if not (ranks.edp == 0 if name in experts else first_replica):
                 continue  # expert weights: the first of the ranks holding them writes; the rest: the first replica
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
             source = origin.get(name, name)
             value = (full.detach().cpu().clone(), shards.get(source), c)
             if source in out:

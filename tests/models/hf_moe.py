@@ -57,3 +57,32 @@ def build(config: str = "deepseek_v3"):
 def sample_inputs(config: str, batch: int, seq: int) -> tuple:
     name, _ = _parse(config)
     return (torch.randint(0, ARCHITECTURES[name][2]["vocab_size"], (batch, seq)),)
+
+
+# the MoE equivalence matrix (benchmarks/architectures.py --moe runs all of it, tests/test_moe.py
+# the CI subset): the bundled example (its fixed-capacity buffer form) and transformers' grouped
+# experts; layout name -> (gpus, --force pins). EP folds into the stage's tp x cp x dp ranks.
+MODELS = {
+    "deepseek_v3 (example)": ("examples/deepseek_v3.py", "tiny"),
+    "deepseek_v3": ("tests/models/hf_moe.py", "deepseek_v3"),
+    "mixtral": ("tests/models/hf_moe.py", "mixtral"),
+}
+LAYOUTS = {
+    "ep2": (2, "ep=2,dp=2"),
+    "ep4": (4, "ep=4,dp=4"),
+    "ep2-pp2": (4, "ep=2,dp=2,pp=2,schedule=1f1b"),
+    "ep2-tp2": (4, "ep=2,tp=2,dp=2,sp=off"),  # EP2 over the TP pair, TP2 on attention and dense layers
+    "ep4-tp2dp2": (4, "ep=4,tp=2,dp=2,sp=off"),  # EP4 folded over TP2 x DP2
+    "ep2-zero1": (4, "ep=2,dp=4,zero=1"),
+    "ep2-zero3": (4, "ep=2,dp=4,zero=3"),
+}
+# every layout once, every model at least twice
+CI_SUBSET = [
+    ("deepseek_v3 (example)", "ep2-pp2"),
+    ("deepseek_v3 (example)", "ep4-tp2dp2"),
+    ("deepseek_v3 (example)", "ep2-zero3"),
+    ("deepseek_v3", "ep2-tp2"),
+    ("deepseek_v3", "ep4"),
+    ("mixtral", "ep2"),
+    ("mixtral", "ep2-zero1"),
+]
