@@ -358,6 +358,9 @@ def test_naive_moe_inspects_with_balanced_routing_flops(capsys):
     assert sympy.expand(a.flops_experts - mlp_slots) == 0 and a.flops_by_class["experts"] == a.flops_experts
     assert a.flops_by_class["router"] == 2 * 64 * 4 * B * S
     assert moe_cost.facts["experts"] == 4 and a.params_experts == 4 * 2 * 64 * 96
+    # every expert's up and down projection, nothing past the combine (the next layer's attention)
+    experts = {n.meta["module_path"] for n in moe.graph_module.graph.nodes if n.meta["op_class"] == "experts"}
+    assert experts == {f"layers.{i}.ffn.experts.{e}.{p}" for i in range(2) for e in range(4) for p in ("up", "down")}
     # grouped as one product of the 4 experts' rows per projection, as a grouped GEMM runs them
     assert sorted((g.batch, g.n, g.k) for g in a.gemms if g.experts) == [(4, 64, 96), (4, 96, 64)]
     ep = [c for c in a.collectives if c.axis == "ep"]  # each expert's tokens dispatched: 2 slots of 64
