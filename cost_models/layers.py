@@ -231,11 +231,14 @@ class LayerCosts:
                     t_tp += comm.all_reduce(nbytes, where_tp.placement(), hw)
             elif coll.axis == "ep" and ep > 1:
                 # one dispatch of the routed tokens (x top-k x hidden), each TP rank its share,
-                # and its combine, the same size; backward sends their gradients the other way
+                # and its combine, the same size, forward; backward, the combine's gradient goes
+                # the dispatch's way and the dispatch's gradient the combine's. With FP8 matmuls
+                # both dispatch-way transfers go in FP8, both combines in bf16 (DeepSeek-V3,
+                # arXiv 2412.19437 section 3.3.2)
                 local = nbytes / tp
-                dispatch = local / 2 if fp8 else local  # DeepSeek-V3 dispatches in FP8, the rest in bf16
+                dispatch = local / 2 if fp8 else local
                 place = where_ep.placement()
-                t_ep += comm.all_to_all(dispatch, place, hw) + 3 * comm.all_to_all(local, place, hw)
+                t_ep += 2 * (comm.all_to_all(dispatch, place, hw) + comm.all_to_all(local, place, hw))
                 transient = max(transient, 2 * local)
         if ep > 1 and tp > 1 and not sp and blk.params_experts:
             # Without SP the tokens entering the experts are replicated over TP: the EP pass takes
