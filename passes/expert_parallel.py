@@ -28,6 +28,9 @@ then ``reduce_from_tp``): experts compute each token once, wherever the EP group
 forward (``rt.moe_record_load`` on the selected expert ids) and finds the layer's routing bias: a
 buffer added to the router scores that reaches only the choice of experts, never the gates
 (DeepSeek-V3's auxiliary-loss-free balancing); the training program updates it after each step.
+It also puts ``rt.moe_balance_loss`` on the routed rows, with the router's affinities and choice:
+the identity unless the program is run with a balance loss (``train.py --aux-loss``), which it then
+attaches there, on whichever pipeline stage holds the layer.
 """
 
 from __future__ import annotations
@@ -375,6 +378,16 @@ def expert_balance(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         for u in [u for u in chosen.users if u is not counted]:
             u.args = _swap_args(u.args, {chosen: counted})
             u.kwargs = _swap_args(u.kwargs, {chosen: counted})
+        scores = _affinities(chosen, region.experts)
+        if scores is not None:  # where the program's optional balance loss attaches (identity by default)
+            with gm.graph.inserting_after(region.inlet):
+                attached = gm.graph.call_function(
+                    moe.balance_loss, (region.inlet, scores, counted, region.experts, ctx.seq, key)
+                )
+            place(attached, region.inlet, region.inlet)
+            for u in [u for u in region.inlet.users if u is not attached]:
+                u.args = _swap_args(u.args, {region.inlet: attached})
+                u.kwargs = _swap_args(u.kwargs, {region.inlet: attached})
         bias = _routing_bias(gm, chosen, region.experts)
         ctx.routing[key] = {
             "experts": region.experts,
@@ -435,6 +448,23 @@ def _is_topk_indices(node: fx.Node, experts: int) -> bool:
         return False
     shape = src.args[0].meta.get("shape") if isinstance(src.args[0], fx.Node) else None
     return bool(shape) and shape[-1] == experts
+
+
+def _affinities(chosen: fx.Node, experts: int) -> fx.Node | None:
+    """The router's token-to-expert affinities the choice is made from: the nearest sigmoid or
+    softmax over the ``E`` experts above the top-k."""
+    frontier, seen = [chosen.args[0]], set()
+    while frontier:
+        n = frontier.pop(0)
+        for a in n.all_input_nodes:
+            if a in seen or a.meta.get("op_class") == "router":
+                continue
+            seen.add(a)
+            shape = a.meta.get("shape") or ()
+            if a.meta.get("op") in ("sigmoid", "softmax", "_softmax") and shape and shape[-1] == experts:
+                return a
+            frontier.append(a)
+    return None
 
 
 def _routing_bias(gm: fx.GraphModule, chosen: fx.Node, experts: int) -> str | None:

@@ -17,7 +17,7 @@ mixture of experts (``autoshard.runtime.moe``)
     ``moe_combine`` (dropless all-to-all over the EP group, counts first), ``moe_dispatch_buffer`` /
     ``moe_combine_buffer`` (fixed-capacity buffers), ``moe_tp_share`` / ``moe_tp_unshare`` and their
     ``_buffer`` forms (each TP rank's share of the routed rows), ``moe_record_load`` (expert loads
-    for balancing).
+    for balancing), ``moe_balance_loss`` (an optional balance loss attached to the routed rows).
 attention and graph helpers
     ``fused_attention`` (Triton FlashAttention on CUDA, SDPA elsewhere), ``size_of``.
 process groups (set once by the training program from its device mesh)
@@ -43,6 +43,7 @@ from autoshard.runtime.collectives import (
 )
 from autoshard.runtime.context import cp_attention, cp_cross_entropy, cp_positions, cp_shard
 from autoshard.runtime.groups import set_groups, tp_group, tp_rank, tp_size
+from autoshard.runtime.moe import balance_loss as moe_balance_loss
 from autoshard.runtime.moe import combine as moe_combine
 from autoshard.runtime.moe import combine_buffer as moe_combine_buffer
 from autoshard.runtime.moe import dispatch as moe_dispatch
@@ -84,6 +85,7 @@ __all__ = [
     "moe_tp_share_buffer",
     "moe_tp_unshare_buffer",
     "moe_record_load",
+    "moe_balance_loss",
     "size_of",
     "set_groups",
     "tp_group",

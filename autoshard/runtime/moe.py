@@ -455,3 +455,64 @@ def tp_unshare_buffer(out: torch.Tensor) -> torch.Tensor:
     slots = out.size(1)
     index = torch.arange(tp_rank() * slots, (tp_rank() + 1) * slots, device=out.device)
     return out.new_zeros(out.size(0), tp * slots, *out.shape[2:]).index_copy(1, index, out)
+
+
+# --- auxiliary balance losses, attached to the routed rows -------------------------------------------
+
+_aux = {"kind": None, "alpha": 0.0, "scale": 1.0}  # the program's setting (train.py --aux-loss)
+
+
+def set_aux_loss(kind: str | None, alpha: float = 0.0, scale: float = 1.0) -> None:
+    """Add a balance loss to every MoE layer's routing: ``"sequence"`` (DeepSeek-V3's
+    sequence-wise loss) or ``"switch"`` (Switch Transformer's), weighted ``alpha``; ``None`` or
+    alpha 0: none (the default). ``scale`` is what the training loss of one micro-batch is scaled
+    by before its backward (1/micro-batches without a pipeline schedule, which scales afterwards)."""
+    if kind not in (None, "sequence", "switch"):
+        raise ValueError(f"unknown balance loss {kind!r}; use sequence or switch")
+    _aux.update(kind=kind, alpha=float(alpha), scale=float(scale))
+
+
+_aux_total: dict[str, float] = {}  # layer -> summed balance-loss values since the last read
+
+
+class _Attach(torch.autograd.Function):
+    """Forward ``x`` unchanged; backward also sends ``scale`` as the gradient of ``aux``: the loss
+    ``aux`` joins the training loss where the layer is, on whichever pipeline stage holds it."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale = scale
+        ctx.aux_shape = aux.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=grad.dtype, device=grad.device), None
+
+
+def balance_loss(
+    rows: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor, experts: int, seq: int, layer: str
+) -> torch.Tensor:
+    """``rows`` (the layer's routed rows) with the program's balance loss of this layer's routing
+    attached (``scores`` ``[T, E]`` the router's affinities, ``indices`` ``[T, k]`` its choice,
+    ``seq`` tokens per sequence); the identity when no balance loss is set."""
+    kind, alpha = _aux["kind"], _aux["alpha"]
+    if kind is None or alpha == 0.0 or not torch.is_grad_enabled():
+        return rows
+    scores = scores.reshape(-1, experts).float()
+    if kind == "sequence":
+        aux = sequence_balance_loss(scores, indices.reshape(scores.size(0), -1), experts, seq, alpha)
+    else:
+        probs = scores / scores.sum(-1, keepdim=True)
+        aux = switch_aux_loss(probs, indices.reshape(scores.size(0), -1), experts, alpha)
+    if not _recomputing():
+        _aux_total[layer] = _aux_total.get(layer, 0.0) + float(aux.detach())
+    return _Attach.apply(rows, aux, _aux["scale"])
+
+
+def balance_losses(reset: bool = True) -> dict[str, float]:
+    """The balance losses this rank's layers added since the last reset (summed over micro-batches)."""
+    out = dict(_aux_total)
+    if reset:
+        _aux_total.clear()
+    return out

@@ -57,6 +57,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         help="MoE: each expert takes at most this times its mean share of a rank's routed tokens at the "
         "expert-parallel dispatch; the rest skip it, counted in the step's log (default: dropless)",
     )
+    p.add_argument(
+        "--aux-loss",
+        choices=["sequence", "switch"],
+        help="MoE: add a balance loss per layer: DeepSeek-V3's sequence-wise one or Switch Transformer's",
+    )
+    p.add_argument("--aux-alpha", type=float, default=1e-4, help="MoE: the balance loss's weight")
     p.add_argument("--loss-log", type=Path, help="append one JSON line per step here")
     p.add_argument("--save-params", type=Path, help="save each rank's parameters here after the last step")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
@@ -139,6 +145,10 @@ class Trainer:
     def build(cls, args: argparse.Namespace, out: Path, plan: dict, program: dict, device: torch.device) -> Trainer:
         # 1. the device mesh: tp innermost (NVLink), then the plan's order outwards
         moe.set_capacity_factor(args.capacity_factor)
+        # a balance loss's gradient is scaled as one micro-batch's loss is before its backward:
+        # by 1/micro-batches here without a pipeline, by the schedule after it with one
+        scale = 1.0 if plan["mesh"]["pp"] > 1 else 1.0 / plan["microbatches"]
+        moe.set_aux_loss(args.aux_loss, args.aux_alpha, scale)
         mesh, ranks = rt.build_mesh(plan, device.type)
         if program.get("routing"):  # MoE layers: the expert-parallel and expert-data-parallel groups
             rt.build_expert_mesh(plan, device.type, ranks)

@@ -107,8 +107,14 @@ def test_the_routing_bias_is_the_buffer_that_only_steers_the_choice(example, mix
     }
     assert all(v["top_k"] == 2 and v["experts"] == 8 for v in ctx.routing.values())
     ctx = RewriteContext()
-    ep_pass.expert_balance(copy.deepcopy(mixtral), ctx)
+    gm = copy.deepcopy(mixtral)
+    ep_pass.expert_balance(gm, ctx)
     assert [v["bias"] for v in ctx.routing.values()] == [None, None]  # Mixtral routes without a bias
+    # the optional balance loss reads the router's softmax and its choice, on the routed rows
+    attached = _calls(gm, moe.balance_loss)
+    assert [a.args[1].meta["op"] for a in attached] == ["softmax", "softmax"]
+    assert all(a.args[2].target is moe.record_load for a in attached)
+    assert all(any(u.target is moe.grouped_mm for u in a.users) for a in attached)
 
 
 class _GateBias(nn.Module):

@@ -313,3 +313,52 @@ def test_bias_updates_alone_balance_a_skewed_router():
         assert not torch.equal(unbiased.route(torch.sigmoid(unbiased.gate(x))), chosen)  # the bias did steer
         unbiased.route = lambda scores: chosen
         torch.testing.assert_close(layer(x), unbiased(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "switch"])
+def test_a_balance_loss_joins_the_training_loss_where_the_layer_is(kind):
+    """``balance_loss`` leaves the rows as they are and adds ``scale`` x the layer's balance loss
+    to the gradient, as if it had been added to the training loss."""
+    torch.manual_seed(0)
+    tokens, hidden, experts, k, seq = 12, 6, 4, 2, 6
+    x = torch.randn(tokens, hidden)
+    router = torch.randn(hidden, experts, requires_grad=True)
+    rows = torch.randn(tokens * k, hidden, requires_grad=True)
+    weight = torch.randn(tokens * k, hidden)
+
+    def run(attach: bool):
+        router.grad = rows.grad = None
+        scores = torch.sigmoid(x @ router)
+        chosen = scores.topk(k, dim=-1)[1]
+        out = moe.balance_loss(rows, scores, chosen, experts, seq, "layer") if attach else rows
+        loss = (out * weight).sum()
+        if not attach:
+            probs = scores / scores.sum(-1, keepdim=True)
+            aux = (
+                moe.sequence_balance_loss(scores, chosen, experts, seq, 0.1)
+                if kind == "sequence"
+                else moe.switch_aux_loss(probs, chosen, experts, 0.1)
+            )
+            loss = loss + 0.5 * aux
+        loss.backward()
+        return router.grad.clone(), rows.grad.clone()
+
+    try:
+        moe.set_aux_loss(kind, 0.1, scale=0.5)
+        attached = run(True)
+        moe.set_aux_loss(None)
+        explicit = run(False)
+    finally:
+        moe.set_aux_loss(None)
+    assert torch.allclose(attached[0], explicit[0], atol=1e-6)
+    assert torch.equal(attached[1], explicit[1])
+    assert attached[0].abs().sum() > 0  # the balance loss reached the router
+    assert moe.balance_losses()["layer"] > 0
+
+
+def test_no_balance_loss_by_default_leaves_the_router_gradient_alone():
+    scores = torch.rand(4, 4, requires_grad=True)
+    rows = torch.randn(8, 3, requires_grad=True)
+    out = moe.balance_loss(rows, scores, scores.topk(2)[1], 4, 4, "layer")
+    out.sum().backward()
+    assert out is rows and scores.grad is None
