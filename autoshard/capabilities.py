@@ -39,6 +39,15 @@ def _selective(recompute: frozenset, every: frozenset) -> bool:
 
 EMIT_LIMITS: tuple[Limit, ...] = (
     Limit(
+        "expert tensor parallelism",
+        ("etp",),
+        lambda etp: etp > 1,
+        lambda etp: (
+            f"expert tensor parallelism (ETP{etp}) is not emitted: the expert-parallel pass keeps each "
+            "expert's weights whole (ETP1) and shares the routed rows among TP ranks instead; use --force etp=1"
+        ),
+    ),
+    Limit(
         "FP8 matmuls",
         ("fp8",),
         lambda fp8: fp8,
@@ -103,6 +112,7 @@ def plan_fields(plan) -> dict:
         "pp": m.pp,
         "cp": m.cp,
         "ep": m.ep,
+        "etp": getattr(m, "etp", 1),
         "dp": m.dp,
         "dpcp": m.dp * m.cp,
         "zero": plan.zero_stage,

@@ -256,6 +256,12 @@ RULES: dict[str, OpRule] = {
     # collectives the passes insert
     **_rows("copy_to_tp reduce_from_tp gather_from_sp reduce_scatter_to_sp scatter_to_sp", _COLLECTIVE),
     **_rows("gather_tokens reduce_scatter_tokens", _COLLECTIVE),
+    # mixture of experts (inserted by passes/expert_parallel.py): the EP all-to-alls and the TP
+    # shares of the routed rows (priced with the experts, from their dispatch: LayerCosts), the
+    # balancing hooks (identities on the routing)
+    **_rows("dispatch combine dispatch_buffer combine_buffer", _COLLECTIVE),
+    **_rows("tp_share tp_unshare tp_share_buffer tp_unshare_buffer", _COLLECTIVE),
+    **_rows("record_load balance_loss", _VIEW),
 }
 
 # Modules torch.fx keeps as leaves (torch.nn's own), by class name.

@@ -28,6 +28,7 @@ def _blocking_value(key: str):
     split = next(n for n, s in SCHEDULES.items() if s.split_backward)
     return {
         "ep": 8,
+        "etp": 2,
         "fp8": True,
         "zero": 3,
         "schedule": split,
@@ -44,12 +45,17 @@ def test_limits_read_only_fields_a_plan_has():
         assert set(limit.reads) <= set(fields), limit.name
 
 
-def test_the_published_deepseek_plan_is_not_emitted_yet_for_its_experts_and_fp8():
+def test_the_published_deepseek_plan_is_not_emitted_yet_for_its_fp8_only():
     plan = _plan("deepseek_v3_671b_2k_h800")
     assert plan.mesh.ep > 1 and plan.precision["fp8_matmuls"]
-    reasons = capabilities.refusals(plan)
-    assert len(reasons) == 2
-    assert "expert parallelism" in reasons[0] and "FP8" in reasons[1]
+    reasons = capabilities.refusals(plan)  # its expert parallelism is emitted
+    assert len(reasons) == 1 and "FP8" in reasons[0]
+
+
+def test_expert_tensor_parallelism_is_not_emitted():
+    plan = _plan("deepseek_v3_671b_2k_h800")
+    plan.mesh.etp = 2
+    assert any("ETP2" in r for r in capabilities.refusals(plan))
 
 
 @pytest.mark.parametrize("name", ["llama3_405b_8k_h100", "llama3_405b_131k_h100"])
