@@ -21,6 +21,7 @@ constants) with ``region`` and ``layer`` on every node, and reads ``ctx.stage_la
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -64,9 +65,23 @@ def _input_device(node: fx.Node) -> bool:
     )
 
 
+_SCALAR_OPS = {operator.mul, operator.add, operator.sub, operator.floordiv, operator.neg}
+
+
+def _input_arith(node: fx.Node) -> bool:
+    """Integer arithmetic over model input sizes (``b * s`` for flattening tokens into rows, as
+    transformers' MoE blocks compute it once for all layers): recomputed wherever it is read,
+    never handed between chunks (a pipeline stage sends tensors only)."""
+    if node.op != "call_function" or node.target not in _SCALAR_OPS:
+        return False
+    args = [a for a in node.args if isinstance(a, fx.Node)]
+    return bool(args) and all(_input_meta(a) for a in args) and all(isinstance(a, (fx.Node, int)) for a in node.args)
+
+
 def _input_meta(node: fx.Node) -> bool:
-    """A read of a model input's size or device: recomputed wherever it is read."""
-    return _input_size(node) or _input_device(node)
+    """A read of a model input's size or device, or arithmetic on its sizes: recomputed wherever
+    it is read."""
+    return _input_size(node) or _input_device(node) or _input_arith(node)
 
 
 def _names(gm: fx.GraphModule) -> dict[int, list[str]]:
@@ -256,7 +271,10 @@ def _subgraph(gm, inputs, body, outputs, name, held: dict[str, str]) -> fx.Graph
             env[a] = graph.get_attr(held.get(a.target, a.target))
             env[a].meta = dict(a.meta)
         if a not in env and _input_meta(a):
-            if a.args[0] in env:
+            if _input_arith(a):  # recomputed here: belongs to no layer of this chunk
+                env[a] = graph.node_copy(a, lookup)
+                env[a].meta.pop("layer", None)
+            elif a.args[0] in env:
                 env[a] = graph.node_copy(a, lambda x: env[x])
             elif _input_device(a):
                 env[a] = _device_from_inputs(graph, env, a, name)

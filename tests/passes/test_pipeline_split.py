@@ -143,3 +143,37 @@ def test_stage_layers_that_do_not_cover_the_model_are_refused():
     _, cap = _captured("llama3")
     with pytest.raises(AutoshardError, match="stage_layers hold 1 layers"):
         pipeline_split(cap.graph_module, RewriteContext(stage_layers=(1,)))
+
+
+class _RowsOnce(torch.nn.Module):
+    """Computes ``b * s`` once and flattens tokens into rows with it in every layer (as
+    transformers' MoE blocks do): an int no pipeline stage may send."""
+
+    def __init__(self, layers: int = 2, hidden: int = 8):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, hidden)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, 16)
+
+    def forward(self, tokens):
+        rows = tokens.size(0) * tokens.size(1)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x.reshape(rows, -1)).reshape(x.shape)
+        return self.head(x)
+
+
+def test_arithmetic_on_input_sizes_is_recomputed_not_handed_on():
+    torch.manual_seed(0)
+    model = _RowsOnce()
+    gm = capture(model, (tokens(),), loss=loss).graph_module
+    ctx = RewriteContext(stage_layers=(1, 1))
+    pipeline_split(gm, ctx)
+    assert chunks_chained(gm, ctx) is None
+    first, second = ctx.split.chunks
+    handed = [n for n in second.graph.nodes if n.op == "placeholder"]
+    assert all(n.meta.get("shape") is not None for n in handed), [n.name for n in handed]  # tensors only
+    inputs = tokens()
+    hidden = first(inputs)
+    logits = second(*hidden) if isinstance(hidden, tuple) else second(hidden)
+    assert torch.allclose(ctx.split.loss(logits, inputs), loss(model(inputs), inputs))
