@@ -66,6 +66,7 @@ MODELS = {
     "deepseek_v3 (example)": ("examples/deepseek_v3.py", "tiny"),
     "deepseek_v3": ("tests/models/hf_moe.py", "deepseek_v3"),
     "mixtral": ("tests/models/hf_moe.py", "mixtral"),
+    "qwen3_moe": ("tests/models/hf_moe.py", "qwen3_moe"),
 }
 LAYOUTS = {
     "ep2": (2, "ep=2,dp=2"),
