@@ -14,6 +14,7 @@ from autoshard.plan import Mesh, Plan
 from autoshard.planner import Problem, parse_force
 from autoshard.planner.candidates import Candidate, check_problem, meshes
 from autoshard.planner.costs import placements
+from autoshard.runtime.program import stage_positions
 
 from conftest import captured
 
@@ -36,18 +37,6 @@ def test_ep_folds_over_tensor_parallel_ranks_too(tiny):
         assert tiny.facts["experts"] % ep == 0 and (tp * cp * dp) % ep == 0
 
 
-def _stage_ranks(sizes: dict, order: list[str]) -> list[int]:
-    """Global ranks of pipeline stage 0's tp x cp x dp positions, in the folding's order."""
-    stride, strides = 1, {}
-    for axis in order:
-        strides[axis] = stride
-        stride *= sizes[axis]
-    ranks = [0]
-    for axis in (a for a in order if a != "pp"):
-        ranks = [r + i * strides[axis] for i in range(sizes[axis]) for r in ranks]
-    return ranks
-
-
 def _layout(ranks: list[int], domain: int) -> tuple[int, int, int]:
     per = {}
     for r in ranks:
@@ -64,10 +53,13 @@ def _layout(ranks: list[int], domain: int) -> tuple[int, int, int]:
         (4, 2, 2, 16, 8, ("cp", "tp", "dp", "pp")),
     ],
 )
-def test_expert_groups_sit_where_the_folded_ranks_are(tp, pp, cp, ep, dp, order):
+def test_expert_groups_sit_where_the_program_builds_them(tp, pp, cp, ep, dp, order):
+    """The cost model's EP and EDP groups span the NVLink domains that the emitted program's
+    groups (``runtime.program.stage_positions``: EP = ep consecutive positions) span."""
     c = Candidate(tp, pp, cp, ep, dp, 1, False, "flash", frozenset(), order=order)
     where = placements(c, order, H100)
-    ranks = _stage_ranks({"tp": tp, "pp": pp, "cp": cp, "dp": dp}, list(order))
+    mesh = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp": dp, "order": list(order)}
+    ranks = stage_positions({"mesh": mesh, "gpus": tp * pp * cp * dp})[0].tolist()
     d = H100.nvlink_domain
     got = lambda w: (w.size, w.per_domain, w.domains)  # noqa: E731
     assert got(where["ep"]) == _layout(ranks[:ep], d)
