@@ -7,7 +7,8 @@ against a loop over experts (one GPU).
 CPU. Each form of benchmarks/moe_models.py (``deepseek``: the bundled example's fixed-capacity
 buffers, dispatched by ``rt.moe_dispatch_buffer``; ``mixtral``: transformers' grouped-GEMM experts,
 dispatched dropless by ``rt.moe_dispatch``) is compiled for 4 processes with ``--force ep=K,dp=4``,
-K = 1, 2, 4: the same model and global batch (8 x 256 tokens), fp32, gloo, one thread per process.
+K = 1, 2, 4: the same model, weights (``--init-from-model``) and global batch (8 x 256 tokens),
+fp32, gloo, one thread per process; the last step's loss, printed, agrees across the cases.
 Each round runs EP1, EP2 and EP4 back to back, so the cases share the noisy machine; a case's
 step time is the median over its steps after the first two of every run (warm-up), and EPK/EP1
 is the ratio of those medians. The runs set ``AUTOSHARD_MOE_TIMING=1`` (autoshard/runtime/moe.py):
@@ -81,7 +82,7 @@ def worker(out: Path, steps: int) -> None:
         return plain(step, loss, seconds, log, {**(extra or {}), "moe_seconds": moe.timings(reset=True)})
 
     trainer.record = record
-    trainer.main(out, ["--steps", str(steps)])
+    trainer.main(out, ["--steps", str(steps), "--init-from-model"])  # every case from the same weights
 
 
 def share(line: dict) -> float:
