@@ -124,7 +124,7 @@ class LayerCosts:
         """(forward time, column-parallel part) of the block's dense GEMMs (``experts`` False) or
         of its routed-expert GEMMs (True, the only ones EP changes)."""
         blk = self.block(block)
-        hw, sl, sp = self.hw, self.seq / cp, tp > 1 and self.sp
+        hw, sl = self.hw, self.seq / cp
         total = column = 0.0
         for g, mfn in zip(blk.gemms, blk._compiled["gemm_m"]):
             if g.experts != experts:
@@ -133,10 +133,10 @@ class LayerCosts:
             n, k, batch = g.n, g.k, g.batch
             if g.experts:
                 # Experts keep whole weights (expert TP = 1). The routed tokens are split among
-                # the TP ranks: SP splits them, and without it the EP pass does before dispatch
-                # (``comm``). Each rank holds batch/ep experts, each receiving tokens from ep
-                # ranks. Without EP and SP no pass splits them: each TP rank runs all its tokens.
-                m = m / tp * ep if sp or ep > 1 else m
+                # the TP ranks: SP splits them, and without it the expert-parallel pass gives each
+                # TP rank its share of every expert's rows (with or without EP; ``comm``). Each
+                # rank holds batch/ep experts, each receiving tokens from ep ranks.
+                m = m / tp * ep
                 batch = batch / ep
             elif g.role in ("column", "vocab"):
                 n = n / tp
@@ -213,9 +213,10 @@ class LayerCosts:
         sl = s / cp
         sp = tp > 1 and self.sp
         t_tp = t_ep = regather = scatter = 0.0
-        transient = 0.0
+        transient = routed = 0.0
         for coll, elems_fn in blk._compiled["collectives"]:
             nbytes = 2 * float(elems_fn(mbs, sl))
+            routed += nbytes if coll.axis == "ep" else 0.0
             if coll.axis == "tp" and tp > 1:
                 if sp:
                     one = comm.all_gather(nbytes, where_tp.placement(), hw)
@@ -240,12 +241,12 @@ class LayerCosts:
                 place = where_ep.placement()
                 t_ep += 2 * (comm.all_to_all(dispatch, place, hw) + comm.all_to_all(local, place, hw))
                 transient = max(transient, 2 * local)
-        if ep > 1 and tp > 1 and not sp and blk.params_experts:
-            # Without SP the tokens entering the experts are replicated over TP: the EP pass takes
-            # each rank's share before dispatch and all-gathers the combined output, and in
-            # backward gathers the input's gradient (the output's gradient is replicated, so its
-            # share is a slice): two all-gathers of the layer's (tokens, hidden) output
-            t_tp += 2 * comm.all_gather(2 * blk.eval("boundary", mbs, sl), where_tp.placement(), hw)
+        if tp > 1 and not sp and routed:
+            # Without SP the routed rows (tokens x top-k) are the same on every TP rank: the
+            # expert-parallel pass gives each rank its share of every expert's rows and puts the
+            # shares back together by an all-reduce of the rows (zeros outside a rank's share);
+            # backward, the rows' gradient is all-reduced the same way (copy_to_tp before the share)
+            t_tp += 2 * comm.all_reduce(routed, where_tp.placement(), hw)
         t_cp = cp_total = 0.0
         if cp > 1:
             kv_bytes = 2 * blk.eval("kv_elems", mbs, sl)
