@@ -96,12 +96,16 @@ class Bounds:
         else:
             works[False] = works[True]
         if level == 2:
-            shapes = [
-                (sched, v, flight)
-                for sched, v, flight in shapes
-                if runnable(sched.name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp)
-                and self.memory_bound(c, zeros, w0, flight, rc) <= usable
-            ]
+            layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, c.recompute, zeros, m)
+            fitting = self.memo.fitting_shapes.get(layout)
+            if fitting is None:
+                fitting = self.memo.fitting_shapes[layout] = [
+                    (sched, v, flight)
+                    for sched, v, flight in shapes
+                    if runnable(sched.name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp)
+                    and self.memory_bound(c, zeros, w0, flight, rc) <= usable
+                ]
+            shapes = fitting
             if not shapes:
                 return math.inf
         dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros for w in works.values())

@@ -38,6 +38,10 @@ class Memo:
     open_schedule: dict = _table()
     """(ids of the Works by EP overlap, pp, micro-batches, recompute set chosen) -> the least
     m x t_max + bubble over the schedules still open."""
+    fitting_shapes: dict = _table()
+    """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, ZeRO stages, micro-batches) -> the
+    schedule shapes that run with that recompute set and pass the memory bound (memory does not
+    depend on the axis order, so every order's node shares them)."""
     dp_traffic: dict = _table()
     """(tp, pp, cp, ep, dp, zero, layout key) -> data-parallel seconds (after backward, before
     forward, per micro-batch) of all the layers."""
