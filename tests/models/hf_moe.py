@@ -59,7 +59,7 @@ def sample_inputs(config: str, batch: int, seq: int) -> tuple:
     return (torch.randint(0, ARCHITECTURES[name][2]["vocab_size"], (batch, seq)),)
 
 
-# the MoE equivalence matrix (benchmarks/architectures.py --moe runs all of it, tests/test_moe.py
+# the MoE equivalence matrix (benchmarks/architectures.py --moe runs all of it, tests/test_moe_matrix.py
 # the CI subset): the bundled example (its fixed-capacity buffer form) and transformers' grouped
 # experts; layout name -> (gpus, --force pins). EP folds into the stage's tp x cp x dp ranks.
 MODELS = {

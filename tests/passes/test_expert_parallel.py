@@ -2,7 +2,7 @@
 found from what the graph computes, whatever the experts are called or how they are written, and
 rewritten into dispatch -> local experts -> combine; the routing bias is told apart from
 tensors that reach the gates. The programs it emits are verified against one device in
-``tests/test_moe.py``."""
+``tests/test_moe_matrix.py``."""
 
 import importlib
 import operator
