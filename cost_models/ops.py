@@ -794,7 +794,7 @@ def dispatched_experts(node: fx.Node) -> int | None:
     return routed[1] if routed is not None else None
 
 
-def _rows(n: fx.Node):
+def _row_count(n: fx.Node):
     """The leading size of ``n``'s output (of its first output, for a split)."""
     shape = n.meta.get("shape") or (n.meta.get("shapes") or [None])[0]
     return shape[0] if shape else None
@@ -804,13 +804,13 @@ def _expert_work(dispatch: fx.Node, gm: fx.GraphModule, limit: int = 32) -> list
     """The weighted matmuls computing on the rows ``dispatch`` took for one expert: reached from
     it through pointwise ops, views and weighted matmuls that keep those rows, up to where the
     rows are combined (an index_put, index_add or scatter, which carries no values on)."""
-    rows = _rows(dispatch)
+    rows = _row_count(dispatch)
     found, seen, frontier = [], {dispatch}, [dispatch]
     for _ in range(limit):
         nxt = []
         for n in frontier:
             for u in n.users:
-                if u in seen or _rows(u) != rows:
+                if u in seen or _row_count(u) != rows:
                     continue
                 seen.add(u)
                 r = rule_of(u)
