@@ -39,11 +39,12 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from autoshard.cost_models import ops
 from autoshard.passes._graph import place
 from autoshard.passes.contract import Refusal, RewriteContext
+from autoshard.passes.tensor_parallel import ParamShard, _localise, _param
 from autoshard.runtime import collectives, moe
 
 _GROUPED = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
@@ -217,17 +218,8 @@ def _last_dim(node: fx.Node) -> bool:
     return dims is None or all(d == len(node.meta["shape"]) - 1 for d in dims)
 
 
-def _param(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    owner, _, leaf = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, leaf)
-
-
 # ---------------------------------------------------------------------------------------------
 # the rewrite
-
-
-def has_experts(gm: fx.GraphModule) -> bool:
-    return any(n.meta.get("op_class") == "experts" for n in gm.graph.nodes)
 
 
 def expert_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
@@ -285,21 +277,12 @@ def _rewrite(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
         f"ep={ep}, tp={tp}: this rank's experts' rows ({region.experts // ep} of {region.experts} experts)"
     )
     for node in region.members:
-        node.args = _swap_args(node.args, {inlet: rows, region.offs: local_offs})
-        node.kwargs = _swap_args(node.kwargs, {inlet: rows, region.offs: local_offs})
+        node.replace_input_with(inlet, rows)
+        if region.offs is not None:
+            node.replace_input_with(region.offs, local_offs)
     _localise_weights(gm, region, ctx)
     for leaving in sorted(_exits(region), key=lambda n: list(gm.graph.nodes).index(n)):
         _combine(gm, leaving, region, ctx, offs, recv, share)
-
-
-def _swap_args(value, mapping: dict):
-    if isinstance(value, fx.Node):
-        return mapping.get(value, value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_swap_args(v, mapping) for v in value)
-    if isinstance(value, dict):
-        return {k: _swap_args(v, mapping) for k, v in value.items()}
-    return value
 
 
 def _exits(region: Region) -> list[fx.Node]:
@@ -323,24 +306,16 @@ def _combine(gm, leaving: fx.Node, region: Region, ctx: RewriteContext, offs, re
             out = cursor = _call(gm, cursor, moe.tp_unshare_buffer, (out,), leaving)
         out = _call(gm, cursor, collectives.reduce_from_tp, (out,), leaving)
     for u in users:
-        u.args = _swap_args(u.args, {leaving: out})
-        u.kwargs = _swap_args(u.kwargs, {leaving: out})
+        u.replace_input_with(leaving, out)
 
 
 def _localise_weights(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
     """This rank's ``E/ep`` experts of each stacked weight (axis ``ep`` of ``ctx.shards``)."""
-    from autoshard.passes.tensor_parallel import ParamShard
-
     if ctx.ep == 1:
         return
     local = region.experts // ctx.ep
     for target in region.weights:
-        old = _param(gm, target)
-        new = nn.Parameter(torch.empty((local, *old.shape[1:]), dtype=old.dtype, device="meta"), old.requires_grad)
-        for module in gm.modules():
-            for name, p in list(module._parameters.items()):
-                if p is old:
-                    setattr(module, name, new)
+        _localise(gm, target, (local, *_param(gm, target).shape[1:]))
         ctx.shards[target] = ParamShard(0, (region.experts,), 0, axis="ep")
     for node in gm.graph.nodes:  # the weights' views: E -> E/ep in the recorded shapes
         if ops.is_weight(node) and _weight_target(node) in region.weights:
@@ -376,8 +351,7 @@ def expert_balance(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             counted = gm.graph.call_function(moe.record_load, (chosen, region.experts, key))
         place(counted, chosen, chosen)
         for u in [u for u in chosen.users if u is not counted]:
-            u.args = _swap_args(u.args, {chosen: counted})
-            u.kwargs = _swap_args(u.kwargs, {chosen: counted})
+            u.replace_input_with(chosen, counted)
         scores = _affinities(chosen, region.experts)
         if scores is not None:  # where the program's optional balance loss attaches (identity by default)
             with gm.graph.inserting_after(region.inlet):
@@ -386,8 +360,7 @@ def expert_balance(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
                 )
             place(attached, region.inlet, region.inlet)
             for u in [u for u in region.inlet.users if u is not attached]:
-                u.args = _swap_args(u.args, {region.inlet: attached})
-                u.kwargs = _swap_args(u.kwargs, {region.inlet: attached})
+                u.replace_input_with(region.inlet, attached)
         bias = _routing_bias(gm, chosen, region.experts)
         ctx.routing[key] = {
             "experts": region.experts,
@@ -509,4 +482,4 @@ def _ids_or_mask(node: fx.Node) -> bool:
     return isinstance(dtype, torch.dtype) and not dtype.is_floating_point
 
 
-__all__ = ["Region", "find_regions", "has_experts", "expert_parallel", "expert_balance", "no_experts_left_whole"]
+__all__ = ["Region", "find_regions", "expert_parallel", "expert_balance", "no_experts_left_whole"]
