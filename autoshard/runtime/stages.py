@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import sys
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -80,6 +82,66 @@ def slice_full(full: torch.Tensor, spec: tuple, rank: int, tp: int) -> torch.Ten
     piece = view.narrow(dim + index, rank * block, block)
     shape[dim] //= tp
     return piece.reshape(shape)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One hyperrectangle of a rank's piece of a parameter: ``sizes`` elements starting at
+    ``local`` in the piece and at ``full`` in the single-device tensor."""
+
+    local: tuple[int, ...]
+    full: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def piece_blocks(shape: tuple[int, ...], spec: tuple | None, rank: int, size: int) -> list[Block]:
+    """Where rank ``rank``'s piece (``slice_full``) of a tensor of full ``shape`` lies: a list of
+    blocks, each contiguous in every dimension in both the piece and the full tensor. What a
+    checkpoint or a weights file reads and writes of the piece, without materialising the whole."""
+    shape = tuple(shape)
+    if spec is None or size == 1:
+        return [Block((0,) * len(shape), (0,) * len(shape), shape)]
+    dim = spec[0]
+    segments = []  # (local start, full start, length) along dim
+    if len(spec) > 3 and spec[3]:
+        local = full = 0
+        for width in spec[3]:
+            segments.append((local, full + rank * (width // size), width // size))
+            local, full = local + width // size, full + width
+    else:
+        factors, index = spec[1], spec[2]
+        outer = math.prod(factors[:index])
+        inner = math.prod(factors[index + 1 :])
+        block = factors[index] // size * inner
+        for j in range(outer):
+            segments.append((j * block, j * factors[index] * inner + rank * block, block))
+    merged: list[list[int]] = []  # neighbours in both the piece and the full tensor become one
+    for local, full, length in segments:
+        if merged and merged[-1][0] + merged[-1][2] == local and merged[-1][1] + merged[-1][2] == full:
+            merged[-1][2] += length
+        else:
+            merged.append([local, full, length])
+    out = []
+    for local, full, length in merged:
+        at = lambda v: tuple(v if d == dim else 0 for d in range(len(shape)))  # noqa: E731
+        sizes = tuple(length if d == dim else n for d, n in enumerate(shape))
+        out.append(Block(at(local), at(full), sizes))
+    return out
+
+
+def restrict_rows(blocks: list[Block], start: int, stop: int) -> list[Block]:
+    """The blocks of rows ``start:stop`` (dimension 0) of a piece, with local offsets counted
+    from ``start``: what an FSDP shard of the piece holds."""
+    out = []
+    for b in blocks:
+        lo, hi = max(start, b.local[0]), min(stop, b.local[0] + b.sizes[0])
+        if lo >= hi:
+            continue
+        shift = lo - b.local[0]
+        out.append(
+            Block((lo - start, *b.local[1:]), (b.full[0] + shift, *b.full[1:]), (hi - lo, *b.sizes[1:]))
+        )
+    return out
 
 
 def unslice(pieces: list[torch.Tensor], spec: tuple) -> torch.Tensor:
