@@ -511,17 +511,11 @@ def sum_tied_gradients(ties: list[Tie]) -> None:
 
 def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int, data: Path | None = None) -> torch.Tensor:
     """The step's whole batch of token ids, the same on every rank (each takes its DP rows):
-    synthetic tokens from a generator seeded by (seed, step), or windows of a token file (int32
-    little-endian ids) at offsets drawn the same way."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    if data is None:
-        return torch.randint(0, vocab, (batch, seq), generator=gen)
-    count = os.path.getsize(data) // 4
-    if count <= seq:
-        raise ProgramError(f"--data {data}: {count} tokens, fewer than one sequence of {seq}")
-    tokens = torch.from_file(str(data), shared=False, size=count, dtype=torch.int32)  # little-endian hosts
-    starts = torch.randint(0, count - seq, (batch,), generator=gen)
-    return torch.stack([tokens[s : s + seq] for s in starts.tolist()]).long()
+    synthetic tokens seeded by (seed, step), or samples of the token files ``data``
+    (``autoshard.runtime.data``, which says how samples are ordered)."""
+    from autoshard.runtime import data as token_data  # it imports ProgramError from here
+
+    return token_data.global_batch(step, batch, seq, vocab, seed, data)
 
 
 def save_parameters(
