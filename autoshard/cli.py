@@ -96,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_verify)
 
+    p = sub.add_parser("data", parents=[common], help="token files for train.py --data")
+    data = p.add_subparsers(dest="data_command", metavar="COMMAND", required=True, parser_class=_Parser)
+    p = data.add_parser("prepare", parents=[common], help="tokenise text files into one token file")
+    p.add_argument("texts", nargs="+", metavar="TEXT_FILE", help="UTF-8 text files, each one document")
+    p.add_argument("--tokenizer", required=True, help="transformers tokenizer: hub name or local directory")
+    p.add_argument("-o", "--out", required=True, help="token file to write (header format, uint16 or uint32 ids)")
+    eos = p.add_mutually_exclusive_group()
+    eos.add_argument(
+        "--append-eos", dest="append_eos", action="store_true", default=True, help="EOS after each document (default)"
+    )
+    eos.add_argument("--no-eos", dest="append_eos", action="store_false", help="join the documents without EOS")
+    p.add_argument("--split-lines", action="store_true", help="one document per non-blank line")
+    p.set_defaults(run=_data_prepare)
+
     p = sub.add_parser("hardware", parents=[common], help="list hardware profiles")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_hardware)
@@ -198,6 +212,18 @@ def _explain(args) -> int:
     from autoshard.planner.explain import rationale
 
     print(rationale(Plan.load(args.plan)))
+    return 0
+
+
+def _data_prepare(args) -> int:
+    from autoshard.dataprep import prepare
+
+    s = prepare(args.texts, args.tokenizer, args.out, args.append_eos, args.split_lines)
+    files = f"{s['files']} file" + "s" * (s["files"] != 1)
+    print(
+        f"wrote {s['out']}: {files}, {s['documents']} documents, {s['tokens']:,} tokens, "
+        f"{s['dtype']}, vocab {s['vocab']}, {s['seconds']:.1f} s"
+    )
     return 0
 
 
