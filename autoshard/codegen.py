@@ -107,6 +107,9 @@ def program_files(plan: Plan, captured, rebuild) -> dict[str, str]:
         "target": split.target,
         "tied": split.tied,  # parameters held by several chunks or names: one parameter, gradients summed
         "routing": rewritten.routing,  # MoE layer -> experts, top_k, routing bias (balanced after each step)
+        # the single-device state dict's names (``autoshard export`` writes exactly these)
+        "state_dict_keys": [f"model.{k}" for k in captured.model.state_dict()],
+        "peak_flops": _peak_flops(plan),  # per GPU at the plan's compute precision: the step log's MFU
     }
     files["program.json"] = json.dumps(program, indent=2) + "\n"
     files["train.py"] = train_launcher(plan)
@@ -136,6 +139,15 @@ from autoshard.runtime import trainer
 if __name__ == "__main__":
     trainer.main(Path(__file__).resolve().parent, description=__doc__)
 '''
+
+
+def _peak_flops(plan: Plan) -> float | None:
+    from autoshard.cost_models import hardware
+
+    try:
+        return hardware.load(plan.hardware).peak_flops(plan.precision.get("compute", "bf16"))
+    except AutoshardError:  # a profile given as a file that moved since: the log leaves MFU out
+        return None
 
 
 def _stage_inits(captured, origin: dict[str, str]) -> dict | None:

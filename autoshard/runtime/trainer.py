@@ -5,7 +5,10 @@ the same for every plan and reads everything plan-specific from there.
 ``main`` sets up the process group (NCCL on GPUs, gloo on CPUs) and tears it down; ``Trainer.build``
 puts this rank's part of the plan together (mesh, pipeline chunks, precision, data parallelism at
 the plan's ZeRO stage, AdamW, the pipeline schedule); ``Trainer.step`` runs one optimizer step;
-``train`` loops over the steps and prints one JSON line per step (``{"step", "loss", "seconds"}``).
+``train`` loops over the steps up to ``--steps`` (resuming from the newest complete checkpoint in
+``--checkpoint-dir``), sets the learning rate of each step, guards against loss spikes, writes
+checkpoints (``autoshard.runtime.state``) and prints one JSON line per step (``step``, ``loss``,
+``grad_norm``, ``lr``, throughput, MFU, memory, the slowest rank), and a human line on a terminal.
 """
 
 from __future__ import annotations
@@ -13,8 +16,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import io
 import json
+import math
 import os
+import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.runtime import groups, moe
+from autoshard.runtime import groups, moe, state
 from autoshard.runtime import program as rt
 
 
@@ -34,12 +41,38 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p = argparse.ArgumentParser(
         prog="train.py", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--steps", type=int, default=10, help="the step the run ends at (a resumed run continues to it)")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=0, help="steps of linear warm-up to --lr")
+    p.add_argument(
+        "--lr-schedule",
+        choices=["constant", "cosine", "linear"],
+        default="constant",
+        help="after warm-up: constant, or a cosine or linear decay to --min-lr at --steps",
+    )
+    p.add_argument("--min-lr", type=float, default=0.0, help="the decay's final learning rate")
+    p.add_argument(
+        "--max-grad-norm",
+        type=float,
+        help="clip the global gradient norm (over every shard of every parallel dimension) to this",
+    )
+    p.add_argument(
+        "--grad-accum", type=int, default=1, help="global batches per optimizer step (their gradients add up)"
+    )
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--adam-eps", type=float, default=1e-8)
     p.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
-    p.add_argument("--data", type=Path, help="token file (int32 ids); default: synthetic tokens")
+    p.add_argument(
+        "--data",
+        type=Path,
+        help="token file or directory of them (autoshard data prepare; raw int32 files too); default: synthetic",
+    )
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        help="start from real weights: a single-device state dict (safetensors or torch file) or a "
+        "transformers checkpoint directory; each rank reads only its slices",
+    )
     p.add_argument(
         "--init-from-model",
         action="store_true",
@@ -63,7 +96,28 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         help="MoE: add a balance loss per layer: DeepSeek-V3's sequence-wise one or Switch Transformer's",
     )
     p.add_argument("--aux-alpha", type=float, default=1e-4, help="MoE: the balance loss's weight")
-    p.add_argument("--loss-log", type=Path, help="append one JSON line per step here")
+    p.add_argument(
+        "--log-file",
+        "--log",
+        "--loss-log",
+        dest="log",
+        type=Path,
+        help="append each step's JSON line here too (under torchrun write --log-file: torchrun takes --log "
+        "for an abbreviation of its own --log-dir)",
+    )
+    p.add_argument("--checkpoint-dir", type=Path, help="write checkpoints here and resume from the newest complete one")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep (0: all)")
+    p.add_argument(
+        "--checkpoint-sync", action="store_true", help="write checkpoints in the step (default: in the background)"
+    )
+    p.add_argument(
+        "--spike-zscore",
+        type=float,
+        help="a step whose loss is this many standard deviations above the recent window rolls back to the "
+        "newest checkpoint before it and skips the batches since",
+    )
+    p.add_argument("--spike-window", type=int, default=50, help="the loss window of --spike-zscore, steps")
     p.add_argument("--save-params", type=Path, help="save each rank's parameters here after the last step")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before failing")
     p.add_argument(
@@ -78,6 +132,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
 def main(out: Path, argv: list[str] | None = None, description: str | None = None) -> None:
     """Train the program in directory ``out`` on the processes torchrun started."""
     args = parse_args(argv, description)
+    check_args(args)
     plan, program = rt.read_json(out / "plan.json"), rt.read_json(out / "program.json")
     rt.check_program(out, plan, program)
     rt.check_world(plan)
@@ -85,8 +140,14 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    train(args, out, plan, program, device)
+    init_process_group("nccl" if cuda else "gloo", args.timeout)
+    try:
+        train(args, out, plan, program, device)
+    except dist.DistBackendError as e:  # a collective that timed out or lost its peer: name this rank
+        raise rt.ProgramError(
+            f"rank {dist.get_rank()}: a collective failed ({_first_line(e)}); another rank died or hangs, "
+            f"or --timeout {args.timeout:g} s is too short"
+        ) from None
     # FSDP2's and the pipeline schedule's state form reference cycles, so they outlive train()
     # until the next collection. Free them now, while their process groups are alive, rather
     # than during interpreter shutdown, where tearing down gloo work that still holds tensors
@@ -98,15 +159,219 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     dist.destroy_process_group()
 
 
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """One-line errors for flags that cannot work together."""
+    for flag, value in [("--steps", args.steps), ("--grad-accum", args.grad_accum - 1), ("--keep", args.keep)]:
+        if value < 0:
+            raise rt.ProgramError(f"{flag} must not be negative")
+    if args.checkpoint_every < 0:
+        raise rt.ProgramError("--checkpoint-every must not be negative")
+    if args.init_from is not None and args.init_from_model:
+        raise rt.ProgramError("--init-from and --init-from-model both say where weights come from; give one")
+    if args.init_from is not None and not args.init_from.exists():
+        raise rt.ProgramError(f"--init-from {args.init_from}: no such file or directory")
+    if args.spike_zscore is not None and args.checkpoint_dir is None:
+        raise rt.ProgramError("--spike-zscore rolls back to a checkpoint: give --checkpoint-dir too")
+    if args.spike_window < 2:
+        raise rt.ProgramError("--spike-window must be at least 2 steps")
+
+
+def init_process_group(backend: str, timeout: float) -> None:
+    """The default process group. Under torchrun's agent store, each restart's workers use a
+    key prefix of their own (``restart<N>/``): the store outlives a restart, and gloo's
+    rendezvous would otherwise find the dead workers' addresses (pytorch#135712)."""
+    wait = datetime.timedelta(seconds=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=wait)
+        prefixed = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=wait)
+    else:
+        dist.init_process_group(backend, timeout=wait)
+
+
+def learning_rate(args: argparse.Namespace, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): linear warm-up over ``--warmup``
+    steps, then constant or a cosine or linear decay to ``--min-lr`` at ``--steps``."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    if args.lr_schedule == "constant":
+        return args.lr
+    span = max(1, args.steps - args.warmup)
+    t = min(1.0, (step - args.warmup) / span)
+    shape = 0.5 * (1 + math.cos(math.pi * t)) if args.lr_schedule == "cosine" else 1 - t
+    return args.min_lr + (args.lr - args.min_lr) * shape
+
+
 def train(args: argparse.Namespace, out: Path, plan: dict, program: dict, device: torch.device) -> None:
     trainer = Trainer.build(args, out, plan, program, device)
-    for step in range(args.steps):
+    log = StepLog(args.log, plan, program, trainer)
+    run = Run()
+    ckpt = None
+    if args.checkpoint_dir is not None:
+        ckpt = state.Checkpointer(args.checkpoint_dir, args.keep or None, asynchronous=not args.checkpoint_sync)
+        found = _agreed(state.find(args.checkpoint_dir))
+        if found is not None:
+            run = trainer.restore(found)
+            log.event({"event": "resumed", "checkpoint": str(found), "step": run.step, "position": run.position})
+        elif dist.get_rank() == 0:
+            for p in state.remove_incomplete(args.checkpoint_dir):
+                log.event({"event": "removed incomplete checkpoint", "checkpoint": str(p)})
+    fault = Fault.from_env()
+    while run.step < args.steps:
+        step = run.step
+        lr = learning_rate(args, step)
+        trainer.set_lr(lr)
         start = time.perf_counter()
-        loss = trainer.step(step)
-        if loss is not None and trainer.reports:
-            record(step, loss, time.perf_counter() - start, args.loss_log, trainer.expert_load())
+        loss, norm = trainer.step(step, run.position, fault)
+        stats = trainer.gather_stats(loss, time.perf_counter() - start)
+        if args.spike_zscore is not None and run.spike(stats["loss"], args.spike_zscore, args.spike_window):
+            back = _rollback(trainer, ckpt, run, step, log)
+            if back is not None:
+                run = back
+                continue
+        run.advance(stats["loss"], args.grad_accum, args.spike_window)
+        if trainer.reports:
+            log.step(step, stats, norm, lr, trainer.expert_load())
+        if ckpt is not None:
+            ckpt.poll()
+            if args.checkpoint_every and run.step % args.checkpoint_every == 0 and run.step < args.steps:
+                ckpt.save(*trainer.checkpoint(run))
+    if ckpt is not None:
+        if not state.complete(state.step_dir(args.checkpoint_dir, run.step)):
+            ckpt.save(*trainer.checkpoint(run))
+        ckpt.wait()
+        for t in ckpt.timings:
+            log.event({"event": "checkpoint", **t})
     if args.save_params:
         rt.save_parameters(args.save_params, trainer.stages, trainer.ranks, trainer.chunk_ids, program.get("tied", []))
+
+
+def _agreed(path: Path | None) -> Path | None:
+    """Rank 0's answer, on every rank (the ranks may see a shared directory at different moments)."""
+    box = [str(path) if path is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0]) if box[0] is not None else None
+
+
+def _rollback(trainer: Trainer, ckpt, run: Run, step: int, log: StepLog) -> Run | None:
+    """A loss spike at ``step``: back to the newest complete checkpoint before it, skipping the
+    batches read since (PaLM's remedy); None (train on) when there is none."""
+    ckpt.wait()
+    found = [p for s, p in state.checkpoints(ckpt.directory) if s <= step]
+    path = _agreed(found[-1] if found else None)
+    if path is None:
+        log.event({"event": "loss spike, no checkpoint to roll back to", "step": step, "loss": run.last})
+        return None
+    back = trainer.restore(path)
+    end = run.position + trainer.args.grad_accum  # past the batches of the spiking step
+    back.skipped = [*back.skipped, [back.position, end]]
+    log.event(
+        {"event": "loss spike: rolled back", "step": step, "loss": run.last, "to_step": back.step,
+         "skipped_batches": [back.position, end]}
+    )  # fmt: skip
+    back.position = end
+    return back
+
+
+@dataclass
+class Run:
+    """Where training stands: optimizer steps done, global batches read (``position``: a
+    rollback skips some, so it can run ahead of the steps), the recent losses (the spike
+    guard's window) and the batch ranges skipped."""
+
+    step: int = 0
+    position: int = 0
+    window: list[float] = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    last: float | None = None
+
+    def spike(self, loss: float, z: float, size: int) -> bool:
+        """Whether ``loss`` lies more than ``z`` standard deviations above the window's mean
+        (once the window is full)."""
+        self.last = loss
+        if len(self.window) < size:
+            return False
+        w = torch.tensor(self.window, dtype=torch.float64)
+        return loss > float(w.mean()) + z * float(w.std())
+
+    def advance(self, loss: float, accum: int, size: int) -> None:
+        self.step += 1
+        self.position += accum
+        self.window = [*self.window, loss][-size:]
+
+
+class Fault:
+    """Fault injection for recovery tests: ``AUTOSHARD_FAULT=kill:RANK:STEP`` SIGKILLs that
+    rank in the middle of that step (after its backward, before the optimizer step), and
+    ``hang:RANK:STEP`` stops it there for an hour, on a job's first attempt only."""
+
+    def __init__(self, kind: str, rank: int, step: int):
+        self.kind, self.rank, self.step = kind, rank, step
+
+    @classmethod
+    def from_env(cls) -> Fault | None:
+        spec = os.environ.get("AUTOSHARD_FAULT")
+        if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            return None
+        kind, rank, step = spec.split(":")
+        return cls(kind, int(rank), int(step))
+
+    def __call__(self, step: int) -> None:
+        if step != self.step or dist.get_rank() != self.rank:
+            return
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)
+
+
+class StepLog:
+    """The step's JSON line on stdout (and in ``--log``), a human line on a terminal (stderr),
+    and events (resumed, rolled back, checkpoint timings) as JSON lines with an ``event`` key."""
+
+    def __init__(self, path: Path | None, plan: dict, program: dict, trainer: Trainer):
+        self.path = path
+        self.tokens = plan["global_batch"] * plan["seq_len"] * trainer.args.grad_accum
+        flops = plan.get("model", {}).get("training_flops_per_token")
+        peak = program.get("peak_flops")
+        self.flops = flops * self.tokens if flops and peak else None
+        self.peak = (peak or 0) * plan["gpus"]
+        self.tty = sys.stderr.isatty()
+
+    def step(self, step: int, stats: dict, norm: float, lr: float, extra: dict) -> None:
+        seconds = stats["slowest_s"]
+        line = {
+            "step": step, "loss": stats["loss"], "seconds": stats["seconds"], "grad_norm": norm, "lr": lr,
+            "tokens_per_s": self.tokens / seconds if seconds else None,
+            "mfu": self.flops / seconds / self.peak if self.flops and seconds else None,
+            "peak_memory_gb": stats["peak_memory_gb"], "slowest_rank": stats["slowest_rank"],
+            "slowest_s": seconds, **extra,
+        }  # fmt: skip
+        self.write(line)
+        if self.tty:
+            mfu = f"  MFU {line['mfu']:.1%}" if line["mfu"] is not None else ""
+            print(
+                f"step {step:>6d}  loss {line['loss']:.4f}  |g| {norm:.3g}  lr {lr:.3g}  "
+                f"{line['tokens_per_s'] or 0:,.0f} tok/s{mfu}  {seconds:.3f} s (rank {stats['slowest_rank']})  "
+                f"{stats['peak_memory_gb']:.2f} GB",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def event(self, line: dict) -> None:
+        if dist.get_rank() == 0:
+            self.write(line)
+
+    def write(self, line: dict) -> None:
+        text = json.dumps(line)
+        print(text, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(text + "\n")
 
 
 def record(step: int, loss: float, seconds: float, log: Path | None = None, extra: dict | None = None) -> dict:
@@ -117,6 +382,15 @@ def record(step: int, loss: float, seconds: float, log: Path | None = None, extr
         with open(log, "a") as f:
             f.write(json.dumps(line) + "\n")
     return line
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak memory: the CUDA caching allocator's on GPUs, the resident set on CPUs."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
 @dataclass
@@ -138,8 +412,14 @@ class Trainer:
     schedule: object | None  # the torch.distributed.pipelining schedule; None without a pipeline
     experts: list[nn.Parameter]  # stacked expert weights (gradients summed over the EDP group)
     biases: dict[str, torch.Tensor]  # MoE layer -> routing bias, updated after each step
+    entries: list[state.Entry] = field(default_factory=list)  # every tensor held, in full-tensor coordinates
     loads: dict = field(default_factory=dict)  # MoE layer -> (max, mean) expert load of the last step
     dropped: int | None = None  # routed rows the capacity dropped in the last step, all ranks
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per optimizer step: the plan's, times the global batches accumulated."""
+        return self.plan["microbatches"] * self.args.grad_accum
 
     @classmethod
     def build(cls, args: argparse.Namespace, out: Path, plan: dict, program: dict, device: torch.device) -> Trainer:
@@ -147,7 +427,8 @@ class Trainer:
         moe.set_capacity_factor(args.capacity_factor)
         # a balance loss's gradient is scaled as one micro-batch's loss is before its backward:
         # by 1/micro-batches here without a pipeline, by the schedule after it with one
-        scale = 1.0 if plan["mesh"]["pp"] > 1 else 1.0 / plan["microbatches"]
+        microbatches = plan["microbatches"] * args.grad_accum
+        scale = 1.0 if plan["mesh"]["pp"] > 1 else 1.0 / microbatches
         moe.set_aux_loss(args.aux_loss, args.aux_alpha, scale)
         mesh, ranks = rt.build_mesh(plan, device.type)
         if program.get("routing"):  # MoE layers: the expert-parallel and expert-data-parallel groups
@@ -155,7 +436,15 @@ class Trainer:
         # 2. this rank's pipeline chunks, built on meta and filled with only its own shards
         chunk_ids = rt.chunks_of_rank(plan, ranks.pp)
         full = rt.full_state_from_model(program, args.seed) if args.init_from_model else None
-        stages = rt.build_chunks(out, program, chunk_ids, device, ranks, full, args.seed)
+        if args.init_from is not None:
+            from autoshard.runtime.weights import open_weights
+
+            weights = open_weights(args.init_from)
+            stages = rt.build_chunks(
+                out, program, chunk_ids, device, ranks, None, args.seed, weights=weights, tied=program.get("tied", [])
+            )
+        else:
+            stages = rt.build_chunks(out, program, chunk_ids, device, ranks, full, args.seed)
         ties = rt.tied_parameters(plan, program, mesh, stages, chunk_ids)  # one parameter, a copy per chunk
         rt.autocast(stages, plan, device, args.compute_dtype)  # bf16 compute; parameters and gradients stay fp32
         loss = rt.loss_fn(rt.load_loss(out, program, device))
@@ -169,11 +458,12 @@ class Trainer:
         # 4. the plan's pipeline schedule (torch.distributed.pipelining) over the chunks
         schedule = None
         if plan["mesh"]["pp"] > 1:
-            schedule = rt.pipeline_schedule(plan, stages, ranks, device, plan["microbatches"], loss)
+            schedule = rt.pipeline_schedule(plan, stages, ranks, device, microbatches, loss)
         biases = rt.routing_biases(stages)
+        held = state.entries(stages, chunk_ids, ranks, program.get("tied", []))
         return cls(
             args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule,
-            experts, biases,
+            experts, biases, held,
         )  # fmt: skip
 
     def expert_load(self) -> dict:
@@ -200,26 +490,31 @@ class Trainer:
         r = self.ranks
         return self.last and r.dp == 0 and r.tp == 0 and r.cp == 0
 
-    def tokens(self, step: int) -> torch.Tensor:
-        """This data-parallel rank's rows of the step's global batch."""
+    def tokens(self, position: int) -> torch.Tensor:
+        """This data-parallel rank's rows of the global batches at data positions ``position`` to
+        ``position + grad_accum``, one after the other."""
         plan, args = self.plan, self.args
-        rows = plan["microbatches"] * plan["microbatch_size"]  # sequences per data-parallel rank per step
-        batch = rt.global_batch(
-            step, plan["global_batch"], plan["seq_len"], self.program["vocab"], args.seed, args.data
-        )
-        return batch[self.ranks.dp * rows : (self.ranks.dp + 1) * rows].to(self.device)
+        rows = plan["microbatches"] * plan["microbatch_size"]  # sequences per data-parallel rank per batch
+        batches = []
+        for index in range(position, position + args.grad_accum):
+            batch = rt.global_batch(
+                index, plan["global_batch"], plan["seq_len"], self.program["vocab"], args.seed, args.data
+            )
+            batches.append(batch[self.ranks.dp * rows : (self.ranks.dp + 1) * rows])
+        return torch.cat(batches).to(self.device)
 
-    def step(self, step: int) -> float | None:
-        """One optimizer step; the mean loss over the global batch on the ranks holding the last
-        chunk, ``None`` on the others."""
-        tokens = self.tokens(step)
+    def step(self, step: int, position: int | None = None, fault: Fault | None = None) -> tuple[float | None, float]:
+        """One optimizer step on the global batches at data ``position`` (default: ``step``):
+        the mean loss over them on the ranks holding the last chunk (``None`` on the others),
+        and the global gradient norm before clipping."""
+        tokens = self.tokens(step if position is None else position)
         self.optim.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         if self.schedule is not None:
             kwargs = {"target": tokens, "losses": losses} if self.last else {}
             self.schedule.step(tokens, **kwargs) if self.first else self.schedule.step(**kwargs)
         else:
-            m = self.plan["microbatches"]
+            m = self.microbatches
             for mb in tokens.split(self.plan["microbatch_size"]):
                 value = self.loss(self.stages[0](mb), mb)
                 (value / m).backward()
@@ -232,12 +527,108 @@ class Trainer:
             rt.average_gradients(dense, groups.dp_group())
         rt.reduce_expert_gradients(self.experts, self.plan["mesh"]["dp"])  # summed over the ranks holding them
         rt.sum_tied_gradients(self.ties)  # one parameter: its copies' gradients add up (Megatron's embedding group)
+        norm = state.clip_gradients(self.entries, self.args.max_grad_norm)
+        if fault is not None:
+            fault(step)
         self.optim.step()
         if self.program.get("routing"):  # MoE: routing biases nudged toward balance, loads for the log
             self.loads = moe.update_biases(self.biases, self.args.balance_gamma)
             if self.args.capacity_factor is not None:
                 self.dropped = dropped_everywhere()
-        return mean_loss(losses, self.plan["mesh"]["dp"]) if self.last else None
+        return (mean_loss(losses, self.plan["mesh"]["dp"]) if self.last else None), norm
+
+    def set_lr(self, lr: float) -> None:
+        for o in getattr(self.optim, "parts", [self.optim]):
+            for group in o.param_groups:
+                group["lr"] = lr
+
+    def gather_stats(self, loss: float | None, seconds: float) -> dict:
+        """The step's loss (which the ranks holding the last chunk know) on every rank, and the
+        slowest rank's step time and the largest peak memory, in one all-gather."""
+        mine = torch.tensor([loss if self.reports else 0.0, float(self.reports), seconds, peak_memory_gb(self.device)])
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        table = torch.stack(every).double()
+        slowest = int(table[:, 2].argmax())
+        return {
+            "loss": float((table[:, 0] * table[:, 1]).sum() / table[:, 1].sum()),
+            "seconds": seconds,
+            "slowest_rank": slowest,
+            "slowest_s": float(table[slowest, 2]),
+            "peak_memory_gb": round(float(table[:, 3].max()), 3),
+        }
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def checkpoint(self, run: Run) -> tuple[dict, dict]:
+        """What a checkpoint after ``run.step`` steps holds, as a DCP state dict (copies: the
+        step goes on while it is written) and ``trainer.json``'s fields."""
+        out = state.model_state(self.entries, copy=True)
+        out.update(state.optim_state(self.entries, self.optim))
+        out[f"rng/{dist.get_rank()}"] = state.object_state(state.rng_state())
+        args, plan = self.args, self.plan
+        meta = {
+            "format": state.FORMAT, "step": run.step, "position": run.position,
+            "samples": run.position * plan["global_batch"], "window": run.window, "skipped": run.skipped,
+            "seed": args.seed, "global_batch": plan["global_batch"], "seq_len": plan["seq_len"],
+            "grad_accum": args.grad_accum,
+            "lr": {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr,
+                   "steps": args.steps},
+            "plan_sha256": self.program.get("plan_sha256"), "gpus": plan["gpus"], "model": plan["model"].get("name"),
+            "mesh": {k: plan["mesh"][k] for k in ("tp", "pp", "cp", "ep", "dp")}, "zero_stage": plan["zero_stage"],
+            "tied": [e["names"] for e in self.program.get("tied", [])],
+            "state_dict_keys": self.program.get("state_dict_keys"),
+            "time": time.time(),
+        }  # fmt: skip
+        return out, meta
+
+    def _check_compatible(self, path: Path, meta: dict) -> dict:
+        """The checkpoint holds this model: every tensor this rank needs, at its full shape."""
+        saved = state.saved_keys(path)
+        for e in self.entries:
+            key = f"model/{e.held.key}"
+            if key not in saved:
+                raise rt.ProgramError(
+                    f"checkpoint {path} has no {e.held.key}: it was written for another model "
+                    f"({meta.get('model')}); point --checkpoint-dir at this model's checkpoints"
+                )
+            if saved[key] != e.held.shape:
+                raise rt.ProgramError(
+                    f"checkpoint {path}: {e.held.key} is {saved[key]} there but {e.held.shape} in this model; "
+                    "it was written for another configuration of the model"
+                )
+            stepped = meta["step"] > 0 and isinstance(e.param, nn.Parameter)
+            if stepped and f"optim/exp_avg/{e.held.key}" not in saved:
+                raise rt.ProgramError(f"checkpoint {path} has no optimizer state for {e.held.key}; it is incomplete")
+        return saved
+
+    def restore(self, path: Path) -> Run:
+        """Load checkpoint ``path`` into this rank's parameters, optimizer states and routing
+        biases (whatever plan wrote it), and its RNG state when this same plan did; returns
+        where training stands."""
+        meta = json.loads((path / "trainer.json").read_text())
+        if meta.get("format") != state.FORMAT:
+            raise rt.ProgramError(f"checkpoint {path}: format {meta.get('format')}, this program reads {state.FORMAT}")
+        saved = self._check_compatible(path, meta)
+        passes = state.load_targets(self.entries, self.optim, saved)
+        same_plan = meta.get("plan_sha256") == self.program.get("plan_sha256") and meta["gpus"] == self.plan["gpus"]
+        rng_key = f"rng/{dist.get_rank()}"
+        if same_plan:
+            passes[0][rng_key] = io.BytesIO()
+        with torch.no_grad():
+            state.load(path, passes)
+        if same_plan:
+            buf = passes[0][rng_key]
+            buf.seek(0)
+            state.set_rng_state(torch.load(buf, weights_only=False))
+        samples = meta["samples"]
+        if samples % self.plan["global_batch"]:
+            raise rt.ProgramError(
+                f"checkpoint {path} read {samples} sequences, not a whole number of this plan's global batches "
+                f"of {self.plan['global_batch']}; recompile with a global batch that divides it"
+            )
+        return Run(meta["step"], samples // self.plan["global_batch"], list(meta.get("window", [])),
+                   list(meta.get("skipped", [])))  # fmt: skip
 
 
 def dropped_everywhere() -> int:

@@ -1,0 +1,498 @@
+"""Training checkpoints with ``torch.distributed.checkpoint`` (DCP), in the single-device model's
+coordinates, so that a checkpoint written under one plan loads under any other plan of the model.
+
+Every tensor a rank holds (a parameter's piece, its AdamW moments, a routing bias) is described to
+DCP as the blocks it covers of the full single-device tensor (:class:`Pieces`, built from the stage
+files' ``SHARDS`` by ``stages.piece_blocks`` and, under FSDP, the shard's rows). DCP writes each
+block once (the copy that counts: one replica of each) and, on load, reads into each rank exactly
+the parts of the saved blocks its own pieces overlap: resharding across TP, PP, CP, EP, DP, ZeRO and
+GPU counts is DCP's overlap planning, not code of ours. DTensor cannot describe these pieces (a
+fused q/k/v projection's TP piece is several blocks of the full tensor), so ``Pieces`` speaks DCP's
+sharded-tensor protocol (``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``) itself.
+
+A checkpoint is a directory ``DIR/step_NNNNNNNN`` (the optimizer steps done): DCP's files, each
+rank's RNG state, ``trainer.json`` (step, data position, loss window, what wrote it) and, written
+last by rank 0 once every rank's files are there and their sizes check, ``COMPLETE``. Only a
+directory with ``COMPLETE`` counts: a crash while writing leaves the previous checkpoint in use.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from autoshard.runtime.stages import Block, piece_axis, piece_blocks, restrict_rows
+
+MARKER = "COMPLETE"
+FORMAT = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# what a rank holds, in full-tensor coordinates
+
+
+class Pieces(torch.Tensor):
+    """A rank's blocks of one full single-device tensor, as DCP's planners see a sharded tensor:
+    the global shape is the full one, each block is a chunk at its offset. It holds no storage
+    of its own; DCP only asks for the chunks and for each block's tensor (a view of the rank's
+    local tensor to load into, or a copy of it to save)."""
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], blocks: list[tuple[Block, torch.Tensor]], dtype: torch.dtype):
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cpu")
+        self.blocks = blocks
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"Pieces is only a checkpoint description; {func} is not defined on it")
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        props = TensorProperties(dtype=self.dtype)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(b.full)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(b.full), sizes=torch.Size(b.sizes)),
+                    properties=props,
+                    size=self.size(),
+                ),
+            )
+            for b, _ in self.blocks
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(b.full), sizes=torch.Size(b.sizes)) for b, _ in self.blocks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for b, t in self.blocks:
+            if torch.Size(b.full) == index.offset:
+                return t
+        raise ValueError(f"{index.fqn}: no block at {tuple(index.offset)}")
+
+
+@dataclass
+class Held:
+    """One tensor of this rank, where it lies in the single-device model: ``key`` (the model's
+    name; a tied parameter's first name), the full ``shape``, and the ``blocks`` of ``local``
+    (this rank's tensor: a TP or EP piece, or an FSDP shard of one)."""
+
+    key: str
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    blocks: list[Block]
+
+    def pieces(self, copy: bool, tensor: torch.Tensor | None = None) -> Pieces:
+        """The DCP view of ``tensor`` (default ``local``, or a same-shaped optimizer moment):
+        copies of its blocks to save, or views of them to load into."""
+        t = self.local if tensor is None else tensor
+        out = []
+        for b in self.blocks:
+            view = t.detach()[tuple(slice(o, o + n) for o, n in zip(b.local, b.sizes))]
+            out.append((b, view.detach().clone() if copy else view))
+        return Pieces(self.shape, out, t.dtype)
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of a parameter, gradient or moment (FSDP2 keeps them as DTensors)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _fsdp_rows(t: torch.Tensor) -> tuple[int, int] | None:
+    """The rows (dimension 0) of the unsharded tensor an FSDP2 DTensor's local shard holds."""
+    if not hasattr(t, "device_mesh"):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return offsets[0], offsets[0] + sizes[0]
+
+
+@dataclass
+class Entry:
+    """A parameter or buffer of this rank and which of its replicas this copy is: whether it is
+    the copy that counts (once per full-tensor block: for saving and for the gradient norm) is
+    ``tie_first and (edp_first if expert else tp_first and dp_first)``."""
+
+    held: Held
+    param: torch.Tensor
+    expert: bool  # stacked expert weights: replicas are the expert-data-parallel ranks
+    tp_first: bool  # split over TP, or this is TP rank 0's copy
+    dp_first: bool  # FSDP-sharded over dp x cp, or this is the first dp x cp replica's copy
+    edp_first: bool  # the first expert-data-parallel rank's copy
+    tie_first: bool  # not a tied parameter's copy in a later chunk
+
+    @property
+    def counted(self) -> bool:
+        return self.tie_first and (self.edp_first if self.expert else self.tp_first and self.dp_first)
+
+    @property
+    def counted_if_sharded(self) -> bool:
+        """Whether the optimizer states a ZeRO-1 optimizer keeps for it here count: that
+        optimizer holds each state on one rank of the group it shards over (dp x cp for dense
+        weights, the expert-data-parallel ranks for experts), so those replicas do not exist."""
+        return self.tie_first and (self.expert or self.tp_first)
+
+
+def entries(stages: list[nn.Module], chunk_ids: list[int], ranks, tied: list[dict]) -> list[Entry]:
+    """This rank's parameters and routing-bias buffers, each once (a parameter two chunks of this
+    rank share is listed once), in full-tensor coordinates. A tied parameter's copies are one key
+    (its first name) and count on the first chunk holding it only."""
+    canonical, first_chunk = {}, {}
+    for entry in tied:
+        for name in entry["names"]:
+            canonical[name] = entry["names"][0]
+            first_chunk[name] = min(entry["chunks"])
+    out, seen = [], set()
+    for module, c in zip(stages, chunk_ids):
+        sf = module.stage_file
+        shards, origin = sf.SHARDS, sf.ORIGIN
+        experts = set(getattr(sf, "EXPERTS", ()))
+        biases = {e["bias"] for e in getattr(sf, "ROUTING", {}).values() if e.get("bias")}
+        tensors = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n in biases)]
+        for name, p in tensors:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            source = origin.get(name, name)
+            spec = shards.get(source)
+            rows = _fsdp_rows(p)
+            axis = piece_axis(spec)
+            rank, size = (ranks.ep, ranks.ep_size) if axis == "ep" else (ranks.tp, ranks.tp_size)
+            full = list(p.shape)  # the TP/EP piece's shape (an FSDP DTensor's global shape) ...
+            if spec is not None:
+                full[spec[0]] *= size  # ... and the single-device tensor's
+            blocks = piece_blocks(tuple(full), spec, rank, size)
+            if rows is not None:
+                blocks = restrict_rows(blocks, *rows)
+            held = Held(canonical.get(source, source), local_of(p), tuple(full), blocks)
+            out.append(
+                Entry(
+                    held,
+                    p,
+                    expert=name in experts,
+                    tp_first=axis == "tp" or ranks.tp == 0,
+                    dp_first=rows is not None or (ranks.dp == 0 and ranks.cp == 0),
+                    edp_first=ranks.edp == 0,
+                    tie_first=source not in first_chunk or c == first_chunk[source],
+                )
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the gradient norm over every shard
+
+
+def clip_gradients(items: list[Entry], max_norm: float | None) -> float:
+    """The global L2 norm of the gradients, each full tensor counted once over every parallel
+    dimension (one all-reduce of this rank's counted squares), and, with ``max_norm``, every
+    gradient scaled as ``torch.nn.utils.clip_grad_norm_`` scales the single-device model's."""
+    total = torch.zeros((), dtype=torch.float64)
+    for e in items:
+        g = e.param.grad
+        if e.counted and g is not None:
+            total += local_of(g).detach().double().pow(2).sum()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    norm = float(total.sqrt())
+    if max_norm is not None and max_norm > 0:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for e in items:
+                if e.param.grad is not None:
+                    local_of(e.param.grad).mul_(coef)
+    return norm
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer states
+
+
+def optimizer_parts(optim) -> list[tuple[torch.optim.Optimizer, bool]]:
+    """The AdamW instances behind the program's optimizer, each with whether it shards its
+    states over a group (ZeroRedundancyOptimizer: each parameter's states live on one rank)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    parts = getattr(optim, "parts", [optim])
+    return [(o.optim, True) if isinstance(o, ZeroRedundancyOptimizer) else (o, False) for o in parts]
+
+
+def _moments(opt: torch.optim.Optimizer, p: torch.Tensor, create: bool) -> dict | None:
+    state = opt.state.get(p)
+    if not state and create:
+        state = opt.state[p] = {
+            "step": torch.zeros((), dtype=torch.float32),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
+    return state or None
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def optim_state(items: list[Entry], optim) -> dict:
+    """The optimizer's states to save, in DCP form: copies of the ones that count."""
+    out = {}
+    for e, opt, sharded in _optimized(items, optim):
+        if not (e.counted_if_sharded if sharded else e.counted):
+            continue
+        st = opt.state.get(e.param)
+        if st:
+            for m in MOMENTS:
+                out[f"optim/{m}/{e.held.key}"] = e.held.pieces(True, local_of(st[m]))
+            out[f"optim/step/{e.held.key}"] = st["step"].detach().clone()
+    return out
+
+
+def _optimized(items: list[Entry], optim):
+    """(entry, the AdamW holding its states, whether that AdamW is one rank's ZeRO-1 shard)."""
+    by_param = {id(e.param): e for e in items}
+    for opt, sharded in optimizer_parts(optim):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) in by_param:
+                    yield by_param[id(p)], opt, sharded
+
+
+def load_targets(items: list[Entry], optim, saved: dict) -> list[dict]:
+    """Views of everything this rank holds, to load a checkpoint into, as DCP load passes
+    (``split_duplicates``: a tied parameter's copies in two chunks of this rank share a key).
+    Optimizer states the optimizer has not made yet are made (zero) first, where the checkpoint
+    (``saved``: its keys) has them."""
+    out: dict[str, list] = {}
+    for e in items:
+        out.setdefault(f"model/{e.held.key}", []).append(e.held.pieces(False))
+    for e, opt, _ in _optimized(items, optim):
+        if f"optim/exp_avg/{e.held.key}" not in saved:
+            continue
+        st = _moments(opt, e.param, create=True)
+        for m in MOMENTS:
+            out.setdefault(f"optim/{m}/{e.held.key}", []).append(e.held.pieces(False, local_of(st[m])))
+        out.setdefault(f"optim/step/{e.held.key}", []).append(st["step"])
+    return split_duplicates(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the checkpoint's contents
+
+
+def model_state(items: list[Entry], copy: bool) -> dict:
+    """Parameters and routing biases in DCP form (``model/<name>``): copies of the counted ones
+    to save, views of every one to load into."""
+    return {f"model/{e.held.key}": e.held.pieces(copy) for e in items if e.counted or not copy}
+
+
+def rng_state() -> dict:
+    """This process's random-number generators."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def split_duplicates(state: dict[str, list]) -> list[dict]:
+    """Load passes: a key this rank holds several times (a tied parameter's copies in two of its
+    chunks) goes into a pass of its own for each copy (a state dict names a key once)."""
+    passes: list[dict] = []
+    for key, values in state.items():
+        for i, v in enumerate(values):
+            if len(passes) <= i:
+                passes.append({})
+            passes[i][key] = v
+    return passes
+
+
+# ---------------------------------------------------------------------------------------------
+# directories, the marker, keeping K
+
+
+def step_dir(directory: Path, step: int) -> Path:
+    return Path(directory) / f"step_{step:08d}"
+
+
+def complete(path: Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints in ``directory``, oldest first."""
+    out = []
+    for p in Path(directory).glob("step_*") if Path(directory).is_dir() else ():
+        try:
+            step = int(p.name.removeprefix("step_"))
+        except ValueError:
+            continue
+        if complete(p):
+            out.append((step, p))
+    return sorted(out)
+
+
+def find(path: Path) -> Path | None:
+    """The checkpoint ``path`` names: a complete checkpoint itself, or the newest complete one in
+    the directory ``path``; None when there is none."""
+    path = Path(path)
+    if complete(path):
+        return path
+    found = checkpoints(path)
+    return found[-1][1] if found else None
+
+
+def check_files(path: Path) -> None:
+    """A checkpoint's DCP files are all there, each at least as long as the metadata says it
+    is: what ``COMPLETE`` vouches for."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in need.items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size < length:
+            raise RuntimeError(f"checkpoint {path}: {name} is missing or short")
+
+
+def finish(path: Path, meta: dict, keep: int | None) -> None:
+    """Rank 0, once every rank's files are written: check them, write ``trainer.json`` and then
+    ``COMPLETE`` (durably), and drop the complete checkpoints beyond the newest ``keep``."""
+    check_files(path)
+    _write_durably(path / "trainer.json", json.dumps(meta, indent=2) + "\n")
+    _write_durably(path / MARKER, f"{meta['step']}\n")
+    if keep:
+        for _, old in checkpoints(path.parent)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove_incomplete(directory: Path) -> list[Path]:
+    """Directories a crash left without ``COMPLETE`` (rank 0, before training starts)."""
+    gone = []
+    for p in Path(directory).glob("step_*") if Path(directory).is_dir() else ():
+        if p.is_dir() and not complete(p):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
+class Checkpointer:
+    """Writes checkpoints, asynchronously where it can: DCP's thread writes while training goes
+    on, over a gloo group of its own (sharing the training group's gloo or NCCL communicator
+    with a background thread collides with the step's collectives). One write is in flight at a
+    time; rank 0 finishes each (``finish``) when DCP's coordinator reports every rank's files
+    written."""
+
+    def __init__(self, directory: Path, keep: int | None, asynchronous: bool = True):
+        self.directory = Path(directory)
+        self.keep = keep
+        self.asynchronous = asynchronous
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.pending = None  # (future, path, meta, started)
+        self.timings: list[dict] = []
+
+    def save(self, state: dict, meta: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        path = step_dir(self.directory, meta["step"])
+        started = time.perf_counter()
+        if self.asynchronous:
+            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, async_stager=_Staged())
+            future = getattr(future, "upload_completion", future)
+            self.pending = (future, path, meta, started, time.perf_counter() - started)
+        else:
+            dcp.save(state, checkpoint_id=str(path), process_group=self.group)
+            self.pending = (None, path, meta, started, time.perf_counter() - started)
+            self.poll()
+
+    def poll(self) -> None:
+        """Finish the write in flight if it is done."""
+        if self.pending is None:
+            return
+        future, path, meta, started, blocked = self.pending
+        if future is not None and not future.done():
+            return
+        if future is not None:
+            future.result()  # raises what the writer raised
+        self.pending = None
+        if dist.get_rank(self.group) == 0:
+            finish(path, meta, self.keep)
+        self.timings.append({"step": meta["step"], "blocked_s": blocked, "write_s": time.perf_counter() - started})
+
+    def wait(self) -> None:
+        if self.pending is not None and self.pending[0] is not None:
+            self.pending[0].result()
+        self.poll()
+
+
+class _Staged:
+    """DCP's stager protocol for a state dict that is staged already: ``Pieces`` to save hold
+    copies of the blocks, taken when the step ended, so the writer thread needs no second copy
+    (and DCP's default stager cannot copy ``Pieces``)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def load(path: Path, passes: list[dict]) -> None:
+    """Fill the state dicts of ``passes`` (``split_duplicates``) from checkpoint ``path``; every
+    rank makes the same number of DCP loads."""
+    import torch.distributed.checkpoint as dcp
+
+    count = torch.tensor([len(passes)])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    for i in range(int(count)):
+        dcp.load(passes[i] if i < len(passes) else {}, checkpoint_id=str(path))
+
+
+def saved_keys(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """The checkpoint's keys, with their full shapes (None for objects)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(path)).read_metadata()
+    return {k: tuple(v.size) if hasattr(v, "size") else None for k, v in md.state_dict_metadata.items()}
+
+
+def object_state(value) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    return buf
