@@ -150,8 +150,19 @@ def chunks_of_rank(plan: dict, pp_rank: int) -> list[int]:
 
 
 def build_chunks(
-    out: Path, program: dict, chunk_ids: list[int], device, ranks: Ranks, full_state=None, seed: int = 0
+    out: Path,
+    program: dict,
+    chunk_ids: list[int],
+    device,
+    ranks: Ranks,
+    full_state=None,
+    seed: int = 0,
+    weights=None,
+    tied: list[dict] = (),
 ) -> list[nn.Module]:
+    """This rank's pipeline chunks, built on meta and filled (``stages.materialise``): from
+    ``full_state``, from a checkpoint's ``weights`` (``weights.open_weights``; ``tied`` as in
+    ``program.json``), or by replaying the model's initialisation."""
     modules = []
     for c in chunk_ids:
         info = program["chunks"][c]
@@ -159,7 +170,10 @@ def build_chunks(
         with torch.device("meta"):
             module = getattr(stage_file, info["class"])()
         try:
-            materialise(module, stage_file, device, ranks.tp, ranks.tp_size, full_state, seed, ranks.ep, ranks.ep_size)
+            materialise(
+                module, stage_file, device, ranks.tp, ranks.tp_size, full_state, seed, ranks.ep, ranks.ep_size,
+                weights, tied,
+            )  # fmt: skip
         except ValueError as e:
             raise ProgramError(str(e)) from None
         module.stage_file = stage_file

@@ -1,8 +1,9 @@
 """Build an emitted stage module and give it this rank's parameters.
 
-Stage modules are constructed on the meta device (no memory), then materialised: either from the
+Stage modules are constructed on the meta device (no memory), then materialised: from the
 single-device model's initial state (``--init-from-model``: every rank builds the seeded model and
-keeps its slices, for verification) or by replaying, per parameter and buffer, the ops the model's
+keeps its slices, for verification), from a checkpoint's weights (``autoshard.runtime.weights``:
+each rank reads only its pieces), or by replaying, per parameter and buffer, the ops the model's
 own initialisation applied to it (the stage file's ``INIT``, recorded at compile time): directly
 at the local shape where the ops are element-wise, else the one full tensor, then its slice.
 """
@@ -16,9 +17,13 @@ import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from autoshard.runtime.weights import Weights
 
 
 def _parent(root: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -138,9 +143,7 @@ def restrict_rows(blocks: list[Block], start: int, stop: int) -> list[Block]:
         if lo >= hi:
             continue
         shift = lo - b.local[0]
-        out.append(
-            Block((lo - start, *b.local[1:]), (b.full[0] + shift, *b.full[1:]), (hi - lo, *b.sizes[1:]))
-        )
+        out.append(Block((lo - start, *b.local[1:]), (b.full[0] + shift, *b.full[1:]), (hi - lo, *b.sizes[1:])))
     return out
 
 
@@ -171,11 +174,18 @@ def materialise(
     seed: int = 0,
     ep_rank: int = 0,
     ep: int = 1,
+    weights: Weights | None = None,
+    tied: list[dict] = (),
 ) -> nn.Module:
     """Allocate ``stage``'s local parameters and buffers on ``device`` and fill them: from
-    ``full_state`` (sliced), or by replaying the model's own initialisation (``INIT``). A piece is
-    this rank's along the group its ``SHARDS`` entry names: TP (``tp_rank`` of ``tp``), or EP
-    (``ep_rank`` of ``ep``) for stacked expert weights."""
+    ``full_state`` (sliced), from ``weights`` (a ``weights.Weights``: the blocks of this rank's
+    piece read from the checkpoint and cast to the parameter's dtype; a buffer the checkpoint
+    lacks, such as a non-persistent rotary table, replayed), or by replaying the model's own
+    initialisation (``INIT``). ``tied`` (``program.json``'s entries) lets a parameter be read under
+    a name tied to it. A piece is this rank's along the group its ``SHARDS`` entry names: TP
+    (``tp_rank`` of ``tp``), or EP (``ep_rank`` of ``ep``) for stacked expert weights."""
+    if weights is not None:
+        _check_weights(stage, stage_file, weights, tied, tp, ep)
     stage.to_empty(device=device)
     shards, origin = stage_file.SHARDS, stage_file.ORIGIN
     inits = getattr(stage_file, "INIT", {})
@@ -184,8 +194,11 @@ def materialise(
             source = origin.get(name, name)
             spec = shards.get(source)
             rank, size = (ep_rank, ep) if piece_axis(spec) == "ep" else (tp_rank, tp)
+            key = weights.find(source, tied) if weights is not None else None
             if full_state is not None:
                 value = _from_state(full_state, source, spec, rank, size)
+            elif key is not None:
+                value = weights.read(key, piece_blocks(weights.shape(key), spec, rank, size), tuple(t.shape), t.dtype)
             elif name in inits:
                 value = initial_value(inits[name], source, tuple(t.shape), spec, rank, size, seed)
             else:
@@ -197,6 +210,43 @@ def materialise(
                 )
             t.copy_(value)
     return stage
+
+
+def _check_weights(stage: nn.Module, stage_file, weights: Weights, tied: list[dict], tp: int, ep: int) -> None:
+    """Before anything is read: every parameter of ``stage`` is in the checkpoint (buffers may
+    be replayed), at the full shape the program was compiled for."""
+    shards, origin = stage_file.SHARDS, stage_file.ORIGIN
+    params = {name for name, _ in stage.named_parameters()}
+    missing = []
+    for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+        source = origin.get(name, name)
+        key = weights.find(source, tied)
+        if key is None:
+            if name in params:
+                missing.append(source.removeprefix("model."))
+            continue
+        spec = shards.get(source)
+        expected = full_shape(tuple(t.shape), spec, ep if piece_axis(spec) == "ep" else tp)
+        if weights.shape(key) != expected:
+            raise ValueError(
+                f"{source}: {weights.path} holds {key} as {weights.shape(key)}, the program's full shape is "
+                f"{expected}: pass a checkpoint of the model this program was compiled from"
+            )
+    if missing:
+        raise ValueError(
+            f"{weights.path} has no {missing[0]} ({len(missing)} of {Path(stage_file.__file__).name}'s "
+            f"{len(params)} parameters are missing): pass a checkpoint of the model this program was compiled "
+            "from, its keys the model's state-dict keys"
+        )
+
+
+def full_shape(shape: tuple[int, ...], spec: tuple | None, size: int) -> tuple[int, ...]:
+    """The single-device shape of a tensor whose piece, split ``size`` ways by ``spec``, is ``shape``."""
+    if spec is None:
+        return tuple(shape)
+    out = list(shape)
+    out[spec[0]] *= size
+    return tuple(out)
 
 
 def piece_axis(spec: tuple | None) -> str | None:
