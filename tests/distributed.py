@@ -63,3 +63,17 @@ def run(fn, world: int, *args, timeout: float = 120.0) -> list:
                 raise RuntimeError(f"rank {r} failed:\n{value}")
             results.append(value)
         return results
+
+
+def torchrun(out, nproc: int, *args: str, timeout: float = 120.0, restarts: int = 0, env: dict | None = None):
+    """``torchrun`` an emitted program's ``train.py`` on ``nproc`` CPU processes (gloo), with a
+    hard timeout; returns the completed process (stdout and stderr as text)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    if restarts:
+        cmd += [f"--max-restarts={restarts}", "--monitor-interval=0.5"]
+    cmd += [str(out / "train.py"), *args]
+    full_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)

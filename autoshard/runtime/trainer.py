@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.runtime import groups, moe, state
+from autoshard.runtime import data, groups, moe, state
 from autoshard.runtime import program as rt
 
 
@@ -143,7 +143,9 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     init_process_group("nccl" if cuda else "gloo", args.timeout)
     try:
         train(args, out, plan, program, device)
-    except dist.DistBackendError as e:  # a collective that timed out or lost its peer: name this rank
+    except (dist.DistError, RuntimeError) as e:  # a collective that timed out or lost its peer: name this rank
+        if not isinstance(e, dist.DistError) and not any(m in str(e) for m in COLLECTIVE_FAILURES):
+            raise
         raise rt.ProgramError(
             f"rank {dist.get_rank()}: a collective failed ({_first_line(e)}); another rank died or hangs, "
             f"or --timeout {args.timeout:g} s is too short"
@@ -157,6 +159,10 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     dist.barrier()
     groups.set_groups(tp=None, pp=None, dp=None, cp=None, ep=None, edp=None, route=None)
     dist.destroy_process_group()
+
+
+# how gloo and NCCL report a peer that died or a collective that ran past --timeout
+COLLECTIVE_FAILURES = ("Timed out", "timed out", "Connection closed by peer", "Connection reset", "NCCL", "gloo")
 
 
 def _first_line(error: BaseException) -> str:
@@ -209,7 +215,7 @@ def learning_rate(args: argparse.Namespace, step: int) -> float:
 
 def train(args: argparse.Namespace, out: Path, plan: dict, program: dict, device: torch.device) -> None:
     trainer = Trainer.build(args, out, plan, program, device)
-    log = StepLog(args.log, plan, program, trainer)
+    log = StepLog.of(args.log, plan, program, args.grad_accum)
     run = Run()
     ckpt = None
     if args.checkpoint_dir is not None:
@@ -333,14 +339,18 @@ class StepLog:
     """The step's JSON line on stdout (and in ``--log``), a human line on a terminal (stderr),
     and events (resumed, rolled back, checkpoint timings) as JSON lines with an ``event`` key."""
 
-    def __init__(self, path: Path | None, plan: dict, program: dict, trainer: Trainer):
+    def __init__(self, path: Path | None, tokens: int = 0, flops: float | None = None, peak: float | None = None):
         self.path = path
-        self.tokens = plan["global_batch"] * plan["seq_len"] * trainer.args.grad_accum
-        flops = plan.get("model", {}).get("training_flops_per_token")
-        peak = program.get("peak_flops")
-        self.flops = flops * self.tokens if flops and peak else None
-        self.peak = (peak or 0) * plan["gpus"]
+        self.tokens = tokens  # per optimizer step
+        self.flops = flops * tokens if flops and peak else None  # model FLOPs per step
+        self.peak = peak  # all GPUs' peak FLOP/s
         self.tty = sys.stderr.isatty()
+
+    @classmethod
+    def of(cls, path: Path | None, plan: dict, program: dict, accum: int) -> StepLog:
+        peak = program.get("peak_flops")
+        flops = plan.get("model", {}).get("training_flops_per_token")
+        return cls(path, plan["global_batch"] * plan["seq_len"] * accum, flops, peak * plan["gpus"] if peak else None)
 
     def step(self, step: int, stats: dict, norm: float, lr: float, extra: dict) -> None:
         seconds = stats["slowest_s"]
@@ -372,16 +382,6 @@ class StepLog:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(text + "\n")
-
-
-def record(step: int, loss: float, seconds: float, log: Path | None = None, extra: dict | None = None) -> dict:
-    """Print the step's JSON line (and append it to ``log``), with ``extra`` fields."""
-    line = {"step": step, "loss": loss, "seconds": seconds, **(extra or {})}
-    print(json.dumps(line), flush=True)
-    if log:
-        with open(log, "a") as f:
-            f.write(json.dumps(line) + "\n")
-    return line
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -495,12 +495,20 @@ class Trainer:
         ``position + grad_accum``, one after the other."""
         plan, args = self.plan, self.args
         rows = plan["microbatches"] * plan["microbatch_size"]  # sequences per data-parallel rank per batch
-        batches = []
-        for index in range(position, position + args.grad_accum):
-            batch = rt.global_batch(
-                index, plan["global_batch"], plan["seq_len"], self.program["vocab"], args.seed, args.data
-            )
-            batches.append(batch[self.ranks.dp * rows : (self.ranks.dp + 1) * rows])
+        first = self.ranks.dp * rows
+        batches = [
+            data.batch_rows(
+                index,
+                plan["global_batch"],
+                plan["seq_len"],
+                self.program["vocab"],
+                args.seed,
+                args.data,
+                first,
+                first + rows,
+            )  # fmt: skip
+            for index in range(position, position + args.grad_accum)
+        ]
         return torch.cat(batches).to(self.device)
 
     def step(self, step: int, position: int | None = None, fault: Fault | None = None) -> tuple[float | None, float]:

@@ -44,7 +44,7 @@ def single_process(monkeypatch):
 def test_command_line_defaults_and_flags():
     args = trainer.parse_args([])
     assert (args.steps, args.lr, args.weight_decay, args.adam_eps, args.seed) == (10, 3e-4, 0.1, 1e-8, 0)
-    assert (args.data, args.init_from_model, args.loss_log, args.save_params) == (None, False, None, None)
+    assert (args.data, args.init_from_model, args.log, args.save_params) == (None, False, None, None)
     assert (args.timeout, args.compute_dtype) == (300, "auto")
     args = trainer.parse_args(["--steps", "3", "--lr", "1e-3", "--data", "t.bin", "--init-from-model"])
     assert (args.steps, args.lr, args.data, args.init_from_model) == (3, 1e-3, Path("t.bin"), True)
@@ -54,8 +54,8 @@ def test_command_line_defaults_and_flags():
 
 def test_a_step_record_is_one_json_line_printed_and_appended(tmp_path, capsys):
     log = tmp_path / "loss.jsonl"
-    trainer.record(0, 5.5, 0.25, log)
-    trainer.record(1, 5.25, 0.125, log)
+    trainer.StepLog(log).write({"step": 0, "loss": 5.5, "seconds": 0.25})
+    trainer.StepLog(log).write({"step": 1, "loss": 5.25, "seconds": 0.125})
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert printed == [{"step": 0, "loss": 5.5, "seconds": 0.25}, {"step": 1, "loss": 5.25, "seconds": 0.125}]
     assert [json.loads(line) for line in log.read_text().splitlines()] == printed

@@ -1,0 +1,117 @@
+"""Checkpoints of emitted programs, run as users run them (torchrun, gloo, fp32): a resumed run
+equals an uninterrupted one exactly, a run that loses a rank restarts and ends where the
+uninterrupted one does, a checkpoint written under one plan continues under another, and a
+collective that times out names the rank instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoshard.verify import assemble
+from tests.distributed import torchrun
+
+STEPS, HALF = 8, 4
+LAYOUTS = {  # name -> (gpus, pins)
+    "tp2-pp2": (4, "tp=2,pp=2"),
+    "dp2-zero1": (2, "dp=2,zero=1"),
+    "dp2-zero3": (2, "dp=2,zero=3"),
+    "cp2": (2, "cp=2"),
+}
+
+
+def _compile(out: Path, gpus: int, pins: str) -> Path:
+    cmd = [sys.executable, "-m", "autoshard", "compile", "examples/llama3.py", "--config", "tiny", "--hardware", "cpu"]
+    cmd += ["--gpus", str(gpus), "--seq-len", "64", "--global-batch", "8", "--force", pins, "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def _losses(log: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r}
+
+
+def _train(out: Path, gpus: int, work: Path, name: str, *extra: str, **kw):
+    args = ["--steps", str(STEPS), "--log-file", str(work / f"{name}.jsonl"), "--save-params", str(work / name)]
+    proc = torchrun(out, gpus, *args, *extra, **kw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _losses(work / f"{name}.jsonl"), assemble(work / name)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Each layout compiled and trained STEPS steps without a stop, writing a checkpoint at HALF."""
+    root = tmp_path_factory.mktemp("resume")
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            gpus, pins = LAYOUTS[name]
+            out = _compile(root / name, gpus, pins)
+            ck = root / f"{name}-ck"
+            losses, params = _train(out, gpus, root, f"{name}-straight", "--checkpoint-dir", str(ck),
+                                    "--checkpoint-every", str(HALF), "--keep", "0")  # fmt: skip
+            runs[name] = out, ck, losses, params
+        return runs[name]
+
+    return get
+
+
+def _only(ck: Path, step: int, into: Path) -> Path:
+    """A checkpoint directory holding only ``ck``'s checkpoint after ``step`` steps."""
+    into.mkdir()
+    shutil.copytree(ck / f"step_{step:08d}", into / f"step_{step:08d}")
+    return into
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_stop_and_resume_equals_the_straight_run(straight, name, tmp_path):
+    out, ck, losses, params = straight(name)
+    assert sorted(losses) == list(range(STEPS))
+    resumed_dir = _only(ck, HALF, tmp_path / "ck")
+    again, again_params = _train(out, LAYOUTS[name][0], tmp_path, "resumed", "--checkpoint-dir", str(resumed_dir))
+    assert sorted(again) == list(range(HALF, STEPS))
+    assert all(again[s] == losses[s] for s in again), (again, losses)
+    assert all(torch.equal(again_params[k], params[k]) for k in params)
+
+
+def test_a_rank_killed_mid_step_restarts_and_ends_like_the_straight_run(straight, tmp_path):
+    out, _, losses, params = straight("dp2-zero1")
+    ck = tmp_path / "ck"
+    env = {"AUTOSHARD_FAULT": "kill:1:5"}  # SIGKILL rank 1 in step 5, between backward and the optimizer step
+    got, got_params = _train(out, 2, tmp_path, "killed", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+                             restarts=1, env=env, timeout=240)  # fmt: skip
+    log = [json.loads(line) for line in (tmp_path / "killed.jsonl").read_text().splitlines()]
+    resumed = [r for r in log if r.get("event") == "resumed"]
+    assert len(resumed) == 1 and resumed[0]["step"] in (2, 4)
+    assert all(got[s] == losses[s] for s in got)
+    assert all(torch.equal(got_params[k], params[k]) for k in params)
+
+
+def test_a_checkpoint_continues_under_another_plan(straight, tmp_path):
+    """Written under TP2 x PP2 on 4 processes, continued under DP2 ZeRO-3 and under CP2 on 2."""
+    _, ck, losses, params = straight("tp2-pp2")
+    for name in ("dp2-zero3", "cp2"):
+        out = straight(name)[0]
+        work = tmp_path / name
+        work.mkdir()
+        got, got_params = _train(out, 2, work, "resharded", "--checkpoint-dir", str(_only(ck, HALF, work / "ck")))
+        assert sorted(got) == list(range(HALF, STEPS))
+        for s in got:
+            assert got[s] == pytest.approx(losses[s], rel=1e-5), (name, s)
+        for k in params:
+            torch.testing.assert_close(got_params[k], params[k], rtol=1e-4, atol=1e-5)
+
+
+def test_a_timed_out_collective_names_the_rank(straight, tmp_path):
+    out = straight("dp2-zero1")[0]
+    proc = torchrun(out, 2, "--steps", "4", "--timeout", "5", env={"AUTOSHARD_FAULT": "hang:1:1"}, timeout=120)
+    assert proc.returncode != 0
+    assert "train.py: error: rank 0: a collective failed" in proc.stderr, proc.stderr[-2000:]
