@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600, help="seconds before the run counts as hung")
+    p.add_argument("--max-grad-norm", type=_positive(float), help="clip the gradient norm on both sides")
+    p.add_argument("--warmup", type=int, help="learning-rate warm-up steps on both sides")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), help="the schedule on both sides")
+    p.add_argument("--min-lr", type=float, help="the decay's final learning rate on both sides")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_verify)
 
@@ -109,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     eos.add_argument("--no-eos", dest="append_eos", action="store_false", help="join the documents without EOS")
     p.add_argument("--split-lines", action="store_true", help="one document per non-blank line")
     p.set_defaults(run=_data_prepare)
+
+    p = sub.add_parser("export", parents=[common], help="a training checkpoint as a single-device state dict")
+    p.add_argument("checkpoint", help="OUT/ckpt/step_N (or the checkpoint directory: its newest complete one)")
+    p.add_argument("-o", "--out", required=True, help="model.safetensors (or a .pt torch file)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="floating tensors' dtype")
+    p.set_defaults(run=_export)
 
     p = sub.add_parser("hardware", parents=[common], help="list hardware profiles")
     p.add_argument("--json", action="store_true")
@@ -202,9 +212,21 @@ def _compile(args) -> int:
 def _verify(args) -> int:
     from autoshard.verify import format_report, verify
 
-    result = verify(args.out, args.steps, args.tolerance, args.seed, args.timeout)
+    flags = {k: getattr(args, k) for k in ("max_grad_norm", "warmup", "lr_schedule", "min_lr")}
+    result = verify(args.out, args.steps, args.tolerance, args.seed, args.timeout, flags)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0 if result["ok"] else 1
+
+
+def _export(args) -> int:
+    from autoshard.export import export
+
+    done = export(args.checkpoint, args.out, args.dtype)
+    print(f"wrote {done['out']}: {done['tensors']} tensors, {done['elements']:,} elements from {done['checkpoint']}")
+    if done["missing"]:
+        shown = ", ".join(done["missing"][:3]) + (", ..." if len(done["missing"]) > 3 else "")
+        print(f"not in the checkpoint (buffers that are not training state): {shown}")
+    return 0
 
 
 def _explain(args) -> int:

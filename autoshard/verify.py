@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from autoshard.errors import AutoshardError
 from autoshard.plan import Plan
 from autoshard.runtime import moe
+from autoshard.runtime.trainer import learning_rate
 
 LR = 1e-3
 WEIGHT_DECAY = 0.1
@@ -38,7 +39,9 @@ def _read_program(out: Path) -> tuple[Plan, dict]:
     return Plan.load(out / "plan.json"), json.loads((out / "program.json").read_text())
 
 
-def run_distributed(out: Path, plan: Plan, steps: int, seed: int, work: Path, timeout: float) -> list[float]:
+def run_distributed(
+    out: Path, plan: Plan, steps: int, seed: int, work: Path, timeout: float, optim: dict | None = None
+) -> list[float]:
     log, params = work / "log.jsonl", work / "params"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={plan.gpus}",
@@ -47,6 +50,8 @@ def run_distributed(out: Path, plan: Plan, steps: int, seed: int, work: Path, ti
         "--loss-log", str(log), "--save-params", str(params), "--balance-gamma", str(BALANCE_GAMMA),
         "--timeout", str(timeout),
     ]  # fmt: skip
+    for name, value in (optim or {}).items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -67,7 +72,9 @@ def run_distributed(out: Path, plan: Plan, steps: int, seed: int, work: Path, ti
     return [r["loss"] for r in sorted(records, key=lambda r: r["step"])]
 
 
-def run_reference(plan: Plan, program: dict, steps: int, seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def run_reference(
+    plan: Plan, program: dict, steps: int, seed: int, optim: dict | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     from autoshard import rebuild
     from autoshard.capture import causal_lm_loss
     from autoshard.runtime.program import global_batch
@@ -78,23 +85,39 @@ def run_reference(plan: Plan, program: dict, steps: int, seed: int) -> tuple[lis
     model = rebuild.build(recipe, device="cpu").float()
     model.train()
     loss_fn = recipe.loss_function() or (lambda out, tokens: causal_lm_loss(out, tokens))
-    optim = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
+    adamw = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
     losses = []
+    schedule = _schedule(steps, optim or {})
+    max_norm = (optim or {}).get("max_grad_norm")
     routing = program.get("routing") or {}
     biases = {k: model.get_buffer(_in_model(e["bias"])) for k, e in routing.items() if e.get("bias")}
     with _counting_loads(model, routing):
         for step in range(steps):
             tokens = global_batch(step, plan.global_batch, plan.seq_len, program["vocab"], seed)
-            optim.zero_grad(set_to_none=True)
+            adamw.zero_grad(set_to_none=True)
+            for group in adamw.param_groups:
+                group["lr"] = learning_rate(schedule, step)
             out = model(tokens)
             out = out["logits"] if isinstance(out, dict) else out[0] if isinstance(out, (tuple, list)) else out
             loss = loss_fn(out, tokens)
             loss.backward()
-            optim.step()
+            if max_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            adamw.step()
             if routing:  # as the program does after each step: DeepSeek-V3's bias update
                 moe.update_biases(biases, BALANCE_GAMMA)
             losses.append(loss.item())
     return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+
+
+def _schedule(steps: int, optim: dict):
+    """The program's learning-rate flags for the reference (its defaults where not given)."""
+    from argparse import Namespace
+
+    return Namespace(
+        lr=LR, steps=steps, warmup=optim.get("warmup", 0), lr_schedule=optim.get("lr_schedule", "constant"),
+        min_lr=optim.get("min_lr", 0.0),
+    )  # fmt: skip
 
 
 def _in_model(name: str) -> str:
@@ -180,15 +203,20 @@ def copies_apart(params_dir: Path) -> tuple[str | None, float]:
     return worst_name, worst
 
 
-def verify(out: str | Path, steps: int, tolerance: float, seed: int = 0, timeout: float = 600) -> dict:
+def verify(
+    out: str | Path, steps: int, tolerance: float, seed: int = 0, timeout: float = 600, optim: dict | None = None
+) -> dict:
+    """``optim``: the program's optimisation flags to use on both sides (``max_grad_norm``,
+    ``warmup``, ``lr_schedule``, ``min_lr``), as ``{flag name: value}``."""
     out = Path(out)
+    optim = {k: v for k, v in (optim or {}).items() if v is not None}
     plan, program = _read_program(out)
     if steps < 1:
         raise AutoshardError(f"--steps {steps}: must be at least 1")
     with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as tmp:
         work = Path(tmp)
-        distributed = run_distributed(out, plan, steps, seed, work, timeout)
-        reference, ref_params = run_reference(plan, program, steps, seed)
+        distributed = run_distributed(out, plan, steps, seed, work, timeout, optim)
+        reference, ref_params = run_reference(plan, program, steps, seed, optim)
         params = assemble(work / "params")
         apart_name, apart = copies_apart(work / "params")
     rows = []

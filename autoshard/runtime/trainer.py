@@ -231,6 +231,8 @@ def train(args: argparse.Namespace, out: Path, plan: dict, program: dict, device
     while run.step < args.steps:
         step = run.step
         lr = learning_rate(args, step)
+        if fault is not None:
+            lr = fault.learning_rate(step, lr)
         trainer.set_lr(lr)
         start = time.perf_counter()
         loss, norm = trainer.step(step, run.position, fault)
@@ -314,10 +316,19 @@ class Run:
 class Fault:
     """Fault injection for recovery tests: ``AUTOSHARD_FAULT=kill:RANK:STEP`` SIGKILLs that
     rank in the middle of that step (after its backward, before the optimizer step), and
-    ``hang:RANK:STEP`` stops it there for an hour, on a job's first attempt only."""
+    ``hang:RANK:STEP`` stops it there for an hour, and ``lr:0:STEP`` multiplies that step's
+    learning rate by 1000 once (a genuine loss spike on the next step), on a job's first attempt
+    only."""
 
     def __init__(self, kind: str, rank: int, step: int):
         self.kind, self.rank, self.step = kind, rank, step
+        self.fired = False
+
+    def learning_rate(self, step: int, lr: float) -> float:
+        if self.kind != "lr" or step != self.step or self.fired:
+            return lr
+        self.fired = True
+        return lr * 1000
 
     @classmethod
     def from_env(cls) -> Fault | None:
@@ -328,7 +339,7 @@ class Fault:
         return cls(kind, int(rank), int(step))
 
     def __call__(self, step: int) -> None:
-        if step != self.step or dist.get_rank() != self.rank:
+        if self.kind == "lr" or step != self.step or dist.get_rank() != self.rank:
             return
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -115,3 +115,52 @@ def test_a_timed_out_collective_names_the_rank(straight, tmp_path):
     proc = torchrun(out, 2, "--steps", "4", "--timeout", "5", env={"AUTOSHARD_FAULT": "hang:1:1"}, timeout=120)
     assert proc.returncode != 0
     assert "train.py: error: rank 0: a collective failed" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_export_writes_the_single_device_state_dict_back(straight, tmp_path):
+    """--init-from a single-device safetensors file, a checkpoint at step 0, export: the same
+    tensors; and the straight run's last checkpoint exports to its trained parameters."""
+    from safetensors.torch import load_file, save_file
+
+    from autoshard.cli import main as cli
+
+    out, ck, _, params = straight("tp2-pp2")
+    assert cli(["export", str(ck), "-o", str(tmp_path / "trained.safetensors")]) == 0
+    trained = load_file(tmp_path / "trained.safetensors")
+    assert trained.keys() == {k.removeprefix("model.") for k in params}
+    assert all(torch.equal(trained[k.removeprefix("model.")], v) for k, v in params.items())
+
+    torch.manual_seed(1)
+    start = {k: torch.randn_like(v) for k, v in trained.items()}
+    save_file(start, tmp_path / "start.safetensors")
+    args = ["--steps", "0", "--init-from", str(tmp_path / "start.safetensors")]
+    args += ["--checkpoint-dir", str(tmp_path / "ck")]
+    proc = torchrun(out, 4, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cli(["export", str(tmp_path / "ck" / "step_00000000"), "-o", str(tmp_path / "back.pt")]) == 0
+    back = torch.load(tmp_path / "back.pt")
+    assert back.keys() == start.keys() and all(torch.equal(back[k], start[k]) for k in start)
+
+
+def test_a_loss_spike_rolls_back_and_skips_its_batches(straight, tmp_path):
+    out = straight("dp2-zero1")[0]
+    env = {"AUTOSHARD_FAULT": "lr:0:4"}  # step 4 takes a 1000x learning rate: step 5's loss spikes
+    args = ["--spike-zscore", "6", "--spike-window", "3", "--checkpoint-dir", str(tmp_path / "ck")]
+    args += ["--checkpoint-every", "2", "--checkpoint-sync"]
+    _train(out, 2, tmp_path, "spiky", *args, env=env)
+    log = [json.loads(line) for line in (tmp_path / "spiky.jsonl").read_text().splitlines()]
+    spikes = [r for r in log if r.get("event") == "loss spike: rolled back"]
+    assert len(spikes) == 1 and spikes[0]["step"] == 5 and spikes[0]["to_step"] == 4
+    assert spikes[0]["skipped_batches"] == [4, 6]
+    steps = [r["step"] for r in log if "loss" in r and "event" not in r]
+    # step 4 (its update the spike's cause) is taken again after the rollback, on new batches
+    assert steps == [0, 1, 2, 3, 4, 4, 5, 6, 7]
+    assert max(r["loss"] for r in log if "loss" in r and "event" not in r) < 2 * log[0]["loss"]
+
+
+def test_verify_holds_with_clipping_and_a_schedule(straight):
+    from autoshard.verify import verify
+
+    out = straight("dp2-zero3")[0]
+    result = verify(out, 3, 1e-5, optim={"max_grad_norm": 0.05, "warmup": 1, "lr_schedule": "cosine"}, timeout=240)
+    assert result["ok"], result

@@ -101,3 +101,47 @@ def test_losses_and_parameters_match_the_single_device_model(one_gpu, single_pro
     assert set(got) == {k for k, v in ref_params.items() if v.is_floating_point()}
     for name, value in got.items():
         torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_learning_rate_schedules():
+    args = trainer.parse_args(["--lr", "1.0", "--warmup", "2", "--steps", "12", "--min-lr", "0.1"])
+    assert [trainer.learning_rate(args, s) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    args.lr_schedule = "linear"
+    assert trainer.learning_rate(args, 7) == pytest.approx(0.55) and trainer.learning_rate(args, 12) == 0.1
+    args.lr_schedule = "cosine"
+    assert trainer.learning_rate(args, 7) == pytest.approx(0.55) and trainer.learning_rate(args, 2) == 1.0
+    assert trainer.learning_rate(args, 12) == pytest.approx(0.1)
+
+
+def test_gradient_clipping_matches_torch_on_one_process():
+    from autoshard.runtime import state
+    from autoshard.runtime.stages import Block
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, p in zip(refs, params):
+        r.grad = p.grad.clone()
+    norm_ref = torch.nn.utils.clip_grad_norm_(refs, 0.5)
+    held = [state.Held("w", p, tuple(p.shape), [Block((0,) * p.dim(), (0,) * p.dim(), tuple(p.shape))]) for p in params]
+    entries = [state.Entry(h, p, False, True, True, True, True) for h, p in zip(held, params)]
+    norm = state.clip_gradients(entries, 0.5)
+    assert norm == pytest.approx(float(norm_ref))
+    assert all(torch.allclose(p.grad, r.grad) for p, r in zip(params, refs))
+
+
+def test_the_spike_guard_waits_for_a_full_window():
+    run = trainer.Run()
+    for loss in (3.0, 3.1, 2.9):
+        assert not run.spike(loss, 3.0, 3)
+        run.advance(loss, 1, 3)
+    assert not run.spike(3.2, 3.0, 3) and run.spike(4.0, 3.0, 3)
+    assert (run.step, run.position, run.window) == (3, 3, [3.0, 3.1, 2.9])
+
+
+def test_flags_that_cannot_work_together_are_one_line_errors(capsys):
+    with pytest.raises(SystemExit):
+        trainer.check_args(trainer.parse_args(["--spike-zscore", "3"]))
+    assert "--spike-zscore rolls back to a checkpoint: give --checkpoint-dir" in capsys.readouterr().err
