@@ -247,8 +247,8 @@ def _moments(opt: torch.optim.Optimizer, p: torch.Tensor, create: bool) -> dict 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def optim_state(items: list[Entry], optim) -> dict:
-    """The optimizer's states to save, in DCP form: copies of the ones that count."""
+def optim_state(items: list[Entry], optim, copy: bool = True) -> dict:
+    """The optimizer's states to save, in DCP form: copies (or views) of the ones that count."""
     out = {}
     for e, opt, sharded in _optimized(items, optim):
         if not (e.counted_if_sharded if sharded else e.counted):
@@ -256,7 +256,7 @@ def optim_state(items: list[Entry], optim) -> dict:
         st = opt.state.get(e.param)
         if st:
             for m in MOMENTS:
-                out[f"optim/{m}/{e.held.key}"] = e.held.pieces(True, local_of(st[m]))
+                out[f"optim/{m}/{e.held.key}"] = e.held.pieces(copy, local_of(st[m]))
             out[f"optim/step/{e.held.key}"] = st["step"].detach().clone()
     return out
 
@@ -293,10 +293,12 @@ def load_targets(items: list[Entry], optim, saved: dict) -> list[dict]:
 # the checkpoint's contents
 
 
-def model_state(items: list[Entry], copy: bool) -> dict:
-    """Parameters and routing biases in DCP form (``model/<name>``): copies of the counted ones
-    to save, views of every one to load into."""
-    return {f"model/{e.held.key}": e.held.pieces(copy) for e in items if e.counted or not copy}
+def model_state(items: list[Entry], copy: bool, save: bool | None = None) -> dict:
+    """Parameters and routing biases in DCP form (``model/<name>``): to save (the counted ones:
+    copies for a background write, views for one inside the step, ``copy=False, save=True``),
+    or views of every one to load into."""
+    save = copy if save is None else save
+    return {f"model/{e.held.key}": e.held.pieces(copy) for e in items if e.counted or not save}
 
 
 def rng_state() -> dict:

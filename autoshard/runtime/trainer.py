@@ -582,8 +582,9 @@ class Trainer:
     def checkpoint(self, run: Run) -> tuple[dict, dict]:
         """What a checkpoint after ``run.step`` steps holds, as a DCP state dict (copies: the
         step goes on while it is written) and ``trainer.json``'s fields."""
-        out = state.model_state(self.entries, copy=True)
-        out.update(state.optim_state(self.entries, self.optim))
+        copy = not self.args.checkpoint_sync  # a background write needs copies; one in the step, views
+        out = state.model_state(self.entries, copy, save=True)
+        out.update(state.optim_state(self.entries, self.optim, copy))
         out[f"rng/{dist.get_rank()}"] = state.object_state(state.rng_state())
         args, plan = self.args, self.plan
         meta = {
