@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from autoshard.runtime.stages import Block, piece_axis, piece_blocks, restrict_rows
+from autoshard.runtime.stages import Block, full_shape, piece_axis, piece_blocks, restrict_rows
 
 MARKER = "COMPLETE"
 FORMAT = 1
@@ -174,13 +174,11 @@ def entries(stages: list[nn.Module], chunk_ids: list[int], ranks, tied: list[dic
             rows = _fsdp_rows(p)
             axis = piece_axis(spec)
             rank, size = (ranks.ep, ranks.ep_size) if axis == "ep" else (ranks.tp, ranks.tp_size)
-            full = list(p.shape)  # the TP/EP piece's shape (an FSDP DTensor's global shape) ...
-            if spec is not None:
-                full[spec[0]] *= size  # ... and the single-device tensor's
-            blocks = piece_blocks(tuple(full), spec, rank, size)
+            full = full_shape(tuple(p.shape), spec, size)  # p.shape: the piece's (an FSDP DTensor's global)
+            blocks = piece_blocks(full, spec, rank, size)
             if rows is not None:
                 blocks = restrict_rows(blocks, *rows)
-            held = Held(canonical.get(source, source), local_of(p), tuple(full), blocks)
+            held = Held(canonical.get(source, source), local_of(p), full, blocks)
             out.append(
                 Entry(
                     held,
