@@ -47,15 +47,6 @@ EMIT_LIMITS: tuple[Limit, ...] = (
             "expert's weights whole (ETP1) and shares the routed rows among TP ranks instead; use --force etp=1"
         ),
     ),
-    Limit(
-        "FP8 matmuls",
-        ("fp8",),
-        lambda fp8: fp8,
-        lambda fp8: (
-            "FP8 matmuls are not emitted yet: the program has no blockwise FP8 casts; use --precision bf16 "
-            "(or --force fp8=off)"
-        ),
-    ),
 )
 """What autoshard's emitter does not write yet: ``--plan-only`` keeps these in the search."""
 
@@ -117,7 +108,7 @@ def plan_fields(plan) -> dict:
         "dpcp": m.dp * m.cp,
         "zero": plan.zero_stage,
         "schedule": plan.schedule,
-        "fp8": bool(plan.precision.get("fp8_matmuls")),
+        "fp8": tuple(plan.precision.get("fp8_matmuls") or ()),
         "attention": plan.attention,
         "recompute": plan.recompute,
         "every": frozenset(plan.checkpoint),

@@ -107,6 +107,9 @@ def program_files(plan: Plan, captured, rebuild) -> dict[str, str]:
         "target": split.target,
         "tied": split.tied,  # parameters held by several chunks or names: one parameter, gradients summed
         "routing": rewritten.routing,  # MoE layer -> experts, top_k, routing bias (balanced after each step)
+        # the matmul kinds in FP8 and the single-device model's weights they multiply by (what
+        # ``autoshard verify`` runs in FP8 in its single-device reference)
+        "fp8": {"kinds": list(rewritten.fp8), "params": _fp8_params(rewritten)},
         # the single-device state dict's names (``autoshard export`` writes exactly these)
         "state_dict_keys": [f"model.{k}" for k in captured.model.state_dict()],
         "peak_flops": _peak_flops(plan),  # per GPU at the plan's compute precision: the step log's MFU
@@ -148,6 +151,15 @@ def _peak_flops(plan: Plan) -> float | None:
         return hardware.load(plan.hardware).peak_flops(plan.precision.get("compute", "bf16"))
     except AutoshardError:  # a profile given as a file that moved since: the log leaves MFU out
         return None
+
+
+def _fp8_params(rewritten) -> list[str]:
+    """The model's names of the weights the FP8 pass put under FP8 matmuls (through the renames)."""
+    out = set()
+    for name in rewritten.fp8_params:
+        source = rewritten.origin.get(name, name)
+        out.update(source if isinstance(source, (list, tuple)) else [source])
+    return sorted(out)
 
 
 def _stage_inits(captured, origin: dict[str, str]) -> dict | None:

@@ -31,6 +31,12 @@ OP_CLASSES = (
     "other",
 )
 
+# What a weighted matmul computes, the unit of the FP8 choice (``cost_models.analyze`` labels each
+# one): attention's projections, a dense MLP's, routed experts', the router's, the output head's.
+MATMUL_KINDS = ("attention", "mlp", "experts", "router", "head")
+FP8_KINDS = ("attention", "experts", "head", "mlp")  # the kinds an FP8 plan may run in FP8
+FP8_DEFAULT = ("attention", "experts", "mlp")  # DeepSeek-V3's: head, router, norms and attention's core stay high
+
 
 @dataclass(frozen=True)
 class Key:
@@ -60,6 +66,7 @@ KEYS: dict[str, Key] = {
         # analysis (autoshard.cost_models)
         Key("tp", "analysis", "tensor-parallel state of the output: 'replicated', 'sharded' or 'partial'"),
         Key("tp_role", "analysis", "on weighted matmuls and embeddings: 'column', 'row', 'vocab' or 'replicated'"),
+        Key("matmul_kind", "analysis", "on weighted matmuls: one of MATMUL_KINDS (what the FP8 choice is made per)"),
         Key("cost", "analysis", "cost_models.ops.NodeCost: forward FLOPs and bytes moved, symbolic in b, s"),
         # passes
         Key("sp_sliced_dim", "sequence_parallel", "the dimension a sequence-parallel node's output is sliced along"),

@@ -21,7 +21,7 @@ grouped into *checkpoint categories*, the unit of selective recomputation:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import sympy
@@ -31,6 +31,8 @@ from autoshard.capture import Captured
 from autoshard.cost_models import ops, sharding
 from autoshard.cost_models.categories import CHECKPOINT_CATEGORIES
 from autoshard.ir import B, S
+
+FP8_SAVED_BYTES = 1 + 4 / 128  # an E4M3 copy and one fp32 scale per 1x128 tile
 
 # the kinds a plan may recompute, plus the layer input (kept by any checkpoint) and the loss's
 RECOMPUTABLE = CHECKPOINT_CATEGORIES
@@ -54,6 +56,9 @@ class SavedTensor:
     tp_sharded: bool
     per_token: bool  # has batch and sequence dims (sequence/context parallelism shards it)
     producer: str
+    # the matmul kinds of its keepers when only weighted matmuls keep it (an FP8 matmul keeps
+    # its input's FP8 copy instead), None when anything else keeps it too
+    matmul_kinds: frozenset[str] | None = None
 
     def bytes(self, b: float, s: float, float_bytes: int = 2) -> float:
         size = self.fixed_bytes if self.fixed_bytes is not None else float_bytes
@@ -81,6 +86,7 @@ class Gemm:
     role: str  # TP role: column | row | vocab | replicated
     experts: bool
     count: int = 1  # experts the routing chooses among (1 for a dense product)
+    kind: str = "mlp"  # autoshard.ir.MATMUL_KINDS: what the FP8 choice is made per
 
 
 @dataclass
@@ -147,18 +153,24 @@ class BlockCost:
         sp: bool = False,
         recompute: frozenset[str] | set[str] = frozenset(),
         float_bytes: int = 2,
+        fp8: tuple[str, ...] = (),
     ) -> float:
         """Bytes one copy of this block keeps for backward on one GPU.
 
         ``tp`` divides tensors inside TP regions; with ``sp`` the replicated per-token tensors are
         divided too (sequence parallelism). Categories in ``recompute`` are dropped and rebuilt in
-        backward, except the layer input, which is the checkpoint.
+        backward, except the layer input, which is the checkpoint. A tensor kept only by matmuls
+        of the ``fp8`` kinds is kept as their FP8 copy (1 byte and a 4-byte scale per 128), in a
+        layer without recomputation (under selective recomputation the policy keeps the chosen
+        ops' outputs as they are).
         """
         total = 0.0
         for t, f in self._compiled["saved"]:
             if t.category in recompute and t.category != "layer_input":
                 continue
             size = t.fixed_bytes if t.fixed_bytes is not None else float_bytes
+            if fp8 and not recompute and t.matmul_kinds and t.category != "layer_input" and t.matmul_kinds <= set(fp8):
+                size = FP8_SAVED_BYTES
             split = tp if (t.tp_sharded or (sp and t.per_token)) else 1
             total += float(f(b, s)) * size / split
         return total
@@ -219,6 +231,7 @@ class ModelCost:
 def analyze(captured: Captured) -> ModelCost:
     gm = captured.graph_module
     sharding.annotate(gm)
+    annotate_kinds(gm)
     float_bytes = 2
     for n in gm.graph.nodes:
         n.meta["cost"] = _node_cost(n, gm, float_bytes)
@@ -464,7 +477,56 @@ def _gemm(n: fx.Node, gm: fx.GraphModule) -> Gemm | None:
     # rows per expert: C of a batched product; routed rows shared evenly (balanced routing)
     m = sympy.expand(flops / (2 * n_out * k * batch))
     count = ops.expert_count(n, gm) if experts else None
-    return Gemm(m=m, n=n_out, k=k, batch=batch, role=role, experts=experts, count=count or 1)
+    kind = n.meta.get("matmul_kind", "mlp")
+    return Gemm(m=m, n=n_out, k=k, batch=batch, role=role, experts=experts, count=count or 1, kind=kind)
+
+
+def weighted_matmul(n: fx.Node, gm: fx.GraphModule) -> bool:
+    """A matmul by a parameter (a linear layer, ``x @ W``, stacked experts' product)."""
+    r = ops.rule(n.meta.get("op", ""))
+    return r is not None and r.flops == "matmul" and ops.weight_of(n, gm) is not None
+
+
+def annotate_kinds(gm: fx.GraphModule) -> None:
+    """``node.meta["matmul_kind"]`` on every weighted matmul: ``router`` and ``experts`` by op
+    class, ``head`` after the layers (or the vocabulary-parallel product), and inside a layer
+    ``attention`` for the projections that feed its attention (any path within the layer: MLA's
+    down- and up-projections too) or that read its output with no weighted matmul between (the
+    output projection), ``mlp`` for the rest."""
+    computing = ("call_function", "call_method", "call_module")
+    weighted = {n for n in gm.graph.nodes if n.op in computing and weighted_matmul(n, gm)}
+    near_attention: set[fx.Node] = set()
+    for a in gm.graph.nodes:
+        if a.meta.get("op_class") != "attention" or a.meta.get("layer") is None:
+            continue
+        layer, seen = a.meta["layer"], set()
+        todo = list(a.all_input_nodes)
+        while todo:  # what feeds this attention, within its layer
+            n = todo.pop()
+            if n in seen or n.meta.get("layer") != layer:
+                continue
+            seen.add(n)
+            if n in weighted:
+                near_attention.add(n)
+            todo.extend(n.all_input_nodes)
+        todo, seen = list(a.users), set()
+        while todo:  # what reads its output before another weighted matmul or a norm
+            n = todo.pop()
+            if n in seen or n.meta.get("layer") != layer:
+                continue
+            seen.add(n)
+            if n in weighted:
+                near_attention.add(n)
+            elif n.meta.get("op_class") != "norm":
+                todo.extend(n.users)
+    for n in weighted:
+        cls = n.meta.get("op_class")
+        if cls in ("router", "experts"):
+            n.meta["matmul_kind"] = cls
+        elif n.meta.get("tp_role") == "vocab" or n.meta.get("region") == "post":
+            n.meta["matmul_kind"] = "head"
+        else:
+            n.meta["matmul_kind"] = "attention" if n in near_attention else "mlp"
 
 
 def _grouped_experts(gemms: list[Gemm]) -> list[Gemm]:
@@ -479,7 +541,7 @@ def _grouped_experts(gemms: list[Gemm]) -> list[Gemm]:
     for (m, n, k, role, count), same in loops.items():
         for start in range(0, len(same), count):
             batch = len(same[start : start + count])
-            out.append(Gemm(m=m, n=n, k=k, batch=batch, role=role, experts=True, count=count))
+            out.append(Gemm(m=m, n=n, k=k, batch=batch, role=role, experts=True, count=count, kind="experts"))
     return out
 
 
@@ -578,6 +640,7 @@ def _dropout_active(n: fx.Node) -> bool:
 def _saved_tensors(nodes: list[fx.Node], inside: set[fx.Node], gm: fx.GraphModule) -> list[SavedTensor]:
     producers = _storage_producers(nodes)
     records: dict[object, SavedTensor] = {}
+    keepers: dict[object, set] = {}  # storage -> the matmul kinds keeping it (None: another op too)
     for n in nodes:
         for code, t, _why in _saved_inputs(n) + _module_dropout(n, gm):
             if code in ("mask", "lse", "logprobs"):
@@ -587,6 +650,7 @@ def _saved_tensors(nodes: list[fx.Node], inside: set[fx.Node], gm: fx.GraphModul
                 continue
             root = _root(t, producers)
             key = root.meta.get("storage", root.name)
+            keepers.setdefault(key, set()).add(n.meta.get("matmul_kind") if code == "in" else None)
             if key in records:
                 continue
             external = root not in inside or root.op == "placeholder"
@@ -598,6 +662,9 @@ def _saved_tensors(nodes: list[fx.Node], inside: set[fx.Node], gm: fx.GraphModul
                 per_token=_per_token(root.meta["shape"]),
                 producer=root.name,
             )
+    for key, kinds in keepers.items():
+        if None not in kinds and key in records:
+            records[key] = replace(records[key], matmul_kinds=frozenset(kinds))
     return list(records.values())
 
 

@@ -115,12 +115,19 @@ class LayerCosts:
         return self.cost.blocks[block]
 
     @cache  # noqa: B019 - one instance per planning run
-    def activation(self, block: int, mbs: int, tp: int, cp: int, recompute: frozenset) -> float:
-        """Bytes one copy of ``block`` keeps for backward for one micro-batch."""
-        return self.block(block).activation_bytes(mbs, self.seq / cp, tp=tp, sp=tp > 1 and self.sp, recompute=recompute)
+    def activation(self, block: int, mbs: int, tp: int, cp: int, recompute: frozenset, fp8: tuple = ()) -> float:
+        """Bytes one copy of ``block`` keeps for backward for one micro-batch, with the matmuls of
+        the ``fp8`` kinds keeping FP8 copies of their inputs."""
+        return self.block(block).activation_bytes(
+            mbs, self.seq / cp, tp=tp, sp=tp > 1 and self.sp, recompute=recompute, fp8=self._fp8(fp8)
+        )
+
+    def _fp8(self, fp8: tuple) -> tuple:
+        """The FP8 kinds this machine runs in FP8 (none without FP8 tensor cores)."""
+        return fp8 if "fp8" in self.hw.peak_tflops else ()
 
     @cache  # noqa: B019
-    def _gemms(self, block: int, mbs: int, tp: int, cp: int, fp8: bool, ep: int, experts: bool) -> tuple:
+    def _gemms(self, block: int, mbs: int, tp: int, cp: int, fp8: tuple, ep: int, experts: bool) -> tuple:
         """(forward time, column-parallel part) of the block's dense GEMMs (``experts`` False) or
         of its routed-expert GEMMs (True, the only ones EP changes)."""
         blk = self.block(block)
@@ -142,10 +149,14 @@ class LayerCosts:
                 n = n / tp
             elif g.role == "row":
                 k = k / tp
-            use_fp8 = fp8 and g.role != "vocab" and "fp8" in hw.peak_tflops
+            use_fp8 = g.kind in self._fp8(fp8)
             t = self._gemm(batch, m, n, k, hw, use_fp8)
-            if use_fp8:  # quantise activations (read 2 B, write 1 B) forward and gradients backward
-                t += 3 * batch * m * k / (hw.hbm_gbps * 1e9)
+            if use_fp8:
+                # quantisation traffic, read 2 B and write 1 B per element: the input's 1x128 tiles
+                # and the weight's 128x128 blocks here; backward's output-gradient tiles (both
+                # layouts) and re-tiled input take about as long as the forward's (``compute``
+                # counts each backward GEMM pass as long as the forward's, quantisation included)
+                t += 3 * batch * (m * k + n * k) / (hw.hbm_gbps * 1e9)
             total += t
             if g.role == "column" and not g.experts:
                 column += t
@@ -164,7 +175,7 @@ class LayerCosts:
         return attn, pointwise, blk.eval("flops", mbs, sl), 3 * (blk.eval("flops", mbs, s) / (tp * cp))
 
     @cache  # noqa: B019
-    def compute(self, block: int, mbs: int, tp: int, cp: int, fp8: bool, recompute: frozenset, ep: int = 1) -> tuple:
+    def compute(self, block: int, mbs: int, tp: int, cp: int, fp8: tuple, recompute: frozenset, ep: int = 1) -> tuple:
         """(f, b, w, recompute_s, act_bytes, flops_model, column_gemm_s) of one copy of ``block``;
         column_gemm_s is the forward time of its column-parallel GEMMs (the backward's input- and
         weight-gradient GEMMs of those layers take as long each)."""
@@ -178,7 +189,7 @@ class LayerCosts:
         rc = f * (extra / fwd_flops) if fwd_flops else 0.0
         b = f_gemm + FLASH_BACKWARD * attn + 2 * pointwise + rc
         w = f_gemm
-        act = self.activation(block, mbs, tp, cp, recompute)
+        act = self.activation(block, mbs, tp, cp, recompute, fp8)
         return f, b, w, rc, act, model_flops, column
 
     @cache  # noqa: B019
@@ -233,11 +244,12 @@ class LayerCosts:
             elif coll.axis == "ep" and ep > 1:
                 # one dispatch of the routed tokens (x top-k x hidden), each TP rank its share,
                 # and its combine, the same size, forward; backward, the combine's gradient goes
-                # the dispatch's way and the dispatch's gradient the combine's. With FP8 matmuls
-                # both dispatch-way transfers go in FP8, both combines in bf16 (DeepSeek-V3,
-                # arXiv 2412.19437 section 3.3.2)
+                # the dispatch's way and the dispatch's gradient the combine's. DeepSeek-V3 sends
+                # the dispatch in FP8 (arXiv 2412.19437 section 3.3.2); the emitted program sends
+                # routed tokens in the compute precision and quantises them at the expert GEMM,
+                # so both ways are priced at that precision here
                 local = nbytes / tp
-                dispatch = local / 2 if fp8 else local
+                dispatch = local
                 place = where_ep.placement()
                 t_ep += 2 * (comm.all_to_all(dispatch, place, hw) + comm.all_to_all(local, place, hw))
                 transient = max(transient, 2 * local)

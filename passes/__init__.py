@@ -14,6 +14,7 @@ from autoshard.passes.context_parallel import context_parallel, no_full_sequence
 from autoshard.passes.contract import Pass, RewriteContext, run_passes
 from autoshard.passes.expert_parallel import expert_balance, expert_parallel, no_experts_left_whole
 from autoshard.passes.flash_attention import flash_attention, no_fusable_sdpa_left
+from autoshard.passes.fp8 import fp8, fp8_calls_only
 from autoshard.passes.pipeline_split import chunks_chained, pipeline_split
 from autoshard.passes.sequence_parallel import no_tp_all_reduce_left, sequence_parallel
 from autoshard.passes.tensor_parallel import full_weights_left, tensor_parallel
@@ -70,6 +71,14 @@ PASSES: list[Pass] = [
         requires=_CAPTURED,
         ensures=(no_experts_left_whole,),
         summary="routed experts split over the EP ranks: all-to-all dispatch and combine; TP ranks share the rows",
+    ),
+    Pass(
+        "fp8",
+        fp8,
+        lambda ctx: bool(ctx.fp8),
+        requires=_PLACED,
+        ensures=(fp8_calls_only,),
+        summary="matmuls of the plan's FP8 kinds -> rt.fp8_linear / fp8_matmul / fp8_grouped_mm (blockwise E4M3)",
     ),
     Pass(
         "activation_checkpoint",

@@ -36,6 +36,7 @@ class RewriteContext:
     recompute: tuple[str, ...] = ()  # saved-tensor categories the layers recompute
     stage_layers: tuple[int, ...] = ()  # layers per pipeline chunk, in chunk order; () for one chunk
     seq: int = 0  # tokens per sequence on one context-parallel rank (0: unknown)
+    fp8: tuple[str, ...] = ()  # the matmul kinds in FP8 (autoshard.ir.FP8_KINDS)
     # written by the passes
     notes: dict[str, str] = field(default_factory=dict)  # node name -> decision, a comment in the emitted code
     shards: dict = field(default_factory=dict)  # parameter -> tensor_parallel.ParamShard
@@ -44,6 +45,8 @@ class RewriteContext:
     split: object = None  # pipeline_split.SplitProgram, once the pipeline split has run
     expert_params: list[str] = field(default_factory=list)  # stacked expert weights (gradients over EDP)
     routing: dict = field(default_factory=dict)  # MoE layer -> {"experts", "top_k", "bias"} for balancing
+    fp8_params: list[str] = field(default_factory=list)  # weights whose matmuls run in FP8
+    fp8_left: list[str] = field(default_factory=list)  # matmuls of FP8 kinds left as they were (a note says why)
 
     @classmethod
     def from_plan(cls, plan) -> RewriteContext:
@@ -58,6 +61,7 @@ class RewriteContext:
             recompute=tuple(sorted(k for k, v in plan.checkpoint.items() if v == "recompute")),
             stage_layers=tuple(plan.stage_layers),
             seq=plan.seq_len // m.cp,
+            fp8=tuple(plan.precision.get("fp8_matmuls") or ()),
         )
 
 

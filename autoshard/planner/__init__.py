@@ -71,6 +71,11 @@ def to_plan(problem: Problem, result: SearchResult) -> Plan:
     return plan
 
 
+def _matmul_kinds(cost) -> set[str]:
+    """The kinds of weighted matmul the model has (``autoshard.ir.MATMUL_KINDS``)."""
+    return {g.kind for blk in (cost.pre, *cost.blocks, cost.post) for g in blk.gemms}
+
+
 def _mesh(ev: Evaluation) -> Mesh:
     c = ev.candidate
     return Mesh(tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep, dp=c.dp, order=list(c.order))
@@ -102,7 +107,7 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
         },
         precision={
             "compute": "bf16",
-            "fp8_matmuls": ["linear"] if c.fp8 else [],
+            "fp8_matmuls": [k for k in c.fp8 if k in _matmul_kinds(problem.cost)],
             "grad_reduce": "fp32",
         },
         attention=c.attention,

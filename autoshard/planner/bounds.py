@@ -261,7 +261,7 @@ class Bounds:
             if recompute is None:
                 acts = [k.activation_bytes for k in w.kinds] + [w.pre.activation_bytes, w.post.activation_bytes]
             else:
-                acts = [costs.layers.activation(b, c.mbs, c.tp, c.cp, recompute) for b in costs.blocks]
+                acts = [costs.layers.activation(b, c.mbs, c.tp, c.cp, recompute, c.fp8) for b in costs.blocks]
             items = [(n, a, st) for n, a, st in zip(costs.kind_counts, acts, per)]
             items += [(1, acts[-2], pre), (1, acts[-1], post)]
             layers = sum(n for n, _, _ in items)

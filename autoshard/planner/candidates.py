@@ -11,6 +11,7 @@ from autoshard import capabilities
 from autoshard.cost_models.analyze import ModelCost, category_subsets
 from autoshard.cost_models.hardware import Hardware
 from autoshard.errors import AutoshardError
+from autoshard.ir import FP8_DEFAULT, FP8_KINDS
 from autoshard.plan import ATTENTION, CHECKPOINT_CATEGORIES
 from autoshard.runtime.schedules import SCHEDULES
 
@@ -28,7 +29,7 @@ class Candidate:
     ep: int
     dp: int
     mbs: int  # sequences per micro-batch
-    fp8: bool
+    fp8: tuple[str, ...]  # the matmul kinds in FP8 (autoshard.ir.FP8_KINDS), () for none
     attention: str
     recompute: frozenset[str]
     schedule: str = "1f1b"
@@ -158,9 +159,15 @@ def _normalise_force(pins: dict) -> dict:
             raise AutoshardError(f"--force sp={pins['sp']}: use on or off")
         pins["sp"] = pins["sp"] in ("on", "true")
     if "fp8" in pins:
-        if pins["fp8"] not in ("on", "off", "true", "false"):
-            raise AutoshardError(f"--force fp8={pins['fp8']}: use on or off")
-        pins["fp8"] = pins["fp8"] in ("on", "true")
+        value = pins["fp8"]
+        kinds = FP8_DEFAULT if value in ("on", "true") else () if value in ("off", "false") else value.split("+")
+        bad = set(kinds) - set(FP8_KINDS)
+        if bad:
+            raise AutoshardError(
+                f"--force fp8={value}: use on, off, or matmul kinds joined by + from {', '.join(FP8_KINDS)} "
+                f"(on means {'+'.join(FP8_DEFAULT)})"
+            )
+        pins["fp8"] = tuple(sorted(set(kinds)))
     if "recompute" in pins:
         value = pins["recompute"]
         cats = (
@@ -208,13 +215,18 @@ def check_problem(problem: Problem) -> None:
     pins = problem.forced
     if problem.global_batch < 1 or problem.seq < 1 or problem.gpus < 1:
         raise AutoshardError("gpus, seq-len and global-batch must be positive")
+    if (problem.precision == "fp8" or pins.get("fp8")) and "fp8" not in problem.hw.peak_tflops:
+        raise AutoshardError(
+            f"{problem.hw.name} has no FP8 peak in its profile (no FP8 tensor cores to plan for); plan FP8 for a "
+            "GPU that has them (--hardware h100, h800, h200, b200) or use --precision bf16"
+        )
     for axis in ("tp", "pp", "cp", "dp"):
         if axis in pins and problem.gpus % pins[axis]:
             raise AutoshardError(f"--force {axis}={pins[axis]} does not divide --gpus {problem.gpus}")
     if problem.emit:
         wanted = {k: pins[k] for k in ("ep", "fp8") if k in pins}
         if problem.precision == "fp8":
-            wanted.setdefault("fp8", True)
+            wanted.setdefault("fp8", FP8_DEFAULT)
         for reason in capabilities.blocking(capabilities.EMIT_LIMITS, **wanted):
             raise AutoshardError(reason)
     if "schedule" in pins:  # what torch cannot run, for the pins given (other axes as they may be)
@@ -336,12 +348,14 @@ def runnable(schedule: str, pp: int, recompute: frozenset, every: frozenset, zer
     return not capabilities.blocking(capabilities.TORCH_LIMITS, **fields)
 
 
-def family_options(problem: Problem, cp: int) -> list[tuple[bool, str]]:
-    """(FP8 matmuls, attention variant) pairs a mesh with ``cp`` context-parallel ranks can take."""
+def family_options(problem: Problem, cp: int) -> list[tuple[tuple[str, ...], str]]:
+    """(FP8 matmul kinds, attention variant) pairs a mesh with ``cp`` context-parallel ranks can
+    take: FP8 off, or on for the default kinds (``autoshard.ir.FP8_DEFAULT``; ``--force fp8=``
+    picks others)."""
     pins = problem.forced
-    fp8s = [False]
+    fp8s = [()]
     if "fp8" in problem.hw.peak_tflops:
-        fp8s = {"bf16": [False], "fp8": [True], "auto": [False, True]}[problem.precision]
+        fp8s = {"bf16": [()], "fp8": [FP8_DEFAULT], "auto": [(), FP8_DEFAULT]}[problem.precision]
     if "fp8" in pins:
         fp8s = [pins["fp8"]]
     attentions = ["flash"] if cp == 1 else ["ring", "allgather-kv"]

@@ -128,7 +128,7 @@ def _neighbours(c: Candidate, gpus: int):
 
 def _root_of(mesh: tuple) -> Candidate:
     tp, pp, cp, ep, dp = mesh
-    return Candidate(tp, pp, cp, ep, dp, 1, False, "flash" if cp == 1 else "ring", frozenset())
+    return Candidate(tp, pp, cp, ep, dp, 1, (), "flash" if cp == 1 else "ring", frozenset())
 
 
 def _pins_text(pins: dict) -> str:

@@ -1,0 +1,302 @@
+"""FP8 matmuls with fine-grained scaling, as DeepSeek-V3 trained: every GEMM of a matmul the plan
+marks FP8 (forward, input gradient, weight gradient) multiplies E4M3 operands and accumulates in
+fp32, each operand scaled per small group of elements so that one outlier costs only its group's
+precision:
+
+* activations and output gradients: one scale per 1x128 tile along the contraction (per token,
+  128 features at a time) for the forward and the input gradient; per 128x1 tile (128 tokens of
+  one feature) for the weight gradient, whose contraction runs over the tokens;
+* weights: one scale per 128x128 block, the same blocks for ``W`` and its transpose.
+
+A group's scale is ``amax / 448`` (448 is E4M3's largest finite value; amax clamped below at
+``EPS`` so that a group of zeros divides by something), the group is divided by it, clamped to
++-448 and cast to ``float8_e4m3fn``. Partial sums are kept per 128 elements of the contraction
+and multiplied by the two scales in fp32, which is DeepSeek-V3's promotion of the tensor cores'
+partial sums every 128 elements.
+
+The functions here are also the definition of that math: on CPUs (and wherever Triton cannot run)
+the program computes exactly this in plain torch, so CPU runs train with FP8 numerics; on CUDA the
+same steps run as the Triton kernels of ``autoshard.kernels.fp8``, which the tests check against
+these functions (quantisation bit for bit, the GEMM to fp32 round-off).
+
+What the forward keeps for backward is the FP8 copy of its input (1 byte per element plus one
+fp32 scale per 128) rather than the input itself; the weight is quantised again in backward.
+
+The public names, as an emitted stage file calls them (``rt.<name>``):
+
+``fp8_linear(x, w, b)``       ``x @ w.T + b``, ``w`` ``[N, K]`` (``nn.Linear``, ``F.linear``)
+``fp8_matmul(x, w)``          ``x @ w`` with a weight on the right: ``[K, N]``, or stacked
+                              ``[E, K, N]`` times ``x`` ``[E, C, K]`` (``torch.bmm`` over experts)
+``fp8_grouped_mm(x, w, offs)``  rows of ``x`` grouped by expert (``offs`` the cumulative counts)
+                              times ``w`` ``[E, K, N]`` (``rt.moe_grouped_mm``)
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+TILE = 128  # elements per scaling group along a dimension (1x128 tiles, 128x128 blocks)
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+EPS = 1e-12  # least amax: a group of zeros gets scale EPS / 448 (its values stay 0)
+
+
+def _tiles(n: int) -> int:
+    return (n + TILE - 1) // TILE
+
+
+def _pad_to_tiles(x: torch.Tensor, dim: int) -> torch.Tensor:
+    extra = _tiles(x.size(dim)) * TILE - x.size(dim)
+    if not extra:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return torch.nn.functional.pad(x, pad)
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    return amax.clamp(min=EPS) / E4M3_MAX
+
+
+def _cast(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return (x / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 tiles along the last dimension of ``x`` ``[M, K]``: (``q`` e4m3 ``[M, K]``, ``s``
+    fp32 ``[M, ceil(K/128)]``)."""
+    m, k = x.shape
+    t = _pad_to_tiles(x.float(), 1).view(m, _tiles(k), TILE)
+    s = _scale(t.abs().amax(dim=2))
+    q = _cast(t, s[:, :, None]).view(m, _tiles(k) * TILE)[:, :k]
+    return q, s
+
+
+def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[M, K]`` from ``quantize_rows``' output."""
+    m, k = q.shape
+    return (_pad_to_tiles(q.float(), 1).view(m, _tiles(k), TILE) * s[:, :, None]).view(m, _tiles(k) * TILE)[:, :k]
+
+
+def tile_starts(rows: int, offs: torch.Tensor | None) -> list[int]:
+    """First row of every 128x1 tile over ``rows`` rows grouped by ``offs`` (cumulative counts;
+    None: one group): tiles restart at each group, so none mixes two experts' tokens."""
+    ends = [rows] if offs is None else [int(e) for e in offs.tolist()]
+    starts, begin = [], 0
+    for end in ends:
+        starts.extend(range(begin, end, TILE))
+        begin = end
+    return starts
+
+
+def quantize_cols(x: torch.Tensor, offs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x1 tiles along the rows of ``x`` ``[M, K]`` (restarting at each group of ``offs``),
+    written transposed, as the weight-gradient GEMM reads them: (``q`` e4m3 ``[K, M]``, ``s``
+    fp32 ``[K, T]``, T the tiles of ``tile_starts``)."""
+    m, k = x.shape
+    xf = x.float()
+    starts = tile_starts(m, offs)
+    ends = [*starts[1:], m]  # a group's first tile starts where the group does: tiles never span two
+    if not starts:
+        return torch.empty(k, 0, dtype=E4M3), torch.empty(k, 0)
+    sizes = torch.tensor([e - s0 for s0, e in zip(starts, ends)])
+    tile = torch.repeat_interleave(torch.arange(len(starts)), sizes, output_size=m).to(x.device)
+    amax = torch.zeros(len(starts), k, device=x.device).scatter_reduce_(0, tile[:, None].expand(m, k), xf.abs(), "amax")
+    s = _scale(amax)  # [T, K]
+    q = _cast(xf, s[tile])
+    return q.t().contiguous(), s.t().contiguous()
+
+
+def dequantize_cols(q: torch.Tensor, s: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``[M, K]`` from ``quantize_cols``' transposed output."""
+    k, m = q.shape
+    starts = tile_starts(m, offs)
+    if not starts:
+        return torch.empty(m, k)
+    tile = torch.bucketize(torch.arange(m), torch.tensor(starts[1:]), right=True).to(q.device)
+    return (q.float() * s[:, tile]).t()
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks over the last two dimensions of ``w`` ``[..., N, K]``: (``q`` e4m3, same
+    shape; ``s`` fp32 ``[..., ceil(N/128), ceil(K/128)]``)."""
+    *lead, n, k = w.shape
+    p = _pad_to_tiles(_pad_to_tiles(w.float(), -1), -2)
+    nb, kb = p.size(-2) // TILE, p.size(-1) // TILE
+    blocks = p.reshape(*lead, nb, TILE, kb, TILE)
+    s = _scale(blocks.abs().amax(dim=(-3, -1)))
+    q = _cast(blocks, s[..., :, None, :, None]).reshape(p.shape)[..., :n, :k]
+    return q, s
+
+
+def dequantize_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp32 from ``quantize_blocks``' output."""
+    *lead, n, k = q.shape
+    p = _pad_to_tiles(_pad_to_tiles(q.float(), -1), -2)
+    nb, kb = p.size(-2) // TILE, p.size(-1) // TILE
+    out = p.reshape(*lead, nb, TILE, kb, TILE) * s[..., :, None, :, None]
+    return out.reshape(p.shape)[..., :n, :k]
+
+
+def gemm_reference(
+    a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, b_rows: bool
+) -> torch.Tensor:
+    """fp32 ``A @ B.T`` of FP8 operands: ``a`` ``[M, K]`` with 1x128 scales ``[M, K/128]``; ``b``
+    ``[N, K]`` with 128x128 block scales ``[N/128, K/128]`` (``b_rows`` False) or 1x128 row scales
+    ``[N, K/128]`` (True). The same sum as the kernel's per-128 promotion, to fp32 round-off."""
+    bd = dequantize_rows(b, b_s) if b_rows else dequantize_blocks(b, b_s)
+    return dequantize_rows(a, a_s) @ bd.t()
+
+
+# --- the operations, on the kernels or in torch ----------------------------------------------------
+
+
+def _kernels(t: torch.Tensor):
+    """``autoshard.kernels.fp8`` where its Triton kernels can run on ``t``, else None (plain torch)."""
+    if not t.is_cuda:
+        return None
+    try:
+        from autoshard.kernels import fp8
+    except ImportError:
+        return None
+    return fp8
+
+
+_recent: dict[int, tuple] = {}  # id(x) -> (weakref to x, its version, its 1x128 quantisation)
+
+
+def _q_rows(x, reuse: bool = False):
+    """``x``'s 1x128 quantisation; with ``reuse``, the one computed last for this very tensor
+    (unchanged since), so the projections reading one input (Q, K and V; gate and up) quantise
+    it once and keep one FP8 copy for backward."""
+    if reuse:
+        hit = _recent.get(id(x))
+        if hit is not None and hit[0]() is x and hit[1] == x._version:
+            return hit[2]
+    k = _kernels(x)
+    out = k.quantize_rows(x) if k else quantize_rows(x)
+    if reuse:
+        for key in [key for key, v in _recent.items() if v[0]() is None]:
+            del _recent[key]
+        if len(_recent) >= 8:
+            _recent.pop(next(iter(_recent)))
+        _recent[id(x)] = (weakref.ref(x), x._version, out)
+    return out
+
+
+def _q_cols(x, offs):
+    k = _kernels(x)
+    return k.quantize_cols(x, offs) if k else quantize_cols(x, offs)
+
+
+def _q_blocks(w):
+    k = _kernels(w)
+    return k.quantize_blocks(w) if k else quantize_blocks(w)
+
+
+def _gemm(a, a_s, b, b_s, b_rows: bool, out_dtype) -> torch.Tensor:
+    k = _kernels(a)
+    if k:
+        return k.gemm(a, a_s, b, b_s, b_rows=b_rows, out_dtype=out_dtype)
+    return gemm_reference(a, a_s, b, b_s, b_rows).to(out_dtype)
+
+
+def _groups(offs: torch.Tensor | None, rows: int) -> list[tuple[int, int]]:
+    ends = [rows] if offs is None else [int(e) for e in offs.tolist()]
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """``y[rows of group g] = x[rows of g] @ w[g].T`` for ``x`` ``[M, K]`` and ``w`` ``[G, N, K]``
+    (any strides), rows grouped by ``offs`` (None: one group); all three GEMMs in FP8."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        out_dtype = _out_dtype(x)
+        xq, xs = _q_rows(x, reuse=True)
+        wq, ws = _q_blocks(w)
+        groups = _groups(offs, x.size(0))
+        parts = [_gemm(xq[a:b], xs[a:b], wq[g], ws[g], False, out_dtype) for g, (a, b) in enumerate(groups)]
+        ctx.save_for_backward(xq, xs, w, offs)
+        ctx.dtypes = (x.dtype, w.dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, gy):
+        xq, xs, w, offs = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        groups = _groups(offs, gy.size(0))
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gq, gs = _q_rows(gy)  # 1x128 along N, the input gradient's contraction
+            wq, ws = _q_blocks(w)
+            wt = wq.transpose(-1, -2)  # [G, K, N]: the same 128x128 blocks, transposed
+            wts = ws.transpose(-1, -2)
+            parts = [_gemm(gq[a:b], gs[a:b], wt[g], wts[g], False, x_dtype) for g, (a, b) in enumerate(groups)]
+            gx = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if ctx.needs_input_grad[1]:
+            # the weight gradient contracts over tokens: both operands in 128x1 tiles along the
+            # rows, the saved activation re-tiled from its FP8 copy (DeepSeek-V3's 1x128 -> 128x1)
+            x_hat = dequantize_rows(xq, xs) if _kernels(xq) is None else _kernels(xq).dequantize_rows(xq, xs)
+            gtq, gts = _q_cols(gy, offs)  # [N, M], [N, T]
+            xtq, xts = _q_cols(x_hat, offs)  # [K, M], [K, T]
+            starts = tile_starts(gy.size(0), offs)
+            out = []
+            for a, b in groups:
+                t0 = sum(1 for s in starts if s < a)
+                t1 = t0 + _tiles(b - a)
+                if a == b:
+                    out.append(torch.zeros(w.shape[-2:], dtype=w_dtype, device=w.device))
+                    continue
+                out.append(_gemm_tiles(gtq[:, a:b], gts[:, t0:t1], xtq[:, a:b], xts[:, t0:t1], w_dtype))
+            gw = torch.stack(out)
+        return gx, gw, None
+
+
+def _gemm_tiles(a, a_s, b, b_s, out_dtype):
+    """``a @ b.T`` for operands whose contraction was tiled 128 at a time from the group's first
+    row: the same GEMM as ``_gemm`` with row scales on both sides."""
+    k = _kernels(a)
+    if k:
+        return k.gemm(a, a_s, b, b_s, b_rows=True, out_dtype=out_dtype)
+    return gemm_reference(a, a_s, b, b_s, True).to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + bias`` (``F.linear``) with its three GEMMs in FP8; the bias is added in the
+    output's precision."""
+    lead = x.shape[:-1]
+    y = _Fp8Matmul.apply(x.reshape(-1, x.size(-1)), w.unsqueeze(0), None).view(*lead, w.size(0))
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` with the weight on the right: ``w`` ``[K, N]`` (any leading dimensions of ``x``)
+    or ``[E, K, N]`` with ``x`` ``[E, C, K]`` (one matrix per expert, ``torch.bmm``)."""
+    if w.dim() == 2:
+        lead = x.shape[:-1]
+        return _Fp8Matmul.apply(x.reshape(-1, x.size(-1)), w.t().unsqueeze(0), None).view(*lead, w.size(1))
+    e, c, k = x.shape
+    offs = torch.arange(1, e + 1, device=x.device) * c
+    return _Fp8Matmul.apply(x.reshape(e * c, k), w.transpose(1, 2), offs).view(e, c, w.size(2))
+
+
+def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` ``[S, K]`` grouped by ``offs`` times their group's ``w`` ``[G, K, N]``
+    (``rt.moe_grouped_mm``'s contract), all three GEMMs in FP8."""
+    return _Fp8Matmul.apply(x, w.transpose(1, 2), offs)
+
+
+__all__ = [
+    "TILE", "E4M3_MAX", "EPS", "quantize_rows", "dequantize_rows", "quantize_cols", "dequantize_cols",
+    "quantize_blocks", "dequantize_blocks", "tile_starts", "gemm_reference", "fp8_linear", "fp8_matmul",
+    "fp8_grouped_mm",
+]  # fmt: skip

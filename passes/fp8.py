@@ -1,0 +1,133 @@
+"""FP8 matmuls: every weighted matmul of a kind the plan runs in FP8 (``plan.precision
+["fp8_matmuls"]``, kinds from ``autoshard.ir.MATMUL_KINDS`` that the analysis wrote on each one as
+``node.meta["matmul_kind"]``) becomes a call of ``autoshard.runtime.fp8``, whose forward quantises
+the input in 1x128 tiles and the weight in 128x128 blocks to E4M3 and multiplies with fp32
+accumulation, and whose backward runs the input-gradient and weight-gradient GEMMs the same way.
+
+The forms rewritten (what capture, canonicalisation and the other passes leave):
+
+``nn.Linear`` module call, ``F.linear(x, w, b)``          -> ``rt.fp8_linear(x, w, b)``
+``x @ w``, ``torch.matmul`` / ``torch.bmm`` by a weight     -> ``rt.fp8_matmul(x, w)``
+``rt.moe_grouped_mm(rows, w, offs)``                      -> ``rt.fp8_grouped_mm(rows, w, offs)``
+
+It runs after tensor, sequence and expert parallelism, so it rewrites each rank's local product
+(its TP slice of a weight, its EP rank's experts): the scaling groups are cut out of what the rank
+holds. Activation checkpointing wraps the rewritten calls like any other op. Matmuls of the other
+kinds (the router, the output head unless the plan says so) and the attention core are left as
+they are; a weighted matmul of an FP8 kind in a form not listed (a product by per-token gathered
+expert weights) stays in the compute precision, and the emitted line says so.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx, nn
+
+from autoshard.cost_models import ops
+from autoshard.passes._graph import place
+from autoshard.passes.contract import RewriteContext
+from autoshard.runtime import fp8 as runtime_fp8
+from autoshard.runtime import moe
+
+_LINEAR = (torch.nn.functional.linear, torch._C._nn.linear)
+_MATMUL = (torch.matmul, torch.bmm, operator.matmul)
+_METHODS = ("matmul", "bmm", "__matmul__")
+_WHAT = "x 1x128 e4m3, w 128x128 e4m3, fp32 accumulate; dX, dW GEMMs in e4m3 too"
+
+
+def _weight_arg(node: fx.Node) -> bool:
+    """The right operand is a weight (parameter, view of one) and the left one is not."""
+    x, w = node.args[0], node.args[1]
+    return (
+        isinstance(w, fx.Node)
+        and ops.is_weight(w)
+        and not ops.expert_rows(w)
+        and isinstance(x, fx.Node)
+        and not ops.is_weight(x)
+    )
+
+
+def _rewrite(node: fx.Node, gm: fx.GraphModule) -> str | None:
+    """Rewrite one matmul: the FP8 call that replaces it, else why it was left as it is."""
+    graph = gm.graph
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if type(module) is not nn.Linear or len(node.args) != 1 or node.kwargs:
+            return f"a {type(module).__name__} module call"
+        with graph.inserting_before(node):
+            args = [node.args[0]]
+            for name in ("weight", "bias"):
+                p = getattr(module, name)
+                if p is not None:
+                    a = graph.get_attr(f"{node.target}.{name}")
+                    args.append(place(a, node, shape=tuple(p.shape), dtype=p.dtype, requires_grad=True, is_param=True))
+            new = graph.call_function(runtime_fp8.fp8_linear, tuple(args))
+        place(new, node, **{k: node.meta[k] for k in ("op", "op_class", "matmul_kind", "cost") if k in node.meta})
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        return new
+    if node.op == "call_function" and node.target in _LINEAR:
+        node.target = runtime_fp8.fp8_linear
+        return node
+    product = node.target in _MATMUL if node.op == "call_function" else node.target in _METHODS
+    if node.op in ("call_function", "call_method") and product:
+        if node.kwargs or len(node.args) != 2 or not _weight_arg(node):
+            return "the weight is not the right operand"
+        w = node.args[1].meta.get("shape") or ()
+        x = node.args[0].meta.get("shape") or ()
+        batched = node.target in (torch.bmm, "bmm") or (len(x) == 3 and x[0] == w[0])
+        if len(w) == 3 and not (len(x) == 3 and batched):
+            return "a broadcast product by stacked weights"
+        if len(w) not in (2, 3):
+            return f"a {len(w)}-d weight"
+        node.op, node.target = "call_function", runtime_fp8.fp8_matmul
+        return node
+    if node.op == "call_function" and node.target is moe.grouped_mm:
+        node.target = runtime_fp8.fp8_grouped_mm
+        return node
+    return "a form the FP8 pass does not rewrite"
+
+
+def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    kinds = set(ctx.fp8)
+    for node in list(gm.graph.nodes):
+        kind = node.meta.get("matmul_kind")
+        if kind not in kinds:
+            continue
+        before = ctx.notes.pop(node.name, None)
+        done = _rewrite(node, gm)
+        if isinstance(done, fx.Node):
+            note = f"fp8 ({kind}): {_WHAT}"
+            ctx.notes[done.name] = f"{before}; {note}" if before else note
+            ctx.fp8_params.extend(_weights(done))
+        else:
+            note = f"fp8 plan, left in the compute precision: {done}"
+            ctx.notes[node.name] = f"{before}; {note}" if before else note
+            ctx.fp8_left.append(node.name)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _weights(node: fx.Node) -> list[str]:
+    """The parameters (get_attr targets) the FP8 call multiplies by."""
+    w = node.args[1]
+    while isinstance(w, fx.Node) and w.op != "get_attr":
+        w = w.args[0] if w.args else None
+    return [w.target] if isinstance(w, fx.Node) else []
+
+
+def fp8_calls_only(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
+    """No weighted matmul of an FP8 kind is left in the compute precision unexplained."""
+    kinds = set(ctx.fp8)
+    for node in gm.graph.nodes:
+        if node.meta.get("matmul_kind") in kinds and node.target not in _FP8_CALLS and node.name not in ctx.fp8_left:
+            return f"{node.name} ({node.meta['matmul_kind']}) is still a compute-precision matmul"
+    return None
+
+
+_FP8_CALLS = (runtime_fp8.fp8_linear, runtime_fp8.fp8_matmul, runtime_fp8.fp8_grouped_mm)
+
+__all__ = ["fp8", "fp8_calls_only"]
