@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from autoshard.errors import AutoshardError
 from autoshard.plan import Plan
-from autoshard.runtime import moe
+from autoshard.runtime import fp8, moe
 from autoshard.runtime.trainer import learning_rate
 
 LR = 1e-3
@@ -73,10 +73,10 @@ def run_distributed(
 
 
 def run_reference(
-    plan: Plan, program: dict, steps: int, seed: int, optim: dict | None = None, fp8: bool = True
+    plan: Plan, program: dict, steps: int, seed: int, optim: dict | None = None, with_fp8: bool = True
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-device model's losses and final parameters, its matmuls in FP8 where the
-    program's are (``fp8`` False: all in fp32)."""
+    program's are (``with_fp8`` False: all in fp32)."""
     from autoshard import rebuild
     from autoshard.capture import causal_lm_loss
     from autoshard.runtime.program import global_batch
@@ -93,7 +93,7 @@ def run_reference(
     max_norm = (optim or {}).get("max_grad_norm")
     routing = program.get("routing") or {}
     biases = {k: model.get_buffer(_in_model(e["bias"])) for k, e in routing.items() if e.get("bias")}
-    fp8_params = (program.get("fp8") or {}).get("params") or [] if fp8 else []
+    fp8_params = (program.get("fp8") or {}).get("params") or [] if with_fp8 else []
     with _counting_loads(model, routing), _fp8_matmuls(model, fp8_params):
         for step in range(steps):
             tokens = global_batch(step, plan.global_batch, plan.seq_len, program["vocab"], seed)
@@ -107,6 +107,7 @@ def run_reference(
             if max_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             adamw.step()
+            fp8.new_step()  # as the program does: the weights' FP8 copies are made again
             if routing:  # as the program does after each step: DeepSeek-V3's bias update
                 moe.update_biases(biases, BALANCE_GAMMA)
             losses.append(loss.item())
@@ -169,8 +170,6 @@ def _fp8_matmuls(model: torch.nn.Module, names: list[str]):
     if not names:
         yield
         return
-    from autoshard.runtime import fp8
-
     weights = {id(model.get_parameter(_in_model(n))) for n in names}
 
     def is_fp8(t) -> bool:
@@ -278,7 +277,7 @@ def verify(
         work = Path(tmp)
         distributed = run_distributed(out, plan, steps, seed, work, timeout, optim)
         reference, ref_params = run_reference(plan, program, steps, seed, optim)
-        high = run_reference(plan, program, steps, seed, optim, fp8=False)[0] if fp8 else None
+        high = run_reference(plan, program, steps, seed, optim, with_fp8=False)[0] if fp8 else None
         params = assemble(work / "params")
         apart_name, apart = copies_apart(work / "params")
     rows = []

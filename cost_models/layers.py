@@ -46,6 +46,8 @@ from autoshard.cost_models.comm import Where
 from autoshard.cost_models.compute import FLASH_BACKWARD, attention_time, gemm_floor, gemm_time
 from autoshard.cost_models.hardware import Hardware
 
+TILE_ELEMS = 128 * 128  # elements of a weight's FP8 scaling block
+
 PRE, POST = -1, -2  # block indices of the embedding and of the output head with the loss
 
 
@@ -128,11 +130,12 @@ class LayerCosts:
 
     @cache  # noqa: B019
     def _gemms(self, block: int, mbs: int, tp: int, cp: int, fp8: tuple, ep: int, experts: bool) -> tuple:
-        """(forward time, column-parallel part) of the block's dense GEMMs (``experts`` False) or
-        of its routed-expert GEMMs (True, the only ones EP changes)."""
+        """(forward time, column-parallel part, input-gradient pass, weight-gradient pass) of the
+        block's dense GEMMs (``experts`` False) or of its routed-expert GEMMs (True, the only ones
+        EP changes); each pass's quantisation traffic included where the GEMM runs in FP8."""
         blk = self.block(block)
         hw, sl = self.hw, self.seq / cp
-        total = column = 0.0
+        total = column = dgrad = wgrad = 0.0
         for g, mfn in zip(blk.gemms, blk._compiled["gemm_m"]):
             if g.experts != experts:
                 continue
@@ -151,16 +154,37 @@ class LayerCosts:
                 k = k / tp
             use_fp8 = g.kind in self._fp8(fp8)
             t = self._gemm(batch, m, n, k, hw, use_fp8)
+            q_f = q_b = q_w = 0.0
             if use_fp8:
-                # quantisation traffic, read 2 B and write 1 B per element: the input's 1x128 tiles
-                # and the weight's 128x128 blocks here; backward's output-gradient tiles (both
-                # layouts) and re-tiled input take about as long as the forward's (``compute``
-                # counts each backward GEMM pass as long as the forward's, quantisation included)
-                t += 3 * batch * (m * k + n * k) / (hw.hbm_gbps * 1e9)
-            total += t
+                # quantisation traffic (autoshard.runtime.fp8), bytes read + written per element:
+                # forward, the input's 1x128 tiles (bf16 in, e4m3 out: 3) and the weight's
+                # tiles; input gradient, the output gradient's 1x128 tiles; weight gradient, the
+                # output gradient's 128x1 tiles and the saved FP8 input re-tiled. The weight's
+                # 128x128 blocks are quantised once per step (kept: ``fp8_weight_bytes``), which is
+                # left out here as negligible against a step's micro-batches.
+                bw = hw.hbm_gbps * 1e9
+                q_f = batch * 3 * m * k / bw
+                q_b = batch * 3 * m * n / bw
+                q_w = batch * (3 * m * n + 3 * m * k) / bw
+            total += t + q_f
+            dgrad += t + q_b
+            wgrad += t + q_w
             if g.role == "column" and not g.experts:
-                column += t
-        return total, column
+                column += t + q_f
+        return total, column, dgrad, wgrad
+
+    @cache  # noqa: B019
+    def fp8_weight_bytes(self, block: int, tp: int, ep: int, fp8: tuple) -> float:
+        """Bytes of the FP8 copies of ``block``'s weights that run in FP8 (``fp8`` kinds) on one
+        GPU, kept for a whole step (``autoshard.runtime.fp8``): 1 byte per element and one fp32
+        scale per 128x128 block, at the TP and EP shard's size."""
+        total = 0.0
+        for g in self.block(block).gemms:
+            if g.kind not in self._fp8(fp8):
+                continue
+            split = ep if g.experts else tp if g.role in ("column", "row", "vocab") else 1
+            total += g.n * g.k * g.batch / split
+        return total * (1 + 4 / TILE_ELEMS)
 
     @cache  # noqa: B019
     def _rest(self, block: int, mbs: int, tp: int, cp: int) -> tuple:
@@ -180,15 +204,15 @@ class LayerCosts:
         column_gemm_s is the forward time of its column-parallel GEMMs (the backward's input- and
         weight-gradient GEMMs of those layers take as long each)."""
         blk = self.block(block)
-        dense, column = self._gemms(block, mbs, tp, cp, fp8, 1, False)
-        routed = self._gemms(block, mbs, tp, cp, fp8, ep, True)[0] if blk.params_experts else 0.0
-        f_gemm = dense + routed
+        dense, column, dense_b, dense_w = self._gemms(block, mbs, tp, cp, fp8, 1, False)
+        routed = self._gemms(block, mbs, tp, cp, fp8, ep, True) if blk.params_experts else (0.0,) * 4
+        f_gemm = dense + routed[0]
         attn, pointwise, fwd_flops, model_flops = self._rest(block, mbs, tp, cp)
         f = f_gemm + attn + pointwise
         extra = blk.recompute_fn(recompute)(mbs, self.seq / cp) if recompute else 0.0
         rc = f * (extra / fwd_flops) if fwd_flops else 0.0
-        b = f_gemm + FLASH_BACKWARD * attn + 2 * pointwise + rc
-        w = f_gemm
+        b = dense_b + routed[2] + FLASH_BACKWARD * attn + 2 * pointwise + rc
+        w = dense_w + routed[3]
         act = self.activation(block, mbs, tp, cp, recompute, fp8)
         return f, b, w, rc, act, model_flops, column
 
@@ -211,7 +235,7 @@ class LayerCosts:
         cp: int,
         ep: int,
         attention: str,
-        fp8: bool,
+        fp8: tuple,
         where_tp: Where,
         where_cp: Where,
         where_ep: Where,
@@ -244,14 +268,14 @@ class LayerCosts:
             elif coll.axis == "ep" and ep > 1:
                 # one dispatch of the routed tokens (x top-k x hidden), each TP rank its share,
                 # and its combine, the same size, forward; backward, the combine's gradient goes
-                # the dispatch's way and the dispatch's gradient the combine's. DeepSeek-V3 sends
-                # the dispatch in FP8 (arXiv 2412.19437 section 3.3.2); the emitted program sends
-                # routed tokens in the compute precision and quantises them at the expert GEMM,
-                # so both ways are priced at that precision here
+                # the dispatch's way and the dispatch's gradient the combine's. With the experts'
+                # matmuls in FP8 the dispatch goes in FP8 (1 byte and a 4-byte scale per 128
+                # instead of 2 bytes), its gradient and both combines in bf16 (DeepSeek-V3, arXiv
+                # 2412.19437 section 3.3.2; autoshard.runtime.moe)
                 local = nbytes / tp
-                dispatch = local
+                dispatch = local * (1 + 4 / 128) / 2 if "experts" in self._fp8(fp8) else local
                 place = where_ep.placement()
-                t_ep += 2 * (comm.all_to_all(dispatch, place, hw) + comm.all_to_all(local, place, hw))
+                t_ep += comm.all_to_all(dispatch, place, hw) + 3 * comm.all_to_all(local, place, hw)
                 transient = max(transient, 2 * local)
         if tp > 1 and not sp and routed:
             # Without SP the routed rows (tokens x top-k) are the same on every TP rank: the
@@ -294,7 +318,7 @@ class LayerCosts:
         tp: int,
         cp: int,
         ep: int,
-        fp8: bool,
+        fp8: tuple,
         recompute: frozenset,
         attention: str,
         where_tp: Where,

@@ -31,8 +31,9 @@ from autoshard.passes.contract import RewriteContext
 from autoshard.runtime import fp8 as runtime_fp8
 from autoshard.runtime import moe
 
-_LINEAR = (torch.nn.functional.linear, torch._C._nn.linear)
-_MATMUL = (torch.matmul, torch.bmm, operator.matmul)
+aten = torch.ops.aten
+_LINEAR = (torch.nn.functional.linear, torch._C._nn.linear, aten.linear.default)  # (torch.export: aten ops)
+_MATMUL = (torch.matmul, torch.bmm, operator.matmul, aten.matmul.default, aten.bmm.default, aten.mm.default)
 _METHODS = ("matmul", "bmm", "__matmul__")
 _WHAT = "x 1x128 e4m3, w 128x128 e4m3, fp32 accumulate; dX, dW GEMMs in e4m3 too"
 
@@ -77,7 +78,7 @@ def _rewrite(node: fx.Node, gm: fx.GraphModule) -> str | None:
             return "the weight is not the right operand"
         w = node.args[1].meta.get("shape") or ()
         x = node.args[0].meta.get("shape") or ()
-        batched = node.target in (torch.bmm, "bmm") or (len(x) == 3 and x[0] == w[0])
+        batched = node.target in (torch.bmm, "bmm", aten.bmm.default) or (len(x) == 3 and x[0] == w[0])
         if len(w) == 3 and not (len(x) == 3 and batched):
             return "a broadcast product by stacked weights"
         if len(w) not in (2, 3):
@@ -93,6 +94,12 @@ def _rewrite(node: fx.Node, gm: fx.GraphModule) -> str | None:
 def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     kinds = set(ctx.fp8)
     for node in list(gm.graph.nodes):
+        if "experts" in kinds and node.op == "call_function" and node.target in (moe.dispatch, moe.dispatch_buffer):
+            node.kwargs = {**node.kwargs, "fp8": True}
+            before = ctx.notes.get(node.name)
+            note = "fp8: the routed rows go in 1x128 e4m3 tiles (half the bytes), as the experts multiply them"
+            ctx.notes[node.name] = f"{before}; {note}" if before else note
+            continue
         kind = node.meta.get("matmul_kind")
         if kind not in kinds:
             continue

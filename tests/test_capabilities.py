@@ -29,7 +29,7 @@ def _blocking_value(key: str):
     return {
         "ep": 8,
         "etp": 2,
-        "fp8": True,
+        "fp8": ("attention", "experts", "mlp"),
         "zero": 3,
         "schedule": split,
         "pp": 4,
@@ -45,11 +45,10 @@ def test_limits_read_only_fields_a_plan_has():
         assert set(limit.reads) <= set(fields), limit.name
 
 
-def test_the_published_deepseek_plan_is_not_emitted_yet_for_its_fp8_only():
+def test_the_published_deepseek_plan_is_emittable_with_its_fp8_and_expert_parallelism():
     plan = _plan("deepseek_v3_671b_2k_h800")
     assert plan.mesh.ep > 1 and plan.precision["fp8_matmuls"]
-    reasons = capabilities.refusals(plan)  # its expert parallelism is emitted
-    assert len(reasons) == 1 and "FP8" in reasons[0]
+    assert capabilities.refusals(plan) == []
 
 
 def test_expert_tensor_parallelism_is_not_emitted():

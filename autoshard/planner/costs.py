@@ -187,13 +187,16 @@ class CandidateCosts:
         return pipeline_ends_all_reduce(grads, where["pp"], self.p.hw)
 
     def states(self, c: Candidate, w: Work, zero: int) -> tuple[list[float], float, float]:
-        """(per-kind, embedding, head) model-state bytes at this ZeRO stage."""
+        """(per-kind, embedding, head) model-state bytes at this ZeRO stage, with the FP8 copies
+        of the weights of FP8 matmuls the program keeps for a step."""
         if zero not in w.states:
 
-            def total(k: LayerCost) -> float:
-                return sharded_state_bytes(k.params_dense, k.params_expert, zero, c.dp * c.cp, c.edp)["total"]
+            def total(k: LayerCost, block: int) -> float:
+                states = sharded_state_bytes(k.params_dense, k.params_expert, zero, c.dp * c.cp, c.edp)["total"]
+                return states + (self.layers.fp8_weight_bytes(block, c.tp, c.ep, c.fp8) if c.fp8 else 0.0)
 
-            w.states[zero] = ([total(k) for k in w.kinds], total(w.pre), total(w.post))
+            kinds = [total(k, i) for i, k in enumerate(w.kinds)]
+            w.states[zero] = (kinds, total(w.pre, PRE), total(w.post, POST))
         return w.states[zero]
 
     def buffers(self, c: Candidate, w: Work, zero: int) -> tuple[float, float]:

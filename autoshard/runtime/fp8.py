@@ -20,7 +20,10 @@ same steps run as the Triton kernels of ``autoshard.kernels.fp8``, which the tes
 these functions (quantisation bit for bit, the GEMM to fp32 round-off).
 
 What the forward keeps for backward is the FP8 copy of its input (1 byte per element plus one
-fp32 scale per 128) rather than the input itself; the weight is quantised again in backward.
+fp32 scale per 128) rather than the input itself, one copy for all the matmuls reading that
+input. A weight is quantised once per optimizer step and its FP8 copy kept until the next one
+(``new_step``, which the training program calls after each update): every micro-batch's forward
+and input-gradient GEMMs reuse it, as a step's weights do not change.
 
 The public names, as an emitted stage file calls them (``rt.<name>``):
 
@@ -99,7 +102,7 @@ def quantize_cols(x: torch.Tensor, offs: torch.Tensor | None = None) -> tuple[to
     starts = tile_starts(m, offs)
     ends = [*starts[1:], m]  # a group's first tile starts where the group does: tiles never span two
     if not starts:
-        return torch.empty(k, 0, dtype=E4M3), torch.empty(k, 0)
+        return torch.empty(k, 0, dtype=E4M3, device=x.device), torch.empty(k, 0, device=x.device)
     sizes = torch.tensor([e - s0 for s0, e in zip(starts, ends)])
     tile = torch.repeat_interleave(torch.arange(len(starts)), sizes, output_size=m).to(x.device)
     amax = torch.zeros(len(starts), k, device=x.device).scatter_reduce_(0, tile[:, None].expand(m, k), xf.abs(), "amax")
@@ -113,7 +116,7 @@ def dequantize_cols(q: torch.Tensor, s: torch.Tensor, offs: torch.Tensor | None 
     k, m = q.shape
     starts = tile_starts(m, offs)
     if not starts:
-        return torch.empty(m, k)
+        return torch.empty(m, k, device=q.device)
     tile = torch.bucketize(torch.arange(m), torch.tensor(starts[1:]), right=True).to(q.device)
     return (q.float() * s[:, tile]).t()
 
@@ -190,9 +193,27 @@ def _q_cols(x, offs):
     return k.quantize_cols(x, offs) if k else quantize_cols(x, offs)
 
 
+_weights: dict[int, tuple] = {}  # id(w) -> (weakref to w, its version, its 128x128 quantisation)
+
+
 def _q_blocks(w):
+    """``w``'s 128x128 quantisation, computed once per optimizer step (``new_step``)."""
+    hit = _weights.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == w._version:
+        return hit[2]
     k = _kernels(w)
-    return k.quantize_blocks(w) if k else quantize_blocks(w)
+    out = k.quantize_blocks(w) if k else quantize_blocks(w)
+    for key in [key for key, v in _weights.items() if v[0]() is None]:  # weights gone since
+        del _weights[key]
+    _weights[id(w)] = (weakref.ref(w), w._version, out)
+    return out
+
+
+def new_step() -> None:
+    """Forget the FP8 copies of the weights (and of recent inputs): the optimizer has changed the
+    weights (some updates, such as a ZeRO broadcast, write them without a version bump)."""
+    _weights.clear()
+    _recent.clear()
 
 
 def _gemm(a, a_s, b, b_s, b_rows: bool, out_dtype) -> torch.Tensor:
@@ -298,5 +319,5 @@ def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
 __all__ = [
     "TILE", "E4M3_MAX", "EPS", "quantize_rows", "dequantize_rows", "quantize_cols", "dequantize_cols",
     "quantize_blocks", "dequantize_blocks", "tile_starts", "gemm_reference", "fp8_linear", "fp8_matmul",
-    "fp8_grouped_mm",
+    "fp8_grouped_mm", "new_step",
 ]  # fmt: skip

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.runtime import data, groups, moe, state
+from autoshard.runtime import data, fp8, groups, moe, state
 from autoshard.runtime import program as rt
 
 
@@ -550,6 +550,7 @@ class Trainer:
         if fault is not None:
             fault(step)
         self.optim.step()
+        fp8.new_step()  # the weights changed: their FP8 copies are made again next step
         if self.program.get("routing"):  # MoE: routing biases nudged toward balance, loads for the log
             self.loads = moe.update_biases(self.biases, self.args.balance_gamma)
             if self.args.capacity_factor is not None:

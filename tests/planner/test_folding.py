@@ -56,7 +56,7 @@ def _layout(ranks: list[int], domain: int) -> tuple[int, int, int]:
 def test_expert_groups_sit_where_the_program_builds_them(tp, pp, cp, ep, dp, order):
     """The cost model's EP and EDP groups span the NVLink domains that the emitted program's
     groups (``runtime.program.stage_positions``: EP = ep consecutive positions) span."""
-    c = Candidate(tp, pp, cp, ep, dp, 1, False, "flash", frozenset(), order=order)
+    c = Candidate(tp, pp, cp, ep, dp, 1, (), "flash", frozenset(), order=order)
     where = placements(c, order, H100)
     mesh = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp": dp, "order": list(order)}
     ranks = stage_positions({"mesh": mesh, "gpus": tp * pp * cp * dp})[0].tolist()
@@ -78,20 +78,20 @@ def test_routed_tokens_split_among_tp_ranks_with_or_without_sp(full):
     rows among TP ranks and all-reduces them back, forward and backward, with or without EP."""
     moe = next(i for i, blk in enumerate(full.blocks) if blk.params_experts)
     sp, no_sp = LayerCosts(full, 4096, H100, True), LayerCosts(full, 4096, H100, False)
-    where = placements(Candidate(2, 1, 1, 2, 2, 1, False, "flash", frozenset()), ("tp", "dp", "cp", "pp"), H100)
-    args = (moe, 2, 2, 1, 2, "flash", False, where["tp"], where["cp"], where["ep"])
-    assert no_sp._gemms(moe, 2, 2, 1, False, 2, True) == sp._gemms(moe, 2, 2, 1, False, 2, True)
+    where = placements(Candidate(2, 1, 1, 2, 2, 1, (), "flash", frozenset()), ("tp", "dp", "cp", "pp"), H100)
+    args = (moe, 2, 2, 1, 2, "flash", (), where["tp"], where["cp"], where["ep"])
+    assert no_sp._gemms(moe, 2, 2, 1, (), 2, True) == sp._gemms(moe, 2, 2, 1, (), 2, True)
     assert no_sp.comm(*args)[3] == pytest.approx(sp.comm(*args)[3])
     assert sp.comm(*args)[3] > 0
-    one_rank = placements(Candidate(1, 1, 1, 2, 4, 1, False, "flash", frozenset()), ("tp", "dp", "cp", "pp"), H100)
-    args1 = (moe, 2, 1, 1, 2, "flash", False, one_rank["tp"], one_rank["cp"], where["ep"])
+    one_rank = placements(Candidate(1, 1, 1, 2, 4, 1, (), "flash", frozenset()), ("tp", "dp", "cp", "pp"), H100)
+    args1 = (moe, 2, 1, 1, 2, "flash", (), one_rank["tp"], one_rank["cp"], where["ep"])
     assert sp.comm(*args)[3] < sp.comm(*args1)[3]  # half the tokens each
     # without EP too: the pass shares the routed rows among the TP ranks
-    assert no_sp._gemms(moe, 2, 2, 1, False, 1, True) == sp._gemms(moe, 2, 2, 1, False, 1, True)
+    assert no_sp._gemms(moe, 2, 2, 1, (), 1, True) == sp._gemms(moe, 2, 2, 1, (), 1, True)
     blk = full.blocks[moe]
     routed = sum(2 * float(fn(2, 4096)) for c, fn in blk._compiled["collectives"] if c.axis == "ep")
     rejoin = 2 * comm.all_reduce(routed, where["tp"].placement(), H100)
-    no_ep = (moe, 2, 2, 1, 1, "flash", False, where["tp"], where["cp"], where["ep"])
+    no_ep = (moe, 2, 2, 1, 1, "flash", (), where["tp"], where["cp"], where["ep"])
     assert routed > 0 and no_sp.comm(*no_ep)[0] >= rejoin
     assert no_sp.comm(*args)[0] == pytest.approx(no_sp.comm(*no_ep)[0])  # the same with or without EP
     assert sp.comm(*args)[0] == pytest.approx(sp.comm(*no_ep)[0])

@@ -52,7 +52,7 @@ def test_search_finds_the_exhaustive_optimum(name, gpus, batch, hw):
         for mbs in divisors(problem.global_batch // dp):
             m = problem.global_batch // (dp * mbs)
             for attn in ["flash"] if cp == 1 else ["ring", "allgather-kv"]:
-                root = Candidate(tp, pp, cp, ep, dp, mbs, False, attn, frozenset())
+                root = Candidate(tp, pp, cp, ep, dp, mbs, (), attn, frozenset())
                 for rc, (sched, v), z in itertools.product(
                     recompute_options(problem), schedules(problem, pp, m), tree.costs.zero_options(root)
                 ):

@@ -50,7 +50,7 @@ def _evaluate(cost, pp: int, tp: int = 1, schedule: str = "1f1b", v: int = 1):
     hw = hardware.load("cpu")
     gpus = tp * pp
     problem = Problem(cost, hw, gpus, SEQ, 4)
-    c = Candidate(tp, pp, 1, 1, 1, 1, False, "flash", frozenset(), schedule, v, ("tp", "cp", "pp", "dp"), 0)
+    c = Candidate(tp, pp, 1, 1, 1, 1, (), "flash", frozenset(), schedule, v, ("tp", "cp", "pp", "dp"), 0)
     costs = CandidateCosts(problem)
     stages = None if pp == 1 else tuple([4 // (pp * v)] * (pp * v))  # one chunk: one split
     ev = Evaluator(costs).evaluate(c, stages)
