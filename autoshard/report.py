@@ -109,7 +109,11 @@ def plan_markdown(plan: Plan, comparison: str | None = None) -> str:
         "",
         *_table(
             ["part", "GB"],
-            [[k, f"{mem[k] / GB:.2f}"] for k in ("params", "grads", "optimizer", "activations", "buffers", "total")]
+            [
+                [k.replace("_", " "), f"{mem[k] / GB:.2f}"]
+                for k in ("params", "grads", "optimizer", "activations", "fp8_weights", "buffers", "total")
+                if k in mem
+            ]
             + [["usable (capacity minus reserve)", f"{p.memory_limit_bytes / GB:.2f}"]],
         ),
         "",

@@ -269,13 +269,13 @@ class LayerCosts:
                 # one dispatch of the routed tokens (x top-k x hidden), each TP rank its share,
                 # and its combine, the same size, forward; backward, the combine's gradient goes
                 # the dispatch's way and the dispatch's gradient the combine's. With the experts'
-                # matmuls in FP8 the dispatch goes in FP8 (1 byte and a 4-byte scale per 128
-                # instead of 2 bytes), its gradient and both combines in bf16 (DeepSeek-V3, arXiv
-                # 2412.19437 section 3.3.2; autoshard.runtime.moe)
+                # matmuls in FP8 both transfers toward the experts go in FP8 (1 byte and a 4-byte
+                # scale per 128 instead of 2 bytes), both toward the routing ranks in bf16
+                # (DeepSeek-V3, arXiv 2412.19437 section 3.3.2; autoshard.runtime.moe)
                 local = nbytes / tp
                 dispatch = local * (1 + 4 / 128) / 2 if "experts" in self._fp8(fp8) else local
                 place = where_ep.placement()
-                t_ep += comm.all_to_all(dispatch, place, hw) + 3 * comm.all_to_all(local, place, hw)
+                t_ep += 2 * (comm.all_to_all(dispatch, place, hw) + comm.all_to_all(local, place, hw))
                 transient = max(transient, 2 * local)
         if tp > 1 and not sp and routed:
             # Without SP the routed rows (tokens x top-k) are the same on every TP rank: the

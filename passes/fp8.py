@@ -35,6 +35,12 @@ aten = torch.ops.aten
 _LINEAR = (torch.nn.functional.linear, torch._C._nn.linear, aten.linear.default)  # (torch.export: aten ops)
 _MATMUL = (torch.matmul, torch.bmm, operator.matmul, aten.matmul.default, aten.bmm.default, aten.mm.default)
 _METHODS = ("matmul", "bmm", "__matmul__")
+_EXCHANGES = {  # the experts' all-to-alls: the direction that reaches the experts goes in FP8
+    moe.dispatch: "fp8: the routed rows go in 1x128 e4m3 tiles (half the bytes), as the experts multiply them",
+    moe.dispatch_buffer: "fp8: the routed rows go in 1x128 e4m3 tiles (half the bytes), as the experts multiply them",
+    moe.combine: "fp8: its gradient goes back to the experts in 1x128 e4m3 tiles; the rows come in bf16",
+    moe.combine_buffer: "fp8: its gradient goes back to the experts in 1x128 e4m3 tiles; the rows come in bf16",
+}
 _WHAT = "x 1x128 e4m3, w 128x128 e4m3, fp32 accumulate; dX, dW GEMMs in e4m3 too"
 
 
@@ -94,10 +100,10 @@ def _rewrite(node: fx.Node, gm: fx.GraphModule) -> str | None:
 def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     kinds = set(ctx.fp8)
     for node in list(gm.graph.nodes):
-        if "experts" in kinds and node.op == "call_function" and node.target in (moe.dispatch, moe.dispatch_buffer):
+        if "experts" in kinds and node.op == "call_function" and node.target in _EXCHANGES:
             node.kwargs = {**node.kwargs, "fp8": True}
             before = ctx.notes.get(node.name)
-            note = "fp8: the routed rows go in 1x128 e4m3 tiles (half the bytes), as the experts multiply them"
+            note = _EXCHANGES[node.target]
             ctx.notes[node.name] = f"{before}; {note}" if before else note
             continue
         kind = node.meta.get("matmul_kind")

@@ -117,7 +117,9 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
             tokens_per_s=tokens / ev.step_time_s,
             bubble_fraction=b["bubble_s"] / ev.step_time_s,
             memory_bytes_per_gpu={
-                k: ev.memory[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "total")
+                k: ev.memory[k]
+                for k in ("params", "grads", "optimizer", "activations", "fp8_weights", "buffers", "total")
+                if k != "fp8_weights" or ev.memory.get(k)
             },
             comm_s=comm,
             compute_s=b["compute_s"],

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from autoshard.cost_models.comm import Where, data_parallel
 from autoshard.cost_models.hardware import Hardware
-from autoshard.cost_models.layers import LayerCost
+from autoshard.cost_models.layers import POST, PRE, LayerCost
 from autoshard.cost_models.memory import sharded_state_bytes
 from autoshard.planner import partition
 from autoshard.planner.candidates import Candidate
@@ -182,18 +182,21 @@ class Evaluator:
         for n in part.stage_layers:
             cuts.append(cuts[-1] + n)
         chunks = len(part.stage_layers)
-        dense = expert = act = 0.0
+        dense = expert = act = fp8 = 0.0
+        fp8_bytes = self.costs.layers.fp8_weight_bytes if c.fp8 else (lambda *_: 0.0)
         for ch in range(chunks):
             if sched.chunk_rank(ch, c.pp) != worst:
                 continue
             for layer in range(cuts[ch], cuts[ch + 1]):
                 k = w.kinds[self.costs.kinds[layer]]
                 dense, expert, act = dense + k.params_dense, expert + k.params_expert, act + k.activation_bytes
-            for extra, here in ((w.pre, ch == 0), (w.post, ch == chunks - 1)):
+                fp8 += fp8_bytes(self.costs.kinds[layer], c.tp, c.ep, c.fp8)
+            for extra, block, here in ((w.pre, PRE, ch == 0), (w.post, POST, ch == chunks - 1)):
                 if here:
                     dense += extra.params_dense
                     expert += extra.params_expert
                     act += extra.activation_bytes
+                    fp8 += fp8_bytes(block, c.tp, c.ep, c.fp8)
         states = sharded_state_bytes(dense, expert, c.zero, c.dp * c.cp, c.edp)
         activations = act * in_flight[worst]
         return {
@@ -202,6 +205,7 @@ class Evaluator:
             "grads": states["grads"],
             "optimizer": states["optimizer"],
             "activations": activations,
-            "buffers": max(0.0, part.memory[worst] - states["total"] - activations),
+            "fp8_weights": fp8,  # the FP8 copies of the weights of FP8 matmuls, kept for a step
+            "buffers": max(0.0, part.memory[worst] - states["total"] - activations - fp8),
             "total": part.memory[worst],
         }

@@ -226,42 +226,51 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1 or not _counting
 
 
-class _Fp8AllToAll(torch.autograd.Function):
-    """An all-to-all of rows sent in FP8: each row quantised in 1x128 tiles (``autoshard.runtime.
-    fp8``), its E4M3 bytes and scales sent, and dequantised on arrival, so the transfer takes about
-    half the bytes of bf16 (DeepSeek-V3's FP8 dispatch). The experts' FP8 GEMM quantises the rows
-    again in the same tiles, which gives back the same values: sending in FP8 costs no precision
-    the GEMM keeps. The gradient goes back in the compute precision."""
+def _all_to_all(rows: torch.Tensor, out_splits, in_splits, group, fp8: bool) -> torch.Tensor:
+    """Rows ``[S, ...]`` exchanged over ``group`` (``out_splits`` rows received from each rank,
+    ``in_splits`` sent to each; None: equal parts along dim 0). ``fp8``: each row quantised in
+    1x128 tiles along its last dimension (``autoshard.runtime.fp8``), its E4M3 bytes and scales
+    sent (about half the bytes of bf16), and dequantised on arrival."""
+    from autoshard.runtime import fp8 as blockwise
 
-    @staticmethod
-    def forward(ctx, rows, out_splits, in_splits, group):
-        from autoshard.runtime import fp8
-
-        shape = rows.shape
-        flat = rows.reshape(-1, shape[-1])
-        q, s = fp8._q_rows(flat)
-        n_out = sum(out_splits) if out_splits is not None else flat.size(0)
+    shape, rows = rows.shape, rows.contiguous()
+    flat = rows.view(-1, shape[-1])
+    n_out = sum(out_splits) if out_splits is not None else flat.size(0)
+    if not fp8:
+        out = torch.empty(n_out, flat.size(1), dtype=rows.dtype, device=rows.device)
+        dist.all_to_all_single(out, flat, out_splits, in_splits, group=group)
+    else:
+        q, s = blockwise._q_rows(flat)
         q_out = torch.empty(n_out, flat.size(1), dtype=torch.uint8, device=rows.device)
         s_out = torch.empty(n_out, s.size(1), dtype=s.dtype, device=rows.device)
         dist.all_to_all_single(q_out, q.contiguous().view(torch.uint8), out_splits, in_splits, group=group)
         dist.all_to_all_single(s_out, s.contiguous(), out_splits, in_splits, group=group)
-        ctx.splits, ctx.group, ctx.shape = (out_splits, in_splits), group, shape
-        out = fp8.dequantize_rows(q_out.view(q.dtype), s_out).to(rows.dtype)
-        return out.view(n_out, *shape[1:]) if out_splits is not None else out.view(shape)
+        out = blockwise.dequantize_rows(q_out.view(q.dtype), s_out).to(rows.dtype)
+    return out.view(shape) if out_splits is None else out.view(n_out, *shape[1:])
+
+
+class _Fp8AllToAll(torch.autograd.Function):
+    """An all-to-all of rows with one of its two directions in FP8 (DeepSeek-V3's low-precision
+    MoE communication): ``forward_fp8`` for the dispatch, whose rows the experts' first FP8 GEMM
+    quantises again in the same 1x128 tiles, so sending them in FP8 costs nothing that GEMM
+    keeps; ``backward_fp8`` for the combine, whose gradient reaches the experts' last GEMM (its
+    output gradient) in FP8. The other direction goes in the compute precision."""
+
+    @staticmethod
+    def forward(ctx, rows, out_splits, in_splits, group, forward_fp8, backward_fp8):
+        ctx.splits, ctx.group, ctx.fp8 = (out_splits, in_splits), group, backward_fp8
+        return _all_to_all(rows, out_splits, in_splits, group, forward_fp8)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        flat = grad.reshape(-1, grad.size(-1)).contiguous()
-        back = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
-        dist.all_to_all_single(back.view(-1, flat.size(1)), flat, in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+        return _all_to_all(grad, in_splits, out_splits, ctx.group, ctx.fp8), None, None, None, None, None
 
 
-def _send(rows, out_splits, in_splits, group, fp8: bool) -> torch.Tensor:
-    """``all_to_all_single_autograd``, or the same in FP8 (``_Fp8AllToAll``)."""
-    if fp8:
-        return _Fp8AllToAll.apply(rows, out_splits, in_splits, group)
+def _send(rows, out_splits, in_splits, group, fp8: bool = False, fp8_backward: bool = False) -> torch.Tensor:
+    """``all_to_all_single_autograd``, or the same with a direction in FP8 (``_Fp8AllToAll``)."""
+    if fp8 or fp8_backward:
+        return _Fp8AllToAll.apply(rows, out_splits, in_splits, group, fp8, fp8_backward)
     return all_to_all_single_autograd(rows, out_splits, in_splits, group)
 
 
@@ -294,7 +303,7 @@ def dispatch(
         return rows, send_counts.cumsum(1).to(torch.int32).view(-1), send_counts
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=ep_group())
-    received = _send(rows.contiguous(), recv_counts.sum(1).tolist(), send_counts.sum(1).tolist(), ep_group(), fp8)
+    received = _send(rows, recv_counts.sum(1).tolist(), send_counts.sum(1).tolist(), ep_group(), fp8)
     local_offs = recv_counts.sum(0).cumsum(0).to(torch.int32)
     return received.index_select(0, _block_transpose(recv_counts)), local_offs, recv_counts
 
@@ -305,17 +314,19 @@ def combine(
     offs: torch.Tensor,
     recv_counts: torch.Tensor,
     capacity_factor: float | Fraction | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """The inverse of ``dispatch``: the experts' output rows ``[R, N]`` (local-expert-major) back to
     the ranks that routed them, in their original order: ``[S, N]``. ``offs`` and
     ``capacity_factor`` are the ones given to ``dispatch``, ``recv_counts`` the one it returned;
-    dropped rows are zeros."""
+    dropped rows are zeros. ``fp8``: the gradient goes back to the experts in FP8 (the rows come
+    in the compute precision)."""
     send_counts, keep = _kept(offs, capacity_factor)
     if ep_size() > 1:
         source_major = local_out.index_select(0, _block_transpose(recv_counts.t()))
         send_counts = send_counts.view(ep_size(), -1)
-        local_out = all_to_all_single_autograd(
-            source_major.contiguous(), send_counts.sum(1).tolist(), recv_counts.sum(1).tolist(), ep_group()
+        local_out = _send(
+            source_major, send_counts.sum(1).tolist(), recv_counts.sum(1).tolist(), ep_group(), fp8_backward=fp8
         )
     if keep is None:
         return local_out
@@ -348,20 +359,21 @@ def dispatch_buffer(buf: torch.Tensor, fp8: bool = False) -> torch.Tensor:
     if buf.size(0) % ep:
         raise ValueError(f"expert parallelism over {ep} ranks does not divide {buf.size(0)} experts")
     rest = buf.shape[2:]
-    received = _send(buf.contiguous(), None, None, ep_group(), fp8)
+    received = _send(buf, None, None, ep_group(), fp8)
     by_source = received.view(ep, buf.size(0) // ep, buf.size(1), *rest)
     return by_source.transpose(0, 1).reshape(buf.size(0) // ep, ep * buf.size(1), *rest)
 
 
 @_timed
-def combine_buffer(out: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``dispatch_buffer``: ``[E/ep, ep*C, ...]`` back to ``[E, C, ...]``."""
+def combine_buffer(out: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+    """The inverse of ``dispatch_buffer``: ``[E/ep, ep*C, ...]`` back to ``[E, C, ...]``;
+    ``fp8``: its gradient goes back in FP8, as ``combine``'s."""
     ep = ep_size()
     if ep == 1:
         return out
     local, slots, rest = out.size(0), out.size(1) // ep, out.shape[2:]
     by_source = out.view(local, ep, slots, *rest).transpose(0, 1).reshape(ep * local, slots, *rest)
-    return all_to_all_single_autograd(by_source.contiguous(), None, None, ep_group())
+    return _send(by_source, None, None, ep_group(), fp8_backward=fp8)
 
 
 # --- load balancing --------------------------------------------------------------------------------
