@@ -1,0 +1,120 @@
+"""The FP8 pass: the matmuls of the plan's FP8 kinds become ``rt.fp8_*`` calls (and nothing else
+does), the rewritten single-device graph computes exactly what ``autoshard verify``'s FP8
+reference computes on the user's model, and every bundled example compiles with
+``--precision fp8`` into stage files whose FP8 lines say what they do."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoshard import runtime
+from autoshard.capture import capture, causal_lm_loss
+from autoshard.cost_models.analyze import analyze
+from autoshard.passes.contract import RewriteContext
+from autoshard.passes.fp8 import fp8, fp8_calls_only
+from autoshard.verify import _fp8_matmuls
+
+from conftest import EXAMPLES
+
+sys.path.insert(0, str(EXAMPLES))
+ROOT = Path(__file__).resolve().parents[2]
+FP8_CALLS = (runtime.fp8_linear, runtime.fp8_matmul, runtime.fp8_grouped_mm)
+
+
+def _captured(name: str):
+    module = __import__(name)
+    torch.manual_seed(0)
+    model = module.build("tiny")
+    cap = capture(model, (torch.zeros(2, 128, dtype=torch.long),))
+    analyze(cap)
+    return model, cap.graph_module
+
+
+def _kinds(gm) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for n in gm.graph.nodes:
+        if "matmul_kind" in n.meta:
+            out.setdefault(n.meta["matmul_kind"], []).append(n.name)
+    return out
+
+
+def test_matmul_kinds_follow_the_model_structure():
+    _, gm = _captured("llama3")
+    kinds = _kinds(gm)
+    assert set(kinds) == {"attention", "mlp", "head"}
+    assert sorted(k.rsplit("_", 1)[-1] for k in kinds["attention"]) == sorted(["wq", "wk", "wv", "wo"] * 2)
+    assert sorted(k.rsplit("_", 1)[-1] for k in kinds["mlp"]) == sorted(["w1", "w2", "w3"] * 2)
+    _, gm = _captured("deepseek_v3")
+    kinds = _kinds(gm)
+    # MLA's down- and up-projections reach attention through their norms: attention projections
+    assert {"wq_a", "wq_b", "wkv_a", "wkv_b", "wo"} == {k.rsplit("attn_", 1)[-1] for k in kinds["attention"]}
+    assert all("gate" in k for k in kinds["router"]) and len(kinds["router"]) == 2
+    assert len(kinds["experts"]) == 6 and kinds["head"] == ["model_output"]
+
+
+@pytest.mark.parametrize("name", ["llama3", "deepseek_v3", "gpt"])
+def test_the_rewritten_graph_equals_the_fp8_reference_on_the_users_model(name):
+    model, gm = _captured(name)
+    ctx = RewriteContext(fp8=("attention", "experts", "mlp"))
+    gm = fp8(gm, ctx)
+    assert fp8_calls_only(gm, ctx) is None and not ctx.fp8_left
+    calls = [n for n in gm.graph.nodes if n.target in FP8_CALLS]
+    assert len(calls) == sum(len(v) for k, v in _kinds(gm).items() if k in ctx.fp8)
+    assert all("e4m3" in ctx.notes[n.name] for n in calls)
+    untouched = [n for n in gm.graph.nodes if n.meta.get("matmul_kind") in ("head", "router")]
+    assert untouched and not [n for n in untouched if n.target in FP8_CALLS]  # kept high precision
+    tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    runtime.fp8.new_step()
+    got = gm(tokens)
+    got.backward()
+    grads = {k: p.grad.clone() for k, p in gm.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    runtime.fp8.new_step()
+    with _fp8_matmuls(model, ctx.fp8_params):
+        want = causal_lm_loss(model(tokens), tokens)
+        want.backward()
+    assert torch.equal(got, want)  # the same math, the same order: exactly
+    plain = causal_lm_loss(model(tokens), tokens)
+    assert not torch.equal(plain, want)  # and it is not the fp32 model
+    for k, p in model.named_parameters():
+        assert torch.allclose(grads[f"model.{k}"], p.grad, rtol=1e-5, atol=1e-7), k
+
+
+def test_a_kind_left_out_is_not_rewritten():
+    _, gm = _captured("llama3")
+    ctx = RewriteContext(fp8=("head", "mlp"))
+    gm = fp8(gm, ctx)
+    kinds = {n.meta["matmul_kind"] for n in gm.graph.nodes if n.target in FP8_CALLS}
+    assert kinds == {"head", "mlp"}
+
+
+def _compile(out: Path, model: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "autoshard", "compile", model, "--config", "tiny", "--gpus", "2"]
+    cmd += ["--seq-len", "128", "--global-batch", "8", *args, "-o", str(out)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama3", "deepseek_v3"])
+def test_every_bundled_example_compiles_with_precision_fp8(name, tmp_path):
+    proc = _compile(tmp_path, f"examples/{name}.py", "--hardware", "h800", "--precision", "fp8")
+    assert proc.returncode == 0, proc.stderr
+    code = "\n".join(p.read_text() for p in sorted(tmp_path.glob("stage*.py")))
+    assert "rt.fp8_" in code and "fp32 accumulate" in code
+    assert "left in the compute precision" not in code
+    assert "FP8" in (tmp_path / "plan.md").read_text()
+
+
+def test_fp8_for_a_machine_without_fp8_units_is_refused_in_one_line(tmp_path):
+    proc = _compile(tmp_path, "examples/llama3.py", "--hardware", "cpu", "--precision", "fp8")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "no FP8" in proc.stderr and "--precision bf16" in proc.stderr
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+def test_an_unknown_fp8_kind_is_refused(tmp_path):
+    proc = _compile(tmp_path, "examples/llama3.py", "--hardware", "h100", "--force", "fp8=attention+convs")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "fp8=attention+convs" in proc.stderr and "mlp" in proc.stderr
