@@ -81,7 +81,7 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
     for a in entries:
         with graph.inserting_after(a):
             scatter = graph.call_function(runtime.scatter_to_sp, (a, _seq_dim(a)))
-        place(scatter, a, region="layer", tp="replicated", sp_sliced_dim=_seq_dim(a), sp_tp=tp)
+        place(scatter, a, tp="replicated", sp_sliced_dim=_seq_dim(a), sp_tp=tp)  # (the end of the embedding region)
         notes[scatter.name] = f"sequence parallel: keep this rank's 1/{tp} of the sequence from here on"
         for user in list(a.users):
             if user is not scatter and user.meta.get("region") in ("layer", "post") and _residual_reader(user):

@@ -270,20 +270,28 @@ class _Fp8Matmul(torch.autograd.Function):
     (any strides), rows grouped by ``offs`` (None: one group); all three GEMMs in FP8."""
 
     @staticmethod
-    def forward(ctx, x, w, offs):
+    def forward(ctx, x, w, offs, rows=None):
         out_dtype = _out_dtype(x)
         xq, xs = _q_rows(x, reuse=True)
         wq, ws = _q_blocks(w)
-        groups = _groups(offs, x.size(0))
-        parts = [_gemm(xq[a:b], xs[a:b], wq[g], ws[g], False, out_dtype) for g, (a, b) in enumerate(groups)]
+        ctx.rows = rows if rows and _kernels(x) is None else None  # equal groups on CPU: batched
         ctx.save_for_backward(xq, xs, w, offs)
         ctx.dtypes = (x.dtype, w.dtype)
+        if ctx.rows:
+            with torch.autocast(x.device.type, enabled=False):
+                xd = dequantize_rows(xq, xs).view(w.size(0), rows, -1)
+                y = torch.bmm(xd, dequantize_blocks(wq, ws).transpose(1, 2))
+            return y.view(x.size(0), -1).to(out_dtype)
+        groups = _groups(offs, x.size(0))
+        parts = [_gemm(xq[a:b], xs[a:b], wq[g], ws[g], False, out_dtype) for g, (a, b) in enumerate(groups)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @staticmethod
     def backward(ctx, gy):
         xq, xs, w, offs = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
+        if ctx.rows:
+            return (*_batched_backward(ctx, gy, xq, xs, w, ctx.rows), None, None)
         groups = _groups(offs, gy.size(0))
         gx = gw = None
         if ctx.needs_input_grad[0]:
@@ -309,7 +317,34 @@ class _Fp8Matmul(torch.autograd.Function):
                     continue
                 out.append(_gemm_tiles(gtq[:, a:b], gts[:, t0:t1], xtq[:, a:b], xts[:, t0:t1], w_dtype))
             gw = torch.stack(out)
-        return gx, gw, None
+        return gx, gw, None, None
+
+
+def _cols_dequantized(x: torch.Tensor, groups: int, rows: int) -> torch.Tensor:
+    """``dequantize_cols(*quantize_cols(x, offs), offs)`` for ``groups`` equal groups of ``rows``
+    rows (``[G, rows, K]``), batched: the same values."""
+    k = x.size(1)
+    t = _pad_to_tiles(x.float().view(groups, rows, k), 1).view(groups, _tiles(rows), TILE, k)
+    s = _scale(t.abs().amax(dim=2, keepdim=True))
+    return (_widen(_cast(t, s)) * s).view(groups, -1, k)[:, :rows]
+
+
+def _batched_backward(ctx, gy, xq, xs, w, rows):
+    """``_Fp8Matmul``'s backward for equal groups on CPUs (stacked experts' ``bmm``): the same
+    quantisation as the per-group path, the GEMMs as one batched product each."""
+    x_dtype, w_dtype = ctx.dtypes
+    groups = w.size(0)
+    gx = gw = None
+    with torch.autocast(gy.device.type, enabled=False):
+        if ctx.needs_input_grad[0]:
+            wq, ws = _q_blocks(w)
+            gd = dequantize_rows(*quantize_rows(gy)).view(groups, rows, -1)
+            gx = torch.bmm(gd, dequantize_blocks(wq, ws)).view(gy.size(0), -1).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            g_cols = _cols_dequantized(gy, groups, rows)
+            x_cols = _cols_dequantized(dequantize_rows(xq, xs), groups, rows)
+            gw = torch.bmm(g_cols.transpose(1, 2), x_cols).to(w_dtype)
+    return gx, gw
 
 
 def _gemm_tiles(a, a_s, b, b_s, out_dtype):
@@ -337,7 +372,7 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return _Fp8Matmul.apply(x.reshape(-1, x.size(-1)), w.t().unsqueeze(0), None).view(*lead, w.size(1))
     e, c, k = x.shape
     offs = torch.arange(1, e + 1, device=x.device) * c
-    return _Fp8Matmul.apply(x.reshape(e * c, k), w.transpose(1, 2), offs).view(e, c, w.size(2))
+    return _Fp8Matmul.apply(x.reshape(e * c, k), w.transpose(1, 2), offs, c).view(e, c, w.size(2))
 
 
 def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
