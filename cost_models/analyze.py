@@ -496,29 +496,28 @@ def annotate_kinds(gm: fx.GraphModule) -> None:
     computing = ("call_function", "call_method", "call_module")
     weighted = {n for n in gm.graph.nodes if n.op in computing and weighted_matmul(n, gm)}
     near_attention: set[fx.Node] = set()
+
+    def walk(start: list[fx.Node], layer, onward, through_matmuls: bool) -> None:
+        """Collect the weighted matmuls reached from ``start`` within ``layer`` along ``onward``
+        (inputs or users), through other matmuls only if ``through_matmuls``, never past a norm
+        going forward."""
+        todo, seen = list(start), set()
+        while todo:
+            n = todo.pop()
+            if n in seen or n.meta.get("layer") != layer:
+                continue
+            seen.add(n)
+            if n in weighted:
+                near_attention.add(n)
+                if not through_matmuls:
+                    continue
+            if through_matmuls or n.meta.get("op_class") != "norm":
+                todo.extend(onward(n))
+
     for a in gm.graph.nodes:
-        if a.meta.get("op_class") != "attention" or a.meta.get("layer") is None:
-            continue
-        layer, seen = a.meta["layer"], set()
-        todo = list(a.all_input_nodes)
-        while todo:  # what feeds this attention, within its layer
-            n = todo.pop()
-            if n in seen or n.meta.get("layer") != layer:
-                continue
-            seen.add(n)
-            if n in weighted:
-                near_attention.add(n)
-            todo.extend(n.all_input_nodes)
-        todo, seen = list(a.users), set()
-        while todo:  # what reads its output before another weighted matmul or a norm
-            n = todo.pop()
-            if n in seen or n.meta.get("layer") != layer:
-                continue
-            seen.add(n)
-            if n in weighted:
-                near_attention.add(n)
-            elif n.meta.get("op_class") != "norm":
-                todo.extend(n.users)
+        if a.meta.get("op_class") == "attention" and a.meta.get("layer") is not None:
+            walk(a.all_input_nodes, a.meta["layer"], lambda n: n.all_input_nodes, True)  # what feeds it
+            walk(list(a.users), a.meta["layer"], lambda n: list(n.users), False)  # what reads its output
     for n in weighted:
         cls = n.meta.get("op_class")
         if cls in ("router", "experts"):
