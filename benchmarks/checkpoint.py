@@ -64,10 +64,17 @@ def worker(out: Path, ckpt: Path, repeat: int, sync: bool) -> None:
         print(
             json.dumps(
                 {
-                    "config": plan["model"]["name"], "params": params, "plan": plan["mesh"], "zero": plan["zero_stage"],
-                    "mode": "sync" if sync else "async", "bytes": size, "repeat": repeat,
-                    "save_blocked_s": statistics.median(blocked), "save_total_s": statistics.median(total),
-                    "load_s": statistics.median(loads), "write_gb_per_s": size / statistics.median(total) / 1e9,
+                    "config": plan["model"]["name"],
+                    "params": params,
+                    "plan": plan["mesh"],
+                    "zero": plan["zero_stage"],
+                    "mode": "sync" if sync else "async",
+                    "bytes": size,
+                    "repeat": repeat,
+                    "save_blocked_s": statistics.median(blocked),
+                    "save_total_s": statistics.median(total),
+                    "load_s": statistics.median(loads),
+                    "write_gb_per_s": size / statistics.median(total) / 1e9,
                 }  # fmt: skip
             ),
             flush=True,
