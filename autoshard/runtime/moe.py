@@ -271,7 +271,7 @@ def _send(rows, out_splits, in_splits, group, fp8: bool = False, fp8_backward: b
     """``all_to_all_single_autograd``, or the same with a direction in FP8 (``_Fp8AllToAll``)."""
     if fp8 or fp8_backward:
         return _Fp8AllToAll.apply(rows, out_splits, in_splits, group, fp8, fp8_backward)
-    return all_to_all_single_autograd(rows, out_splits, in_splits, group)
+    return all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group)
 
 
 @_timed
