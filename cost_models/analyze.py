@@ -458,12 +458,9 @@ def _block(
 
 
 def _gemm(n: fx.Node, gm: fx.GraphModule) -> Gemm | None:
-    r = ops.rule(n.meta.get("op", ""))
-    if r is None or r.flops != "matmul" or n.meta.get("shape") is None:
+    if n.meta.get("shape") is None or not weighted_matmul(n, gm):
         return None
     w = ops.weight_of(n, gm)
-    if w is None:
-        return None
     out = n.meta["shape"]
     role = n.meta.get("tp_role", "replicated")
     experts = n.meta.get("op_class") == "experts"
