@@ -189,6 +189,8 @@ def _fp8_matmuls(model: torch.nn.Module, names: list[str]):
                 return fp8.fp8_linear(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"))
             if func in matmul and len(args) == 2 and not kwargs and is_fp8(args[1]):
                 return fp8.fp8_matmul(args[0], args[1])
+            if func is torch.addmm and len(args) == 3 and not kwargs and is_fp8(args[2]):
+                return fp8.fp8_addmm(*args)
             if func in (torch._grouped_mm, moe.grouped_mm) and len(args) >= 2 and is_fp8(args[1]):
                 return fp8.fp8_grouped_mm(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
             return func(*args, **kwargs)

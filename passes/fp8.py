@@ -8,6 +8,7 @@ The forms rewritten (what capture, canonicalisation and the other passes leave):
 
 ``nn.Linear`` module call, ``F.linear(x, w, b)``          -> ``rt.fp8_linear(x, w, b)``
 ``x @ w``, ``torch.matmul`` / ``torch.bmm`` by a weight     -> ``rt.fp8_matmul(x, w)``
+``torch.addmm(b, x, w)`` by a weight (``Conv1D``)          -> ``rt.fp8_addmm(b, x, w)``
 ``rt.moe_grouped_mm(rows, w, offs)``                      -> ``rt.fp8_grouped_mm(rows, w, offs)``
 
 It runs after tensor, sequence and expert parallelism, so it rewrites each rank's local product
@@ -35,6 +36,7 @@ aten = torch.ops.aten
 _LINEAR = (torch.nn.functional.linear, torch._C._nn.linear, aten.linear.default)  # (torch.export: aten ops)
 _MATMUL = (torch.matmul, torch.bmm, operator.matmul, aten.matmul.default, aten.bmm.default, aten.mm.default)
 _METHODS = ("matmul", "bmm", "__matmul__")
+_ADDMM = (torch.addmm, aten.addmm.default)
 _EXCHANGES = {  # the experts' all-to-alls: the direction that reaches the experts goes in FP8
     moe.dispatch: "fp8: the routed rows go in 1x128 e4m3 tiles (half the bytes), as the experts multiply them",
     moe.dispatch_buffer: "fp8: the routed rows go in 1x128 e4m3 tiles (half the bytes), as the experts multiply them",
@@ -91,6 +93,14 @@ def _rewrite(node: fx.Node, gm: fx.GraphModule) -> str | None:
             return f"a {len(w)}-d weight"
         node.op, node.target = "call_function", runtime_fp8.fp8_matmul
         return node
+    if node.op == "call_function" and node.target in _ADDMM:
+        if node.kwargs or len(node.args) != 3:
+            return "an addmm with beta or alpha"
+        x, w = node.args[1], node.args[2]
+        if not (isinstance(w, fx.Node) and ops.is_weight(w) and isinstance(x, fx.Node) and not ops.is_weight(x)):
+            return "the weight is not the right operand"
+        node.target = runtime_fp8.fp8_addmm
+        return node
     if node.op == "call_function" and node.target is moe.grouped_mm:
         node.target = runtime_fp8.fp8_grouped_mm
         return node
@@ -126,7 +136,7 @@ def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
 
 def _weights(node: fx.Node) -> list[str]:
     """The parameters (get_attr targets) the FP8 call multiplies by."""
-    w = node.args[1]
+    w = node.args[2] if node.target is runtime_fp8.fp8_addmm else node.args[1]
     while isinstance(w, fx.Node) and w.op != "get_attr":
         w = w.args[0] if w.args else None
     return [w.target] if isinstance(w, fx.Node) else []
@@ -141,6 +151,6 @@ def fp8_calls_only(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
     return None
 
 
-_FP8_CALLS = (runtime_fp8.fp8_linear, runtime_fp8.fp8_matmul, runtime_fp8.fp8_grouped_mm)
+_FP8_CALLS = (runtime_fp8.fp8_linear, runtime_fp8.fp8_matmul, runtime_fp8.fp8_addmm, runtime_fp8.fp8_grouped_mm)
 
 __all__ = ["fp8", "fp8_calls_only"]

@@ -19,7 +19,8 @@ mixture of experts (``autoshard.runtime.moe``)
     ``_buffer`` forms (each TP rank's share of the routed rows), ``moe_record_load`` (expert loads
     for balancing), ``moe_balance_loss`` (an optional balance loss attached to the routed rows).
 FP8 matmuls (``autoshard.runtime.fp8``: 1x128 / 128x128 E4M3 scaling, fp32 accumulation, the three GEMMs)
-    ``fp8_linear`` (``x @ w.T + b``), ``fp8_matmul`` (``x @ w``, also stacked experts), ``fp8_grouped_mm``.
+    ``fp8_linear`` (``x @ w.T + b``), ``fp8_matmul`` (``x @ w``, also stacked experts), ``fp8_addmm``,
+    ``fp8_grouped_mm``.
 attention and graph helpers
     ``fused_attention`` (Triton FlashAttention on CUDA, SDPA elsewhere), ``size_of``.
 process groups (set once by the training program from its device mesh)
@@ -44,7 +45,7 @@ from autoshard.runtime.collectives import (
     vocab_parallel_embedding,
 )
 from autoshard.runtime.context import cp_attention, cp_cross_entropy, cp_positions, cp_shard
-from autoshard.runtime.fp8 import fp8_grouped_mm, fp8_linear, fp8_matmul
+from autoshard.runtime.fp8 import fp8_addmm, fp8_grouped_mm, fp8_linear, fp8_matmul
 from autoshard.runtime.groups import set_groups, tp_group, tp_rank, tp_size
 from autoshard.runtime.moe import balance_loss as moe_balance_loss
 from autoshard.runtime.moe import combine as moe_combine
@@ -81,6 +82,7 @@ __all__ = [
     "fp8_linear",
     "fp8_matmul",
     "fp8_grouped_mm",
+    "fp8_addmm",
     "moe_grouped_mm",
     "moe_dispatch",
     "moe_combine",

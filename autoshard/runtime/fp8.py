@@ -30,6 +30,7 @@ The public names, as an emitted stage file calls them (``rt.<name>``):
 ``fp8_linear(x, w, b)``       ``x @ w.T + b``, ``w`` ``[N, K]`` (``nn.Linear``, ``F.linear``)
 ``fp8_matmul(x, w)``          ``x @ w`` with a weight on the right: ``[K, N]``, or stacked
                               ``[E, K, N]`` times ``x`` ``[E, C, K]`` (``torch.bmm`` over experts)
+``fp8_addmm(b, x, w)``         ``b + x @ w`` (``torch.addmm`` by a weight ``[K, N]``)
 ``fp8_grouped_mm(x, w, offs)``  rows of ``x`` grouped by expert (``offs`` the cumulative counts)
                               times ``w`` ``[E, K, N]`` (``rt.moe_grouped_mm``)
 """
@@ -304,7 +305,8 @@ class _Fp8Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # the weight gradient contracts over tokens: both operands in 128x1 tiles along the
             # rows, the saved activation re-tiled from its FP8 copy (DeepSeek-V3's 1x128 -> 128x1)
-            x_hat = dequantize_rows(xq, xs) if _kernels(xq) is None else _kernels(xq).dequantize_rows(xq, xs)
+            k = _kernels(xq)
+            x_hat = k.dequantize_rows(xq, xs) if k else dequantize_rows(xq, xs)
             gtq, gts = _q_cols(gy, offs)  # [N, M], [N, T]
             xtq, xts = _q_cols(x_hat, offs)  # [K, M], [K, T]
             starts = tile_starts(gy.size(0), offs)
@@ -315,7 +317,8 @@ class _Fp8Matmul(torch.autograd.Function):
                 if a == b:
                     out.append(torch.zeros(w.shape[-2:], dtype=w_dtype, device=w.device))
                     continue
-                out.append(_gemm_tiles(gtq[:, a:b], gts[:, t0:t1], xtq[:, a:b], xts[:, t0:t1], w_dtype))
+                # row scales on both sides: the contraction was tiled from the group's first row
+                out.append(_gemm(gtq[:, a:b], gts[:, t0:t1], xtq[:, a:b], xts[:, t0:t1], True, w_dtype))
             gw = torch.stack(out)
         return gx, gw, None, None
 
@@ -347,15 +350,6 @@ def _batched_backward(ctx, gy, xq, xs, w, rows):
     return gx, gw
 
 
-def _gemm_tiles(a, a_s, b, b_s, out_dtype):
-    """``a @ b.T`` for operands whose contraction was tiled 128 at a time from the group's first
-    row: the same GEMM as ``_gemm`` with row scales on both sides."""
-    k = _kernels(a)
-    if k:
-        return k.gemm(a, a_s, b, b_s, b_rows=True, out_dtype=out_dtype)
-    return gemm_reference(a, a_s, b, b_s, True).to(out_dtype)
-
-
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + bias`` (``F.linear``) with its three GEMMs in FP8; the bias is added in the
     output's precision."""
@@ -375,6 +369,13 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _Fp8Matmul.apply(x.reshape(e * c, k), w.transpose(1, 2), offs, c).view(e, c, w.size(2))
 
 
+def fp8_addmm(bias: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``bias + x @ w`` (``torch.addmm``, transformers' ``Conv1D``), the product in FP8 as
+    ``fp8_matmul``'s."""
+    y = fp8_matmul(x, w)
+    return y + bias.to(y.dtype)
+
+
 def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` ``[S, K]`` grouped by ``offs`` times their group's ``w`` ``[G, K, N]``
     (``rt.moe_grouped_mm``'s contract), all three GEMMs in FP8."""
@@ -384,5 +385,5 @@ def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
 __all__ = [
     "TILE", "E4M3_MAX", "EPS", "quantize_rows", "dequantize_rows", "quantize_cols", "dequantize_cols",
     "quantize_blocks", "dequantize_blocks", "tile_starts", "gemm_reference", "fp8_linear", "fp8_matmul",
-    "fp8_grouped_mm", "new_step",
+    "fp8_grouped_mm", "fp8_addmm", "new_step",
 ]  # fmt: skip

@@ -107,6 +107,14 @@ def test_every_bundled_example_compiles_with_precision_fp8(name, tmp_path):
     assert "FP8" in (tmp_path / "plan.md").read_text()
 
 
+def test_a_transformers_conv1d_model_runs_every_matmul_in_fp8(tmp_path):
+    """GPT-2's ``Conv1D`` computes ``addmm(bias, x, w)`` with the weight on the right."""
+    proc = _compile(tmp_path, "tests/models/hf_zoo.py", "--config", "gpt2", "--hardware", "h100", "--precision", "fp8")
+    assert proc.returncode == 0, proc.stderr
+    code = "\n".join(p.read_text() for p in sorted(tmp_path.glob("stage*.py")))
+    assert "rt.fp8_addmm(" in code and "left in the compute precision" not in code
+
+
 def test_fp8_for_a_machine_without_fp8_units_is_refused_in_one_line(tmp_path):
     proc = _compile(tmp_path, "examples/llama3.py", "--hardware", "cpu", "--precision", "fp8")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
