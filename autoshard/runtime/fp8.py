@@ -21,7 +21,13 @@ these functions (quantisation bit for bit, the GEMM to fp32 round-off).
 
 What the forward keeps for backward is the FP8 copy of its input (1 byte per element plus one
 fp32 scale per 128) rather than the input itself, one copy for all the matmuls reading that
-input. A weight is quantised once per optimizer step and its FP8 copy kept until the next one
+input. Under selective recomputation (``runtime.checkpoint``) the policy sees the input's
+quantisation and the forward GEMM as one op each (``torch.ops.autoshard.fp8_quantize_rows`` and
+``fp8_mm``): a matmul called with ``keep_fp8=True`` has its input's FP8 copy kept through the
+layer's recomputation (the input itself is rebuilt), and a kept matmul output is kept whether
+the GEMM ran in torch or in a Triton kernel.
+
+A weight is quantised once per optimizer step and its FP8 copy kept until the next one
 (``new_step``, which the training program calls after each update): every micro-batch's forward
 and input-gradient GEMMs reuse it, as a step's weights do not change.
 
@@ -33,6 +39,8 @@ The public names, as an emitted stage file calls them (``rt.<name>``):
 ``fp8_addmm(b, x, w)``         ``b + x @ w`` (``torch.addmm`` by a weight ``[K, N]``)
 ``fp8_grouped_mm(x, w, offs)``  rows of ``x`` grouped by expert (``offs`` the cumulative counts)
                               times ``w`` ``[E, K, N]`` (``rt.moe_grouped_mm``)
+
+each with ``keep_fp8`` (default False), which only a layer under selective recomputation reads.
 """
 
 from __future__ import annotations
@@ -209,17 +217,36 @@ def _keep(table: dict, t: torch.Tensor, value, most: int | None = None) -> None:
 _recent: dict[tuple, tuple] = {}  # view key -> (weakref to its base, version, its 1x128 quantisation)
 
 
-def _q_rows(x, reuse: bool = False):
+def _q_rows(x, reuse: bool = False, keep: bool = False):
     """``x``'s 1x128 quantisation; with ``reuse``, the one computed last for this very tensor
     (unchanged since), so the projections reading one input (Q, K and V; gate and up) quantise
-    it once and keep one FP8 copy for backward."""
+    it once and keep one FP8 copy for backward. ``keep``: the recomputation policy keeps it."""
     if reuse and (hit := _cached(_recent, x)) is not None:
         return hit
-    k = _kernels(x)
-    out = k.quantize_rows(x) if k else quantize_rows(x)
+    out = torch.ops.autoshard.fp8_quantize_rows(x, keep)
     if reuse:
         _keep(_recent, x, out, most=8)
     return out
+
+
+def forget_inputs() -> None:
+    """Forget the quantised inputs ``reuse`` finds: a checkpointed layer's forward calls this
+    first, so that its recomputation meets the same first quantisations as its forward did."""
+    _recent.clear()
+
+
+@torch.library.custom_op("autoshard::fp8_quantize_rows", mutates_args=())
+def _quantize_rows_op(x: torch.Tensor, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` as one op (on the kernels where they run); ``keep`` is read only by the
+    recomputation policy, which keeps the result where it is True."""
+    k = _kernels(x)
+    q, s = k.quantize_rows(x) if k else quantize_rows(x)
+    return q.contiguous(), s
+
+
+@_quantize_rows_op.register_fake
+def _(x, keep):
+    return x.new_empty(x.shape, dtype=E4M3), x.new_empty(x.size(0), _tiles(x.size(1)), dtype=torch.float32)
 
 
 def _q_cols(x, offs):
@@ -271,28 +298,21 @@ class _Fp8Matmul(torch.autograd.Function):
     (any strides), rows grouped by ``offs`` (None: one group); all three GEMMs in FP8."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, rows=None):
+    def forward(ctx, x, w, offs, rows=None, keep=False, experts=False):
         out_dtype = _out_dtype(x)
-        xq, xs = _q_rows(x, reuse=True)
+        xq, xs = _q_rows(x, reuse=True, keep=keep)
         wq, ws = _q_blocks(w)
         ctx.rows = rows if rows and _kernels(x) is None else None  # equal groups on CPU: batched
         ctx.save_for_backward(xq, xs, w, offs)
         ctx.dtypes = (x.dtype, w.dtype)
-        if ctx.rows:
-            with torch.autocast(x.device.type, enabled=False):
-                xd = dequantize_rows(xq, xs).view(w.size(0), rows, -1)
-                y = torch.bmm(xd, dequantize_blocks(wq, ws).transpose(1, 2))
-            return y.view(x.size(0), -1).to(out_dtype)
-        groups = _groups(offs, x.size(0))
-        parts = [_gemm(xq[a:b], xs[a:b], wq[g], ws[g], False, out_dtype) for g, (a, b) in enumerate(groups)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return torch.ops.autoshard.fp8_mm(xq, xs, wq, ws, offs, ctx.rows or 0, out_dtype, experts)
 
     @staticmethod
     def backward(ctx, gy):
         xq, xs, w, offs = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         if ctx.rows:
-            return (*_batched_backward(ctx, gy, xq, xs, w, ctx.rows), None, None)
+            return (*_batched_backward(ctx, gy, xq, xs, w, ctx.rows), None, None, None, None)
         groups = _groups(offs, gy.size(0))
         gx = gw = None
         if ctx.needs_input_grad[0]:
@@ -320,7 +340,37 @@ class _Fp8Matmul(torch.autograd.Function):
                 # row scales on both sides: the contraction was tiled from the group's first row
                 out.append(_gemm(gtq[:, a:b], gts[:, t0:t1], xtq[:, a:b], xts[:, t0:t1], True, w_dtype))
             gw = torch.stack(out)
-        return gx, gw, None, None
+        return gx, gw, None, None, None, None
+
+
+@torch.library.custom_op("autoshard::fp8_mm", mutates_args=())
+def _mm_op(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    offs: torch.Tensor | None,
+    rows: int,
+    out_dtype: torch.dtype,
+    experts: bool,
+) -> torch.Tensor:
+    """The forward GEMM of ``_Fp8Matmul`` as one op: ``y[rows of g] = x[rows of g] @ w[g].T``
+    from the FP8 operands, in ``out_dtype``; ``rows`` > 0: equal groups of that many rows, as
+    one batched product (CPUs). ``experts`` is read only by the recomputation policy (which
+    category the output is)."""
+    if rows:
+        with torch.autocast(xq.device.type, enabled=False):
+            xd = dequantize_rows(xq, xs).view(wq.size(0), rows, -1)
+            y = torch.bmm(xd, dequantize_blocks(wq, ws).transpose(1, 2))
+        return y.view(xq.size(0), -1).to(out_dtype)
+    groups = _groups(offs, xq.size(0))
+    parts = [_gemm(xq[a:b], xs[a:b], wq[g], ws[g], False, out_dtype) for g, (a, b) in enumerate(groups)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@_mm_op.register_fake
+def _(xq, xs, wq, ws, offs, rows, out_dtype, experts):
+    return xq.new_empty(xq.size(0), wq.size(-2), dtype=out_dtype)
 
 
 def _cols_dequantized(x: torch.Tensor, groups: int, rows: int) -> torch.Tensor:
@@ -350,40 +400,43 @@ def _batched_backward(ctx, gy, xq, xs, w, rows):
     return gx, gw
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, keep_fp8: bool = False
+) -> torch.Tensor:
     """``x @ w.T + bias`` (``F.linear``) with its three GEMMs in FP8; the bias is added in the
     output's precision."""
     lead = x.shape[:-1]
-    y = _Fp8Matmul.apply(x.reshape(-1, x.size(-1)), w.unsqueeze(0), None).view(*lead, w.size(0))
+    y = _Fp8Matmul.apply(x.reshape(-1, x.size(-1)), w.unsqueeze(0), None, None, keep_fp8).view(*lead, w.size(0))
     return y if bias is None else y + bias.to(y.dtype)
 
 
-def fp8_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, *, keep_fp8: bool = False) -> torch.Tensor:
     """``x @ w`` with the weight on the right: ``w`` ``[K, N]`` (any leading dimensions of ``x``)
     or ``[E, K, N]`` with ``x`` ``[E, C, K]`` (one matrix per expert, ``torch.bmm``)."""
     if w.dim() == 2:
         lead = x.shape[:-1]
-        return _Fp8Matmul.apply(x.reshape(-1, x.size(-1)), w.t().unsqueeze(0), None).view(*lead, w.size(1))
+        y = _Fp8Matmul.apply(x.reshape(-1, x.size(-1)), w.t().unsqueeze(0), None, None, keep_fp8)
+        return y.view(*lead, w.size(1))
     e, c, k = x.shape
     offs = torch.arange(1, e + 1, device=x.device) * c
-    return _Fp8Matmul.apply(x.reshape(e * c, k), w.transpose(1, 2), offs, c).view(e, c, w.size(2))
+    return _Fp8Matmul.apply(x.reshape(e * c, k), w.transpose(1, 2), offs, c, keep_fp8, True).view(e, c, w.size(2))
 
 
-def fp8_addmm(bias: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def fp8_addmm(bias: torch.Tensor, x: torch.Tensor, w: torch.Tensor, *, keep_fp8: bool = False) -> torch.Tensor:
     """``bias + x @ w`` (``torch.addmm``, transformers' ``Conv1D``), the product in FP8 as
     ``fp8_matmul``'s."""
-    y = fp8_matmul(x, w)
+    y = fp8_matmul(x, w, keep_fp8=keep_fp8)
     return y + bias.to(y.dtype)
 
 
-def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, keep_fp8: bool = False) -> torch.Tensor:
     """Rows of ``x`` ``[S, K]`` grouped by ``offs`` times their group's ``w`` ``[G, K, N]``
     (``rt.moe_grouped_mm``'s contract), all three GEMMs in FP8."""
-    return _Fp8Matmul.apply(x, w.transpose(1, 2), offs)
+    return _Fp8Matmul.apply(x, w.transpose(1, 2), offs, None, keep_fp8, True)
 
 
 __all__ = [
     "TILE", "E4M3_MAX", "EPS", "quantize_rows", "dequantize_rows", "quantize_cols", "dequantize_cols",
     "quantize_blocks", "dequantize_blocks", "tile_starts", "gemm_reference", "fp8_linear", "fp8_matmul",
-    "fp8_grouped_mm", "fp8_addmm", "new_step",
+    "fp8_grouped_mm", "fp8_addmm", "new_step", "forget_inputs",
 ]  # fmt: skip
