@@ -123,7 +123,9 @@ def plan_markdown(plan: Plan, comparison: str | None = None) -> str:
         "",
         "## Activation checkpointing",
         "",
-        *_table(["saved-tensor category", "decision"], [[k, v] for k, v in sorted(plan.checkpoint.items())]),
+        *_table(
+            ["saved-tensor category", "decision"], [[k, _kept(plan, k, v)] for k, v in sorted(plan.checkpoint.items())]
+        ),
         "",
     ]
     if plan.alternatives:
@@ -187,3 +189,10 @@ def _stages_text(plan: Plan) -> str:
         lines.append(f"rank {rank:>3}: " + " | ".join(parts))
     lines.append("```")
     return "\n".join(lines)
+
+
+def _kept(plan, category: str, decision: str) -> str:
+    """A category's checkpoint decision, saying where the layers keep FP8 copies instead."""
+    if decision == "save" and category in plan.precision.get("fp8_saved", ()):
+        return "save as fp8 copy (only FP8 matmuls read it; its op reruns in backward)"
+    return decision

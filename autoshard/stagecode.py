@@ -130,7 +130,8 @@ def stage_source(
             module = g.get_submodule(node.target)
             if isinstance(module, Checkpoint):
                 layer = node.target.rsplit("_", 1)[-1]
-                text = f"rt.Checkpoint(self.layer_{layer}, recompute={module.recompute})"
+                text = f"rt.Checkpoint(self.layer_{layer}, recompute={module.recompute}"
+                text += f", fp8_saved={module.fp8_saved})" if module.fp8_saved else ")"
             else:
                 text = _constructor(node.target, module)
             init.append(f'        rt.put_module(self, "{node.target}", {text})')

@@ -29,7 +29,7 @@ from torch import fx
 
 from autoshard.capture import Captured
 from autoshard.cost_models import ops, sharding
-from autoshard.cost_models.categories import CHECKPOINT_CATEGORIES
+from autoshard.cost_models.categories import CHECKPOINT_CATEGORIES, saved_category
 from autoshard.ir import B, S
 
 FP8_SAVED_BYTES = 1 + 4 / 128  # an E4M3 copy and one fp32 scale per 1x128 tile
@@ -154,24 +154,28 @@ class BlockCost:
         recompute: frozenset[str] | set[str] = frozenset(),
         float_bytes: int = 2,
         fp8: tuple[str, ...] = (),
+        fp8_saved: frozenset[str] | set[str] = frozenset(),
     ) -> float:
         """Bytes one copy of this block keeps for backward on one GPU.
 
         ``tp`` divides tensors inside TP regions; with ``sp`` the replicated per-token tensors are
         divided too (sequence parallelism). Categories in ``recompute`` are dropped and rebuilt in
-        backward, except the layer input, which is the checkpoint. A tensor kept only by matmuls
-        of the ``fp8`` kinds is kept as their FP8 copy (1 byte and a 4-byte scale per 128), in a
-        layer without recomputation (under selective recomputation the policy keeps the chosen
-        ops' outputs as they are).
+        backward, except the layer input, which is the checkpoint. Without recomputation a tensor
+        kept only by matmuls of the ``fp8`` kinds is kept as their FP8 copy (1 byte and a 4-byte
+        scale per 128); under selective recomputation the categories in ``fp8_saved``
+        (``ModelCost.fp8_saved``) are, and the rest as they are.
         """
         total = 0.0
         for t, f in self._compiled["saved"]:
             if t.category in recompute and t.category != "layer_input":
                 continue
             size = t.fixed_bytes if t.fixed_bytes is not None else float_bytes
-            if fp8 and not recompute and t.matmul_kinds and t.category != "layer_input" and t.matmul_kinds <= set(fp8):
-                size = FP8_SAVED_BYTES
             split = tp if (t.tp_sharded or (sp and t.per_token)) else 1
+            if fp8 and t.category != "layer_input":
+                if not recompute and t.matmul_kinds and t.matmul_kinds <= set(fp8):
+                    size = FP8_SAVED_BYTES
+                elif t.category in fp8_saved:  # a copy of what the matmuls read: TP-gathered under SP
+                    size, split = FP8_SAVED_BYTES, (tp if t.tp_sharded else 1)
             total += float(f(b, s)) * size / split
         return total
 
@@ -220,6 +224,29 @@ class ModelCost:
         """Model FLOPs per token at sequence ``s``: forward, and training (forward + 2x backward)."""
         fwd = self.flops_forward(1, s) / s
         return {"forward": fwd, "training": 3 * fwd}
+
+    def fp8_saved(
+        self, recompute, fp8: tuple[str, ...], *, tp: int = 1, sp: bool = False, float_bytes: int = 2
+    ) -> frozenset[str]:
+        """The kept categories a layer under selective recomputation keeps as their FP8 copies
+        (``runtime.checkpoint``): those not recomputed (nor the layer input) every tensor of
+        which, in every layer kind, only matmuls of the ``fp8`` kinds keep, and whose copies are
+        smaller than the tensors. Under sequence parallelism a replicated per-token tensor's copy
+        is of what the TP region reads, all-gathered: not smaller. Their producers are then
+        rerun in backward (``recompute_flops`` of ``recompute | fp8_saved``)."""
+        if not recompute or not fp8:
+            return frozenset()
+        present, ruled_out = set(), set()
+        for blk in self.blocks:
+            for t in blk.saved:
+                present.add(t.category)
+                size = t.fixed_bytes if t.fixed_bytes is not None else float_bytes
+                split = tp if (t.tp_sharded or (sp and t.per_token)) else 1
+                copy_split = tp if t.tp_sharded else 1
+                only_fp8 = bool(t.matmul_kinds) and t.matmul_kinds <= set(fp8)
+                if not only_fp8 or FP8_SAVED_BYTES / copy_split >= size / split:
+                    ruled_out.add(t.category)
+        return frozenset(present - ruled_out - set(recompute) - {"layer_input"})
 
     def block_of_layer(self, layer: int) -> BlockCost:
         return next(b for b in self.blocks if layer in b.layers)
@@ -651,7 +678,7 @@ def _saved_tensors(nodes: list[fx.Node], inside: set[fx.Node], gm: fx.GraphModul
                 continue
             external = root not in inside or root.op == "placeholder"
             records[key] = SavedTensor(
-                category=_category(root, n, external),
+                category=saved_category(root, n, external),
                 elems=ops.numel(root.meta["shape"]),
                 fixed_bytes=None if root.meta["dtype"].is_floating_point else ops.elem_bytes(root.meta["dtype"], 2),
                 tp_sharded=root.meta.get("tp") == "sharded",
@@ -692,23 +719,6 @@ def _virtual(code: str, n: fx.Node) -> SavedTensor:
 def _per_token(shape) -> bool:
     syms = set().union(*(sympy.sympify(d).free_symbols for d in shape)) if shape else set()
     return {B, S} <= syms
-
-
-def _category(root: fx.Node, saver: fx.Node, external: bool) -> str:
-    """Checkpoint category of a kept tensor, by the op that produced it (and, for pointwise
-    results, by who keeps it)."""
-    if external:
-        return "layer_input"
-    producer = root.meta.get("op_class")
-    if producer in ("norm", "matmul", "router", "attention", "experts"):
-        return {"norm": "norm_output", "matmul": "linear_output", "router": "linear_output"}.get(producer, producer)
-    if saver.meta.get("op_class") == "experts" or any(
-        a.meta.get("op_class") == "experts" for a in root.all_input_nodes
-    ):
-        return "experts"
-    if saver.meta.get("op_class") == "norm":
-        return "norm_input"
-    return "activation"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ Modelling choices (each can be checked against the formula it names):
 - Attention core: FLOPs at ``attention_efficiency`` of the bf16 peak; flash backward reruns the
   forward's QK^T, so it costs 2.5x the forward (``compute.attention_time``).
 - Everything else is memory-bound: bytes moved / HBM bandwidth; backward moves about twice as much.
-- Recomputation reruns the closure of the dropped tensors' producers (``BlockCost.recompute_flops``).
+- Recomputation reruns the closure of the dropped tensors' producers (``BlockCost.recompute_flops``),
+  and of those of the tensors kept as FP8 copies (``ModelCost.fp8_saved``).
 - TP with sequence parallelism: all-gather before and reduce-scatter after each TP region in forward
   and the mirror in backward, plus a second all-gather of each region's input in backward for the
   weight gradient (the input is saved sharded, as Korthikanti et al. count memory). Forward
@@ -120,9 +121,16 @@ class LayerCosts:
     def activation(self, block: int, mbs: int, tp: int, cp: int, recompute: frozenset, fp8: tuple = ()) -> float:
         """Bytes one copy of ``block`` keeps for backward for one micro-batch, with the matmuls of
         the ``fp8`` kinds keeping FP8 copies of their inputs."""
+        sp, fp8 = tp > 1 and self.sp, self._fp8(fp8)
+        saved = self.fp8_saved(recompute, fp8, tp)
         return self.block(block).activation_bytes(
-            mbs, self.seq / cp, tp=tp, sp=tp > 1 and self.sp, recompute=recompute, fp8=self._fp8(fp8)
+            mbs, self.seq / cp, tp=tp, sp=sp, recompute=recompute, fp8=fp8, fp8_saved=saved
         )
+
+    @cache  # noqa: B019
+    def fp8_saved(self, recompute: frozenset, fp8: tuple, tp: int) -> frozenset:
+        """The kept categories selective recomputation keeps as FP8 copies (``ModelCost.fp8_saved``)."""
+        return self.cost.fp8_saved(recompute, self._fp8(fp8), tp=tp, sp=tp > 1 and self.sp)
 
     def _fp8(self, fp8: tuple) -> tuple:
         """The FP8 kinds this machine runs in FP8 (none without FP8 tensor cores)."""
@@ -209,7 +217,9 @@ class LayerCosts:
         f_gemm = dense + routed[0]
         attn, pointwise, fwd_flops, model_flops = self._rest(block, mbs, tp, cp)
         f = f_gemm + attn + pointwise
-        extra = blk.recompute_fn(recompute)(mbs, self.seq / cp) if recompute else 0.0
+        # the producers of what is kept as FP8 copies rerun too (their outputs are not kept)
+        rerun = recompute | self.fp8_saved(recompute, fp8, tp)
+        extra = blk.recompute_fn(rerun)(mbs, self.seq / cp) if recompute else 0.0
         rc = f * (extra / fwd_flops) if fwd_flops else 0.0
         b = dense_b + routed[2] + FLASH_BACKWARD * attn + 2 * pointwise + rc
         w = dense_w + routed[3]

@@ -6,7 +6,8 @@ their own graph (inputs: the values it reads from before it; outputs: the values
 called as ``checkpoint_L(*inputs)``. The layer's parameters stay attributes of ``gm``; the reads of
 those only the layer used (``get_attr``, as torch.export writes parameters) move into its graph.
 
-Requires ``region`` and ``layer`` on every node and reads ``ctx.recompute``. Guarantees
+Requires ``region`` and ``layer`` on every node and reads ``ctx.recompute`` and ``ctx.fp8_saved``
+(the kept categories held as FP8 copies: the FP8 pass marked their quantisations ``keep_fp8``). Guarantees
 (:func:`layers_wrapped`): the only computing nodes left in the ``layer`` region are one
 ``Checkpoint`` call per layer, recomputing exactly ``ctx.recompute``, and the ``getitem`` s that
 unpack its outputs; each call carries the layer's ``region``, ``layer`` and ``source``, with ``op``
@@ -54,13 +55,15 @@ def activation_checkpoint(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphMo
         sub.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
         fn = fx.GraphModule(gm, sub, class_name=f"Layer{layer}")
         name = f"checkpoint_{layer}"
-        gm.add_submodule(name, Checkpoint(fn, recompute))
+        gm.add_submodule(name, Checkpoint(fn, recompute, ctx.fp8_saved))
         anchor = body[-1]
         with graph.inserting_after(anchor):
             call = graph.call_module(name, tuple(inputs))
         call.meta = {k: anchor.meta[k] for k in ("region", "layer", "nn_module_stack", "source") if k in anchor.meta}
         call.meta["op"] = "checkpoint"
-        notes[call.name] = f"layer {layer} under activation checkpointing: recompute {', '.join(sorted(recompute))}"
+        notes[call.name] = f"layer {layer} under activation checkpointing: recompute {', '.join(sorted(recompute))}" + (
+            f"; keep {', '.join(ctx.fp8_saved)} as fp8 copies" if ctx.fp8_saved else ""
+        )
         results = [call]
         if len(outputs) > 1:
             results = []

@@ -37,6 +37,7 @@ class RewriteContext:
     stage_layers: tuple[int, ...] = ()  # layers per pipeline chunk, in chunk order; () for one chunk
     seq: int = 0  # tokens per sequence on one context-parallel rank (0: unknown)
     fp8: tuple[str, ...] = ()  # the matmul kinds in FP8 (autoshard.ir.FP8_KINDS)
+    fp8_saved: tuple[str, ...] = ()  # kept categories recomputation keeps as FP8 copies
     # written by the passes
     notes: dict[str, str] = field(default_factory=dict)  # node name -> decision, a comment in the emitted code
     shards: dict = field(default_factory=dict)  # parameter -> tensor_parallel.ParamShard
@@ -62,6 +63,7 @@ class RewriteContext:
             stage_layers=tuple(plan.stage_layers),
             seq=plan.seq_len // m.cp,
             fp8=tuple(plan.precision.get("fp8_matmuls") or ()),
+            fp8_saved=tuple(plan.precision.get("fp8_saved") or ()),
         )
 
 

@@ -17,6 +17,10 @@ holds. Activation checkpointing wraps the rewritten calls like any other op. Mat
 kinds (the router, the output head unless the plan says so) and the attention core are left as
 they are; a weighted matmul of an FP8 kind in a form not listed (a product by per-token gathered
 expert weights) stays in the compute precision, and the emitted line says so.
+
+Under selective recomputation, a call whose input is of a category the plan keeps as FP8 copies
+(``plan.precision["fp8_saved"]``, ``ModelCost.fp8_saved``) gets ``keep_fp8=True``: the layer's
+checkpoint keeps that quantisation and recomputes the input (``runtime.checkpoint``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from torch import fx, nn
 
 from autoshard.cost_models import ops
+from autoshard.cost_models.categories import saved_category
 from autoshard.passes._graph import place
 from autoshard.passes.contract import RewriteContext
 from autoshard.runtime import fp8 as runtime_fp8
@@ -123,6 +128,9 @@ def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         done = _rewrite(node, gm)
         if isinstance(done, fx.Node):
             note = f"fp8 ({kind}): {_WHAT}"
+            if _input_category(done) in ctx.fp8_saved:
+                done.kwargs = {**done.kwargs, "keep_fp8": True}
+                note += "; recomputation keeps x's fp8 copy, not x"
             ctx.notes[done.name] = f"{before}; {note}" if before else note
             ctx.fp8_params.extend(_weights(done))
         else:
@@ -132,6 +140,21 @@ def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _input_category(node: fx.Node) -> str | None:
+    """The checkpoint category (``cost_models.categories.saved_category``) of the activation an FP8
+    call keeps for backward, found as the analysis found it: by the op that made its storage
+    (views share their base's). None for a value a pass made (no storage recorded: a TP gather,
+    an expert dispatch), whose FP8 copy is then never what recomputation keeps."""
+    x = node.args[1] if node.target is runtime_fp8.fp8_addmm else node.args[0]
+    if not isinstance(x, fx.Node) or x.meta.get("storage") is None:
+        return None
+    root, storage = x, x.meta["storage"]
+    while (up := next((a for a in root.all_input_nodes if a.meta.get("storage") == storage), None)) is not None:
+        root = up
+    external = root.op == "placeholder" or root.meta.get("layer") != node.meta.get("layer")
+    return saved_category(root, node, external)
 
 
 def _weights(node: fx.Node) -> list[str]:

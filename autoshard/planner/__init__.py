@@ -76,6 +76,14 @@ def _matmul_kinds(cost) -> set[str]:
     return {g.kind for blk in (cost.pre, *cost.blocks, cost.post) for g in blk.gemms}
 
 
+def _fp8_saved(problem: Problem, c) -> dict:
+    """``{"fp8_saved": [...]}``: the kept checkpoint categories the layers keep as FP8 copies
+    under selective recomputation (``ModelCost.fp8_saved``), or nothing when there are none."""
+    sp = c.tp > 1 and problem.sequence_parallel
+    saved = problem.cost.fp8_saved(c.recompute, tuple(c.fp8), tp=c.tp, sp=sp)
+    return {"fp8_saved": sorted(saved)} if saved else {}
+
+
 def _mesh(ev: Evaluation) -> Mesh:
     c = ev.candidate
     return Mesh(tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep, dp=c.dp, order=list(c.order))
@@ -109,6 +117,7 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
             "compute": "bf16",
             "fp8_matmuls": [k for k in c.fp8 if k in _matmul_kinds(problem.cost)],
             "grad_reduce": "fp32",
+            **_fp8_saved(problem, c),
         },
         attention=c.attention,
         predicted=Predicted(

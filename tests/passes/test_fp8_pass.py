@@ -12,7 +12,7 @@ import torch
 
 from autoshard import runtime
 from autoshard.capture import capture, causal_lm_loss
-from autoshard.cost_models.analyze import analyze
+from autoshard.cost_models.analyze import FP8_SAVED_BYTES, analyze
 from autoshard.passes.contract import RewriteContext
 from autoshard.passes.fp8 import fp8, fp8_calls_only
 from autoshard.verify import _fp8_matmuls
@@ -89,6 +89,37 @@ def test_a_kind_left_out_is_not_rewritten():
     gm = fp8(gm, ctx)
     kinds = {n.meta["matmul_kind"] for n in gm.graph.nodes if n.target in FP8_CALLS}
     assert kinds == {"head", "mlp"}
+
+
+def test_recomputation_keeps_fp8_copies_where_only_fp8_matmuls_read_a_category():
+    module = __import__("llama3")
+    cap = capture(module.build("tiny"), (torch.zeros(2, 128, dtype=torch.long),))
+    cost = analyze(cap)
+    rec, kinds = frozenset({"activation", "attention"}), ("attention", "mlp")
+    assert cost.fp8_saved(rec, kinds) == {"norm_output"}  # both norms feed FP8 projections only
+    assert cost.fp8_saved(rec, ("attention",)) == frozenset()  # the MLP's norm feeds bf16 matmuls
+    assert cost.fp8_saved(frozenset(), kinds) == frozenset()  # no recomputation: per tensor instead
+    assert cost.fp8_saved(rec | {"norm_output"}, kinds) == frozenset()  # recomputed, not kept
+    # under sequence parallelism the copy would be of the all-gathered norm output: not smaller
+    assert cost.fp8_saved(rec, kinds, tp=2, sp=True) == frozenset()
+    assert cost.fp8_saved(rec, kinds, tp=2) == {"norm_output"}
+    blk = cost.blocks[0]
+    norms = sum(t.bytes(1, 128, 1) for t in blk.saved if t.category == "norm_output")
+    as_is = blk.activation_bytes(1, 128, recompute=rec, fp8=kinds)
+    copies = blk.activation_bytes(1, 128, recompute=rec, fp8=kinds, fp8_saved={"norm_output"})
+    assert as_is - copies == pytest.approx(norms * (2 - FP8_SAVED_BYTES))
+    # DeepSeek-V3's MoE layers feed the router (bf16) from the MLP's norm: no category qualifies
+    module = __import__("deepseek_v3")
+    ds = analyze(capture(module.build("tiny"), (torch.zeros(2, 128, dtype=torch.long),)))
+    assert ds.fp8_saved(rec, ("attention", "experts", "mlp")) == frozenset()
+    # the pass marks exactly the projections reading the norms' outputs
+    gm = cap.graph_module
+    ctx = RewriteContext(fp8=kinds, recompute=tuple(sorted(rec)), fp8_saved=("norm_output",))
+    gm = fp8(gm, ctx)
+    kept = {n.name for n in gm.graph.nodes if n.target in FP8_CALLS and n.kwargs.get("keep_fp8")}
+    reads_norm = {n.name for n in gm.graph.nodes if n.target in FP8_CALLS and n.args[0].meta.get("op_class") == "norm"}
+    assert kept == reads_norm and len(kept) == 5 * 2  # q, k, v, gate, up in each of 2 layers
+    assert all("keeps x's fp8 copy" in ctx.notes[k] for k in kept)
 
 
 def _compile(out: Path, model: str, *args: str) -> subprocess.CompletedProcess:
