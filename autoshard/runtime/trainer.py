@@ -224,6 +224,12 @@ def train(args: argparse.Namespace, out: Path, plan: dict, program: dict, device
         if found is not None:
             run = trainer.restore(found)
             log.event({"event": "resumed", "checkpoint": str(found), "step": run.step, "position": run.position})
+            if changed := lr_flags_changed(trainer.restored_lr, args):
+                log.event({"event": "learning-rate flags differ from the checkpoint's", "changed": changed})
+                if dist.get_rank() == 0:
+                    was = ", ".join(f"--{k.replace('_', '-')} {v[0]} -> {v[1]}" for k, v in changed.items())
+                    print(f"warning: resumed with other learning-rate flags than the run that wrote {found.name} "
+                          f"({was}): the schedule continues under the new ones", file=sys.stderr)  # fmt: skip
         elif dist.get_rank() == 0:
             for p in state.remove_incomplete(args.checkpoint_dir):
                 log.event({"event": "removed incomplete checkpoint", "checkpoint": str(p)})
@@ -426,6 +432,7 @@ class Trainer:
     entries: list[state.Entry] = field(default_factory=list)  # every tensor held, in full-tensor coordinates
     loads: dict = field(default_factory=dict)  # MoE layer -> (max, mean) expert load of the last step
     dropped: int | None = None  # routed rows the capacity dropped in the last step, all ranks
+    restored_lr: dict | None = None  # the learning-rate flags of the run whose checkpoint was loaded
 
     @property
     def microbatches(self) -> int:
@@ -628,6 +635,7 @@ class Trainer:
         biases (whatever plan wrote it), and its RNG state when this same plan did; returns
         where training stands."""
         meta = json.loads((path / "trainer.json").read_text())
+        self.restored_lr = meta.get("lr")
         if meta.get("format") != state.FORMAT:
             raise rt.ProgramError(f"checkpoint {path}: format {meta.get('format')}, this program reads {state.FORMAT}")
         saved = self._check_compatible(path, meta)
@@ -650,6 +658,17 @@ class Trainer:
             )
         return Run(meta["step"], samples // self.plan["global_batch"], list(meta.get("window", [])),
                    list(meta.get("skipped", [])))  # fmt: skip
+
+
+def lr_flags_changed(saved: dict | None, args: argparse.Namespace) -> dict:
+    """The learning-rate flags (``--lr``, ``--lr-schedule``, ``--warmup``, ``--min-lr``,
+    ``--steps``) whose value differs from the run that wrote a checkpoint (its ``trainer.json``'s
+    ``lr``): flag -> (then, now). Empty when they agree or the checkpoint does not say."""
+    now = {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr}
+    if args.lr_schedule != "constant":  # only a decay reads the last step (running on is no change)
+        now["steps"] = args.steps
+    flags = {"schedule": "lr_schedule"}
+    return {flags.get(k, k): (saved[k], v) for k, v in now.items() if saved and k in saved and saved[k] != v}
 
 
 def dropped_everywhere() -> int:

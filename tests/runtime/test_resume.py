@@ -78,8 +78,24 @@ def test_stop_and_resume_equals_the_straight_run(straight, name, tmp_path):
     resumed_dir = _only(ck, HALF, tmp_path / "ck")
     again, again_params = _train(out, LAYOUTS[name][0], tmp_path, "resumed", "--checkpoint-dir", str(resumed_dir))
     assert sorted(again) == list(range(HALF, STEPS))
+    events = [json.loads(line).get("event") for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
+    assert "resumed" in events and "learning-rate flags differ from the checkpoint's" not in events
     assert all(again[s] == losses[s] for s in again), (again, losses)
     assert all(torch.equal(again_params[k], params[k]) for k in params)
+
+
+def test_resuming_with_another_learning_rate_says_so_and_uses_it(straight, tmp_path):
+    out, ck, losses, _ = straight("dp2-zero1")
+    ck = _only(ck, HALF, tmp_path / "ck")
+    args = ["--steps", str(STEPS), "--log-file", str(tmp_path / "log.jsonl"), "--checkpoint-dir", str(ck)]
+    proc = torchrun(out, 2, *args, "--lr", "3e-3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    said = [r for r in log if r.get("event") == "learning-rate flags differ from the checkpoint's"]
+    assert len(said) == 1 and said[0]["changed"] == {"lr": [3e-4, 3e-3]}
+    assert "--lr 0.0003 -> 0.003" in proc.stderr
+    got = _losses(tmp_path / "log.jsonl")
+    assert got[HALF] == losses[HALF] and got[HALF + 1] != losses[HALF + 1]  # the new rate from the first update
 
 
 def test_a_rank_killed_mid_step_restarts_and_ends_like_the_straight_run(straight, tmp_path):
