@@ -60,8 +60,21 @@ class SavedTensor:
     # its input's FP8 copy instead), None when anything else keeps it too
     matmul_kinds: frozenset[str] | None = None
 
+    def elem_bytes(self, float_bytes: int = 2) -> int:
+        return self.fixed_bytes if self.fixed_bytes is not None else float_bytes
+
+    def fp8_only(self, fp8) -> bool:
+        """Only weighted matmuls of the ``fp8`` kinds keep it (they can keep its FP8 copy instead)."""
+        return bool(self.matmul_kinds) and self.matmul_kinds <= set(fp8)
+
+    def split(self, tp: int, sp: bool, fp8_copy: bool = False) -> int:
+        """The ranks it is divided among: ``tp`` inside TP regions, and for a per-token tensor
+        under sequence parallelism, except as an FP8 copy, which is of what the TP region reads
+        (all-gathered)."""
+        return tp if self.tp_sharded or (sp and self.per_token and not fp8_copy) else 1
+
     def bytes(self, b: float, s: float, float_bytes: int = 2) -> float:
-        size = self.fixed_bytes if self.fixed_bytes is not None else float_bytes
+        size = self.elem_bytes(float_bytes)
         return float(self.elems.subs({B: b, S: s})) * size if self.elems.free_symbols else float(self.elems) * size
 
 
@@ -140,8 +153,7 @@ class BlockCost:
         """Bytes kept per category at micro-batch ``b`` and sequence ``s`` (no parallelism)."""
         out = dict.fromkeys(CATEGORIES, 0.0)
         for t, f in self._compiled["saved"]:
-            size = t.fixed_bytes if t.fixed_bytes is not None else float_bytes
-            out[t.category] += float(f(b, s)) * size
+            out[t.category] += float(f(b, s)) * t.elem_bytes(float_bytes)
         return out
 
     def activation_bytes(
@@ -169,13 +181,12 @@ class BlockCost:
         for t, f in self._compiled["saved"]:
             if t.category in recompute and t.category != "layer_input":
                 continue
-            size = t.fixed_bytes if t.fixed_bytes is not None else float_bytes
-            split = tp if (t.tp_sharded or (sp and t.per_token)) else 1
+            size, split = t.elem_bytes(float_bytes), t.split(tp, sp)
             if fp8 and t.category != "layer_input":
-                if not recompute and t.matmul_kinds and t.matmul_kinds <= set(fp8):
+                if not recompute and t.fp8_only(fp8):
                     size = FP8_SAVED_BYTES
-                elif t.category in fp8_saved:  # a copy of what the matmuls read: TP-gathered under SP
-                    size, split = FP8_SAVED_BYTES, (tp if t.tp_sharded else 1)
+                elif t.category in fp8_saved:
+                    size, split = FP8_SAVED_BYTES, t.split(tp, sp, fp8_copy=True)
             total += float(f(b, s)) * size / split
         return total
 
@@ -240,11 +251,8 @@ class ModelCost:
         for blk in self.blocks:
             for t in blk.saved:
                 present.add(t.category)
-                size = t.fixed_bytes if t.fixed_bytes is not None else float_bytes
-                split = tp if (t.tp_sharded or (sp and t.per_token)) else 1
-                copy_split = tp if t.tp_sharded else 1
-                only_fp8 = bool(t.matmul_kinds) and t.matmul_kinds <= set(fp8)
-                if not only_fp8 or FP8_SAVED_BYTES / copy_split >= size / split:
+                copy = FP8_SAVED_BYTES / t.split(tp, sp, fp8_copy=True)
+                if not t.fp8_only(fp8) or copy >= t.elem_bytes(float_bytes) / t.split(tp, sp):
                     ruled_out.add(t.category)
         return frozenset(present - ruled_out - set(recompute) - {"layer_input"})
 

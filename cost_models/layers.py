@@ -121,10 +121,9 @@ class LayerCosts:
     def activation(self, block: int, mbs: int, tp: int, cp: int, recompute: frozenset, fp8: tuple = ()) -> float:
         """Bytes one copy of ``block`` keeps for backward for one micro-batch, with the matmuls of
         the ``fp8`` kinds keeping FP8 copies of their inputs."""
-        sp, fp8 = tp > 1 and self.sp, self._fp8(fp8)
         saved = self.fp8_saved(recompute, fp8, tp)
         return self.block(block).activation_bytes(
-            mbs, self.seq / cp, tp=tp, sp=sp, recompute=recompute, fp8=fp8, fp8_saved=saved
+            mbs, self.seq / cp, tp=tp, sp=tp > 1 and self.sp, recompute=recompute, fp8=self._fp8(fp8), fp8_saved=saved
         )
 
     @cache  # noqa: B019
