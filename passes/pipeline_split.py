@@ -68,20 +68,26 @@ def _input_device(node: fx.Node) -> bool:
 _SCALAR_OPS = {operator.mul, operator.add, operator.sub, operator.floordiv, operator.neg}
 
 
-def _input_arith(node: fx.Node) -> bool:
+def _input_arith(node: fx.Node, meta: set[fx.Node]) -> bool:
     """Integer arithmetic over model input sizes (``b * s`` for flattening tokens into rows, as
-    transformers' MoE blocks compute it once for all layers): recomputed wherever it is read,
-    never handed between chunks (a pipeline stage sends tensors only)."""
+    transformers' MoE blocks compute it once for all layers), given ``meta``, the earlier nodes
+    that are such reads: recomputed wherever it is read, never handed between chunks (a pipeline
+    stage sends tensors only)."""
     if node.op != "call_function" or node.target not in _SCALAR_OPS:
         return False
     args = [a for a in node.args if isinstance(a, fx.Node)]
-    return bool(args) and all(_input_meta(a) for a in args) and all(isinstance(a, (fx.Node, int)) for a in node.args)
+    return bool(args) and all(a in meta for a in args) and all(isinstance(a, (fx.Node, int)) for a in node.args)
 
 
-def _input_meta(node: fx.Node) -> bool:
-    """A read of a model input's size or device, or arithmetic on its sizes: recomputed wherever
-    it is read."""
-    return _input_size(node) or _input_device(node) or _input_arith(node)
+def input_meta_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The reads of a model input's size or device, and arithmetic on its sizes: recomputed
+    wherever they are read. One walk in graph order (an argument comes before its users), so a
+    graph of any depth costs one visit per node."""
+    meta: set[fx.Node] = set()
+    for node in graph.nodes:
+        if _input_size(node) or _input_device(node) or _input_arith(node, meta):
+            meta.add(node)
+    return meta
 
 
 def _names(gm: fx.GraphModule) -> dict[int, list[str]]:
@@ -120,9 +126,10 @@ def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, 
 
     held = held_names(gm)
     used = {held.get(n.target, n.target) for n in gm.graph.nodes if _parameter_read(n)}
+    meta = input_meta_nodes(gm.graph)
     out: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output") or _input_meta(node) or _parameter_read(node):
+        if node.op in ("placeholder", "output") or node in meta or _parameter_read(node):
             continue
         if node.op == "get_attr":
             if held.get(node.target, node.target) not in used:
@@ -190,12 +197,13 @@ def split_program(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
     chunk = assign_chunks(gm, stage_layers)
     held = held_names(gm)
     n = len(stage_layers)
-    nodes = [n for n in gm.graph.nodes if not _input_meta(n) and not _parameter_read(n)]
+    meta = input_meta_nodes(gm.graph)
+    nodes = [n for n in gm.graph.nodes if n not in meta and not _parameter_read(n)]
     placeholders = [p for p in nodes if p.op == "placeholder"]
     computed = [v for v in nodes if v.op != "placeholder"]
     for node in nodes:
         for arg in node.all_input_nodes:
-            held_by_each = arg.op == "placeholder" or _input_meta(arg) or _parameter_read(arg)
+            held_by_each = arg.op == "placeholder" or arg in meta or _parameter_read(arg)
             if held_by_each or node.op == "output" or node not in chunk:
                 continue
             a, b = chunk[arg], chunk[node]
@@ -234,9 +242,9 @@ def split_program(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
         if c == 0:
             inputs = [p for p in placeholders if p in inputs or p in reads_after[0]]
         mine = [v for v in nodes if chunk.get(v) == c]
-        chunks.append(_subgraph(gm, inputs, mine, reads_after[c], f"Chunk{c}", held))
+        chunks.append(_subgraph(gm, inputs, mine, reads_after[c], f"Chunk{c}", held, meta))
     loss_nodes = [v for v in nodes if chunk.get(v) == LOSS]
-    loss = _subgraph(gm, reads_after[-1] + loss_inputs, loss_nodes, None, "Loss", held)
+    loss = _subgraph(gm, reads_after[-1] + loss_inputs, loss_nodes, None, "Loss", held, meta)
     layers = list(zip([0, *accumulate(stage_layers)][:-1], accumulate(stage_layers)))
     return SplitProgram(
         chunks,
@@ -259,7 +267,7 @@ def _ties(gm: fx.GraphModule, chunks: list[fx.GraphModule]) -> list[dict]:
     return [{"names": names[i], "chunks": cs} for i, cs in holders.items() if len(names[i]) > 1 or len(cs) > 1]
 
 
-def _subgraph(gm, inputs, body, outputs, name, held: dict[str, str]) -> fx.GraphModule:
+def _subgraph(gm, inputs, body, outputs, name, held: dict[str, str], meta: set[fx.Node]) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for v in inputs:
@@ -270,8 +278,8 @@ def _subgraph(gm, inputs, body, outputs, name, held: dict[str, str]) -> fx.Graph
         if a not in env and _parameter_read(a):  # every chunk reading a parameter holds it
             env[a] = graph.get_attr(held.get(a.target, a.target))
             env[a].meta = dict(a.meta)
-        if a not in env and _input_meta(a):
-            if _input_arith(a):  # recomputed here: belongs to no layer of this chunk
+        if a not in env and a in meta:
+            if _input_arith(a, meta):  # recomputed here: belongs to no layer of this chunk
                 env[a] = graph.node_copy(a, lookup)
                 env[a].meta.pop("layer", None)
             elif a.args[0] in env:

@@ -9,6 +9,7 @@ from autoshard import capabilities, planner, rebuild
 from autoshard.compiler import compile_plan
 from autoshard.cost_models import hardware
 from autoshard.passes.contract import Refusal
+from autoshard.plan import Plan
 
 from conftest import EXAMPLES, captured
 
@@ -102,3 +103,26 @@ def test_a_refusal_of_what_the_user_pinned_is_reported_not_worked_around(monkeyp
     problem = _problem("llama3", "cpu", 4, 8, tp=2)
     with pytest.raises(Refusal, match="--force tp=1"):
         _compile("llama3", problem)
+
+
+def test_a_160_layer_model_compiles_with_no_walk_recursing_on_depth(tmp_path):
+    """Capture, analysis, the passes and emission walk graphs iteratively: a narrow 160-layer
+    LLaMA compiles (not --plan-only) to 160 pipeline chunks with only 300 stack frames to spare,
+    where one recursive call per layer (a walk back along the residual adds) would need more."""
+    import inspect
+    import sys
+
+    from autoshard import cli
+
+    out = tmp_path / "deep"
+    argv = ["compile", str(EXAMPLES / "llama3.py"), "--config", "deep", "--hardware", "h100", "--gpus", "64"]
+    argv += ["--seq-len", "128", "--global-batch", "64", "--force", "tp=2,pp=4", "-o", str(out)]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 300)
+    try:
+        assert cli.main(argv) in (None, 0)
+    finally:
+        sys.setrecursionlimit(limit)
+    plan = Plan.load(out)
+    assert sum(plan.stage_layers) == 160 and (out / "train.py").exists()
+    assert len(list(out.glob("stage*.py"))) == plan.mesh.pp * plan.virtual_stages
