@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from autoshard.kernels import flash_attention  # noqa: E402
+from autoshard.runtime.attention import flash_attention  # noqa: E402
 
 
 def _time(fn, reps: int) -> float:

@@ -17,8 +17,6 @@ one per query block for dQ.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -172,34 +170,27 @@ def _blocks(d: int) -> tuple[int, int]:
     return (64, 64) if d <= 64 else (64, 32)
 
 
-class _Flash(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        b, h, sq, d = q.shape
-        kvh, sk = k.size(1), k.size(2)
-        if h % kvh or d not in (16, 32, 64, 128) or v.shape != k.shape:
-            raise ValueError(f"flash_attention: heads {h} vs kv heads {kvh}, head dim {d} (16/32/64/128), "
-                             f"k {tuple(k.shape)} v {tuple(v.shape)}")  # fmt: skip
-        o = torch.empty_like(q)
-        lse = torch.empty(b * h, sq, device=q.device, dtype=torch.float32)
-        bm, bn = _blocks(d)
-        shift = sk - sq
-        _fwd[(triton.cdiv(sq, bm), b * h)](
-            q, k, v, o, lse, scale, sq, sk, h, h // kvh, shift,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            CAUSAL=causal, D=d, BM=bm, BN=bn,
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return o, lse.view(b, h, sq)
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+def flash_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp in natural-log units shaped (batch, heads, seq_q)) of attention of ``q``
+    over ``k, v``. No autograd here: ``autoshard.runtime.attention`` registers these launchers as
+    torch ops with their backward."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    b, h, sq, d = q.shape
+    kvh, sk = k.size(1), k.size(2)
+    if h % kvh or d not in (16, 32, 64, 128) or v.shape != k.shape:
+        raise ValueError(f"flash_attention: heads {h} vs kv heads {kvh}, head dim {d} (16/32/64/128), "
+                         f"k {tuple(k.shape)} v {tuple(v.shape)}")  # fmt: skip
+    o = torch.empty_like(q)
+    lse = torch.empty(b * h, sq, device=q.device, dtype=torch.float32)
+    bm, bn = _blocks(d)
+    shift = sk - sq
+    _fwd[(triton.cdiv(sq, bm), b * h)](
+        q, k, v, o, lse, scale, sq, sk, h, h // kvh, shift,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        CAUSAL=causal, D=d, BM=bm, BN=bn,
+    )  # fmt: skip
+    return o, lse.view(b, h, sq)
 
 
 def flash_attention_backward(q, k, v, out, lse, do, causal: bool, scale: float):
@@ -226,14 +217,3 @@ def flash_attention_backward(q, k, v, out, lse, do, causal: bool, scale: float):
         CAUSAL=causal, D=d, BM=bm, BN=bn,
     )  # fmt: skip
     return dq, dk, dv
-
-
-def flash_attention_with_lse(q, k, v, causal: bool = True, scale: float | None = None):
-    """(output, log-sum-exp in natural-log units, shaped (batch, heads, seq_q))."""
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    return _Flash.apply(q, k, v, causal, scale)
-
-
-def flash_attention(q, k, v, causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """Like ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)``."""
-    return flash_attention_with_lse(q, k, v, causal, scale)[0]

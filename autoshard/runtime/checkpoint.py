@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autoshard.runtime import fp8
+from autoshard.runtime import attention, fp8  # noqa: F401 (attention registers the kernel as a torch op)
 
 aten = torch.ops.aten
 
@@ -38,7 +38,8 @@ KINDS = {
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
         "_softmax",
-    ),
+    )
+    | {torch.ops.autoshard.flash_attention},  # the Triton kernel (runtime.attention)
     "activation": _ops("gelu", "silu", "relu", "sigmoid", "tanh"),
     "norm_output": _ops("native_layer_norm", "_fused_rms_norm"),
     "dropout_mask": _ops("native_dropout"),

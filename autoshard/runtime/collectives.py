@@ -99,9 +99,20 @@ class _ScatterToSP(torch.autograd.Function):
         return _all_gather(grad, ctx.dim), None
 
 
+def _as_computed(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in autocast's dtype where autocast is on: what enters a tensor-parallel region feeds
+    its column-parallel products, which autocast would cast to that dtype anyway, so it is
+    gathered (and its gradient reduced) at that size, as Megatron's bf16 layers do, rather than in
+    the fp32 a norm leaves under autocast."""
+    kind = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(kind):
+        return x.to(torch.get_autocast_dtype(kind))
+    return x
+
+
 def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
     """Megatron's f: enter a tensor-parallel region (identity; all-reduce the gradient)."""
-    return x if tp_size() == 1 else _CopyToTP.apply(x)
+    return x if tp_size() == 1 else _CopyToTP.apply(_as_computed(x))
 
 
 def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +122,7 @@ def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
 
 def gather_from_sp(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """Sequence parallel's entry to a TP region: all-gather the token shards (reduce-scatter backward)."""
-    return x if tp_size() == 1 else _GatherFromSP.apply(x, dim)
+    return x if tp_size() == 1 else _GatherFromSP.apply(_as_computed(x), dim)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -185,11 +196,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, local, inside, ignored = ctx.saved_tensors
+        # softmax minus one at each row's target where this rank holds it (a scatter rather than
+        # indexing by the mask: shapes that do not depend on the values), in place
         g = softmax.clone()
-        rows = torch.arange(g.size(0), device=g.device)[inside]
-        g[rows, local[inside]] -= 1.0
-        g = g.masked_fill(ignored.unsqueeze(-1), 0.0)
-        return g * grad.unsqueeze(-1), None, None
+        index = local.clamp(0, g.size(-1) - 1).unsqueeze(-1)
+        g.scatter_add_(-1, index, -inside.to(g.dtype).unsqueeze(-1))
+        g.masked_fill_(ignored.unsqueeze(-1), 0.0)
+        return g.mul_(grad.unsqueeze(-1)), None, None
 
 
 def vocab_parallel_cross_entropy(

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single_autograd, wait_tensor
 
+from autoshard.runtime import fake
 from autoshard.runtime.groups import ep_group, ep_size, route_group, tp_rank, tp_size
 
 # where torch._grouped_mm has a kernel (device type -> dtypes); elsewhere a loop over groups runs
@@ -61,14 +62,16 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """``_grouped_mm`` needs 16-byte aligned data and 16-byte multiples for every non-unit stride."""
+    """``_grouped_mm`` needs 16-byte aligned data and 16-byte multiples for every non-unit stride
+    (a fake tensor has no data: its allocation would be aligned)."""
     size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride() if s != 1)
+    return (fake.is_fake(t) or t.data_ptr() % 16 == 0) and all(s * size % 16 == 0 for s in t.stride() if s != 1)
 
 
 def grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``grouped_mm(a, b, offs)`` takes ``torch._grouped_mm`` (else the loop over groups)."""
-    dtypes = _GROUPED_MM_DTYPES.get(a.device.type, set())
+    device = "cuda" if fake.is_fake(a) else a.device.type  # a fake tensor stands for the GPU program
+    dtypes = _GROUPED_MM_DTYPES.get(device, set())
     inner = b.stride(-1) == 1 or b.stride(-2) == 1
     return hasattr(torch, "_grouped_mm") and a.dtype == b.dtype in dtypes and inner and _aligned(a) and _aligned(b)
 
@@ -83,7 +86,11 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """Rows of ``a`` ``[S, K]`` grouped by ``offs`` (cumulative counts ``[G]``, ``offs[-1] == S``)
     times their group's matrix of ``b`` ``[G, K, N]``: ``[S, N]``, differentiable in ``a`` and ``b``.
     ``torch._grouped_mm`` where it has a kernel (``grouped_mm_runs``), a per-group loop elsewhere."""
+    if torch.is_autocast_enabled(a.device.type):  # autocast has no rule for grouped GEMMs: as for mm
+        dtype = torch.get_autocast_dtype(a.device.type)
+        a, b = a.to(dtype), b.to(dtype)
     a = a.contiguous()
+    offs = fake.offsets(offs, a.size(0))
     if grouped_mm_runs(a, b):
         return _ContiguousGrad.apply(torch._grouped_mm(a, b, offs.to(torch.int32)))
     return _grouped_mm_loop(a, b, offs)
@@ -153,6 +160,12 @@ def timings(reset: bool = False) -> dict[str, float]:
 
 
 # --- dropless (or capacity-bounded) dispatch and combine over the EP group --------------------------
+
+
+def _total(offs: torch.Tensor) -> int:
+    """The rows grouped by cumulative counts ``offs`` (real ones: ``fake.offsets``)."""
+    with fake.real():
+        return int(offs[-1])
 
 
 def _counts(offs: torch.Tensor) -> torch.Tensor:
@@ -293,19 +306,27 @@ def dispatch(
     ep, experts = ep_size(), offs.numel()
     if experts % ep:
         raise ValueError(f"expert parallelism over {ep} ranks does not divide {experts} experts")
-    send_counts, keep = _kept(offs, capacity_factor)
+    balanced = fake.is_fake(offs)  # on fake tensors: every expert gets its mean share
+    offs = fake.offsets(offs, rows.size(0))
+    with fake.real():  # counts are values, on fake tensors too
+        send_counts, keep = _kept(offs, capacity_factor)
     if keep is not None:
         rows = rows.index_select(0, keep)
         if not _recomputing():
-            _dropped += int(offs[-1]) - keep.numel()
-    send_counts = send_counts.view(ep, experts // ep)
-    if ep == 1:
-        return rows, send_counts.cumsum(1).to(torch.int32).view(-1), send_counts
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=ep_group())
-    received = _send(rows, recv_counts.sum(1).tolist(), send_counts.sum(1).tolist(), ep_group(), fp8)
-    local_offs = recv_counts.sum(0).cumsum(0).to(torch.int32)
-    return received.index_select(0, _block_transpose(recv_counts)), local_offs, recv_counts
+            _dropped += _total(offs) - keep.numel()
+    with fake.real():
+        send_counts = send_counts.view(ep, experts // ep)
+        if ep == 1:
+            return rows, send_counts.cumsum(1).to(torch.int32).view(-1), send_counts
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=ep_group())
+        if balanced:  # what a fake group never delivers: balanced, every rank sends what this one does
+            recv_counts.copy_(send_counts)
+        out_splits, in_splits = recv_counts.sum(1).tolist(), send_counts.sum(1).tolist()
+        local_offs = recv_counts.sum(0).cumsum(0).to(torch.int32)
+        order = _block_transpose(recv_counts)
+    received = _send(rows, out_splits, in_splits, ep_group(), fp8)
+    return received.index_select(0, order), local_offs, recv_counts
 
 
 @_timed
@@ -321,16 +342,17 @@ def combine(
     ``capacity_factor`` are the ones given to ``dispatch``, ``recv_counts`` the one it returned;
     dropped rows are zeros. ``fp8``: the gradient goes back to the experts in FP8 (the rows come
     in the compute precision)."""
-    send_counts, keep = _kept(offs, capacity_factor)
+    offs = fake.offsets(offs)
+    with fake.real():
+        send_counts, keep = _kept(offs, capacity_factor)
+        if ep_size() > 1:
+            order = _block_transpose(recv_counts.t())
+            out_splits, in_splits = send_counts.view(ep_size(), -1).sum(1).tolist(), recv_counts.sum(1).tolist()
     if ep_size() > 1:
-        source_major = local_out.index_select(0, _block_transpose(recv_counts.t()))
-        send_counts = send_counts.view(ep_size(), -1)
-        local_out = _send(
-            source_major, send_counts.sum(1).tolist(), recv_counts.sum(1).tolist(), ep_group(), fp8_backward=fp8
-        )
+        local_out = _send(local_out.index_select(0, order), out_splits, in_splits, ep_group(), fp8_backward=fp8)
     if keep is None:
         return local_out
-    return local_out.new_zeros(int(offs[-1]), local_out.size(1)).index_copy(0, keep, local_out)
+    return local_out.new_zeros(_total(offs), local_out.size(1)).index_copy(0, keep, local_out)
 
 
 def dropped_tokens(reset: bool = False) -> int:
@@ -421,7 +443,7 @@ def update_biases(biases: dict[str, torch.Tensor], gamma: float = 1e-3) -> dict[
             mean = load.double().mean()
             if name in biases:
                 biases[name].add_(torch.sign(mean - load).to(biases[name].dtype), alpha=gamma)
-            report[name] = (float(load.max()), float(mean))
+            report[name] = (fake.value(load.max()), fake.value(mean))
     return report
 
 
@@ -468,15 +490,17 @@ def tp_share(rows: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torc
     """This TP rank's share of each expert's rows (rows sorted by expert, ``offs`` cumulative):
     ``(rows, offs, index)``, ``index`` the rows taken, for ``tp_unshare``."""
     tp, r = tp_size(), tp_rank()
-    counts = _counts(offs)
     if tp == 1:
         return rows, offs, torch.arange(rows.size(0), device=rows.device)
-    lo, hi = counts * r // tp, counts * (r + 1) // tp
-    starts = offs.long() - counts + lo
-    mine = hi - lo
-    total = int(mine.sum())
-    index = torch.repeat_interleave(starts - mine.cumsum(0) + mine, mine, output_size=total)
-    index = index + torch.arange(total, device=rows.device)
+    offs = fake.offsets(offs, rows.size(0))
+    with fake.real():  # an index of values, on fake tensors too (balanced routing's)
+        counts = _counts(offs)
+        lo, hi = counts * r // tp, counts * (r + 1) // tp
+        starts = offs.long() - counts + lo
+        mine = hi - lo
+        total = int(mine.sum())
+        index = torch.repeat_interleave(starts - mine.cumsum(0) + mine, mine, output_size=total)
+        index = index + torch.arange(total, device=rows.device)
     return rows.index_select(0, index), mine.cumsum(0).to(torch.int32), index
 
 
@@ -484,7 +508,7 @@ def tp_unshare(out: torch.Tensor, index: torch.Tensor, offs: torch.Tensor) -> to
     """The rows of ``tp_share`` put back in place among ``offs[-1]`` rows, zeros elsewhere."""
     if tp_size() == 1:
         return out
-    return out.new_zeros(int(offs[-1]), *out.shape[1:]).index_copy(0, index, out)
+    return out.new_zeros(_total(fake.offsets(offs)), *out.shape[1:]).index_copy(0, index, out)
 
 
 def tp_share_buffer(buf: torch.Tensor) -> torch.Tensor:
@@ -557,7 +581,7 @@ def balance_loss(
         probs = scores / scores.sum(-1, keepdim=True)
         aux = switch_aux_loss(probs, indices.reshape(scores.size(0), -1), experts, alpha)
     if not _recomputing():
-        _aux_total[layer] = _aux_total.get(layer, 0.0) + float(aux.detach())
+        _aux_total[layer] = _aux_total.get(layer, 0.0) + fake.value(aux.detach())
     return _Attach.apply(rows, aux, _aux["scale"])
 
 

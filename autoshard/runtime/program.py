@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.runtime import groups
+from autoshard.runtime import fake, groups, moe
 from autoshard.runtime.schedules import schedule, torch_schedule
 from autoshard.runtime.stages import load_stage_file, materialise, put_parameter
 
@@ -82,7 +82,8 @@ def build_mesh(plan: dict, device_type: str):
     order = plan["mesh"]["order"]  # inside out
     names = tuple(reversed(order))
     shape = tuple(plan["mesh"][a] for a in names)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    with fake.real():  # rank indices, also when the program runs on fake tensors
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     coords = {a: mesh.get_local_rank(a) for a in names}
     ranks = Ranks(
         dist.get_world_size(),
@@ -107,13 +108,14 @@ def build_mesh(plan: dict, device_type: str):
 def build_expert_mesh(plan: dict, device_type: str, ranks: Ranks):
     """The (pp, edp, ep) mesh of MoE parallel folding (``expert_mesh``); sets the ``ep``, ``edp``
     and ``route`` groups and this rank's places in them."""
-    experts = expert_mesh(plan, device_type)
+    with fake.real():
+        experts = expert_mesh(plan, device_type)
     ep_mesh, edp_mesh = experts["ep"], experts["edp"]
     ranks.ep, ranks.ep_size, ranks.edp = ep_mesh.get_local_rank(), ep_mesh.size(), edp_mesh.get_local_rank()
     groups.set_groups(
         ep=ep_mesh.get_group() if ep_mesh.size() > 1 else None,
         edp=edp_mesh.get_group(),
-        route=experts["edp", "ep"]._flatten("route").get_group(),  # DeviceMesh has no public flatten yet
+        route=_flatten(experts, ("edp", "ep"), "route").get_group(),
     )
     return experts
 
@@ -167,7 +169,7 @@ def build_chunks(
     for c in chunk_ids:
         info = program["chunks"][c]
         stage_file = load_stage_file(out / info["file"])
-        with torch.device("meta"):
+        with fake.real(), torch.device("meta"):  # meta, not fake, also on fake tensors: materialise places it
             module = getattr(stage_file, info["class"])()
         try:
             materialise(
@@ -183,14 +185,78 @@ def build_chunks(
 
 def autocast(stages: list[nn.Module], plan: dict, device, choice: str = "auto") -> str:
     """Run the chunks' forward (and so their backward) in the plan's compute precision under
-    ``torch.autocast``: parameters, gradients and their reduction stay fp32 (the master copy).
-    ``auto`` is the plan's precision on GPUs and fp32 on CPUs, where verification must be exact."""
+    ``torch.autocast`` (which keeps softmax, norms and losses in fp32). ``auto`` is the plan's
+    precision on GPUs and fp32 on CPUs, where verification must be exact. Returns it."""
     compute = plan.get("precision", {}).get("compute", "bf16")
     dtype = {"auto": compute if device.type == "cuda" else "fp32"}.get(choice, choice)
     if dtype == "bf16":
         for module in stages:
             module.forward = torch.autocast(device.type, dtype=torch.bfloat16)(module.forward)
     return dtype
+
+
+def lower_parameters(params, dtype: str) -> None:
+    """Mixed precision as Megatron trains: at ``dtype`` bf16 the parameters the chunks compute with
+    are bf16 (2 bytes each, and the activations they make bf16: autocast would otherwise cast an
+    fp32 weight again in every micro-batch and keep each copy for its backward), their gradients
+    accumulate in fp32 (``grad_dtype``), and the optimizer steps fp32 masters (``MasterAdamW``).
+    FSDP2's shards (ZeRO-2/3) are masters already: those parameters are not given here."""
+    if dtype != "bf16":
+        return
+    with torch.no_grad():
+        for p in params:
+            if p.dtype == torch.float32:
+                p.data = p.data.to(torch.bfloat16)
+                p.grad_dtype = torch.float32
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """AdamW whose low-precision parameters are stepped through fp32 master copies it keeps (4
+    bytes each, beside the two 4-byte moments): each step gives a master the parameter's fp32
+    gradient, steps the masters, and writes them back rounded. Under ZeRO-1
+    (``ZeroRedundancyOptimizer``) each rank builds one over the parameters it owns, so the masters
+    are sharded as the moments are, and what the owners broadcast after the step is bf16."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.masters: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.is_floating_point() and p.dtype != torch.float32:
+                        self.masters[id(p)] = p.detach().float()
+
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor this optimizer steps for ``p`` (and keys its states by): its master, or ``p``."""
+        return self.masters.get(id(p), p)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        swapped = []
+        for group in self.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                m = self.masters.get(id(p))
+                if m is not None:
+                    m.grad = None if p.grad is None else p.grad.float()
+                    params[i] = m
+                    swapped.append((params, i, p, m))
+        try:
+            return super().step(closure)
+        finally:
+            for params, i, p, m in swapped:
+                params[i] = p
+                p.copy_(m)
+                m.grad = None
+
+    def write_back(self) -> None:
+        """Round the masters into the parameters (after a checkpoint loaded into the masters)."""
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    m = self.masters.get(id(p))
+                    if m is not None:
+                        p.copy_(m)
 
 
 def load_loss(out: Path, program: dict, device) -> nn.Module:
@@ -226,26 +292,128 @@ def full_state_from_model(program: dict, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
-def pipeline_schedule(plan: dict, stages: list[nn.Module], ranks: Ranks, device, microbatches: int, loss):
+def pipeline_schedule(
+    plan: dict,
+    stages: list[nn.Module],
+    ranks: Ranks,
+    device,
+    microbatches: int,
+    loss,
+    out: Path,
+    program: dict,
+    compute: str = "auto",
+):
     """``torch.distributed.pipelining`` stages and the plan's schedule over them."""
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     pp, v = plan["mesh"]["pp"], plan["virtual_stages"]
     ids = chunks_of_rank(plan, ranks.pp)
-    pipeline = [PipelineStage(m, i, pp * v, device, group=groups.pp_group()) for m, i in zip(stages, ids)]
+    shapes = boundaries(out, program, plan, ids, device, compute) if fake.active() else {}
+    pipeline = [
+        _stage_class()(m, i, pp * v, device, *shapes.get(i, (None, None)), group=groups.pp_group())
+        for m, i in zip(stages, ids)
+    ]
     for stage in pipeline:
         _uncounted_inference(stage)
     cls = torch_schedule(plan["schedule"], v)
-    return cls(pipeline[0] if issubclass(cls, PipelineScheduleSingle) else pipeline, microbatches, loss_fn=loss)
+    made = cls(pipeline[0] if issubclass(cls, PipelineScheduleSingle) else pipeline, microbatches, loss_fn=loss)
+    if shapes:
+        fake.static_pipeline(made, pipeline)
+    return made
+
+
+_LAZY_HOOKS = (
+    "_prepare_forward_infra", "_prepare_backward_infra", "get_fwd_recv_ops", "get_bwd_recv_ops",
+    "_retrieve_recv_activations", "_retrieve_recv_grads",
+)  # fmt: skip
+
+
+def _stage_class():
+    """``PipelineStage`` whose receive buffers are made when their receive is posted and let go
+    once read. torch makes one per micro-batch, for the activation and for its gradient, when the
+    pipeline starts, and keeps them all for the run: chunks x micro-batches x 2 boundary tensors
+    on every rank (tens of GB at LLaMA-3 405B's 64 micro-batches). Made on demand, a received
+    activation lives while its micro-batch is in flight (autograd keeps it for the backward, as
+    the layers' saved inputs), a received gradient until its backward has used it. On a torch
+    whose stages lack these hooks, torch's own stage."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import _make_tensor_from_meta
+
+    if not all(hasattr(PipelineStage, name) for name in _LAZY_HOOKS):
+        return PipelineStage
+
+    class Stage(PipelineStage):
+        def _release(self, table) -> None:
+            for infos in table.values():
+                for info in infos:
+                    if not info.is_root_arg:
+                        info.buffer = None
+
+        def _make(self, infos) -> None:
+            for info in infos:
+                if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+                    info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+
+        def _prepare_forward_infra(self, *args, **kwargs):
+            out = super()._prepare_forward_infra(*args, **kwargs)
+            self._release(self.args_recv_info)
+            return out
+
+        def _prepare_backward_infra(self, *args, **kwargs):
+            out = super()._prepare_backward_infra(*args, **kwargs)
+            self._release(self.grad_recv_info)
+            return out
+
+        def get_fwd_recv_ops(self, fwd_chunk_id: int):
+            self._make(self.args_recv_info[fwd_chunk_id])
+            return super().get_fwd_recv_ops(fwd_chunk_id)
+
+        def get_bwd_recv_ops(self, bwd_chunk_id: int):
+            if self.has_backward and not self.is_last:
+                self._make(self.grad_recv_info[bwd_chunk_id])
+            return super().get_bwd_recv_ops(bwd_chunk_id)
+
+        def _retrieve_recv_activations(self, fwd_chunk_id: int):
+            out = super()._retrieve_recv_activations(fwd_chunk_id)
+            self._release({0: self.args_recv_info[fwd_chunk_id]})
+            return out
+
+        def _retrieve_recv_grads(self, bwd_chunk_id: int):
+            out = super()._retrieve_recv_grads(bwd_chunk_id)
+            self._release({0: self.grad_recv_info[bwd_chunk_id]})
+            return out
+
+    return Stage
+
+
+def boundaries(out: Path, program: dict, plan: dict, chunk_ids: list[int], device, compute: str) -> dict[int, tuple]:
+    """Chunk -> (example inputs, example outputs) of one micro-batch, for each of ``chunk_ids``:
+    what its neighbours would tell it when the pipeline starts, found by running every chunk up
+    to the last of them forward, without gradients, on fake tensors of this rank's shapes. Only
+    a program running on fake tensors needs it (its neighbours have no fake twin to answer)."""
+    x = (torch.zeros(plan["microbatch_size"], plan["seq_len"], dtype=torch.long, device=device),)
+    out_shapes = {}
+    with torch.no_grad(), moe.uncounted():
+        for c in range(max(chunk_ids) + 1):
+            info = program["chunks"][c]
+            stage_file = load_stage_file(out / info["file"])
+            with fake.real(), torch.device("meta"):
+                module = getattr(stage_file, info["class"])()
+            module.to_empty(device=device)
+            lower_parameters(list(module.parameters()), autocast([module], plan, device, compute))
+            y = module(*x)
+            # as the real run hands them on: activations carry gradients back, token ids none
+            y = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in (y if isinstance(y, tuple) else (y,)))
+            if c in chunk_ids:
+                out_shapes[c] = (x, y)
+            x = y
+    return out_shapes
 
 
 def _uncounted_inference(stage) -> None:
     """On its first step a ``PipelineStage`` runs its module once to learn the shapes it sends
     (``_forward_metadata_inference``, on copies of the inputs or on empty tensors): that forward
     must not count MoE expert loads, which balancing sums as the step's."""
-    from autoshard.runtime import moe
-
     infer = getattr(stage, "_forward_metadata_inference", None)
     if infer is None:  # a torch without it runs no such forward
         return
@@ -357,15 +525,28 @@ def average_gradients(params: list[nn.Parameter], group) -> None:
         _all_reduce_flat(grads, group, divide=size)
 
 
+def shards_dense(plan: dict) -> bool:
+    """Whether FSDP2 shards the dense parameters (ZeRO-2/3 over more than one dp x cp rank)."""
+    return plan["zero_stage"] >= 2 and plan["mesh"]["dp"] * plan["mesh"]["cp"] > 1
+
+
 def zero_mesh(plan: dict, mesh):
     """The ranks ZeRO shards over: data parallel x context parallel, as the planner counts memory
     (the CP ranks of a replica hold the same parameters). A 1-D mesh."""
     if plan["mesh"]["cp"] == 1:
         return mesh["dp"]
-    return mesh["dp", "cp"]._flatten("dp_cp")  # DeviceMesh has no public flatten yet
+    return _flatten(mesh, ("dp", "cp"), "dp_cp")
 
 
-def shard_data_parallel(stages: list[nn.Module], plan: dict, mesh, experts: list[nn.Parameter] = ()) -> bool:
+def _flatten(mesh, dims: tuple[str, ...], name: str):
+    """``mesh[dims]`` as one dimension (DeviceMesh has no public flatten yet)."""
+    with fake.real():
+        return mesh[dims]._flatten(name)
+
+
+def shard_data_parallel(
+    stages: list[nn.Module], plan: dict, mesh, experts: list[nn.Parameter] = (), dtype: str = "fp32"
+) -> bool:
     """ZeRO-2/3: FSDP2 ``fully_shard`` each chunk over the dp x cp ranks (ZeRO-3 frees the
     gathered parameters after forward, ZeRO-2 keeps them until backward is done). Returns whether
     FSDP owns gradient reduction. The reduction sums over dp x cp and divides by dp: the mean over
@@ -374,16 +555,20 @@ def shard_data_parallel(stages: list[nn.Module], plan: dict, mesh, experts: list
     their replicas are the expert-data-parallel ranks, not dp x cp; ``reduce_expert_gradients``
     sums them and an optimizer over that group shards their states (ZeRO-1 for experts: FSDP2
     gathers a module's parameters in its forward, and the stage code reads expert weights as
-    tensors of the chunk, not through a module of their own)."""
+    tensors of the chunk, not through a module of their own). At ``dtype`` bf16 the shards stay
+    fp32 (the masters) and are gathered in bf16, the gradients reduced in fp32."""
     zero, dp, cp = plan["zero_stage"], plan["mesh"]["dp"], plan["mesh"]["cp"]
-    if zero < 2 or dp * cp == 1:
+    if not shards_dense(plan):
         return False
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     shard_mesh = zero_mesh(plan, mesh)
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if dtype == "bf16" else MixedPrecisionPolicy()
     for module in stages:
         ignored = {p for p in module.parameters() if any(p is e for e in experts)}
-        fully_shard(module, mesh=shard_mesh, reshard_after_forward=zero == 3, ignored_params=ignored or None)
+        fully_shard(
+            module, mesh=shard_mesh, reshard_after_forward=zero == 3, ignored_params=ignored or None, mp_policy=policy
+        )
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(float(dp))
     return True
@@ -411,11 +596,13 @@ def optimizer(
 
 
 def _adamw(params: list[nn.Parameter], shard: bool, group, kwargs: dict):
+    lower = any(p.dtype != torch.float32 for p in params)
+    cls = MasterAdamW if lower else torch.optim.AdamW  # low-precision parameters: fp32 masters
     if shard and group is not None and dist.get_world_size(group) > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=group, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=group, **kwargs)
+    return cls(params, **kwargs)
 
 
 class Optimizers:
@@ -463,7 +650,8 @@ def tied_parameters(plan: dict, program: dict, mesh, stages: list[nn.Module], ch
     same seeded initialisation (the stage files name one parameter once)."""
     sched, pp = schedule(plan["schedule"]), plan["mesh"]["pp"]
     pp_dim = list(mesh.mesh_dim_names).index("pp")
-    replicas = mesh.mesh.movedim(pp_dim, -1).reshape(-1, pp).tolist()  # each row: one replica's pp ranks
+    with fake.real():
+        replicas = mesh.mesh.movedim(pp_dim, -1).reshape(-1, pp).tolist()  # each row: one replica's pp ranks
     me = dist.get_rank()
     made: dict[tuple[int, ...], object] = {}
     ties = []

@@ -12,7 +12,8 @@ all-gather K and V, attend locally, reduce-scatter their gradients.
 
 Both take q (batch, heads, local_seq, dim) and k, v (batch, kv_heads, local_seq, dim) in this
 layout and return the output in it. The per-block math is plain PyTorch (exact in fp32 on CPU);
-on GPUs the Triton flash kernel (issue #5) takes its place.
+on GPUs (and on fake tensors, which stand for the GPU program) the Triton flash kernel takes its
+place, so no score matrix is ever materialised there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from autoshard.runtime.attention import autocast_inputs, flash_attention, kernel_runs
 
 
 def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 2) -> torch.Tensor:
@@ -72,10 +75,8 @@ def _block_forward(q, k, v, scale, rank, src, cp, causal, out, lse, kernel=False
             if causal and kc > qc:
                 continue
             if kernel:  # the Triton kernel (K/V heads may be fewer: it handles the groups)
-                from autoshard.kernels.flash import flash_attention_with_lse
-
-                block_out, block_lse = flash_attention_with_lse(
-                    q_parts[qi], k_parts[ki], v_parts[ki], causal=causal and kc == qc, scale=scale
+                block_out, block_lse = torch.ops.autoshard.flash_attention(
+                    q_parts[qi], k_parts[ki], v_parts[ki], causal and kc == qc, scale
                 )
                 block_out = block_out.float()
             else:
@@ -92,14 +93,14 @@ def _block_backward(q, k, v, do, out, lse, scale, rank, src, cp, causal, dq, dk,
     q_parts, k_parts, v_parts = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
     do_parts, o_parts, lse_parts = do.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2)
     if kernel:
-        from autoshard.kernels.flash import flash_attention_backward
-
         for qi, qc in enumerate(_chunks(rank, cp)):
             for ki, kc in enumerate(_chunks(src, cp)):
                 if causal and kc > qc:
                     continue
-                g = flash_attention_backward(q_parts[qi], k_parts[ki], v_parts[ki], o_parts[qi], lse_parts[qi],
-                                             do_parts[qi], causal and kc == qc, scale)  # fmt: skip
+                g = torch.ops.autoshard.flash_attention_backward(
+                    q_parts[qi], k_parts[ki], v_parts[ki], o_parts[qi], lse_parts[qi], do_parts[qi],
+                    causal and kc == qc, scale,
+                )  # fmt: skip
                 dq[qi] += g[0].float()
                 dk[ki] += g[1].float()
                 dv[ki] += g[2].float()
@@ -190,9 +191,9 @@ def ring_attention(
     if group is None or dist.get_world_size(group) == 1:
         return _local(q, k, v, causal, scale)
     if kernel is None:
-        from autoshard.runtime.attention import _triton_ready
-
-        kernel = _triton_ready(q)
+        kernel = kernel_runs(q, k, v)
+    if kernel:
+        q, k, v = autocast_inputs(q, k, v)
     return _RingAttention.apply(q, k, v, group, causal, scale, kernel)
 
 
@@ -221,7 +222,18 @@ def allgather_attention(q, k, v, group=None, causal: bool = True, scale: float |
     if group is None or dist.get_world_size(group) == 1:
         return _local(q, k, v, causal, scale)
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if kernel_runs(q, k, v):
+        q, k, v = autocast_inputs(q, k, v)  # gathered at the kernel's precision
     k_full, v_full = _GatherSeq.apply(k, group), _GatherSeq.apply(v, group)
+    if kernel_runs(q, k, v):
+        # the kernel per local chunk, over the keys up to that chunk's end (causal: its queries
+        # are their tail), never the whole score matrix
+        n = q.size(2) // 2
+        outs = []
+        for part, c in zip(q.chunk(2, dim=2), _chunks(rank, cp)):
+            end = (c + 1) * n if causal else k_full.size(2)
+            outs.append(flash_attention(part, k_full[:, :, :end], v_full[:, :, :end], causal=causal, scale=scale))
+        return torch.cat(outs, dim=2)
     heads = q.size(1)
     k_full, v_full = _expand_kv(k_full, heads), _expand_kv(v_full, heads)
     s = torch.matmul(q, k_full.transpose(-2, -1)) * scale

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from autoshard.runtime import fake
 from autoshard.runtime.stages import Block, full_shape, piece_axis, piece_blocks, restrict_rows
 
 MARKER = "COMPLETE"
@@ -119,7 +120,8 @@ def _fsdp_rows(t: torch.Tensor) -> tuple[int, int] | None:
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    with fake.real():  # it reads the mesh's rank tensor
+        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return offsets[0], offsets[0] + sizes[0]
 
 
@@ -208,7 +210,7 @@ def clip_gradients(items: list[Entry], max_norm: float | None) -> float:
             total += local_of(g).detach().double().pow(2).sum()
     if dist.is_initialized():
         dist.all_reduce(total)
-    norm = float(total.sqrt())
+    norm = fake.value(total.sqrt())
     if max_norm is not None and max_norm > 0:
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
@@ -231,11 +233,19 @@ def optimizer_parts(optim) -> list[tuple[torch.optim.Optimizer, bool]]:
     return [(o.optim, True) if isinstance(o, ZeroRedundancyOptimizer) else (o, False) for o in parts]
 
 
+def _stepped(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    """The tensor ``opt`` steps for parameter ``p`` and keys its states by: ``p``'s fp32 master
+    where the optimizer keeps one (``program.MasterAdamW``), else ``p``."""
+    master = getattr(opt, "master", None)
+    return master(p) if master is not None else p
+
+
 def _moments(opt: torch.optim.Optimizer, p: torch.Tensor, create: bool) -> dict | None:
+    p = _stepped(opt, p)
     state = opt.state.get(p)
     if not state and create:
         state = opt.state[p] = {
-            "step": torch.zeros((), dtype=torch.float32),
+            "step": torch.tensor(0.0, dtype=torch.float32),  # as AdamW makes it (a constant, on fake tensors too)
             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
         }
@@ -251,7 +261,7 @@ def optim_state(items: list[Entry], optim, copy: bool = True) -> dict:
     for e, opt, sharded in _optimized(items, optim):
         if not (e.counted_if_sharded if sharded else e.counted):
             continue
-        st = opt.state.get(e.param)
+        st = opt.state.get(_stepped(opt, e.param))
         if st:
             for m in MOMENTS:
                 out[f"optim/{m}/{e.held.key}"] = e.held.pieces(copy, local_of(st[m]))
@@ -267,6 +277,50 @@ def _optimized(items: list[Entry], optim):
             for p in group["params"]:
                 if id(p) in by_param:
                     yield by_param[id(p)], opt, sharded
+
+
+def use_masters(items: list[Entry], optim) -> None:
+    """Where the optimizer steps an fp32 master of a low-precision parameter, the master is what
+    a checkpoint holds of it (saved, and loaded into: ``write_back`` rounds it into the
+    parameter). A ZeRO-1 optimizer keeps a parameter's master on one rank of the group it shards
+    over, so that rank's copy is the one that counts (saved once, in the norm once), not the
+    first replica's."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    for part in getattr(optim, "parts", [optim]):
+        inner, owned, every = part, None, None
+        if isinstance(part, ZeroRedundancyOptimizer):
+            inner = part.optim
+            owned = {id(p) for g in inner.param_groups for p in g["params"]}
+            every = {id(p) for p in part._all_params}
+        masters = getattr(inner, "masters", None)
+        if not masters:
+            continue
+        for e in items:
+            key = id(e.param)
+            if key in masters:
+                e.held = Held(e.held.key, masters[key], e.held.shape, e.held.blocks)
+            if every is not None and key in every:
+                if e.expert:
+                    e.edp_first = key in owned
+                else:
+                    e.dp_first = key in owned
+
+
+def write_back(optim) -> None:
+    """Round every fp32 master into its parameter (after a checkpoint was loaded into them)."""
+    for opt, _ in optimizer_parts(optim):
+        if hasattr(opt, "write_back"):
+            opt.write_back()
+
+
+def make_optimizer_states(optim) -> None:
+    """Make (zero) the AdamW states of every parameter of ``optim`` that has none yet, as any
+    step after the first finds them (AdamW makes them in its first step)."""
+    for opt, _ in optimizer_parts(optim):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                _moments(opt, p, create=True)
 
 
 def load_targets(items: list[Entry], optim, saved: dict) -> list[dict]:

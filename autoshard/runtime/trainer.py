@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.runtime import data, fp8, groups, moe, state
+from autoshard.runtime import data, fake, fp8, groups, moe, state
 from autoshard.runtime import program as rt
 
 
@@ -464,21 +464,27 @@ class Trainer:
         else:
             stages = rt.build_chunks(out, program, chunk_ids, device, ranks, full, args.seed)
         ties = rt.tied_parameters(plan, program, mesh, stages, chunk_ids)  # one parameter, a copy per chunk
-        rt.autocast(stages, plan, device, args.compute_dtype)  # bf16 compute; parameters and gradients stay fp32
+        dtype = rt.autocast(stages, plan, device, args.compute_dtype)
         loss = rt.loss_fn(rt.load_loss(out, program, device))
         # 3. data parallelism at the plan's ZeRO stage (FSDP2 for ZeRO-2/3, ZeroRedundancyOptimizer
-        #    for ZeRO-1, a gradient all-reduce for ZeRO-0), and AdamW
+        #    for ZeRO-1, a gradient all-reduce for ZeRO-0), and AdamW; in bf16 the parameters are
+        #    bf16 with fp32 gradients and fp32 masters (the optimizer's, or FSDP2's shards)
         experts = rt.expert_parameters(stages)  # stacked expert weights: replicas over the EDP ranks
-        fsdp = rt.shard_data_parallel(stages, plan, mesh, experts)
+        lowered = experts if rt.shards_dense(plan) else [p for m in stages for p in m.parameters()]
+        rt.lower_parameters(lowered, dtype)
+        fsdp = rt.shard_data_parallel(stages, plan, mesh, experts, dtype)
         params = [p for m in stages for p in m.parameters()]
         zero_group = rt.zero_mesh(plan, mesh).get_group()  # ZeRO shards over dp x cp, as planned
         optim = rt.optimizer(params, plan["zero_stage"], zero_group, args.lr, args.weight_decay, args.adam_eps, experts)
         # 4. the plan's pipeline schedule (torch.distributed.pipelining) over the chunks
         schedule = None
         if plan["mesh"]["pp"] > 1:
-            schedule = rt.pipeline_schedule(plan, stages, ranks, device, microbatches, loss)
+            schedule = rt.pipeline_schedule(
+                plan, stages, ranks, device, microbatches, loss, out, program, args.compute_dtype
+            )
         biases = rt.routing_biases(stages)
         held = state.entries(stages, chunk_ids, ranks, program.get("tied", []))
+        state.use_masters(held, optim)  # a bf16 parameter's fp32 master is what checkpoints hold
         return cls(
             args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule,
             experts, biases, held,
@@ -646,6 +652,7 @@ class Trainer:
             passes[0][rng_key] = io.BytesIO()
         with torch.no_grad():
             state.load(path, passes)
+        state.write_back(self.optim)  # loaded into fp32 masters: round them into the parameters
         if same_plan:
             buf = passes[0][rng_key]
             buf.seek(0)
@@ -687,4 +694,4 @@ def mean_loss(losses: list[torch.Tensor], dp: int) -> float:
     if groups.cp_group() is not None:
         dist.all_reduce(mean, group=groups.cp_group())
     dist.all_reduce(mean, group=groups.dp_group())
-    return mean.item() / dp
+    return fake.value(mean) / dp

@@ -6,7 +6,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from autoshard.kernels import flash_attention, flash_attention_with_lse  # noqa: E402
+from autoshard.runtime.attention import flash_attention, flash_attention_with_lse  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
