@@ -126,6 +126,9 @@ class BlockCost:
     bytes_pointwise: sympy.Expr = sympy.Integer(0)  # HBM traffic of everything but weighted matmuls
     bytes_pointwise_tp: sympy.Expr = sympy.Integer(0)  # the part inside TP regions
     kv_elems: sympy.Expr = sympy.Integer(0)  # keys + values entering attention (context parallel traffic)
+    # matmul-class forward FLOPs (what a FLOP counter counts: weighted GEMMs, attention's products,
+    # any other matmul) as (attention core, the part TP divides, the part every TP rank does whole)
+    matmul: tuple = (sympy.Integer(0),) * 3
     _closure: dict = field(default_factory=dict, repr=False)
     _nodes: list = field(default_factory=list, repr=False)
 
@@ -141,6 +144,7 @@ class BlockCost:
             "bytes_pointwise": _fn(self.bytes_pointwise),
             "bytes_pointwise_tp": _fn(self.bytes_pointwise_tp),
             "kv_elems": _fn(self.kv_elems),
+            "matmul": [_fn(e) for e in self.matmul],
             "gemm_m": [_fn(g.m) for g in self.gemms],
             "collectives": [(c, _fn(c.elems)) for c in self.collectives],
             "saved": [(t, _fn(t.elems)) for t in self.saved],
@@ -201,6 +205,13 @@ class BlockCost:
         key = ("fn", frozenset(recompute) - {"layer_input"})
         if key not in self._closure:
             self._closure[key] = _fn(self.recompute_flops(recompute))
+        return self._closure[key]
+
+    def recompute_matmul_fns(self, recompute) -> list:
+        """``matmul``'s three parts for what recomputation reruns, as functions of (b, s)."""
+        key = ("matmul", frozenset(recompute) - {"layer_input"})
+        if key not in self._closure:
+            self._closure[key] = [_fn(e) for e in _matmul_parts(_rerun(self, key[1]))]
         return self._closure[key]
 
     @property
@@ -487,6 +498,7 @@ def _block(
         bytes_pointwise=sympy.expand(pointwise),
         bytes_pointwise_tp=sympy.expand(pointwise_tp),
         kv_elems=sympy.expand(_kv_elems(nodes)),
+        matmul=_matmul_parts(nodes),
     )
     blk._nodes = nodes
     return blk
@@ -735,6 +747,13 @@ def _per_token(shape) -> bool:
 
 def _closure_flops(blk: BlockCost, dropped: frozenset[str]) -> sympy.Expr:
     """FLOPs to rebuild every dropped saved tensor from the kept ones (and the layer input)."""
+    rerun = _rerun(blk, dropped)
+    return sympy.expand(sympy.Add(*(n.meta["cost"].flops for n in rerun)))  # one flattening, not one per term
+
+
+def _rerun(blk: BlockCost, dropped: frozenset[str]) -> set[fx.Node]:
+    """The nodes recomputation reruns to rebuild every dropped saved tensor from the kept ones
+    (and the layer input)."""
     nodes = blk._nodes
     inside = set(nodes)
     by_name = {n.name: n for n in nodes}
@@ -760,7 +779,26 @@ def _closure_flops(blk: BlockCost, dropped: frozenset[str]) -> sympy.Expr:
             if root not in inside or root.meta.get("storage") in kept_storages and root is not n:
                 continue
             need.append(a)
-    return sympy.expand(sympy.Add(*(n.meta["cost"].flops for n in rerun)))  # one flattening, not one per term
+    return rerun
+
+
+def _matmul_parts(nodes) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+    """Matmul-class forward FLOPs of ``nodes`` (``ops`` rows counted as ``matmul`` or ``sdpa``):
+    (those of the attention core, those TP divides among its ranks: sharded products and the
+    routed experts, whose rows the TP ranks share, those every TP rank does whole)."""
+    parts = [sympy.Integer(0)] * 3
+    for n in nodes:
+        r = ops.rule_of(n)
+        if r is None or r.flops not in ("matmul", "sdpa") or "cost" not in n.meta:
+            continue
+        if n.meta.get("op_class") == "attention":
+            i = 0
+        elif sharding.splits_work(n) or n.meta.get("op_class") == "experts":
+            i = 1
+        else:
+            i = 2
+        parts[i] += n.meta["cost"].flops
+    return tuple(sympy.expand(p) for p in parts)
 
 
 def _collectives(nodes: list[fx.Node]) -> list[Collective]:

@@ -174,6 +174,29 @@ def pipeline_ends_all_reduce(nbytes: float, pp: Where, hw: Hardware) -> float:
     return all_reduce(nbytes, _placement(2, 2 if inside else 1, 1 if inside else 2), hw)
 
 
+# What data parallelism moves at each ZeRO stage: (when, collective, bytes per parameter, times).
+# Gradients are all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1) in fp32 once per step;
+# parameters all-gathered in bf16 after the step. ZeRO-2 keeps only a gradient shard, so it
+# reduce-scatters after every micro-batch; ZeRO-3 also re-gathers the parameters for every
+# micro-batch's forward and backward.
+DP_TRANSFERS = {
+    0: (("after_backward", "all_reduce", GRAD_REDUCE_BYTES, 1),),
+    1: (
+        ("after_backward", "reduce_scatter", GRAD_REDUCE_BYTES, 1),
+        ("before_forward", "all_gather", PARAM_GATHER_BYTES, 1),
+    ),
+    2: (
+        ("per_microbatch", "reduce_scatter", GRAD_REDUCE_BYTES, 1),
+        ("before_forward", "all_gather", PARAM_GATHER_BYTES, 1),
+    ),
+    3: (
+        ("per_microbatch", "all_gather", PARAM_GATHER_BYTES, 2),
+        ("per_microbatch", "reduce_scatter", GRAD_REDUCE_BYTES, 1),
+    ),
+}
+_KIND_TIME = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter}
+
+
 def data_parallel(
     params_dense: float, params_expert: float, zero: int, dense: Where, expert: Where, hw: Hardware
 ) -> dict:
@@ -183,27 +206,35 @@ def data_parallel(
     ``tp*cp*dp/ep`` of them; with TP in it, its members hold the experts' gradients from
     different TP ranks' tokens, so the sum runs over it all): ``after_backward`` (gradient
     reduction), ``before_forward`` (parameter gather), ``per_microbatch`` (ZeRO-2/3's reductions
-    and re-gathers).
-
-    Gradients are all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1) in fp32 once per step;
-    parameters all-gathered in bf16 after the step. ZeRO-2 keeps only a gradient shard, so it
-    reduce-scatters after every micro-batch; ZeRO-3 also re-gathers the parameters for every
-    micro-batch's forward and backward (1.5x the volume per micro-batch)."""
+    and re-gathers), as ``DP_TRANSFERS`` lists them."""
     out = {"after_backward": 0.0, "before_forward": 0.0, "per_microbatch": 0.0}
     for params, group in ((params_dense, dense), (params_expert, expert)):
         if group.size <= 1 or params <= 0:
             continue
         place = group.placement()
-        grads = params * GRAD_REDUCE_BYTES
-        weights = params * PARAM_GATHER_BYTES
-        if zero == 0:
-            out["after_backward"] += all_reduce(grads, place, hw)
-        elif zero == 1:  # gradients accumulate unsharded, reduced once
-            out["after_backward"] += reduce_scatter(grads, place, hw)
-            out["before_forward"] += all_gather(weights, place, hw)
-        elif zero == 2:  # only a shard of the gradients is kept: reduce after every micro-batch
-            out["per_microbatch"] += reduce_scatter(grads, place, hw)
-            out["before_forward"] += all_gather(weights, place, hw)
-        else:  # ZeRO-3: parameters re-gathered for forward and backward of every micro-batch
-            out["per_microbatch"] += 2 * all_gather(weights, place, hw) + reduce_scatter(grads, place, hw)
+        for when, kind, per_param, times in DP_TRANSFERS[zero]:
+            out[when] += times * _KIND_TIME[kind](params * per_param, place, hw)
     return out
+
+
+def data_parallel_payload(params: float, zero: int, group_size: int, microbatches: int) -> list[tuple[str, float]]:
+    """(collective, bytes handed over per step) of the data-parallel traffic of ``params``
+    parameters replicated over ``group_size`` ranks, as ``DP_TRANSFERS`` lists it."""
+    if group_size <= 1 or params <= 0:
+        return []
+    return [
+        (kind, times * params * per_param * (microbatches if when == "per_microbatch" else 1))
+        for when, kind, per_param, times in DP_TRANSFERS[zero]
+    ]
+
+
+def wire_bytes(kind: str, nbytes: float, ranks: int) -> float:
+    """Bytes one rank sends for a collective handed ``nbytes`` (as ``data_parallel_payload`` and
+    ``LayerCosts.payload`` count them) over ``ranks`` ranks, on a ring: what its time is made of,
+    and what makes an all-reduce and a reduce-scatter with an all-gather comparable."""
+    if kind in ("send",):
+        return nbytes
+    if ranks <= 1 or kind == "recv":
+        return 0.0
+    share = (ranks - 1) / ranks
+    return 2 * share * nbytes if kind == "all_reduce" else share * nbytes

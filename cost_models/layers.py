@@ -231,7 +231,7 @@ class LayerCosts:
         if where_pp.size <= 1:
             return 0.0
         hw = self.hw
-        boundary = 2 * self.block(block).eval("boundary", mbs, self.seq / cp) / (tp if tp > 1 else 1)
+        boundary = self.boundary_bytes(block, mbs, tp, cp)
         span = 1 if where_pp.domains == 1 else hw.nvlink_domain
         return 2 * comm.p2p(boundary, span, hw)
 
@@ -311,6 +311,76 @@ class LayerCosts:
                 cp_total = t_cp
                 transient = max(transient, 2 * full)
         return t_tp, (regather, scatter), (t_cp, cp_total), t_ep, transient
+
+    @cache  # noqa: B019
+    def matmul_flops(self, block: int, mbs: int, tp: int, cp: int, recompute: frozenset) -> tuple:
+        """(forward, backward, recompute) matmul-class FLOPs one GPU runs for one copy of ``block``
+        and one micro-batch (what a FLOP counter counts): the products at this rank's share (TP
+        divides the sharded ones and the routed rows, TP x CP the attention core, the sequence
+        its CP shard); backward twice the forward, the attention core's 2.5 times (the flash
+        kernel recomputes the scores); recomputation its rerun products, the producers of the
+        FP8 copies kept included."""
+        blk = self.block(block)
+        s, sl = self.seq, self.seq / cp
+
+        def local(fns) -> float:
+            attn, split, whole = fns
+            return float(attn(mbs, s)) / (tp * cp) + float(split(mbs, sl)) / tp + float(whole(mbs, sl))
+
+        attn = float(blk._compiled["matmul"][0](mbs, s)) / (tp * cp)
+        forward = local(blk._compiled["matmul"])
+        backward = 2 * (forward - attn) + FLASH_BACKWARD * attn
+        rerun = local(blk.recompute_matmul_fns(recompute)) if recompute else 0.0
+        return forward, backward, rerun
+
+    @cache  # noqa: B019
+    def payload(
+        self, block: int, mbs: int, tp: int, cp: int, ep: int, attention: str, fp8: tuple
+    ) -> tuple[tuple[str, str, float], ...]:
+        """The collectives one copy of ``block`` runs per micro-batch, forward and backward, on one
+        GPU, as (axis, kind, bytes handed over): an all-reduce's buffer, an all-gather's gathered
+        size, a reduce-scatter's size before scattering, an all-to-all's or a send's bytes sent.
+        The same transfers ``comm`` prices."""
+        blk = self.block(block)
+        sl = self.seq / cp
+        sp = tp > 1 and self.sp
+        out: dict[tuple[str, str], float] = {}
+
+        def add(axis: str, kind: str, nbytes: float) -> None:
+            out[(axis, kind)] = out.get((axis, kind), 0.0) + nbytes
+
+        routed = 0.0
+        for coll, elems_fn in blk._compiled["collectives"]:
+            nbytes = 2 * float(elems_fn(mbs, sl))
+            routed += nbytes if coll.axis == "ep" else 0.0
+            if coll.axis == "tp" and tp > 1:
+                if sp and coll.backward:  # a column group: gather forward, again backward, scatter its gradient
+                    add("tp", "all_gather", 2 * nbytes)
+                    add("tp", "reduce_scatter", nbytes)
+                elif sp:  # a row: scatter forward, gather the output gradient backward
+                    add("tp", "reduce_scatter", nbytes)
+                    add("tp", "all_gather", nbytes)
+                else:
+                    add("tp", "all_reduce", nbytes)
+            elif coll.axis == "ep" and ep > 1:
+                local = nbytes / tp
+                dispatch = local * (1 + 4 / 128) / 2 if "experts" in self._fp8(fp8) else local
+                add("ep", "all_to_all", 2 * (dispatch + local))
+        if tp > 1 and not sp and routed:
+            add("tp", "all_reduce", 2 * routed)
+        if cp > 1:
+            kv_bytes = 2 * blk.eval("kv_elems", mbs, sl)
+            if attention == "ring":  # K/V forward, K/V with their gradients backward, cp - 1 steps each
+                add("cp", "send", 3 * (cp - 1) * kv_bytes / (tp if sp else 1))
+            else:
+                full = kv_bytes * cp / (tp if sp else 1)
+                add("cp", "all_gather", full)
+                add("cp", "reduce_scatter", 2 * full)
+        return tuple((axis, kind, n) for (axis, kind), n in out.items())
+
+    def boundary_bytes(self, block: int, mbs: int, tp: int, cp: int) -> float:
+        """Bytes of the activation a pipeline boundary after ``block`` sends, one micro-batch."""
+        return 2 * self.block(block).eval("boundary", mbs, self.seq / cp) / (tp if tp > 1 else 1)
 
     def params(self, block: int, tp: int, ep: int) -> tuple[float, float]:
         """(dense, expert) parameters one GPU holds of one copy of ``block``."""

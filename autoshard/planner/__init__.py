@@ -8,7 +8,10 @@ from autoshard.cost_models.analyze import ModelCost
 from autoshard.errors import AutoshardError
 from autoshard.plan import CHECKPOINT_CATEGORIES, PLAN_VERSION, Alternative, Mesh, Plan, Predicted
 from autoshard.planner.candidates import Problem, parse_force
+from autoshard.planner.costs import CandidateCosts
+from autoshard.planner.evaluate import Evaluator
 from autoshard.planner.explain import why_slower
+from autoshard.planner.promises import rank_promises
 from autoshard.planner.search import Evaluation, Planner, SearchResult
 
 __all__ = ["Problem", "parse_force", "solve", "to_plan", "model_summary", "compare"]
@@ -135,6 +138,7 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
             recompute_s=b["recompute_s"],
             overlap_s=b["overlap_s"],
             memory_limit_bytes=hw.usable_bytes,
+            ranks=rank_promises(Evaluator(CandidateCosts(problem)), ev),
         ),
         forced={k: _jsonable(v) for k, v in problem.forced.items()},
         notes=(
