@@ -102,6 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="learning-rate warm-up steps on both sides")
     p.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), help="the schedule on both sides")
     p.add_argument("--min-lr", type=float, help="the decay's final learning rate on both sides")
+    p.add_argument(
+        "--at-scale",
+        action="store_true",
+        help="instead: run chosen ranks one optimizer step at their full shapes on fake tensors (no GPU, nothing "
+        "allocated) and compare their peak memory, FLOPs and bytes per collective with the plan's",
+    )
+    p.add_argument(
+        "--ranks",
+        default="first,last,busiest",
+        help="with --at-scale: first, last, busiest (by the plan's memory) and/or rank numbers, comma-separated",
+    )
+    p.add_argument("--memory-within", type=_positive(float), default=0.10, help="with --at-scale: peak memory bound")
+    p.add_argument("--flops-within", type=_positive(float), default=0.03, help="with --at-scale: FLOPs bound")
+    p.add_argument("--comm-within", type=_positive(float), default=0.10, help="with --at-scale: bytes per dimension")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_verify)
 
@@ -215,6 +229,13 @@ def _compile(args) -> int:
 
 
 def _verify(args) -> int:
+    if args.at_scale:
+        from autoshard import atscale
+
+        bounds = atscale.Bounds(args.memory_within, args.flops_within, args.comm_within)
+        report = atscale.verify_at_scale(args.out, args.ranks, bounds, timeout=args.timeout)
+        print(json.dumps(report.to_dict(), indent=2) if args.json else atscale.format_report(report))
+        return 0 if report.ok else 1
     from autoshard.verify import format_report, verify
 
     flags = {k: getattr(args, k) for k in ("max_grad_norm", "warmup", "lr_schedule", "min_lr")}
