@@ -209,6 +209,7 @@ def _group(arg):
 _COLLECTIVES = {
     c10d.allreduce_.default: ("all_reduce", 1, ("arg", 0)),
     c10d.broadcast_.default: ("broadcast", 1, ("arg", 0)),
+    c10d.reduce_.default: ("reduce", 1, ("arg", 0)),
     c10d.allgather_.default: ("all_gather", 2, ("arg", 0)),
     c10d._allgather_base_.default: ("all_gather", 2, ("arg", 0)),
     c10d.reduce_scatter_.default: ("reduce_scatter", 2, ("arg", 1)),

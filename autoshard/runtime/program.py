@@ -429,15 +429,6 @@ def _uncounted_inference(stage) -> None:
 # data parallelism
 
 
-def sum_context_parallel_gradients(params: list[nn.Parameter]) -> None:
-    """Context parallel: each CP rank's loss is its share of the sequence mean, so the gradients
-    of the CP group add up (one flat all-reduce)."""
-    group = groups.cp_group()
-    if group is None:
-        return
-    _all_reduce_flat([_local(p.grad) for p in params if p.grad is not None], group)
-
-
 def sum_partial_gradients(stages: list[nn.Module]) -> None:
     """Sequence parallel: parameters used on sequence slices hold partial gradients; sum them
     over the TP group (one flat all-reduce)."""
@@ -462,21 +453,51 @@ def expert_parameters(stages: list[nn.Module]) -> list[nn.Parameter]:
     return out
 
 
-def reduce_expert_gradients(params: list[nn.Parameter], dp: int) -> None:
-    """Expert weights: each rank's gradient covers the tokens its EP group sent it; summed over
-    the ranks holding the same experts (expert data parallelism, which spans the TP, CP and DP
-    ranks the EP groups do not) and divided by ``dp``, as the dense weights' mean over replicas."""
+def reduce_gradients(params: list[nn.Parameter], group, divide: int, owners: dict[int, int] | None = None) -> None:
+    """Sum the gradients of ``params`` over ``group`` and divide them by ``divide``: all-reduced
+    in one flat buffer per dtype (the bucketing DDP does, without its hooks, which a pipeline
+    schedule's split backward would fire at the wrong time), or, given ``owners`` (parameter id ->
+    the group rank whose ZeRO-1 optimizer steps it), reduced to each owner only, one flat buffer
+    per owner: the reduce-scatter of Megatron's distributed optimizer, by parameter. The other
+    ranks' copies are then partial sums, which nothing reads (the owners' optimizers step and
+    broadcast the parameters; the norm counts the owners' copies)."""
     grads = []
     for p in params:
         if p.grad is None:
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p, dtype=getattr(p, "grad_dtype", None) or p.dtype)
         grads.append(p.grad)
-    group = groups.edp_group()
-    if group is not None and dist.get_world_size(group) > 1:
-        _all_reduce_flat(grads, group)
-    if dp > 1:
-        for g in grads:
-            g.div_(dp)
+    if group is None or dist.get_world_size(group) == 1:
+        if divide != 1:
+            for g in grads:
+                g.div_(divide)
+        return
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for p, g in zip(params, grads):
+        owner = owners.get(id(p)) if owners is not None else None
+        buckets.setdefault((-1 if owner is None else owner, str(g.dtype)), []).append(g)
+    me = dist.get_rank(group)
+    for (owner, _), bucket in sorted(buckets.items()):
+        if owner < 0:
+            _all_reduce_flat(bucket, group, divide=divide)
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.reduce(flat, dst=dist.get_global_rank(group, owner), group=group)
+        if owner == me:
+            flat.div_(divide)
+            _unflatten(flat, bucket)
+
+
+def owners(optim) -> tuple[dict[int, int] | None, dict[int, int] | None]:
+    """(dense, expert) parameter id -> the rank of its group whose ZeRO-1 optimizer steps it, for
+    the optimizer parts that are ``ZeroRedundancyOptimizer``s (None for the others)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def of(part):
+        if not isinstance(part, ZeroRedundancyOptimizer):
+            return None
+        return {id(p): r for p, r in part._param_to_rank.items()}
+
+    return of(optim.dense), of(optim.experts)
 
 
 def routing_biases(stages: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -503,26 +524,14 @@ def _all_reduce_flat(grads: list[torch.Tensor], group, divide: int = 1) -> None:
     dist.all_reduce(flat, group=group)
     if divide != 1:
         flat.div_(divide)
+    _unflatten(flat, grads)
+
+
+def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-def average_gradients(params: list[nn.Parameter], group) -> None:
-    """ZeRO-0/1: all-reduce the gradients over the data-parallel group, averaged, in one flat
-    buffer per dtype (the bucketing DDP does, without its hooks, which a pipeline schedule's
-    split backward would fire at the wrong time)."""
-    size = dist.get_world_size(group)
-    if size == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        _all_reduce_flat(grads, group, divide=size)
 
 
 def shards_dense(plan: dict) -> bool:
@@ -552,12 +561,12 @@ def shard_data_parallel(
     FSDP owns gradient reduction. The reduction sums over dp x cp and divides by dp: the mean over
     replicas of the CP ranks' summed shares. (Forcing the sum also sidesteps pytorch#162338, FSDP2
     on gloo summing where it should average.) Stacked expert weights (``experts``) are left out:
-    their replicas are the expert-data-parallel ranks, not dp x cp; ``reduce_expert_gradients``
+    their replicas are the expert-data-parallel ranks, not dp x cp; ``reduce_gradients``
     sums them and an optimizer over that group shards their states (ZeRO-1 for experts: FSDP2
     gathers a module's parameters in its forward, and the stage code reads expert weights as
     tensors of the chunk, not through a module of their own). At ``dtype`` bf16 the shards stay
     fp32 (the masters) and are gathered in bf16, the gradients reduced in fp32."""
-    zero, dp, cp = plan["zero_stage"], plan["mesh"]["dp"], plan["mesh"]["cp"]
+    zero, dp = plan["zero_stage"], plan["mesh"]["dp"]
     if not shards_dense(plan):
         return False
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -589,10 +598,10 @@ def optimizer(
     kwargs = {"lr": lr, "betas": (0.9, 0.95), "eps": eps, "weight_decay": weight_decay}
     expert_ids = {id(p) for p in experts}
     dense = [p for p in params if id(p) not in expert_ids]
-    parts = [_adamw(dense, zero == 1, zero_group, kwargs)] if dense else []
-    if experts:
-        parts.append(_adamw(list(experts), zero >= 1, groups.edp_group(), kwargs))
-    return parts[0] if len(parts) == 1 else Optimizers(parts)
+    return Optimizers(
+        _adamw(dense, zero == 1, zero_group, kwargs) if dense else None,
+        _adamw(list(experts), zero >= 1, groups.edp_group(), kwargs) if experts else None,
+    )
 
 
 def _adamw(params: list[nn.Parameter], shard: bool, group, kwargs: dict):
@@ -606,10 +615,12 @@ def _adamw(params: list[nn.Parameter], shard: bool, group, kwargs: dict):
 
 
 class Optimizers:
-    """Several optimizers stepped as one (dense and expert weights, sharded over different groups)."""
+    """The program's optimizer: the dense weights' and the experts' (either may be absent),
+    sharded over different groups, stepped as one."""
 
-    def __init__(self, parts: list):
-        self.parts = parts
+    def __init__(self, dense, experts=None):
+        self.dense, self.experts = dense, experts
+        self.parts = [o for o in (dense, experts) if o is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.parts:

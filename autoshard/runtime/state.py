@@ -279,12 +279,12 @@ def _optimized(items: list[Entry], optim):
                     yield by_param[id(p)], opt, sharded
 
 
-def use_masters(items: list[Entry], optim) -> None:
-    """Where the optimizer steps an fp32 master of a low-precision parameter, the master is what
-    a checkpoint holds of it (saved, and loaded into: ``write_back`` rounds it into the
-    parameter). A ZeRO-1 optimizer keeps a parameter's master on one rank of the group it shards
-    over, so that rank's copy is the one that counts (saved once, in the norm once), not the
-    first replica's."""
+def mark_owners(items: list[Entry], optim) -> None:
+    """A ZeRO-1 optimizer steps each parameter on one rank of the group it shards over, where
+    alone its gradient is reduced (``program.reduce_gradients``): that rank's copy is the one
+    that counts (saved once, in the norm once), not the first replica's. Where the optimizer
+    steps an fp32 master of a low-precision parameter, the master is what a checkpoint holds of
+    it (saved, and loaded into: ``write_back`` rounds it into the parameter)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     for part in getattr(optim, "parts", [optim]):
@@ -293,9 +293,7 @@ def use_masters(items: list[Entry], optim) -> None:
             inner = part.optim
             owned = {id(p) for g in inner.param_groups for p in g["params"]}
             every = {id(p) for p in part._all_params}
-        masters = getattr(inner, "masters", None)
-        if not masters:
-            continue
+        masters = getattr(inner, "masters", {})
         for e in items:
             key = id(e.param)
             if key in masters:

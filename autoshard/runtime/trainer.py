@@ -429,6 +429,7 @@ class Trainer:
     schedule: object | None  # the torch.distributed.pipelining schedule; None without a pipeline
     experts: list[nn.Parameter]  # stacked expert weights (gradients summed over the EDP group)
     biases: dict[str, torch.Tensor]  # MoE layer -> routing bias, updated after each step
+    zero_group: object  # the dp x cp ranks ZeRO shards over and the dense gradients are reduced over
     entries: list[state.Entry] = field(default_factory=list)  # every tensor held, in full-tensor coordinates
     loads: dict = field(default_factory=dict)  # MoE layer -> (max, mean) expert load of the last step
     dropped: int | None = None  # routed rows the capacity dropped in the last step, all ranks
@@ -484,10 +485,10 @@ class Trainer:
             )
         biases = rt.routing_biases(stages)
         held = state.entries(stages, chunk_ids, ranks, program.get("tied", []))
-        state.use_masters(held, optim)  # a bf16 parameter's fp32 master is what checkpoints hold
+        state.mark_owners(held, optim)  # ZeRO-1's owners and bf16 masters: what checkpoints and the norm count
         return cls(
             args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule,
-            experts, biases, held,
+            experts, biases, zero_group, held,
         )  # fmt: skip
 
     def expert_load(self) -> dict:
@@ -552,13 +553,21 @@ class Trainer:
                 (value / m).backward()
                 losses.append(value.detach())
         rt.sum_partial_gradients(self.stages)  # sequence parallel: norms saw 1/tp of the tokens
-        expert_ids = {id(p) for p in self.experts}
-        if not self.fsdp:  # (FSDP reduces over dp x cp itself)
+        dp = self.plan["mesh"]["dp"]
+        dense_owners, expert_owners = rt.owners(self.optim)
+        if not self.fsdp:  # (FSDP reduces over dp x cp itself, in backward)
+            # one parameter: its copies' gradients add up (Megatron's embedding group), before the
+            # data-parallel reduction, which under ZeRO-1 leaves other ranks' copies partial
+            rt.sum_tied_gradients(self.ties)
+            expert_ids = {id(p) for p in self.experts}
             dense = [p for p in self.params if id(p) not in expert_ids]
-            rt.sum_context_parallel_gradients(dense)  # context parallel: each rank saw 2/(2cp) of each sequence
-            rt.average_gradients(dense, groups.dp_group())
-        rt.reduce_expert_gradients(self.experts, self.plan["mesh"]["dp"])  # summed over the ranks holding them
-        rt.sum_tied_gradients(self.ties)  # one parameter: its copies' gradients add up (Megatron's embedding group)
+            # summed over dp x cp (each CP rank holds its share of every sequence's mean), averaged
+            # over the dp replicas: all-reduced, or under ZeRO-1 reduced to the ranks that step them
+            rt.reduce_gradients(dense, self.zero_group, dp, dense_owners)
+        # experts: summed over the ranks holding the same ones, divided by dp as the dense weights
+        rt.reduce_gradients(self.experts, groups.edp_group(), dp, expert_owners)
+        if self.fsdp:
+            rt.sum_tied_gradients(self.ties)
         norm = state.clip_gradients(self.entries, self.args.max_grad_norm)
         if fault is not None:
             fault(step)
