@@ -69,11 +69,14 @@ class MemoryCounter(TorchDispatchMode):
         self.peak = 0
         self.at_peak: dict[str, int] = dict(self.live)
         self.ops_at_peak: dict[str, int] = {}
+        self.part_peaks: dict[str, int] = dict(self.live)  # each part's own largest, whenever it was
+        self.ops_at_activation_peak: dict[str, int] = {}
         self._info: dict[int, list] = {}  # id(storage) -> [part, bytes, op]
         self._refs: dict[int, weakref.ref] = {}
         self.forward_depth = 0
         self.in_optimizer = False
         self._handles = []
+        self._params: list[torch.Tensor] = []
 
     # -- what holds what ------------------------------------------------------------------
 
@@ -117,6 +120,7 @@ class MemoryCounter(TorchDispatchMode):
         chunk's forward)."""
         for m in modules:
             for p in m.parameters():
+                self._params.append(p)
                 self.file(p, "params")
                 if p.grad is not None:
                     self.file(p.grad, "grads")
@@ -162,9 +166,26 @@ class MemoryCounter(TorchDispatchMode):
 
     # -- the peak ---------------------------------------------------------------------------
 
+    def _file_grads(self) -> None:
+        """Gradients set rather than accumulated (a split backward's weight pass, FSDP's reduced
+        shards) are found where they are, as each new peak is recorded."""
+        for p in self._params:
+            g = p.grad
+            if g is not None:
+                st = _storage(g)
+                info = self._info.get(id(st)) if st is not None else None
+                if info is not None and info[0] != "grads":
+                    self.file(g, "grads")
+
     def _update_peak(self) -> None:
+        for part, n in self.live.items():
+            if n > self.part_peaks[part]:
+                self.part_peaks[part] = n
+                if part == "activations":
+                    self.ops_at_activation_peak = {k[1]: v for k, v in self.by_op.items() if v and k[0] == part}
         total = sum(self.live.values())
         if total > self.peak:
+            self._file_grads()
             self.peak = total
             self.at_peak = dict(self.live)
             self.ops_at_peak = {k: v for k, v in self.by_op.items() if v}
@@ -356,7 +377,9 @@ class Measured:
     coords: dict
     peak_bytes: int = 0
     memory_bytes: dict = field(default_factory=dict)  # part -> bytes live at the peak
-    activations_by_op: dict = field(default_factory=dict)  # op -> activation bytes live at the peak
+    activations_by_op: dict = field(default_factory=dict)  # "part:op" -> bytes live at the peak
+    part_peaks: dict = field(default_factory=dict)  # part -> its own largest live bytes in the step
+    activations_at_their_peak: dict = field(default_factory=dict)  # op -> bytes, when activations peaked
     flops: int = 0
     comm_bytes: dict = field(default_factory=dict)  # mesh dimension -> kind -> bytes
     comm_calls: dict = field(default_factory=dict)
@@ -468,6 +491,8 @@ def measure(out, rank: int, compute: str = "bf16") -> Measured:
         result.activations_by_op = {
             f"{part}:{op}": n for (part, op), n in sorted(memory.ops_at_peak.items(), key=lambda kv: -kv[1])
         }
+        result.part_peaks = dict(memory.part_peaks)
+        result.activations_at_their_peak = dict(sorted(memory.ops_at_activation_peak.items(), key=lambda kv: -kv[1]))
         result.flops = flops.get_total_flops()
         for (dim, kind), n in comm.bytes.items():
             result.comm_bytes.setdefault(dim, {})[kind] = n

@@ -806,9 +806,12 @@ def _collectives(nodes: list[fx.Node]) -> list[Collective]:
     column_inputs = set()
     for n in nodes:
         role = n.meta.get("tp_role")
-        if role == "row":
+        matmul = ops.rule_of(n) is not None and ops.rule_of(n).flops == "matmul"
+        if role == "row" or (role == "vocab" and not matmul):
+            # a row's partial sums, or a vocabulary-parallel embedding's (each rank looks up the
+            # tokens of its rows): all-reduced, or reduce-scattered under sequence parallelism
             out.append(Collective("tp", "all_reduce", ops.numel(n.meta["shape"]), backward=False))
-        elif role == "column":
+        elif role in ("column", "vocab"):  # the vocabulary-parallel head reads its input as a column does
             act = [a for a in ops.tensor_args(n) if not ops.is_weight(a)]
             key = act[0].meta.get("storage") if act else None
             if key not in column_inputs:

@@ -21,7 +21,9 @@ Modelling choices (each can be checked against the formula it names):
   backward re-gather and gradient reduce-scatter overlap the input- and weight-gradient GEMMs
   (Megatron-LM's asynchronous overlap), exposing only what is longer than those GEMMs.
 - CP ring: K/V blocks move around the ring while the previous block is computed; only the part of
-  each step's transfer longer than its compute is exposed. All-gather K/V: exposed.
+  each step's transfer longer than its compute is exposed. Backward the block travels with its
+  gradients, accumulated and sent in fp32, and those take one more step home, exposed
+  (``runtime.ring_attention``). All-gather K/V: exposed.
 - EP: all-to-all dispatch and combine, forward and backward, over the expert-parallel group
   folded from a stage's tp x cp x dp ranks; each rank sends its 1/tp of the routed tokens (x
   top-k x hidden) and its experts take tokens from ep ranks. Without SP the MoE output is
@@ -297,11 +299,17 @@ class LayerCosts:
             kv_bytes = 2 * blk.eval("kv_elems", mbs, sl)
             attn_f = attention_time(blk.eval("flops_attention", mbs, s) / (tp * cp), s / cp, hw)
             if attention == "ring":
-                step = comm.p2p(kv_bytes / (tp if sp else 1), 1 if where_cp.domains == 1 else hw.nvlink_domain, hw)
+                # forward: cp - 1 steps of the K/V block, each behind a block's attention; backward:
+                # the block and its gradients (accumulated, and sent, in fp32: twice its bytes)
+                # cp - 1 steps behind a block's backward, then the gradients alone home, exposed
+                span = 1 if where_cp.domains == 1 else hw.nvlink_domain
+                kvb = kv_bytes / (tp if sp else 1)
+                step = comm.p2p(kvb, span, hw)
                 fwd = (cp - 1) * max(0.0, step - attn_f / cp)
-                bwd = (cp - 1) * max(0.0, 2 * step - FLASH_BACKWARD * attn_f / cp)
+                both, home = comm.p2p(3 * kvb, span, hw), comm.p2p(2 * kvb, span, hw)
+                bwd = (cp - 1) * max(0.0, both - FLASH_BACKWARD * attn_f / cp) + home
                 t_cp = fwd + bwd
-                cp_total = 3 * (cp - 1) * step
+                cp_total = (cp - 1) * (step + both) + home
                 transient = max(transient, 2 * kv_bytes)
             else:  # all-gather K/V forward, reduce-scatter their gradients backward
                 full = kv_bytes * cp / (tp if sp else 1)
@@ -370,8 +378,8 @@ class LayerCosts:
             add("tp", "all_reduce", 2 * routed)
         if cp > 1:
             kv_bytes = 2 * blk.eval("kv_elems", mbs, sl)
-            if attention == "ring":  # K/V forward, K/V with their gradients backward, cp - 1 steps each
-                add("cp", "send", 3 * (cp - 1) * kv_bytes / (tp if sp else 1))
+            if attention == "ring":  # K/V forward; K/V with their fp32 gradients backward, then those home
+                add("cp", "send", (4 * cp - 2) * kv_bytes / (tp if sp else 1))
             else:
                 full = kv_bytes * cp / (tp if sp else 1)
                 add("cp", "all_gather", full)

@@ -15,6 +15,7 @@ from autoshard.passes.contract import Pass, RewriteContext, run_passes
 from autoshard.passes.expert_parallel import expert_balance, expert_parallel, no_experts_left_whole
 from autoshard.passes.flash_attention import flash_attention, no_fusable_sdpa_left
 from autoshard.passes.fp8 import fp8, fp8_calls_only
+from autoshard.passes.fused_norm import fused_norm, no_torch_norm_left
 from autoshard.passes.pipeline_split import chunks_chained, pipeline_split
 from autoshard.passes.sequence_parallel import no_tp_all_reduce_left, sequence_parallel
 from autoshard.passes.tensor_parallel import full_weights_left, tensor_parallel
@@ -24,6 +25,14 @@ _PLACED = ("shape", "region", "layer")  # what the nodes every pass inserts carr
 
 
 PASSES: list[Pass] = [
+    Pass(
+        "fused_norm",
+        fused_norm,
+        lambda ctx: True,
+        requires=_CAPTURED,
+        ensures=(no_torch_norm_left,),
+        summary="RMSNorm and LayerNorm -> rt.rms_norm / rt.layer_norm (fp32 inside, keeps its input and statistics)",
+    ),
     Pass(
         "flash_attention",
         flash_attention,

@@ -41,6 +41,11 @@ def _fail(node: fx.Node, why: str) -> Refusal:
     )
 
 
+def _reduces_itself(node: fx.Node) -> bool:
+    """A vocabulary-parallel embedding, which can reduce-scatter its partial sums itself."""
+    return node.op == "call_function" and node.target is runtime.vocab_parallel_embedding
+
+
 def _retarget(node: fx.Node, target, args: tuple) -> None:
     node.target, node.args = target, args
     node.meta["op"] = ops.op_name(node)
@@ -79,6 +84,17 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
             if a.meta.get("region") == "pre" and a.op != "get_attr" and _seq_dim(a) is not None and _residual_reader(n):
                 entries.add(a)
     for a in entries:
+        readers = [u for u in a.users if u.meta.get("region") in ("layer", "post") and _residual_reader(u)]
+        if _reduces_itself(a) and set(readers) == set(a.users):
+            # the vocabulary-parallel embedding's partial sums reduce-scattered onto the slices,
+            # rather than all-reduced and then cut
+            a.kwargs = {**a.kwargs, "sp_dim": _seq_dim(a)}
+            a.meta["sp_sliced_dim"], a.meta["sp_tp"] = _seq_dim(a), tp
+            notes[a.name] = (notes.get(a.name, "") + "; " if a.name in notes else "") + (
+                f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices"
+            )
+            frontier.append(a)
+            continue
         with graph.inserting_after(a):
             scatter = graph.call_function(runtime.scatter_to_sp, (a, _seq_dim(a)))
         place(scatter, a, tp="replicated", sp_sliced_dim=_seq_dim(a), sp_tp=tp)  # (the end of the embedding region)

@@ -21,8 +21,9 @@ mixture of experts (``autoshard.runtime.moe``)
 FP8 matmuls (``autoshard.runtime.fp8``: 1x128 / 128x128 E4M3 scaling, fp32 accumulation, the three GEMMs)
     ``fp8_linear`` (``x @ w.T + b``), ``fp8_matmul`` (``x @ w``, also stacked experts), ``fp8_addmm``,
     ``fp8_grouped_mm``.
-attention and graph helpers
-    ``fused_attention`` (Triton FlashAttention on CUDA, SDPA elsewhere), ``size_of``.
+attention, norms and graph helpers
+    ``fused_attention`` (Triton FlashAttention on CUDA, SDPA elsewhere), ``rms_norm`` and
+    ``layer_norm`` (one op each, fp32 inside, keeping their input and statistics), ``size_of``.
 process groups (set once by the training program from its device mesh)
     ``set_groups``, ``tp_group``, ``tp_rank``, ``tp_size``.
 
@@ -58,6 +59,7 @@ from autoshard.runtime.moe import tp_share as moe_tp_share
 from autoshard.runtime.moe import tp_share_buffer as moe_tp_share_buffer
 from autoshard.runtime.moe import tp_unshare as moe_tp_unshare
 from autoshard.runtime.moe import tp_unshare_buffer as moe_tp_unshare_buffer
+from autoshard.runtime.norms import layer_norm, rms_norm
 from autoshard.runtime.stages import put_buffer, put_module, put_parameter, size_of
 
 __all__ = [
@@ -79,6 +81,8 @@ __all__ = [
     "cp_attention",
     "cp_cross_entropy",
     "fused_attention",
+    "rms_norm",
+    "layer_norm",
     "fp8_linear",
     "fp8_matmul",
     "fp8_grouped_mm",

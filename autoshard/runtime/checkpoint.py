@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autoshard.runtime import attention, fp8  # noqa: F401 (attention registers the kernel as a torch op)
+from autoshard.runtime import attention, fp8, norms  # noqa: F401 (attention and norms register their torch ops)
 
 aten = torch.ops.aten
 
@@ -41,7 +41,8 @@ KINDS = {
     )
     | {torch.ops.autoshard.flash_attention},  # the Triton kernel (runtime.attention)
     "activation": _ops("gelu", "silu", "relu", "sigmoid", "tanh"),
-    "norm_output": _ops("native_layer_norm", "_fused_rms_norm"),
+    "norm_output": _ops("native_layer_norm", "_fused_rms_norm")
+    | {torch.ops.autoshard.rms_norm, torch.ops.autoshard.layer_norm},  # the fused norms (runtime.norms)
     "dropout_mask": _ops("native_dropout"),
     "linear_output": _ops("mm", "addmm", "bmm"),
     "norm_input": _ops("add"),

@@ -9,8 +9,11 @@ small ``autograd.Function``s over the plain collectives. All take the tensor-par
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autoshard.runtime.groups import tp_group, tp_rank, tp_size
 
@@ -70,7 +73,9 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim):
         ctx.dim = dim
-        return _all_gather(x, dim)
+        out = _all_gather(x, dim)
+        _GATHERED[out.untyped_storage()] = _Gathered(x, dim, out.shape)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -108,6 +113,84 @@ def _as_computed(x: torch.Tensor) -> torch.Tensor:
     if x.is_floating_point() and torch.is_autocast_enabled(kind):
         return x.to(torch.get_autocast_dtype(kind))
     return x
+
+
+# Sequence parallelism keeps what a TP region's products save of its gathered input as the shard,
+# and gathers it again in backward (Megatron's sequence parallelism; Korthikanti et al. count the
+# memory so): ``regather_saved`` wraps each chunk's forward in saved-tensor hooks that store a
+# tensor on a gathered storage as its shard and gather it again when backward unpacks it, once
+# for all the products that saved it (the Q, K and V projections read one gathered input).
+_GATHERED = WeakIdKeyDictionary()  # storage of an all-gathered tensor -> its _Gathered
+
+
+_input_pass = False  # a split backward's input-gradient pass is running (``input_gradients_only``)
+
+
+class _Gathered:
+    """An all-gathered tensor's shard, and the tensor gathered again while backward needs it."""
+
+    def __init__(self, shard: torch.Tensor, dim: int, shape: torch.Size):
+        self.shard, self.dim, self.shape = shard, dim, shape
+        self.pending = 0  # saved tensors of it not yet unpacked
+        self.full: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if _input_pass:
+            # autograd unpacks a product's saved input also where it computes only the input's
+            # gradient, which does not read it (the weight pass will, and gathers it then)
+            return self.shard.new_empty(self.shape)
+        if self.full is None:
+            self.full = _all_gather(self.shard, self.dim)
+        full = self.full
+        self.pending -= 1
+        if self.pending <= 0:
+            self.full = None
+        return full
+
+
+def _pack(t: torch.Tensor):
+    try:
+        gathered = _GATHERED.get(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own
+        return t
+    if gathered is None:
+        return t
+    gathered.pending += 1
+    return gathered, tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def _unpack(packed):
+    if isinstance(packed, torch.Tensor):
+        return packed
+    gathered, shape, stride, offset = packed
+    return gathered.get().as_strided(shape, stride, offset)
+
+
+@contextlib.contextmanager
+def input_gradients_only():
+    """Run inside: the backward computes input gradients only (a split backward's first pass),
+    so what sequence parallelism would gather again for the weight gradients is not gathered."""
+    global _input_pass
+    before, _input_pass = _input_pass, True
+    try:
+        yield
+    finally:
+        _input_pass = before
+
+
+def regather_saved(modules) -> None:
+    """Run each module's forward so that what backward keeps of an all-gathered sequence-parallel
+    tensor is its shard, gathered again when needed (a no-op without tensor parallelism)."""
+    if tp_size() == 1:
+        return
+    for module in modules:
+        forward = module.forward
+
+        def saving_shards(*args, _forward=forward, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+                return _forward(*args, **kwargs)
+
+        module.forward = saving_shards
 
 
 def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
@@ -154,10 +237,14 @@ def scatter_to_sp(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return x if tp_size() == 1 else _ScatterToSP.apply(x, dim)
 
 
-def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None):
+def vocab_parallel_embedding(
+    tokens: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None, sp_dim: int | None = None
+):
     """Embedding lookup with the table's rows split over the TP group: each rank looks up the
-    tokens in its vocabulary range, zeroes the rest, and the partial results are summed. The
-    ``padding_idx`` row (a global id) gets no gradient on the rank that holds it."""
+    tokens in its vocabulary range, zeroes the rest, and the partial results are summed: all-
+    reduced, or with ``sp_dim`` (sequence parallelism) reduce-scattered onto this rank's slice of
+    that dimension, as Megatron's embedding does. The ``padding_idx`` row (a global id) gets no
+    gradient on the rank that holds it."""
     if tp_size() == 1:
         return torch.nn.functional.embedding(tokens, weight, padding_idx)
     start = tp_rank() * weight.size(0)
@@ -166,7 +253,7 @@ def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, padding
     pad = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < weight.size(0) else None
     out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight, pad)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-    return reduce_from_tp(out)
+    return reduce_from_tp(out) if sp_dim is None else reduce_scatter_to_sp(out, sp_dim)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.runtime import fake, groups, moe
+from autoshard.runtime import collectives, fake, groups, moe
 from autoshard.runtime.schedules import schedule, torch_schedule
 from autoshard.runtime.stages import load_stage_file, materialise, put_parameter
 
@@ -324,7 +324,7 @@ def pipeline_schedule(
 
 _LAZY_HOOKS = (
     "_prepare_forward_infra", "_prepare_backward_infra", "get_fwd_recv_ops", "get_bwd_recv_ops",
-    "_retrieve_recv_activations", "_retrieve_recv_grads",
+    "_retrieve_recv_activations", "_retrieve_recv_grads", "backward_one_chunk",
 )  # fmt: skip
 
 
@@ -382,6 +382,12 @@ def _stage_class():
             out = super()._retrieve_recv_grads(bwd_chunk_id)
             self._release({0: self.grad_recv_info[bwd_chunk_id]})
             return out
+
+        def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, *args, **kwargs):
+            if full_backward:
+                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
+            with collectives.input_gradients_only():  # the weight pass gathers what it needs later
+                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
 
     return Stage
 
@@ -455,10 +461,10 @@ def expert_parameters(stages: list[nn.Module]) -> list[nn.Parameter]:
 
 def reduce_gradients(params: list[nn.Parameter], group, divide: int, owners: dict[int, int] | None = None) -> None:
     """Sum the gradients of ``params`` over ``group`` and divide them by ``divide``: all-reduced
-    in one flat buffer per dtype (the bucketing DDP does, without its hooks, which a pipeline
+    in buckets per dtype (``_buckets``: the bucketing DDP does, without its hooks, which a pipeline
     schedule's split backward would fire at the wrong time), or, given ``owners`` (parameter id ->
-    the group rank whose ZeRO-1 optimizer steps it), reduced to each owner only, one flat buffer
-    per owner: the reduce-scatter of Megatron's distributed optimizer, by parameter. The other
+    the group rank whose ZeRO-1 optimizer steps it), reduced to each owner only, bucket by bucket:
+    the reduce-scatter of Megatron's distributed optimizer, by parameter. The other
     ranks' copies are then partial sums, which nothing reads (the owners' optimizers step and
     broadcast the parameters; the norm counts the owners' copies)."""
     grads = []
@@ -480,11 +486,8 @@ def reduce_gradients(params: list[nn.Parameter], group, divide: int, owners: dic
         if owner < 0:
             _all_reduce_flat(bucket, group, divide=divide)
             continue
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.reduce(flat, dst=dist.get_global_rank(group, owner), group=group)
-        if owner == me:
-            flat.div_(divide)
-            _unflatten(flat, bucket)
+        dst = dist.get_global_rank(group, owner)
+        _collective_flat(bucket, lambda flat, dst=dst: dist.reduce(flat, dst=dst, group=group), divide, owner == me)
 
 
 def owners(optim) -> tuple[dict[int, int] | None, dict[int, int] | None]:
@@ -516,15 +519,40 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
+BUCKET_BYTES = 64 * 2**20  # gradients reduced together, at most (a copy of this size, not of them all)
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in consecutive groups of at most ``BUCKET_BYTES`` (a larger one alone), as DDP
+    buckets them: each group is reduced as one flat copy, a tensor alone in place."""
+    out, size = [[]], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if out[-1] and size + n > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += n
+    return [b for b in out if b]
+
+
+def _collective_flat(grads: list[torch.Tensor], run, divide: int = 1, mine: bool = True) -> None:
+    """``run`` (a collective in place on one tensor) over ``grads`` bucket by bucket, then divide
+    where the result lands (``mine``)."""
+    for bucket in _buckets(grads):
+        flat = (
+            bucket[0] if len(bucket) == 1 and bucket[0].is_contiguous() else torch.cat([g.reshape(-1) for g in bucket])
+        )
+        run(flat)
+        if mine and divide != 1:
+            flat.div_(divide)
+        if mine and flat is not bucket[0]:
+            _unflatten(flat, bucket)
+
+
 def _all_reduce_flat(grads: list[torch.Tensor], group, divide: int = 1) -> None:
-    """Sum ``grads`` over ``group`` in place (then divide), as one flat buffer."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    if divide != 1:
-        flat.div_(divide)
-    _unflatten(flat, grads)
+    """Sum ``grads`` over ``group`` in place (then divide), bucket by bucket."""
+    _collective_flat(grads, lambda flat: dist.all_reduce(flat, group=group), divide)
 
 
 def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
@@ -607,6 +635,10 @@ def optimizer(
 def _adamw(params: list[nn.Parameter], shard: bool, group, kwargs: dict):
     lower = any(p.dtype != torch.float32 for p in params)
     cls = MasterAdamW if lower else torch.optim.AdamW  # low-precision parameters: fp32 masters
+    if params and (params[0].is_cuda or fake.active()):
+        # one fused kernel over every tensor: the foreach implementation makes temporaries the size
+        # of all the parameters it steps (a fake tensor stands for the GPU program)
+        kwargs = {**kwargs, "fused": True}
     if shard and group is not None and dist.get_world_size(group) > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -150,10 +150,10 @@ class _RingAttention(torch.autograd.Function):
                 for w in pending[0]:
                     w.wait()
                 block = pending[1]
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)  # the output as returned: in the compute precision
         ctx.group, ctx.causal, ctx.scale, ctx.kernel = group, causal, scale, kernel
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, do):
@@ -174,10 +174,12 @@ class _RingAttention(torch.autograd.Function):
             _block_backward(q, block[0], block[1], do, out, lse, scale, rank, src, cp, causal, dq, dk, dv, kernel)
             block[2] = block[2] + _fold_kv(torch.cat(dk, dim=2), kv_heads)
             block[3] = block[3] + _fold_kv(torch.cat(dv, dim=2), kv_heads)
-            # pass the block and its gradients on; after cp steps they are home
-            work, block = _rotate(block, group)
+            # pass the block and its gradients on; after cp steps the gradients are home (the
+            # last step sends them alone: every rank has seen the K/V block)
+            work, moved = _rotate(block if step < cp - 1 else block[2:], group)
             for w in work:
                 w.wait()
+            block = moved if step < cp - 1 else [None, None, *moved]
         dq = torch.cat(dq, dim=2).to(q.dtype)
         return dq, block[2].to(k.dtype), block[3].to(v.dtype), None, None, None, None
 

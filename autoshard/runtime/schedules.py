@@ -66,15 +66,23 @@ class Schedule:
 
     def in_flight(self, rank: int, pp: int, m: int, v: int) -> float:
         """Micro-batches whose activations rank ``rank`` holds at its peak, in units of one
-        micro-batch through all of the rank's chunks."""
+        micro-batch through all of the rank's chunks: the most (chunk, micro-batch) forwards
+        whose weight gradient has not yet run, over the action order torch's class for the row
+        runs (``tests/runtime/test_schedules.py`` walks those orders). A split backward frees a
+        micro-batch's activations at its weight-gradient pass, which zero-bubble schedules defer:
+        ZB1P holds ``(v - 1)`` rounds plus ``pp`` on every rank, where interleaved 1F1B holds
+        ``(v - 1)`` rounds plus twice the distance to the last rank. A round is ``m`` split into
+        ``max(1, m // pp)`` equal parts."""
+        per_round = m // max(1, m // pp)
         if self.name == "1f1b":
             return min(m, pp - rank)
-        if self.name in ("interleaved", "zero-bubble"):  # Megatron's warm-up count, plus one
-            chunks = min(m * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
-            return chunks / v
+        if self.name == "interleaved":
+            return min(m * v, (v - 1) * per_round + 2 * (pp - rank - 1) + 1) / v
+        if self.name == "zero-bubble":
+            return min(m * v, (v - 1) * per_round + pp) / v
         if self.name == "zbv":
-            return min(m, pp)
-        return min(m, pp + 1)  # dualpipev
+            return min(m, pp, (m + 1 + rank) / 2)
+        return min(m, pp) + 0.5  # dualpipev: with one more forward inside its overlapped F&B steps
 
     def bubble(self, pp: int, m: int, v: int, f: float, b: float, w: float) -> float:
         """Pipeline fill/drain time, from per-rank per-micro-batch averages of forward ``f``,

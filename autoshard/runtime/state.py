@@ -203,11 +203,11 @@ def clip_gradients(items: list[Entry], max_norm: float | None) -> float:
     """The global L2 norm of the gradients, each full tensor counted once over every parallel
     dimension (one all-reduce of this rank's counted squares), and, with ``max_norm``, every
     gradient scaled as ``torch.nn.utils.clip_grad_norm_`` scales the single-device model's."""
-    total = torch.zeros((), dtype=torch.float64)
-    for e in items:
-        g = e.param.grad
-        if e.counted and g is not None:
-            total += local_of(g).detach().double().pow(2).sum()
+    counted = [local_of(e.param.grad).detach() for e in items if e.counted and e.param.grad is not None]
+    device = counted[0].device if counted else next((e.param.device for e in items), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64, device=device)  # on the device the backend reduces (NCCL: GPU)
+    for g in counted:  # each tensor's norm in its own precision (no fp64 copy of it), their squares in fp64
+        total += torch.linalg.vector_norm(g).double() ** 2
     if dist.is_initialized():
         dist.all_reduce(total)
     norm = fake.value(total.sqrt())

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.runtime import data, fake, fp8, groups, moe, state
+from autoshard.runtime import collectives, data, fake, fp8, groups, moe, state
 from autoshard.runtime import program as rt
 
 
@@ -466,6 +466,7 @@ class Trainer:
             stages = rt.build_chunks(out, program, chunk_ids, device, ranks, full, args.seed)
         ties = rt.tied_parameters(plan, program, mesh, stages, chunk_ids)  # one parameter, a copy per chunk
         dtype = rt.autocast(stages, plan, device, args.compute_dtype)
+        collectives.regather_saved(stages)  # sequence parallelism keeps shards, gathers again in backward
         loss = rt.loss_fn(rt.load_loss(out, program, device))
         # 3. data parallelism at the plan's ZeRO stage (FSDP2 for ZeRO-2/3, ZeroRedundancyOptimizer
         #    for ZeRO-1, a gradient all-reduce for ZeRO-0), and AdamW; in bf16 the parameters are
@@ -544,7 +545,8 @@ class Trainer:
         self.optim.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         if self.schedule is not None:
-            kwargs = {"target": tokens, "losses": losses} if self.last else {}
+            # (the last chunk's outputs are not kept for the step's return: m logits of the vocabulary)
+            kwargs = {"target": tokens, "losses": losses, "return_outputs": False} if self.last else {}
             self.schedule.step(tokens, **kwargs) if self.first else self.schedule.step(**kwargs)
         else:
             m = self.microbatches

@@ -34,14 +34,16 @@ def test_llama_tp2_sp_rewrites_collectives_and_lists_partial_norm_gradients():
     ctx = RewriteContext(tp=2, sequence_parallel=True)
     gm = sequence_parallel(tensor_parallel(cap.graph_module, ctx), ctx)
     partial = ctx.partial_grads
-    # Expected: no all-reduce left inside the layers, one reduce-scatter per row matmul,
-    # one all-gather per TP region (4 in the layers + the head), one scatter into layer 0
+    # Expected: no all-reduce left, one reduce-scatter per row matmul, one all-gather per TP
+    # region (4 in the layers + the head), and the vocabulary-parallel embedding reduce-scattering
+    # its partial sums onto the sequence slices itself (Megatron's; no all-reduce, then a cut)
     assert len(_calls(gm, runtime.reduce_from_tp)) == 0
     assert len(_calls(gm, runtime.reduce_scatter_to_sp)) == 4
     assert len(_calls(gm, runtime.gather_from_sp)) == 5
     assert len(_calls(gm, runtime.copy_to_tp)) == 0
-    (scatter,) = _calls(gm, runtime.scatter_to_sp)
-    assert scatter.args[0].target == "model.embed" or scatter.args[0].target is runtime.vocab_parallel_embedding
+    assert _calls(gm, runtime.scatter_to_sp) == []
+    (embedding,) = _calls(gm, runtime.vocab_parallel_embedding)
+    assert embedding.kwargs["sp_dim"] == 1
     assert all(n.args[1] == 1 for n in _calls(gm, runtime.gather_from_sp))  # the sequence dimension
     # x.size(1) read on a sequence slice is multiplied back to the full length
     doubled = [n for n in gm.graph.nodes if n.target is operator.mul and n.args[1] == 2]
@@ -107,8 +109,8 @@ def _layer_program(gm, layer):
 @pytest.mark.parametrize("norm", [RMS, nn.RMSNorm], ids=["written-out", "module"])
 def test_tp_regions_gather_and_reduce_scatter_the_sequence(norm):
     gm, ctx = _tp_sp(Tiny(norm))
-    (scatter,) = _calls(gm, runtime.scatter_to_sp)
-    assert scatter.args[1] == 1 and scatter.meta["op"] == "scatter_to_sp"
+    (embedding,) = _calls(gm, runtime.vocab_parallel_embedding)  # reduce-scatters onto the slices
+    assert embedding.kwargs["sp_dim"] == 1 and _calls(gm, runtime.scatter_to_sp) == []
     norm_ops = ["pow", "mean", "add", "rsqrt", "mul", "mul"] if norm is RMS else ["rms_norm"]
     # Expected: the norm and the residual add run on the slice; the MLP between an all-gather
     # and a reduce-scatter of the sequence
