@@ -449,7 +449,7 @@ def group_names(plan: dict) -> dict[str, str]:
 def _optimizers(optim) -> list:
     from autoshard.runtime.state import optimizer_parts
 
-    return [o for o, _ in optimizer_parts(optim)]
+    return optimizer_parts(optim)
 
 
 def measure(out, rank: int, compute: str = "bf16") -> Measured:

@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="bf16 (default), fp8 matmuls, or auto: let the planner decide",
     )
     p.add_argument("--force", metavar="PINS", help="pin fields, e.g. tp=8,pp=16,schedule=interleaved,zero=1")
+    p.add_argument(
+        "--memory-headroom",
+        type=_headroom,
+        help="a share of each GPU's memory the plan leaves free besides the profile's reserve, for what no tracker "
+        "sees (allocator fragmentation, CUDA-graph pools), e.g. 0.05; default: the profile's (0)",
+    )
     p.add_argument("--compare", metavar="PINS", help="also evaluate this pinned plan and explain the difference")
     p.add_argument("--plan-only", action="store_true", help="write plan.json and plan.md only")
     p.add_argument("-o", "--out", required=True, help="output directory")
@@ -183,7 +189,15 @@ def _estimate(args) -> int:
     return 0
 
 
+def _headroom(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a share of memory in [0, 1), e.g. 0.05")
+    return value
+
+
 def _compile(args) -> int:
+    import dataclasses
     from pathlib import Path
 
     from autoshard import planner, rebuild
@@ -193,6 +207,8 @@ def _compile(args) -> int:
     from autoshard.cost_models.analyze import analyze
 
     hw = hardware.load(args.hardware)
+    if args.memory_headroom is not None:
+        hw = dataclasses.replace(hw, memory_headroom=args.memory_headroom)
     pins = planner.parse_force(args.force)
     reference = planner.parse_force(args.compare) if args.compare else None
     captured = capture_file(args.model, args.config, args.seq_len)

@@ -114,7 +114,7 @@ def plan_markdown(plan: Plan, comparison: str | None = None) -> str:
                 for k in ("params", "grads", "optimizer", "activations", "fp8_weights", "buffers", "total")
                 if k in mem
             ]
-            + [["usable (capacity minus reserve)", f"{p.memory_limit_bytes / GB:.2f}"]],
+            + [["usable (capacity minus reserve and headroom)", f"{p.memory_limit_bytes / GB:.2f}"]],
         ),
         "",
         "## Pipeline stages",

@@ -37,7 +37,7 @@ def worker(out: Path, ckpt: Path, repeat: int, sync: bool) -> None:
     plan, prog = rt.read_json(out / "plan.json"), rt.read_json(out / "program.json")
     trainer.init_process_group("gloo", 600)
     t = trainer.Trainer.build(args, out, plan, prog, torch.device("cpu"))
-    for e, opt, _ in state._optimized(t.entries, t.optim):  # the states AdamW's first step makes
+    for e, opt in state._optimized(t.entries, t.optim):  # the states AdamW's first step makes
         st = state._moments(opt, e.param, create=True)
         st["step"].fill_(1)
     ck = state.Checkpointer(ckpt, keep=1, asynchronous=not sync)

@@ -27,6 +27,9 @@ Fields (all per GPU; GB = 1e9 bytes):
                               bandwidth; arXiv 2507.03114 measured 18.9% on average)
 ``memory_reserve_gb`` float   optional (default 6): HBM kept free for the allocator, CUDA context,
                               NCCL buffers and fragmentation
+``memory_headroom``  float    optional (default 0): a further share of HBM a plan leaves free, for
+                              what no tracker sees (the caching allocator's fragmentation grows
+                              with the memory in use; CUDA-graph pools); ``compile --memory-headroom``
 ==================== ======== =====================================================================
 """
 
@@ -60,6 +63,7 @@ _OPTIONAL = {
     "nvlink_latency_us": (float, 3.0),
     "network_latency_us": (float, 10.0),
     "memory_reserve_gb": (float, 6.0),
+    "memory_headroom": (float, 0.0),
     "overlap_slowdown": (float, 0.19),
 }
 
@@ -82,6 +86,7 @@ class Hardware:
     nvlink_latency_us: float = 3.0
     network_latency_us: float = 10.0
     memory_reserve_gb: float = 6.0
+    memory_headroom: float = 0.0
     overlap_slowdown: float = 0.19
     source: str = ""
 
@@ -99,7 +104,16 @@ class Hardware:
 
     @property
     def usable_bytes(self) -> float:
-        return (self.hbm_gb - self.memory_reserve_gb) * 1e9
+        """What a plan may fill: HBM less the reserve and the headroom."""
+        return (self.hbm_gb * (1 - self.memory_headroom) - self.memory_reserve_gb) * 1e9
+
+    def memory_limit_text(self) -> str:
+        """How ``usable_bytes`` is made, in words (plan.md states it)."""
+        headroom = f" - {self.memory_headroom:.0%} headroom" if self.memory_headroom else ""
+        return (
+            f"{self.hbm_gb:g} GB HBM - {self.memory_reserve_gb:g} GB reserve{headroom} = "
+            f"{self.usable_bytes / 1e9:.1f} GB a plan may fill"
+        )
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
@@ -190,7 +204,13 @@ def _typed(key: str, value, kind, path: Path):
     if kind is int and value != int(value):
         raise AutoshardError(f"{path}: field {key!r} must be a whole number, got {value!r}")
     if value < 0 or (
-        value == 0 and key not in ("price_per_gpu_hour", "memory_reserve_gb", "nvlink_latency_us", "network_latency_us")
+        value == 0
+        and key
+        not in ("price_per_gpu_hour", "memory_reserve_gb", "memory_headroom", "nvlink_latency_us", "network_latency_us")
     ):
         raise AutoshardError(f"{path}: field {key!r} must be positive, got {value!r}")
+    if key == "memory_headroom" and value >= 1:
+        raise AutoshardError(
+            f"{path}: field 'memory_headroom' is a share of HBM below 1 (0.05 keeps 5% free), got {value!r}"
+        )
     return kind(value)

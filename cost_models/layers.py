@@ -74,6 +74,7 @@ class LayerCost:
     tp_total: float = 0.0  # TP collectives including the ones hidden behind GEMMs
     cp_total: float = 0.0  # CP traffic including the ring steps hidden behind attention
     slowdown: float = 0.0  # compute lost per second of communication it hides (hardware profile)
+    held_bytes: float = 0.0  # held from a split backward's input pass to its weight pass (``held_for_weights``)
 
     @property
     def compute(self) -> float:
@@ -127,6 +128,20 @@ class LayerCosts:
         return self.block(block).activation_bytes(
             mbs, self.seq / cp, tp=tp, sp=tp > 1 and self.sp, recompute=recompute, fp8=self._fp8(fp8), fp8_saved=saved
         )
+
+    @cache  # noqa: B019
+    def held_for_weights(self, block: int, mbs: int, tp: int, cp: int) -> float:
+        """Bytes one copy of ``block`` holds for one micro-batch from a split backward's
+        input-gradient pass to its deferred weight-gradient pass (ZB1P, ZB-V, DualPipeV) beside
+        its activations: the gradients of its weighted matmuls' outputs, which torch's input pass
+        keeps for the weight pass, in the compute precision at this rank's shard (a column's
+        outputs 1/tp, a row's whole, the routed rows 1/tp)."""
+        blk = self.block(block)
+        grads = 0.0
+        for g, mfn in zip(blk.gemms, blk._compiled["gemm_m"]):
+            split = tp if g.experts or g.role in ("column", "vocab") else 1
+            grads += 2 * float(mfn(mbs, self.seq / cp)) * g.n * g.batch / split
+        return grads
 
     @cache  # noqa: B019
     def fp8_saved(self, recompute: frozenset, fp8: tuple, tp: int) -> frozenset:
@@ -390,6 +405,19 @@ class LayerCosts:
         """Bytes of the activation a pipeline boundary after ``block`` sends, one micro-batch."""
         return 2 * self.block(block).eval("boundary", mbs, self.seq / cp) / (tp if tp > 1 else 1)
 
+    def largest_param(self, block: int, tp: int, ep: int) -> float:
+        """Elements of the largest parameter one GPU holds of ``block`` (at its TP or EP shard): its
+        gradient's transient in backward is the largest (the compute-precision gradient, and its
+        fp32 copy accumulated into the fp32 gradient)."""
+        blk = self.block(block)
+        weights = [
+            g.n * g.k * (g.batch / ep if g.experts else 1) / (tp if g.role in ("column", "row", "vocab") else 1)
+            for g in blk.gemms
+        ]
+        if not blk.gemms:  # an embedding: its table, split over TP where it is vocabulary-parallel
+            weights.append(blk.params_tp / tp + (blk.params - blk.params_tp))
+        return max(weights, default=0.0)
+
     def params(self, block: int, tp: int, ep: int) -> tuple[float, float]:
         """(dense, expert) parameters one GPU holds of one copy of ``block``."""
         blk = self.block(block)
@@ -450,4 +478,5 @@ class LayerCosts:
             t_tp + regather + scatter,
             cp_total,
             self.hw.overlap_slowdown,
+            self.held_for_weights(block, mbs, tp, cp),
         )

@@ -13,6 +13,9 @@ WEIGHT_BYTES = 2
 GRAD_BYTES = 2
 GRAD_REDUCE_BYTES = 4  # fp32 gradients: how autoshard's programs accumulate and reduce them
 OPTIMIZER_BYTES = 12  # fp32 master copy + Adam m + Adam v
+# a bf16 parameter's gradient as backward makes it: the bf16 gradient and its fp32 copy, added into
+# the fp32 gradient (``grad_dtype``), for one parameter at a time
+GRAD_TRANSIENT_BYTES = 2 + 4
 BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
 
 

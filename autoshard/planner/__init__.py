@@ -150,7 +150,8 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
             f"Left out of the search, as the rewrite passes cannot emit it for this model: {r}"
             for r in problem.exclusion_reasons
         ]
-        + list(problem.cost.captured.notes),
+        + list(problem.cost.captured.notes)
+        + [f"Memory limit: {hw.memory_limit_text()} (--memory-headroom keeps a share of it free besides)."],
     )
     if not problem.emit:
         plan.not_emitted = capabilities.refusals(plan)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from autoshard.cost_models.comm import Where, pipeline_ends_all_reduce
 from autoshard.cost_models.hardware import Hardware
 from autoshard.cost_models.layers import POST, PRE, LayerCost, LayerCosts
-from autoshard.cost_models.memory import sharded_state_bytes
+from autoshard.cost_models.memory import GRAD_TRANSIENT_BYTES, sharded_state_bytes
 from autoshard.planner.candidates import Candidate, Problem, recompute_options, schedules
 from autoshard.planner.memo import Memo
 from autoshard.runtime.schedules import SCHEDULES, Schedule
@@ -58,6 +58,7 @@ class Work:
     b: float
     w: float
     act: float
+    held: float  # held for deferred weight-gradient passes (split backward), per micro-batch
     params_dense: float
     params_expert: float
     p2p: float
@@ -158,6 +159,7 @@ class CandidateCosts:
                 tot("b") + half,
                 tot("w"),
                 tot("activation_bytes"),
+                tot("held_bytes"),
                 tot("params_dense"),
                 tot("params_expert"),
                 max(k.p2p for k in kinds),
@@ -201,17 +203,32 @@ class CandidateCosts:
 
     def buffers(self, c: Candidate, w: Work, zero: int) -> tuple[float, float]:
         """Bytes every rank needs besides model states and saved activations: the largest transient
-        (gathered K/V, expert dispatch buffers, ZeRO-3's gathered layer and its prefetch) and the
-        pipeline's send/receive buffers; then the extra on the rank holding the output head."""
+        (gathered K/V, expert dispatch buffers, ZeRO-3's gathered layer and its prefetch, a
+        parameter's gradient as backward makes it: ``GRAD_TRANSIENT_BYTES`` per element of the
+        largest parameter) and the pipeline's send/receive buffers; then the extra on the rank
+        holding the output head."""
         transient = max([k.transient_bytes for k in w.kinds] + [w.pre.transient_bytes])
         if zero == 3:
             transient += 2 * max(k.params_dense + k.params_expert for k in w.kinds) * 2
-        boundary = (
-            2
-            * self.layers.block(0).eval("boundary", c.mbs, self.p.seq / c.cp)
-            / (c.tp if c.tp > 1 and self.layers.sp else 1)
-        )
-        return transient + (4 * boundary if c.pp > 1 else 0.0), w.post.transient_bytes
+        largest = max(self.layers.largest_param(i, c.tp, c.ep) for i in range(len(w.kinds)))
+        transient += GRAD_TRANSIENT_BYTES * largest
+        return transient + (4 * self._boundary(c) if c.pp > 1 else 0.0), w.post.transient_bytes
+
+    def _boundary(self, c: Candidate) -> float:
+        """Bytes of the activation one chunk hands the next, one micro-batch."""
+        sp = c.tp > 1 and self.layers.sp
+        return 2 * self.layers.block(0).eval("boundary", c.mbs, self.p.seq / c.cp) / (c.tp if sp else 1)
+
+    def rank_buffers(self, c: Candidate, schedule: Schedule, in_flight) -> list[float]:
+        """Per pipeline rank, bytes besides ``buffers``: the outputs of its chunks' forwards still
+        in flight (a pipeline stage keeps each until its backward: one per micro-batch and chunk
+        in flight, but the last chunk's, the loss), and on the rank holding the embedding its
+        gradient's transient where that is larger than the layers' largest."""
+        last, first = schedule.chunk_rank(c.pp * c.v - 1, c.pp), schedule.chunk_rank(0, c.pp)
+        out = [self._boundary(c) * in_flight[r] * (c.v - (r == last)) if c.pp > 1 else 0.0 for r in range(c.pp)]
+        layers = max(self.layers.largest_param(i, c.tp, c.ep) for i in range(len(self.p.cost.blocks)))
+        out[first] += GRAD_TRANSIENT_BYTES * max(0.0, self.layers.largest_param(PRE, c.tp, c.ep) - layers)
+        return out
 
     def in_flight(self, schedule: Schedule, v: int, pp: int, m: int) -> tuple:
         """Per pipeline rank, the micro-batches ``schedule`` keeps in flight (memoised: the tuple's
@@ -222,6 +239,14 @@ class CandidateCosts:
             counts = tuple(schedule.in_flight(r, pp, m, v) for r in range(pp))
             # one tuple per value: schedules keeping the same counts share the bounds memoised by it
             table[key] = self.memo.in_flight_values.setdefault(counts, counts)
+        return table[key]
+
+    def pending(self, schedule: Schedule, v: int, pp: int, m: int) -> tuple:
+        """Per pipeline rank, the micro-batches waiting for a deferred weight-gradient pass."""
+        key = (schedule.name, v, pp, m)
+        table = self.memo.pending
+        if key not in table:
+            table[key] = tuple(schedule.weight_pending(r, pp, m, v) for r in range(pp))
         return table[key]
 
     def schedule_shapes(self, pp: int, m: int):

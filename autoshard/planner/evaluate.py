@@ -69,6 +69,8 @@ class Evaluator:
         w = costs.work(c, where_key, where, sched.overlaps_ep)
         q = self._quantities(c, w, where, sched.overlaps_ep)
         in_flight = list(costs.in_flight(sched, c.v, c.pp, m))
+        q.pending = list(costs.pending(sched, c.v, c.pp, m))
+        q.rank_buffers = costs.rank_buffers(c, sched, in_flight)
         part = partition.solve(
             costs.kinds, q, c.pp, c.v, lambda ch: sched.chunk_rank(ch, c.pp), in_flight, m, fixed_stages
         )
@@ -111,6 +113,7 @@ class Evaluator:
                 "fwd": layer.f,
                 "bwd": layer.b + layer.w,
                 "act": layer.activation_bytes,
+                "held": layer.held_bytes,
                 "state": state,
                 "dp_time": after,
                 "dp_gather": before,
@@ -182,7 +185,7 @@ class Evaluator:
         for n in part.stage_layers:
             cuts.append(cuts[-1] + n)
         chunks = len(part.stage_layers)
-        dense = expert = act = fp8 = 0.0
+        dense = expert = act = held = fp8 = 0.0
         fp8_bytes = self.costs.layers.fp8_weight_bytes if c.fp8 else (lambda *_: 0.0)
         for ch in range(chunks):
             if sched.chunk_rank(ch, c.pp) != worst:
@@ -190,15 +193,18 @@ class Evaluator:
             for layer in range(cuts[ch], cuts[ch + 1]):
                 k = w.kinds[self.costs.kinds[layer]]
                 dense, expert, act = dense + k.params_dense, expert + k.params_expert, act + k.activation_bytes
+                held += k.held_bytes
                 fp8 += fp8_bytes(self.costs.kinds[layer], c.tp, c.ep, c.fp8)
             for extra, block, here in ((w.pre, PRE, ch == 0), (w.post, POST, ch == chunks - 1)):
                 if here:
                     dense += extra.params_dense
                     expert += extra.params_expert
                     act += extra.activation_bytes
+                    held += extra.held_bytes
                     fp8 += fp8_bytes(block, c.tp, c.ep, c.fp8)
         states = sharded_state_bytes(dense, expert, c.zero, c.dp * c.cp, c.edp)
-        activations = act * in_flight[worst]
+        pending = self.costs.pending(sched, c.v, c.pp, self.costs.microbatches(c))
+        activations = act * in_flight[worst] + held * pending[worst]
         return {
             "rank": worst,
             "params": states["params"],

@@ -28,6 +28,8 @@ class Memo:
     ``in_flight_values`` holds for its value)."""
     in_flight_values: dict = _table()
     """in-flight tuple -> itself: one object per value, so equal counts have one identity."""
+    pending: dict = _table()
+    """(schedule, v, pp, micro-batches) -> per-rank micro-batches waiting for a weight pass."""
     schedule_shapes: dict = _table()
     """(pp, micro-batches) -> ([(schedule row, v, in-flight tuple)], per-rank least in flight)."""
     least_bubble: dict = _table()

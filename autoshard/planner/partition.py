@@ -11,17 +11,19 @@ may hold no layers at all (LLaMA-3 put only the embedding on its first chunk).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 US = 1e6  # CP-SAT works in integers: times in microseconds
 MEM_UNIT = 2**20  # memory in MiB
 INFLIGHT_SCALE = 8  # in-flight counts are multiples of 1/v; v <= 8 keeps them exact
 PREFIX_ENUMERATION = 6  # a leading run this short is split by enumeration, not CP-SAT
 
-KEYS = ("time", "fwd", "bwd", "act", "state", "dp_time", "dp_gather", "dp_micro")
+KEYS = ("time", "fwd", "bwd", "act", "held", "state", "dp_time", "dp_gather", "dp_micro")
 # scale of each quantity in the model's integers: times in microseconds, memory in MiB, activations
 # also times INFLIGHT_SCALE so that multiplying by an in-flight count stays integral
-_SCALE = {key: US for key in KEYS} | {"act": INFLIGHT_SCALE / MEM_UNIT, "state": 1 / MEM_UNIT}
+_SCALE = {key: US for key in KEYS} | {
+    "act": INFLIGHT_SCALE / MEM_UNIT, "held": INFLIGHT_SCALE / MEM_UNIT, "state": 1 / MEM_UNIT,
+}  # fmt: skip
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Quantities:
     fwd: list[float]
     bwd: list[float]  # backward (b + w) per layer
     act: list[float]  # bytes kept per layer per micro-batch
+    held: list[float]  # bytes held per layer per micro-batch waiting for a deferred weight pass
     state: list[float]  # model-state bytes per layer
     dp_time: list[float]  # seconds of gradient reduction per layer (bandwidth part)
     dp_gather: list[float]  # seconds of parameter gathering per layer
@@ -43,6 +46,19 @@ class Quantities:
     buffers: float  # bytes every rank needs besides states and activations
     post_buffers: float  # extra bytes on the rank holding the output head
     capacity: float  # usable bytes per GPU
+    pending: list[float] = field(default_factory=list)  # per rank: micro-batches waiting for a weight pass
+    rank_buffers: list[float] = field(default_factory=list)  # per rank: bytes besides ``buffers``
+
+    def waiting(self, r: int) -> float:
+        return self.pending[r] if self.pending else 0.0
+
+    def buffers_of(self, r: int, last: int) -> float:
+        """Rank ``r``'s bytes besides states and activations (``last``: the rank of the head)."""
+        return (
+            self.buffers
+            + (self.post_buffers if r == last else 0.0)
+            + (self.rank_buffers[r] if self.rank_buffers else 0.0)
+        )
 
 
 @dataclass
@@ -184,12 +200,13 @@ class _SplitModel:
         q = self.q
         mem = self.rank_total(cs, "act")
         inflight = round(self.in_flight[r] * INFLIGHT_SCALE)
+        held, waiting = self.rank_total(cs, "held"), round(q.waiting(r) * INFLIGHT_SCALE)
         states = self.rank_total(cs, "state")
-        buffers = q.buffers + (q.post_buffers if r == self.last_rank else 0.0)
+        buffers = q.buffers_of(r, self.last_rank)
         cap = int((q.capacity - buffers) / MEM_UNIT)
         # act is scaled by INFLIGHT_SCALE, in-flight too: divide once
         scale = INFLIGHT_SCALE * INFLIGHT_SCALE
-        self.model.Add(mem * inflight + states * scale <= cap * scale)
+        self.model.Add(mem * inflight + held * waiting + states * scale <= cap * scale)
 
     def add_rank_exposure(self, r: int, cs: list[int]) -> None:
         """d_max covers rank r's data-parallel time not hidden behind the compute it overlaps."""
@@ -238,18 +255,19 @@ class _SplitModel:
             total = 0.0
             for c in cs:
                 n_by_kind = _count(self.kinds, cuts[c], cuts[c + 1])
-                act = (
-                    sum(n * q.act[k] for k, n in n_by_kind.items())
-                    + (q.pre["act"] if c == 0 else 0)
-                    + (q.post["act"] if c == chunks - 1 else 0)
+                act, held = (
+                    sum(n * getattr(q, key)[k] for k, n in n_by_kind.items())
+                    + (q.pre[key] if c == 0 else 0)
+                    + (q.post[key] if c == chunks - 1 else 0)
+                    for key in ("act", "held")
                 )
                 st = (
                     sum(n * q.state[k] for k, n in n_by_kind.items())
                     + (q.pre["state"] if c == 0 else 0)
                     + (q.post["state"] if c == chunks - 1 else 0)
                 )
-                total += act * self.in_flight[r] + st
-            memory.append(total + q.buffers + (q.post_buffers if r == self.last_rank else 0.0))
+                total += act * self.in_flight[r] + held * q.waiting(r) + st
+            memory.append(total + q.buffers_of(r, self.last_rank))
         return Partition(
             stage_layers=stage_layers,
             t_max=solver.Value(self.t_max) / US,
@@ -279,8 +297,10 @@ def _per_rank_terms(layers, kind, q: Quantities, pp, v, chunk_rank, in_flight, m
         fixed = extras[r]
         sends = v - (1 if r == last else 0)
         const_t = round((fixed["time"] + q.p2p * sends) * US)
-        per_layer = q.act[kind] * in_flight[r] + q.state[kind]
-        const_mem = fixed["act"] * in_flight[r] + fixed["state"] + q.buffers + (q.post_buffers if r == last else 0)
+        per_layer = q.act[kind] * in_flight[r] + q.held[kind] * q.waiting(r) + q.state[kind]
+        const_mem = (
+            fixed["act"] * in_flight[r] + fixed["held"] * q.waiting(r) + fixed["state"] + q.buffers_of(r, last)
+        )  # fmt: skip
         room = q.capacity - const_mem
         if room < 0:
             return None
@@ -377,8 +397,9 @@ def _weak(total: int, parts: int):
 
 def _rank_memory(q, r, n, kind, extra, in_flight, last) -> float:
     act = n * q.act[kind] + extra["act"]
+    held = n * q.held[kind] + extra["held"]
     state = n * q.state[kind] + extra["state"]
-    return act * in_flight[r] + state + q.buffers + (q.post_buffers if r == last else 0.0)
+    return act * in_flight[r] + held * q.waiting(r) + state + q.buffers_of(r, last)
 
 
 def _spread(counts, pp, chunks, chunk_rank, prefix: dict, first_open: int = 0) -> list[int]:

@@ -42,6 +42,7 @@ def rank_promises(evaluator, ev) -> list[dict]:
     where_key, where = costs.where(c, True)
     w = costs.work(c, where_key, where, sched.overlaps_ep)
     in_flight = costs.in_flight(sched, c.v, c.pp, m)
+    pending = costs.pending(sched, c.v, c.pp, m)
     layers = costs.layers
     fp8 = c.fp8 if "fp8" in problem.hw.peak_tflops else ()
     cuts = [0]
@@ -51,7 +52,7 @@ def rank_promises(evaluator, ev) -> list[dict]:
     group = {"tp": c.tp, "cp": c.cp, "ep": c.ep, "pp": c.pp}
     out = []
     for r in range(c.pp):
-        dense = expert = act = fp8_weights = 0.0
+        dense = expert = act = held = fp8_weights = 0.0
         flops = dict.fromkeys(("forward", "backward", "recompute"), 0.0)
         tally = _Tally()
         send = tally.send
@@ -62,6 +63,7 @@ def rank_promises(evaluator, ev) -> list[dict]:
             for block in blocks:
                 k = w.pre if block == PRE else w.post if block == POST else w.kinds[block]
                 dense, expert, act = dense + k.params_dense, expert + k.params_expert, act + k.activation_bytes
+                held += k.held_bytes
                 if fp8:
                     fp8_weights += layers.fp8_weight_bytes(block, c.tp, c.ep, c.fp8)
                 f, b, rerun = layers.matmul_flops(block, c.mbs, c.tp, c.cp, w.recompute)
@@ -88,7 +90,7 @@ def rank_promises(evaluator, ev) -> list[dict]:
             grads = sharded_state_bytes(copy, 0.0, c.zero, c.dp * c.cp, c.edp)["grads"]
             send("pp", "all_reduce", grads, 2)
         states = sharded_state_bytes(dense, expert, c.zero, c.dp * c.cp, c.edp)
-        activations = act * in_flight[r]
+        activations = act * in_flight[r] + held * pending[r]
         total = ev.memory_ranks[r]
         memory = {
             "params": states["params"],

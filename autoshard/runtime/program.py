@@ -18,6 +18,7 @@ from torch import nn
 from autoshard.runtime import collectives, fake, groups, moe
 from autoshard.runtime.schedules import schedule, torch_schedule
 from autoshard.runtime.stages import load_stage_file, materialise, put_parameter
+from autoshard.runtime.zero import BUCKET_BYTES, ShardedAdamW
 
 AXES = ("tp", "cp", "pp", "dp")
 
@@ -213,9 +214,8 @@ def lower_parameters(params, dtype: str) -> None:
 class MasterAdamW(torch.optim.AdamW):
     """AdamW whose low-precision parameters are stepped through fp32 master copies it keeps (4
     bytes each, beside the two 4-byte moments): each step gives a master the parameter's fp32
-    gradient, steps the masters, and writes them back rounded. Under ZeRO-1
-    (``ZeroRedundancyOptimizer``) each rank builds one over the parameters it owns, so the masters
-    are sharded as the moments are, and what the owners broadcast after the step is bf16."""
+    gradient, steps the masters, and writes them back rounded. (ZeRO-1 shards masters and
+    moments by rows: ``zero.ShardedAdamW``.)"""
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
@@ -459,14 +459,14 @@ def expert_parameters(stages: list[nn.Module]) -> list[nn.Parameter]:
     return out
 
 
-def reduce_gradients(params: list[nn.Parameter], group, divide: int, owners: dict[int, int] | None = None) -> None:
+def reduce_gradients(params: list[nn.Parameter], group, divide: int, optimizer=None) -> None:
     """Sum the gradients of ``params`` over ``group`` and divide them by ``divide``: all-reduced
-    in buckets per dtype (``_buckets``: the bucketing DDP does, without its hooks, which a pipeline
-    schedule's split backward would fire at the wrong time), or, given ``owners`` (parameter id ->
-    the group rank whose ZeRO-1 optimizer steps it), reduced to each owner only, bucket by bucket:
-    the reduce-scatter of Megatron's distributed optimizer, by parameter. The other
-    ranks' copies are then partial sums, which nothing reads (the owners' optimizers step and
-    broadcast the parameters; the norm counts the owners' copies)."""
+    in buckets (``_buckets``: the bucketing DDP does, without its hooks, which a pipeline
+    schedule's split backward would fire at the wrong time), or, where ``optimizer`` is ZeRO-1's
+    (``zero.ShardedAdamW``), reduce-scattered onto the rows each rank steps."""
+    if isinstance(optimizer, ShardedAdamW):
+        optimizer.reduce_gradients(divide)
+        return
     grads = []
     for p in params:
         if p.grad is None:
@@ -477,30 +477,11 @@ def reduce_gradients(params: list[nn.Parameter], group, divide: int, owners: dic
             for g in grads:
                 g.div_(divide)
         return
-    buckets: dict[tuple, list[torch.Tensor]] = {}
-    for p, g in zip(params, grads):
-        owner = owners.get(id(p)) if owners is not None else None
-        buckets.setdefault((-1 if owner is None else owner, str(g.dtype)), []).append(g)
-    me = dist.get_rank(group)
-    for (owner, _), bucket in sorted(buckets.items()):
-        if owner < 0:
-            _all_reduce_flat(bucket, group, divide=divide)
-            continue
-        dst = dist.get_global_rank(group, owner)
-        _collective_flat(bucket, lambda flat, dst=dst: dist.reduce(flat, dst=dst, group=group), divide, owner == me)
-
-
-def owners(optim) -> tuple[dict[int, int] | None, dict[int, int] | None]:
-    """(dense, expert) parameter id -> the rank of its group whose ZeRO-1 optimizer steps it, for
-    the optimizer parts that are ``ZeroRedundancyOptimizer``s (None for the others)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    def of(part):
-        if not isinstance(part, ZeroRedundancyOptimizer):
-            return None
-        return {id(p): r for p, r in part._param_to_rank.items()}
-
-    return of(optim.dense), of(optim.experts)
+    by_dtype: dict[str, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(str(g.dtype), []).append(g)
+    for bucket in by_dtype.values():
+        _all_reduce_flat(bucket, group, divide=divide)
 
 
 def routing_biases(stages: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -519,9 +500,6 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
-BUCKET_BYTES = 64 * 2**20  # gradients reduced together, at most (a copy of this size, not of them all)
-
-
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` in consecutive groups of at most ``BUCKET_BYTES`` (a larger one alone), as DDP
     buckets them: each group is reduced as one flat copy, a tensor alone in place."""
@@ -536,23 +514,17 @@ def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return [b for b in out if b]
 
 
-def _collective_flat(grads: list[torch.Tensor], run, divide: int = 1, mine: bool = True) -> None:
-    """``run`` (a collective in place on one tensor) over ``grads`` bucket by bucket, then divide
-    where the result lands (``mine``)."""
-    for bucket in _buckets(grads):
-        flat = (
-            bucket[0] if len(bucket) == 1 and bucket[0].is_contiguous() else torch.cat([g.reshape(-1) for g in bucket])
-        )
-        run(flat)
-        if mine and divide != 1:
-            flat.div_(divide)
-        if mine and flat is not bucket[0]:
-            _unflatten(flat, bucket)
-
-
 def _all_reduce_flat(grads: list[torch.Tensor], group, divide: int = 1) -> None:
-    """Sum ``grads`` over ``group`` in place (then divide), bucket by bucket."""
-    _collective_flat(grads, lambda flat: dist.all_reduce(flat, group=group), divide)
+    """Sum ``grads`` over ``group`` in place (then divide), bucket by bucket (a tensor alone in
+    place, no copy)."""
+    for bucket in _buckets(grads):
+        single = len(bucket) == 1 and bucket[0].is_contiguous()
+        flat = bucket[0] if single else torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        if divide != 1:
+            flat.div_(divide)
+        if not single:
+            _unflatten(flat, bucket)
 
 
 def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
@@ -620,7 +592,8 @@ def optimizer(
     eps: float = 1e-8,
     experts: list[nn.Parameter] = (),
 ):
-    """AdamW; for ZeRO-1 its states sharded over ``zero_group`` (dp x cp) by ZeroRedundancyOptimizer.
+    """AdamW; for ZeRO-1 its masters and states sharded by rows over ``zero_group`` (dp x cp,
+    ``zero.ShardedAdamW``).
     Stacked expert weights (``experts``, also in ``params``) are held alike only by their
     expert-data-parallel ranks: at any ZeRO stage their states are sharded over that group."""
     kwargs = {"lr": lr, "betas": (0.9, 0.95), "eps": eps, "weight_decay": weight_decay}
@@ -633,17 +606,14 @@ def optimizer(
 
 
 def _adamw(params: list[nn.Parameter], shard: bool, group, kwargs: dict):
-    lower = any(p.dtype != torch.float32 for p in params)
-    cls = MasterAdamW if lower else torch.optim.AdamW  # low-precision parameters: fp32 masters
     if params and (params[0].is_cuda or fake.active()):
         # one fused kernel over every tensor: the foreach implementation makes temporaries the size
         # of all the parameters it steps (a fake tensor stands for the GPU program)
         kwargs = {**kwargs, "fused": True}
     if shard and group is not None and dist.get_world_size(group) > 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=group, **kwargs)
-    return cls(params, **kwargs)
+        return ShardedAdamW(params, group, **kwargs)  # ZeRO-1: rows, masters and moments sharded
+    lower = any(p.dtype != torch.float32 for p in params)
+    return (MasterAdamW if lower else torch.optim.AdamW)(params, **kwargs)  # bf16 parameters: fp32 masters
 
 
 class Optimizers:

@@ -66,13 +66,13 @@ class Schedule:
 
     def in_flight(self, rank: int, pp: int, m: int, v: int) -> float:
         """Micro-batches whose activations rank ``rank`` holds at its peak, in units of one
-        micro-batch through all of the rank's chunks: the most (chunk, micro-batch) forwards
-        whose weight gradient has not yet run, over the action order torch's class for the row
-        runs (``tests/runtime/test_schedules.py`` walks those orders). A split backward frees a
-        micro-batch's activations at its weight-gradient pass, which zero-bubble schedules defer:
-        ZB1P holds ``(v - 1)`` rounds plus ``pp`` on every rank, where interleaved 1F1B holds
-        ``(v - 1)`` rounds plus twice the distance to the last rank. A round is ``m`` split into
-        ``max(1, m // pp)`` equal parts."""
+        micro-batch through all of the rank's chunks: the most (chunk, micro-batch) forwards whose
+        backward has not yet finished (its weight-gradient pass, where the backward is split: the
+        input pass keeps the graph for it, saved tensors and all), over the action order torch's
+        class for the row runs (``tests/runtime/test_schedules.py`` walks those orders).
+        Interleaved 1F1B holds ``v - 1`` rounds plus twice the distance to the last rank; ZB1P,
+        which defers each weight pass, ``v - 1`` rounds plus ``pp`` on every rank. A round is
+        ``m`` split into ``max(1, m // pp)`` equal parts."""
         per_round = m // max(1, m // pp)
         if self.name == "1f1b":
             return min(m, pp - rank)
@@ -81,8 +81,23 @@ class Schedule:
         if self.name == "zero-bubble":
             return min(m * v, (v - 1) * per_round + pp) / v
         if self.name == "zbv":
-            return min(m, pp, (m + 1 + rank) / 2)
-        return min(m, pp) + 0.5  # dualpipev: with one more forward inside its overlapped F&B steps
+            return min(2 * pp, 2 * m, m + 1 + rank) / 2
+        return (2 * min(m, pp) + 1) / 2  # dualpipev: one more forward inside its overlapped F&B steps
+
+    def weight_pending(self, rank: int, pp: int, m: int, v: int) -> float:
+        """Micro-batches (in the same units) whose input-gradient pass has run and weight-gradient
+        pass not yet, at most: a split backward keeps for those the gradients of the weighted
+        matmuls' outputs (torch's ``stage_backward_input`` keeps them, for
+        ``stage_backward_weight``). ZB1P defers each weight pass by the rank's
+        distance from the first; ZB-V by twice that (for the second chunk of its V), DualPipeV by
+        it. None without a split backward. An upper bound for ZB-V when ``m < 2 pp``."""
+        if not self.split_backward:
+            return 0.0
+        if self.name == "zero-bubble":
+            return min(m * v, rank + 1) / v
+        if self.name == "zbv":
+            return min(2 * rank + 1, 2 * max(0, m - pp) + 1) / 2
+        return min(m, rank + 1) / 2  # dualpipev
 
     def bubble(self, pp: int, m: int, v: int, f: float, b: float, w: float) -> float:
         """Pipeline fill/drain time, from per-rank per-micro-batch averages of forward ``f``,

@@ -138,17 +138,17 @@ class Entry:
     dp_first: bool  # FSDP-sharded over dp x cp, or this is the first dp x cp replica's copy
     edp_first: bool  # the first expert-data-parallel rank's copy
     tie_first: bool  # not a tied parameter's copy in a later chunk
+    stepped: torch.Tensor | None = None  # ZeRO-1's fp32 rows of it, whose gradient is the reduced one
 
     @property
     def counted(self) -> bool:
         return self.tie_first and (self.edp_first if self.expert else self.tp_first and self.dp_first)
 
     @property
-    def counted_if_sharded(self) -> bool:
-        """Whether the optimizer states a ZeRO-1 optimizer keeps for it here count: that
-        optimizer holds each state on one rank of the group it shards over (dp x cp for dense
-        weights, the expert-data-parallel ranks for experts), so those replicas do not exist."""
-        return self.tie_first and (self.expert or self.tp_first)
+    def grad(self) -> torch.Tensor | None:
+        """The reduced gradient this rank holds of it: ZeRO-1's rows', else the parameter's."""
+        g = self.stepped.grad if self.stepped is not None else self.param.grad
+        return None if g is None else local_of(g)
 
 
 def entries(stages: list[nn.Module], chunk_ids: list[int], ranks, tied: list[dict]) -> list[Entry]:
@@ -203,7 +203,7 @@ def clip_gradients(items: list[Entry], max_norm: float | None) -> float:
     """The global L2 norm of the gradients, each full tensor counted once over every parallel
     dimension (one all-reduce of this rank's counted squares), and, with ``max_norm``, every
     gradient scaled as ``torch.nn.utils.clip_grad_norm_`` scales the single-device model's."""
-    counted = [local_of(e.param.grad).detach() for e in items if e.counted and e.param.grad is not None]
+    counted = [e.grad.detach() for e in items if e.counted and e.grad is not None]
     device = counted[0].device if counted else next((e.param.device for e in items), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)  # on the device the backend reduces (NCCL: GPU)
     for g in counted:  # each tensor's norm in its own precision (no fp64 copy of it), their squares in fp64
@@ -215,8 +215,8 @@ def clip_gradients(items: list[Entry], max_norm: float | None) -> float:
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
             for e in items:
-                if e.param.grad is not None:
-                    local_of(e.param.grad).mul_(coef)
+                if e.grad is not None:
+                    e.grad.mul_(coef)
     return norm
 
 
@@ -224,18 +224,14 @@ def clip_gradients(items: list[Entry], max_norm: float | None) -> float:
 # optimizer states
 
 
-def optimizer_parts(optim) -> list[tuple[torch.optim.Optimizer, bool]]:
-    """The AdamW instances behind the program's optimizer, each with whether it shards its
-    states over a group (ZeroRedundancyOptimizer: each parameter's states live on one rank)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    parts = getattr(optim, "parts", [optim])
-    return [(o.optim, True) if isinstance(o, ZeroRedundancyOptimizer) else (o, False) for o in parts]
+def optimizer_parts(optim) -> list:
+    """The optimizers behind the program's (AdamW, ``program.MasterAdamW``, ``zero.ShardedAdamW``)."""
+    return list(getattr(optim, "parts", [optim]))
 
 
 def _stepped(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
     """The tensor ``opt`` steps for parameter ``p`` and keys its states by: ``p``'s fp32 master
-    where the optimizer keeps one (``program.MasterAdamW``), else ``p``."""
+    (or ZeRO-1's fp32 rows of it) where the optimizer keeps one, else ``p``."""
     master = getattr(opt, "master", None)
     return master(p) if master is not None else p
 
@@ -258,8 +254,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def optim_state(items: list[Entry], optim, copy: bool = True) -> dict:
     """The optimizer's states to save, in DCP form: copies (or views) of the ones that count."""
     out = {}
-    for e, opt, sharded in _optimized(items, optim):
-        if not (e.counted_if_sharded if sharded else e.counted):
+    for e, opt in _optimized(items, optim):
+        if not e.counted:
             continue
         st = opt.state.get(_stepped(opt, e.param))
         if st:
@@ -269,45 +265,51 @@ def optim_state(items: list[Entry], optim, copy: bool = True) -> dict:
     return out
 
 
+def _params(opt) -> list[torch.Tensor]:
+    """The parameters ``opt`` steps (ZeRO-1's: the full parameters whose rows it steps)."""
+    if hasattr(opt, "params"):
+        return list(opt.params)
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
 def _optimized(items: list[Entry], optim):
-    """(entry, the AdamW holding its states, whether that AdamW is one rank's ZeRO-1 shard)."""
+    """(entry, the optimizer holding its states)."""
     by_param = {id(e.param): e for e in items}
-    for opt, sharded in optimizer_parts(optim):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if id(p) in by_param:
-                    yield by_param[id(p)], opt, sharded
+    for opt in optimizer_parts(optim):
+        for p in _params(opt):
+            if id(p) in by_param:
+                yield by_param[id(p)], opt
 
 
-def mark_owners(items: list[Entry], optim) -> None:
-    """A ZeRO-1 optimizer steps each parameter on one rank of the group it shards over, where
-    alone its gradient is reduced (``program.reduce_gradients``): that rank's copy is the one
-    that counts (saved once, in the norm once), not the first replica's. Where the optimizer
-    steps an fp32 master of a low-precision parameter, the master is what a checkpoint holds of
-    it (saved, and loaded into: ``write_back`` rounds it into the parameter)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    for part in getattr(optim, "parts", [optim]):
-        inner, owned, every = part, None, None
-        if isinstance(part, ZeroRedundancyOptimizer):
-            inner = part.optim
-            owned = {id(p) for g in inner.param_groups for p in g["params"]}
-            every = {id(p) for p in part._all_params}
-        masters = getattr(inner, "masters", {})
+def use_stepped(items: list[Entry], optim) -> None:
+    """What a checkpoint holds of a parameter is what the optimizer steps for it: the fp32
+    master of a low-precision parameter (``program.MasterAdamW``; ``write_back`` rounds it into
+    the parameter after a load), or ZeRO-1's fp32 rows of it (``zero.ShardedAdamW``), which
+    every rank of the group holds a different part of, so each rank's counts (saved once, in the
+    norm once), as an FSDP shard's does."""
+    for opt in optimizer_parts(optim):
+        masters = getattr(opt, "masters", {})
+        rows = getattr(opt, "rows_of", None)
         for e in items:
-            key = id(e.param)
-            if key in masters:
-                e.held = Held(e.held.key, masters[key], e.held.shape, e.held.blocks)
-            if every is not None and key in every:
-                if e.expert:
-                    e.edp_first = key in owned
-                else:
-                    e.dp_first = key in owned
+            master = masters.get(id(e.param))
+            if master is None:
+                continue
+            if rows is None:
+                e.held = Held(e.held.key, master, e.held.shape, e.held.blocks)
+                continue
+            if e.param.dim() == 0:
+                continue  # a scalar: one rank's row, the first replica's copy counts as before
+            e.held = Held(e.held.key, master, e.held.shape, restrict_rows(e.held.blocks, *rows(e.param)))
+            e.stepped = master
+            if e.expert:
+                e.edp_first = True
+            else:
+                e.dp_first = True
 
 
 def write_back(optim) -> None:
     """Round every fp32 master into its parameter (after a checkpoint was loaded into them)."""
-    for opt, _ in optimizer_parts(optim):
+    for opt in optimizer_parts(optim):
         if hasattr(opt, "write_back"):
             opt.write_back()
 
@@ -315,10 +317,9 @@ def write_back(optim) -> None:
 def make_optimizer_states(optim) -> None:
     """Make (zero) the AdamW states of every parameter of ``optim`` that has none yet, as any
     step after the first finds them (AdamW makes them in its first step)."""
-    for opt, _ in optimizer_parts(optim):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                _moments(opt, p, create=True)
+    for opt in optimizer_parts(optim):
+        for p in _params(opt):
+            _moments(opt, p, create=True)
 
 
 def load_targets(items: list[Entry], optim, saved: dict) -> list[dict]:
@@ -329,7 +330,7 @@ def load_targets(items: list[Entry], optim, saved: dict) -> list[dict]:
     out: dict[str, list] = {}
     for e in items:
         out.setdefault(f"model/{e.held.key}", []).append(e.held.pieces(False))
-    for e, opt, _ in _optimized(items, optim):
+    for e, opt in _optimized(items, optim):
         if f"optim/exp_avg/{e.held.key}" not in saved:
             continue
         st = _moments(opt, e.param, create=True)

@@ -468,7 +468,7 @@ class Trainer:
         dtype = rt.autocast(stages, plan, device, args.compute_dtype)
         collectives.regather_saved(stages)  # sequence parallelism keeps shards, gathers again in backward
         loss = rt.loss_fn(rt.load_loss(out, program, device))
-        # 3. data parallelism at the plan's ZeRO stage (FSDP2 for ZeRO-2/3, ZeroRedundancyOptimizer
+        # 3. data parallelism at the plan's ZeRO stage (FSDP2 for ZeRO-2/3, optimizer rows sharded
         #    for ZeRO-1, a gradient all-reduce for ZeRO-0), and AdamW; in bf16 the parameters are
         #    bf16 with fp32 gradients and fp32 masters (the optimizer's, or FSDP2's shards)
         experts = rt.expert_parameters(stages)  # stacked expert weights: replicas over the EDP ranks
@@ -486,7 +486,7 @@ class Trainer:
             )
         biases = rt.routing_biases(stages)
         held = state.entries(stages, chunk_ids, ranks, program.get("tied", []))
-        state.mark_owners(held, optim)  # ZeRO-1's owners and bf16 masters: what checkpoints and the norm count
+        state.use_stepped(held, optim)  # bf16 masters, ZeRO-1's rows: what checkpoints and the norm count
         return cls(
             args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule,
             experts, biases, zero_group, held,
@@ -556,18 +556,18 @@ class Trainer:
                 losses.append(value.detach())
         rt.sum_partial_gradients(self.stages)  # sequence parallel: norms saw 1/tp of the tokens
         dp = self.plan["mesh"]["dp"]
-        dense_owners, expert_owners = rt.owners(self.optim)
         if not self.fsdp:  # (FSDP reduces over dp x cp itself, in backward)
             # one parameter: its copies' gradients add up (Megatron's embedding group), before the
-            # data-parallel reduction, which under ZeRO-1 leaves other ranks' copies partial
+            # data-parallel reduction, which under ZeRO-1 reduces rows onto their ranks only
             rt.sum_tied_gradients(self.ties)
             expert_ids = {id(p) for p in self.experts}
             dense = [p for p in self.params if id(p) not in expert_ids]
             # summed over dp x cp (each CP rank holds its share of every sequence's mean), averaged
-            # over the dp replicas: all-reduced, or under ZeRO-1 reduced to the ranks that step them
-            rt.reduce_gradients(dense, self.zero_group, dp, dense_owners)
+            # over the dp replicas: all-reduced, or under ZeRO-1 reduce-scattered onto the rows
+            # each rank steps
+            rt.reduce_gradients(dense, self.zero_group, dp, self.optim.dense)
         # experts: summed over the ranks holding the same ones, divided by dp as the dense weights
-        rt.reduce_gradients(self.experts, groups.edp_group(), dp, expert_owners)
+        rt.reduce_gradients(self.experts, groups.edp_group(), dp, self.optim.experts)
         if self.fsdp:
             rt.sum_tied_gradients(self.ties)
         norm = state.clip_gradients(self.entries, self.args.max_grad_norm)

@@ -19,6 +19,7 @@ def _quantities(kinds: int, rng: random.Random, capacity: float = 1e12) -> parti
         fwd=per_kind(3e-4, 1e-3),
         bwd=per_kind(6e-4, 2e-3),
         act=per_kind(1e8, 5e8),
+        held=per_kind(2e7, 2e8),
         state=per_kind(1e8, 1e9),
         dp_time=per_kind(0, 2e-3),
         dp_gather=per_kind(0, 1e-3),
@@ -51,7 +52,11 @@ def brute_force(kinds_list, q, pp, v, shape, in_flight, m):
                         per_rank[r][key] += extra[key]
         last = shape.chunk_rank(chunks - 1, pp)
         fits = all(
-            per_rank[r]["act"] * in_flight[r] + per_rank[r]["state"] + q.buffers + (q.post_buffers if r == last else 0)
+            per_rank[r]["act"] * in_flight[r]
+            + per_rank[r]["held"] * q.waiting(r)
+            + per_rank[r]["state"]
+            + q.buffers
+            + (q.post_buffers if r == last else 0)
             <= q.capacity
             for r in range(pp)
         )
@@ -78,6 +83,7 @@ def test_all_alike_layers_match_brute_force(seed, shape_name, v):
     pp, m, layers = 3, 4, 7
     shape = SCHEDULES[shape_name]
     flight = [shape.in_flight(r, pp, m, v) for r in range(pp)]
+    q.pending = [shape.weight_pending(r, pp, m, v) for r in range(pp)]  # a split backward's held bytes too
     got = partition.solve([0] * layers, q, pp, v, lambda c: shape.chunk_rank(c, pp), flight, m)
     want = brute_force([0] * layers, q, pp, v, shape, flight, m)
     if want is None:
