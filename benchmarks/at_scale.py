@@ -112,9 +112,9 @@ def run(cases: list[Case], markdown: bool) -> int:
             if markdown:
                 print(f"| {case.what} | {report.plan} | {where} | {pk} | {flops:.4f} | {comm_text} | {ok} |")
             else:
-                took = f"{r.measured.seconds:5.1f} s {r.measured.rss_bytes / 1e9:.2f} GB rss (compile {compile_s:.0f} s)"
-                print(f"{case.key:10s} rank {where:22s} peak {pk} GB  FLOPs {flops:.4f}  bytes {comm_text:18s} {ok:3s}  {took}",
-                      flush=True)  # fmt: skip
+                took = f"{r.measured.seconds:.1f} s, {r.measured.rss_bytes / 1e9:.2f} GB rss, compile {compile_s:.0f} s"
+                line = f"{case.key:10s} rank {where:22s} peak {pk} GB  FLOPs {flops:.4f}  bytes {comm_text:18s}"
+                print(f"{line} {ok:3s}  {took}", flush=True)
     return 1 if failed else 0
 
 
