@@ -24,6 +24,7 @@ CASES = {
     "dp2-zero3": (2, "dp=2,zero=3"),
     "tp2-pp2-dp2": (8, "tp=2,pp=2,dp=2,zero=1"),
     "pp2-dp2-zero3": (4, "pp=2,dp=2,zero=3,schedule=interleaved"),
+    "pp2-dp2-zero2-zb": (4, "pp=2,dp=2,zero=2,schedule=zero-bubble"),  # a split backward reduces in its weight pass
     "cp2-ring": (2, "cp=2,attention=ring"),
     "cp2-tp2-ring": (4, "cp=2,tp=2,attention=ring"),
     "cp2-tp2-allgather": (4, "cp=2,tp=2,attention=allgather-kv"),
@@ -38,7 +39,7 @@ MODELS = Path(__file__).parent / "models"
 # runtime features whose rewrite reads nothing of the model's code beyond its parameters and its
 # stage split (data-parallel ZeRO stages, the pipeline schedule once the split is made): checked on
 # the LLaMA example only; every model runs the layouts that rewrite its graph (CI time)
-MODEL_AGNOSTIC = ("dp2-zero0", "dp2-zero1", "dp2-zero2", "pp2-1f1b", "pp2-zero-bubble")
+MODEL_AGNOSTIC = ("dp2-zero0", "dp2-zero1", "dp2-zero2", "pp2-1f1b", "pp2-zero-bubble", "pp2-dp2-zero2-zb")
 PAIRS = [(m, c) for m in ("gpt", "llama3", "hf_llama") for c in CASES if m == "llama3" or c not in MODEL_AGNOSTIC]
 
 

@@ -5,6 +5,7 @@ the user's model file when ``--init-from-model`` asks for the single-device init
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -319,7 +320,23 @@ def pipeline_schedule(
     made = cls(pipeline[0] if issubclass(cls, PipelineScheduleSingle) else pipeline, microbatches, loss_fn=loss)
     if shapes:
         fake.static_pipeline(made, pipeline)
+    _layerwise_gathers(made, pipeline)
     return made
+
+
+def _layerwise_gathers(made, pipeline) -> None:
+    """Leave gathering to FSDP's own hooks, one layer at a time. torch's multi-chunk schedules
+    add an UNSHARD action before a chunk's first use that gathers every FSDP unit of the chunk,
+    for up to three chunks at once (RESHARD when done): at GPT-3 175B, 11 layers' weights
+    gathered on a rank where the plan counts one and the next one's prefetch."""
+    from torch.distributed.pipelining.schedules import RESHARD, UNSHARD
+
+    orders = getattr(made, "pipeline_order_with_comms", None)
+    if not orders or not any(getattr(stage.submod, "autoshard_zero", None) for stage in pipeline):
+        return
+    for rank, actions in orders.items():
+        orders[rank] = [a for a in actions if a is None or a.computation_type not in (UNSHARD, RESHARD)]
+    made.unsharded_stages.update(stage.stage_index for stage in pipeline)  # the schedule's check before compute
 
 
 _LAZY_HOOKS = (
@@ -389,7 +406,61 @@ def _stage_class():
             with collectives.input_gradients_only():  # the weight pass gathers what it needs later
                 return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
 
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+            zero = getattr(self.submod, "autoshard_zero", None)
+            if zero is None:
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            return _fsdp_backward(self.submod, zero, backward_type, bwd_kwargs)
+
     return Stage
+
+
+def _fsdp_backward(submod, zero: int, backward_type: str, bwd_kwargs: dict):
+    """One micro-batch's backward of an FSDP chunk, as the plan counts ZeRO-2/3: each layer's
+    gradients reduce-scattered (fp32) as the backward makes them, and at ZeRO-3 its gathered
+    weights let go once its backward is done. torch's pipeline stage defers both to the step's
+    end (no resharding, no reduction until the last micro-batch), holding every weight of the
+    chunk gathered and its fp32 gradients unsharded across micro-batches: at GPT-3 175B on two
+    pipeline ranks, 4 all-gathers of a chunk's weights where the plan has 6 and 1 reduce-scatter
+    where it has 3. A split backward's input pass keeps both for its weight pass, which reduces
+    them once it is done."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    whole = backward_type != "input"
+    submod.set_is_last_backward(False)
+    submod.set_reshard_after_backward(whole and zero == 3)
+    submod.set_requires_gradient_sync(whole)
+    args = bwd_kwargs.get("stage_output"), bwd_kwargs.get("output_grads"), bwd_kwargs.get("input_values")
+    if backward_type == "full":
+        out = stage_backward(*args), None
+    elif backward_type == "input":
+        out = stage_backward_input(*args, submod.parameters())
+    else:
+        out = stage_backward_weight(submod.parameters(), bwd_kwargs["param_groups"]), None
+    states = {id(s): s for m in submod.modules() if isinstance(m, FSDPModule) for s in [m._get_fsdp_state()]}
+    for group in (g for state in states.values() for g in state._fsdp_param_groups):
+        if backward_type == "weight":  # the input pass ran the units' post-backward hooks already
+            group.post_backward()
+        _drop_stray_gather(group)
+    return out
+
+
+def _drop_stray_gather(group) -> None:
+    """Let go of an all-gather FSDP's backward prefetch started for a unit whose backward is not
+    next. Its prefetch follows the order of the forwards, and with several micro-batches in flight
+    the chunk's first layer prefetches its last one (of the micro-batch run after): one layer's
+    gathered weights held per chunk until its next backward (10 x 3.6 GB at GPT-3 175B, 10
+    chunks on a rank). FSDP lets go of such strays only after the step's last backward."""
+    result = getattr(group, "_all_gather_result", None)
+    if result is None:
+        return
+    work = getattr(result, "all_gather_work", None)
+    if isinstance(work, dist.distributed_c10d.Work):
+        work.wait()
+    if (event := getattr(result, "all_gather_event", None)) is not None:
+        torch.accelerator.current_stream().wait_event(event)
+    group._all_gather_result = None
 
 
 def boundaries(out: Path, program: dict, plan: dict, chunk_ids: list[int], device, compute: str) -> dict[int, tuple]:
@@ -556,31 +627,98 @@ def _flatten(mesh, dims: tuple[str, ...], name: str):
 def shard_data_parallel(
     stages: list[nn.Module], plan: dict, mesh, experts: list[nn.Parameter] = (), dtype: str = "fp32"
 ) -> bool:
-    """ZeRO-2/3: FSDP2 ``fully_shard`` each chunk over the dp x cp ranks (ZeRO-3 frees the
-    gathered parameters after forward, ZeRO-2 keeps them until backward is done). Returns whether
-    FSDP owns gradient reduction. The reduction sums over dp x cp and divides by dp: the mean over
-    replicas of the CP ranks' summed shares. (Forcing the sum also sidesteps pytorch#162338, FSDP2
-    on gloo summing where it should average.) Stacked expert weights (``experts``) are left out:
-    their replicas are the expert-data-parallel ranks, not dp x cp; ``reduce_gradients``
-    sums them and an optimizer over that group shards their states (ZeRO-1 for experts: FSDP2
-    gathers a module's parameters in its forward, and the stage code reads expert weights as
-    tensors of the chunk, not through a module of their own). At ``dtype`` bf16 the shards stay
-    fp32 (the masters) and are gathered in bf16, the gradients reduced in fp32."""
+    """ZeRO-2/3: FSDP2 ``fully_shard`` over the dp x cp ranks, one unit per layer of each chunk
+    (``layer_units``) and the chunk's own unit for the rest (ZeRO-3 frees a layer's gathered
+    parameters after its forward and its backward, ZeRO-2 keeps them until the step is done).
+    Returns whether FSDP owns gradient reduction. The reduction sums over dp x cp and divides by
+    dp: the mean over replicas of the CP ranks' summed shares. (Forcing the sum also sidesteps
+    pytorch#162338, FSDP2 on gloo summing where it should average.) Stacked expert weights
+    (``experts``) are left out: their replicas are the expert-data-parallel ranks, not dp x cp;
+    ``reduce_gradients`` sums them and an optimizer over that group shards their states (ZeRO-1
+    for experts: FSDP2 gathers a module's parameters in its forward, and the stage code reads
+    expert weights as tensors of the chunk, not through a module of their own). At ``dtype``
+    bf16 the shards stay fp32 (the masters) and are gathered in bf16, the gradients reduced in
+    fp32."""
     zero, dp = plan["zero_stage"], plan["mesh"]["dp"]
     if not shards_dense(plan):
         return False
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     shard_mesh = zero_mesh(plan, mesh)
-    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if dtype == "bf16" else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if dtype == "bf16" else MixedPrecisionPolicy()
     for module in stages:
-        ignored = {p for p in module.parameters() if any(p is e for e in experts)}
-        fully_shard(
-            module, mesh=shard_mesh, reshard_after_forward=zero == 3, ignored_params=ignored or None, mp_policy=policy
-        )
-        module.set_force_sum_reduction_for_comms(True)
-        module.set_gradient_divide_factor(float(dp))
+        ignored = {p for p in module.parameters() if any(p is e for e in experts)} or None
+        units = [*layer_units(module), module]
+        for unit in units:
+            fully_shard(unit, mesh=shard_mesh, reshard_after_forward=zero == 3, ignored_params=ignored, mp_policy=mp)
+        for unit in units:  # a list's modules share one FSDP state: setting it on one sets the unit
+            head = unit[0] if isinstance(unit, list) else unit
+            head.set_force_sum_reduction_for_comms(True)
+            head.set_gradient_divide_factor(float(dp))
+        module.autoshard_zero = zero  # read by the pipeline stage (``_stage_class``)
     return True
+
+
+def layer_units(chunk: nn.Module) -> list[nn.Module | list[nn.Module]]:
+    """What FSDP gathers together in ``chunk``: one unit per layer, the chunk's own unit for the
+    rest (parameters the stage code reads from plain containers outside the layers, tied ones).
+    A layer under activation checkpointing is its container (``model.layers.7``, every parameter
+    of the layer), gathered around its ``Checkpoint``: FSDP's hooks outside the checkpointed
+    region, as in torchtitan, so the recomputation finds the weights gathered by the backward's
+    pre-hook and gathers nothing itself (hooks inside the region would run again in it, where
+    the selective checkpoint's cache does not expect them). Any other layer is the list of the
+    modules the stage code calls (``nn.Linear``, ``nn.Embedding``), keyed by the dotted prefix
+    ending in the layer's number; each such module outside the layers is a unit of its own. One
+    chunk-wide unit would gather a whole chunk's weights at once (35 GB of bf16 at LLaMA-3 70B on
+    one pipeline rank) where the plan counts one layer and the next one's prefetch."""
+    from autoshard.runtime.checkpoint import Checkpoint
+
+    units: list = []
+    covered: set[int] = set()
+    for ckpt in (m for m in chunk.children() if isinstance(m, Checkpoint)):
+        container = _layer_container(chunk, ckpt.fn)
+        if container is None:
+            continue
+        container.forward = functools.partial(type(ckpt).forward, ckpt)  # FSDP's hooks, then the checkpoint
+        object.__setattr__(ckpt, "forward", container)  # not a child: the container stays where it is
+        units.append(container)
+        covered.update(id(m) for m in container.modules())
+    called = [(n, m) for n, m in chunk.named_modules() if type(m) is not nn.Module and m is not chunk]
+    called = [(n, m) for n, m in called if id(m) not in covered and any(True for _ in m.parameters(recurse=False))]
+    owners: dict[int, int] = {}
+    for _, m in chunk.named_modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    lists: dict[str, list[nn.Module]] = {}
+    for name, m in called:
+        if any(owners[id(p)] > 1 for p in m.parameters(recurse=False)):
+            continue
+        parts = name.split(".")
+        ends = [i for i, part in enumerate(parts[:-1]) if part.isdigit()]
+        lists.setdefault(".".join(parts[: ends[0] + 1]) if ends else name, []).append(m)
+    return units + list(lists.values())
+
+
+def _layer_container(chunk: nn.Module, fn) -> nn.Module | None:
+    """The plain container holding the parameters of the layer a stage method ``fn`` runs
+    (``getattr(self.model.layers, "7")``, as the emitted code reads them), when it reads exactly
+    one and shares none of its parameters; else None."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    paths = set(re.findall(r'getattr\(self((?:\.\w+)+), "(\d+)"\)', source))
+    if len(paths) != 1:
+        return None
+    ((base, index),) = paths
+    path = f"{base[1:]}.{index}"
+    container = chunk.get_submodule(path)
+    inside = {id(p) for p in container.parameters()}
+    outside = {id(p) for n, p in chunk.named_parameters(remove_duplicate=False) if not n.startswith(f"{path}.")}
+    return None if inside & outside or type(container) is not nn.Module else container
 
 
 def optimizer(
