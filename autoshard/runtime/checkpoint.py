@@ -16,10 +16,11 @@ FP8 matmuls read) are kept, 1 byte and a 4-byte scale per 128 elements instead o
 
 from __future__ import annotations
 
-import functools
+import weakref
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autoshard.runtime import attention, fp8, norms  # noqa: F401 (attention and norms register their torch ops)
@@ -54,15 +55,137 @@ _QUANTIZE = torch.ops.autoshard.fp8_quantize_rows
 _FP8_MM = torch.ops.autoshard.fp8_mm
 
 
-def _policy(kept: frozenset, saved: frozenset, ctx, func, *args, **kwargs):
+def _keeps(kept: frozenset, saved: frozenset, func, args) -> bool:
     packet = getattr(func, "overloadpacket", func)
     if packet is _QUANTIZE:
-        keep = args[1]
-    elif packet is _FP8_MM:
-        keep = ("experts" if args[7] else "linear_output") in kept
-    else:
-        keep = packet in saved
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return bool(args[1])
+    if packet is _FP8_MM:
+        return ("experts" if args[7] else "linear_output") in kept
+    return packet in saved
+
+
+def _policy(kept: frozenset, saved: frozenset, ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if _keeps(kept, saved, func, args) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# matmul outputs the policy caches that autograd may not keep: an output projection's (read by a
+# residual add, a dropout or a TP reduction, none of which keeps its input), attention scores
+# (read by a scale and a mask before the softmax)
+_GEMMS = {p for p in (aten.mm, aten.addmm, aten.bmm, getattr(aten, "_grouped_mm", None), _FP8_MM) if p is not None}
+# ops whose backward keeps none of their tensor inputs (views alias them; the rest keep a mask,
+# their output, or nothing): reading a tensor, they do not make autograd keep it
+_KEEP_NO_INPUT = _ops(  # fmt: skip
+    "add",
+    "sub",
+    "neg",
+    "native_dropout",
+    "clone",
+    "_to_copy",
+    "copy_",
+    "cat",
+    "stack",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "unsqueeze",
+    "squeeze",
+    "as_strided",
+    "alias",
+    "detach",
+    "_softmax",
+    "_log_softmax",
+    "masked_fill",
+    "contiguous",
+    "sum",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "new_empty",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "new_empty_strided",
+    "bernoulli_",
+    "fill_",
+    "zero_",
+)
+# products and quotients keep an operand for the other's gradient, if that one needs one (a
+# scale by a number or by a dropout's noise keeps nothing of the scaled; torch's CPU dropout is
+# such a product)
+_PRODUCTS = _ops("mul", "div")
+_COLLECTIVES = ("_c10d_functional", "c10d", "_c10d_functional_autograd")
+
+
+def _storage(t):
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+class _Region:
+    """One forward of a checkpointed layer under the policy, and what it found: the storages that
+    ops keeping their inputs read (``read``). ``release`` then lets go of each cached matmul
+    output none of them read: autograd keeps nothing of it, so the plan counts nothing of it,
+    and the recomputation makes it again where something it recomputes needs it. (torch's
+    selective checkpoint caches every output its policy names, whether autograd keeps it or not:
+    at GPT-3 175B, 111 GB of attention scores and output projections on one pipeline rank.)"""
+
+    def __init__(self, kept: frozenset, saved: frozenset):
+        self.kept, self.saved = kept, saved
+        self.read: dict[int, weakref.ref] = {}  # id(storage) -> the storage, while it lives
+        self.cache = None  # the selective checkpoint's storage: op -> call index -> cached output
+
+    def policy(self, ctx, func, *args, **kwargs):
+        packet = getattr(func, "overloadpacket", func)
+        namespace = getattr(packet, "_qualified_op_name", "").split("::")[0]
+        if packet in _PRODUCTS:  # each operand kept for the other's gradient: a dropout's noise needs none
+            grads = [isinstance(a, torch.Tensor) and a.requires_grad for a in args[:2]]
+            read = [a for a, other in zip(args[:2], grads[::-1]) if other]
+        elif packet in _KEEP_NO_INPUT or namespace in _COLLECTIVES:
+            read = []
+        else:
+            read = tree_leaves((args, kwargs))
+        for t in read:
+            if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None and id(st) not in self.read:
+                self._note(st)
+        keep = _keeps(self.kept, self.saved, func, args)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def release(self) -> None:
+        recompute = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
+        if recompute is None or self.cache is None:  # a torch whose cache differs: keep what it cached
+            return
+        for key, calls in self.cache.items():
+            if getattr(key, "overloadpacket", key) not in _GEMMS or not isinstance(calls, dict):
+                continue
+            for idx, entry in calls.items():
+                if entry is recompute:
+                    continue
+                tensors = [w.val for w in tree_leaves(entry) if isinstance(getattr(w, "val", None), torch.Tensor)]
+                if tensors and not any(self._was_read(t) for t in tensors):
+                    calls[idx] = recompute
+
+    def _note(self, st) -> None:
+        key = id(st)
+        self.read[key] = weakref.ref(st, lambda _: self.read.pop(key, None))
+
+    def _was_read(self, t) -> bool:
+        st = _storage(t)
+        ref = self.read.get(id(st)) if st is not None else None
+        return ref is not None and ref() is st
 
 
 class Checkpoint(nn.Module):
@@ -77,11 +200,23 @@ class Checkpoint(nn.Module):
         kept = frozenset(k for k in KINDS if k not in self.recompute and k not in self.fp8_saved)
         saved = frozenset().union(*(KINDS[k] for k in kept))
         self._keeps = bool(saved) or bool(self.fp8_saved)
-        self._context = functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, kept, saved))
+        self._kept, self._saved = kept, saved
+        self._region: _Region | None = None
+
+    def _context(self):
+        region = _Region(self._kept, self._saved)
+        caching, cached = create_selective_checkpoint_contexts(region.policy)
+        region.cache = getattr(caching, "storage", None)
+        self._region = region
+        return caching, cached
 
     def _run(self, *args):
         fp8.forget_inputs()  # the forward and its recomputation quantise the same inputs first
-        return self.fn(*args)
+        out = self.fn(*args)
+        region, self._region = self._region, None  # None in the recomputation: its forward made it
+        if region is not None:
+            region.release()
+        return out
 
     def forward(self, *args):
         if not self._keeps:  # full recomputation: plain checkpointing (no selective cache)

@@ -75,10 +75,12 @@ def test_kept_fp8_copies_replace_the_norm_output_and_train_the_same():
         assert torch.equal(run[0], plain[0])
         assert torch.equal(run[1], plain[1])
         assert all(torch.equal(a, b) for a, b in zip(run[2], plain[2]))
-    # kept as it is: the norm's output (fp32 here) and the three FP8 GEMMs' outputs
+    # kept as it is: the norm's output (fp32 here) and the outputs of the two FP8 GEMMs that
+    # autograd keeps (read by the SiLU and the product); the last one's, read by the residual add
+    # alone, is let go and made again only if the recomputation needs it
     ops = [op for op, _, _ in as_is[3]]
     assert any("layer_norm" in op for op in ops)
-    assert ops.count("autoshard.fp8_mm.default") == 3
+    assert ops.count("autoshard.fp8_mm.default") == 2
     # as FP8 copies: one E4M3 quantisation of the norm output (shared by both matmuls) and its
     # scales, no norm output; the GEMMs' outputs as before
     ops = [op for op, _, _ in copies[3]]
