@@ -47,11 +47,19 @@ class SplitProgram:
 
 
 def _input_size(node: fx.Node) -> bool:
-    """``x.size(d)`` / ``sym_size(x, d)`` of a model input: recomputed wherever it is read."""
+    """``x.size(d)`` / ``sym_size(x, d)`` of a model input, or a symbolic size of any tensor (the
+    sequence length of context parallelism's shard of the tokens): recomputed wherever it is
+    read, from the tensor where the chunk has it, else from an input of the chunk with that
+    extent. A pipeline stage sends tensors only."""
     if node.op not in ("call_method", "call_function"):
         return False
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name.startswith(("size", "sym_size")) and node.args[0].op == "placeholder"
+    if not name.startswith(("size", "sym_size")) or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.args[0].op == "placeholder":
+        return True
+    shape, dim = node.args[0].meta.get("shape"), node.args[1] if len(node.args) > 1 else None
+    return isinstance(dim, int) and isinstance(shape, (tuple, list)) and bool(getattr(shape[dim], "free_symbols", None))
 
 
 def _input_device(node: fx.Node) -> bool:
