@@ -23,6 +23,7 @@ The prediction is the plan's (``plan.json``'s ``predicted.ranks``: one entry per
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -204,6 +205,35 @@ class MemoryCounter(TorchDispatchMode):
                 if st is not None and id(st) not in self._info:
                     self._add(st, part, func.overloadpacket.__name__)
         return out
+
+    # FSDP frees a gathered parameter by resizing its storage to nothing and gathers it again by
+    # resizing it back, with no op a dispatch mode sees (as torch's MemTracker, watch resize_)
+    def __enter__(self):
+        self._resize = torch.UntypedStorage.resize_
+        resize, counter = self._resize, self
+
+        @functools.wraps(resize)
+        def resize_(st, size):
+            out = resize(st, size)
+            counter._resized(st)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*args)
+
+    def _resized(self, st) -> None:
+        info = self._info.get(id(st))
+        if info is None:
+            return
+        delta = st.nbytes() - info[1]
+        info[1] += delta
+        self.live[info[0]] += delta
+        self.by_op[(info[0], info[2])] += delta
+        self._update_peak()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -693,6 +723,17 @@ def format_report(report: AtScaleReport) -> str:
     return "\n".join(lines)
 
 
+def _failure(stderr: str) -> str:
+    """The line of a failed rank's output that names its error (torch prefixes each line of a
+    rank's traceback with ``[rankN]:``)."""
+    import re
+
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in stderr.splitlines()]
+    lines = [line for line in lines if line]
+    named = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line)]
+    return (named or lines or ["(no output)"])[-1]
+
+
 def verify_at_scale(
     out,
     ranks: str = "first,last,busiest",
@@ -735,8 +776,7 @@ def verify_at_scale(
             raise AutoshardError(f"rank {rank} did not finish its step on fake tensors in {timeout:.0f} s") from None
         del running[rank]
         if proc.returncode != 0:
-            tail = [line for line in stderr.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
-            raise AutoshardError(f"rank {rank} failed on fake tensors: {tail[0][:300]}")
+            raise AutoshardError(f"rank {rank} failed on fake tensors: {_failure(stderr)[:300]}")
         done[rank] = Measured(**json.loads(stdout.strip().splitlines()[-1]))
     reports = []
     for rank, why in chosen.items():
