@@ -149,12 +149,16 @@ class _Gathered:
 
 
 def _pack(t: torch.Tensor):
+    # Anything else is kept as a detached alias: kept as itself, an op's saved output would hold
+    # its own grad_fn, a cycle through the autograd graph that nothing collects where the graph
+    # is kept and never run to its end (a split backward's input pass keeps it for the weight
+    # pass, which runs only the weights' part): the layers' activations held to the step's end.
     try:
         gathered = _GATHERED.get(t.untyped_storage())
     except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own
-        return t
+        return t.detach()
     if gathered is None:
-        return t
+        return t.detach()
     gathered.pending += 1
     return gathered, tuple(t.shape), t.stride(), t.storage_offset()
 
