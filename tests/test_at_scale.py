@@ -4,12 +4,11 @@ sequence parallelism, bf16, zero-bubble) and a small MoE (DeepSeek-V3's tiny con
 FP8). Each rank named runs one optimizer step at its full shapes on fake tensors with the fake
 process group, and its counters are set beside plan.json's per-rank promise.
 
-What holds today is asserted exactly: the 8B rank's parameters, gradients and optimizer states
-and its FLOPs are the plan's, and every mesh dimension's bytes match on both. The peak memory does
-not yet: the 8B rank keeps more activations than the plan counts (about 1.9x at the peak; the
-issue's note gives the breakdown), and the tiny MoE's memory and FLOPs are dominated by what the
-cost model does not price at that size, so the test checks that ``verify`` says so (exit 1, OUT
-OF BOUNDS) rather than asserting a pass."""
+The 8B rank passes every bound (its parameters, gradients and optimizer states are the plan's to
+the byte, its FLOPs to 0.01%). The tiny MoE's FLOPs and every dimension's bytes are the plan's;
+its peak memory (0.1 GB) is not within 10%: at that size the backward's transients of the
+expert dispatch, which the cost model does not price, are a quarter to a half of it, so the test
+checks that ``verify`` says so (exit 1, OUT OF BOUNDS) where the bound is missed."""
 
 import json
 
@@ -57,7 +56,7 @@ def test_8b_rank_counts_states_flops_and_bytes_as_planned(llama8b):
             assert row.ok(report.bounds.comm_floor_bytes), what
     assert {"tp bytes sent", "pp bytes sent", "dp bytes sent"} <= set(rows)
     assert rank.measured.rss_bytes < 2e9  # nothing allocated at full size
-    assert rows["peak memory"].measured > rows["params"].measured + rows["optimizer"].measured
+    assert rows["peak memory"].ok() and rank.ok and report.ok
 
 
 def test_moe_ranks_exchange_the_planned_bytes_and_verify_says_what_misses(moe, capsys):
@@ -66,6 +65,7 @@ def test_moe_ranks_exchange_the_planned_bytes_and_verify_says_what_misses(moe, c
     for rank in report.ranks:
         rows = _rows(rank)
         assert "ep bytes sent" in rows and "pp bytes sent" in rows
+        assert rows["FLOPs"].ok(), rank.rank
         for what, row in rows.items():
             if what.endswith("bytes sent"):
                 assert row.ok(report.bounds.comm_floor_bytes), (rank.rank, what)

@@ -33,7 +33,7 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
 @_flash.register_fake
 def _(q, k, v, causal, scale):
     b, h, sq, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
+    return q.new_empty((b, h, sq, v.size(-1))), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("autoshard::flash_attention_backward", mutates_args=())
@@ -85,13 +85,16 @@ def flash_attention(q, k, v, causal: bool = True, scale: float | None = None) ->
 
 
 def kernel_runs(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> bool:
-    """Whether attention over these tensors runs the Triton kernel: on CUDA (or on fake tensors,
-    which stand for the GPU program), with a head dimension it is built for and values shaped like
-    the keys."""
-    if q.size(-1) not in KERNEL_HEAD_DIMS or (k is not None and v is not None and k.shape != v.shape):
-        return False
+    """Whether attention over these tensors runs the Triton kernel: on CUDA, with a head dimension
+    it is built for and values shaped like the keys. On fake tensors, which stand for the GPU
+    program, always: where the head dimensions are not the kernel's (MLA's 192 for queries and
+    keys, 128 for values) the GPU program runs torch's fused attention, which keeps what the
+    kernel keeps (the output and the log-sum-exp); a CPU's would be the unfused math, holding
+    the scores (8.6 GB per layer and micro-batch at DeepSeek-V3's 128 heads and 4K tokens)."""
     if fake.is_fake(q):
         return True
+    if q.size(-1) not in KERNEL_HEAD_DIMS or (k is not None and v is not None and k.shape != v.shape):
+        return False
     if not q.is_cuda:
         return False
     try:
