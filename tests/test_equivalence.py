@@ -26,6 +26,9 @@ CASES = {
     "pp2-dp2-zero3": (4, "pp=2,dp=2,zero=3,schedule=interleaved"),
     "pp2-dp2-zero2-zb": (4, "pp=2,dp=2,zero=2,schedule=zero-bubble"),  # a split backward reduces in its weight pass
     "cp2-ring": (2, "cp=2,attention=ring"),
+    # ring attention as one piece under selective recomputation: kept (its output reused) or not
+    "cp2-ring-keep": (2, "cp=2,attention=ring,recompute=activation"),
+    "cp2-ring-recompute": (2, "cp=2,attention=ring,recompute=attention+activation"),
     "cp2-tp2-ring": (4, "cp=2,tp=2,attention=ring"),
     "cp2-tp2-allgather": (4, "cp=2,tp=2,attention=allgather-kv"),
     "cp2-dp2-zero3": (4, "cp=2,dp=2,zero=3"),  # ZeRO over dp x cp
@@ -39,7 +42,16 @@ MODELS = Path(__file__).parent / "models"
 # runtime features whose rewrite reads nothing of the model's code beyond its parameters and its
 # stage split (data-parallel ZeRO stages, the pipeline schedule once the split is made): checked on
 # the LLaMA example only; every model runs the layouts that rewrite its graph (CI time)
-MODEL_AGNOSTIC = ("dp2-zero0", "dp2-zero1", "dp2-zero2", "pp2-1f1b", "pp2-zero-bubble", "pp2-dp2-zero2-zb")
+MODEL_AGNOSTIC = (
+    "dp2-zero0",
+    "dp2-zero1",
+    "dp2-zero2",
+    "pp2-1f1b",
+    "pp2-zero-bubble",
+    "pp2-dp2-zero2-zb",
+    "cp2-ring-keep",
+    "cp2-ring-recompute",
+)
 PAIRS = [(m, c) for m in ("gpt", "llama3", "hf_llama") for c in CASES if m == "llama3" or c not in MODEL_AGNOSTIC]
 
 

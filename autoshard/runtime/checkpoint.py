@@ -188,6 +188,52 @@ class _Region:
         return ref is not None and ref() is st
 
 
+_UNITS = "autoshard.units"  # a region's cache key for the outputs of its units, in call order
+_REGION = "autoshard.region"  # and for the region itself (what it keeps)
+
+
+def unit(fn, *args):
+    """``fn(*args)`` (an autograd Function that communicates inside: ring attention, whose kind
+    is ``attention``) as one piece under a selectively checkpointed layer. torch's selective
+    checkpoint would see the ops inside it, cache those of kept kinds (every hop's partial output
+    and its fp32 merges: 136 GB at LLaMA-3 70B and 131K tokens on one rank) and, whatever it
+    keeps, run its sends again in the recomputation. Here the cache does not see inside; where
+    the plan keeps attention, the Function keeps what it saves for its own backward and the
+    recomputation takes its output as the forward made it, running nothing of it again; where
+    the plan recomputes attention, the recomputation runs it whole. Outside a selective
+    checkpoint (or under full recomputation), ``fn(*args)``."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+    mode = _get_current_dispatch_mode()
+    region = getattr(mode, "storage", {}).get(_REGION) if hasattr(mode, "storage") else None
+    if not isinstance(region, _Region):
+        return fn(*args)
+    keep = "attention" in region.kept
+    if isinstance(mode, torch.utils.checkpoint._CachingTorchDispatchMode):  # the layer's forward
+        if not keep:
+            with _pop_mode_temporarily():
+                return fn(*args)
+        with _pop_mode_temporarily(), torch.autograd.graph.saved_tensors_hooks(_alias, _same):
+            out = fn(*args)
+        units = mode.storage[_UNITS]
+        units[len(units)] = (out.detach(), out.requires_grad)
+        return out
+    if not keep:  # its recomputation
+        with _pop_mode_temporarily():
+            return fn(*args)
+    units = mode.storage[_UNITS]
+    value, grad = units.pop(min(units))
+    return value.detach().requires_grad_(grad)
+
+
+def _alias(t):
+    return t.detach()  # kept as itself, a saved output would hold its own grad_fn (a cycle)
+
+
+def _same(t):
+    return t
+
+
 class Checkpoint(nn.Module):
     """Run ``fn`` (a layer) under activation checkpointing, keeping the kinds not in ``recompute``
     (those in ``fp8_saved`` as their FP8 copies)."""
@@ -207,6 +253,8 @@ class Checkpoint(nn.Module):
         region = _Region(self._kept, self._saved)
         caching, cached = create_selective_checkpoint_contexts(region.policy)
         region.cache = getattr(caching, "storage", None)
+        if region.cache is not None:
+            region.cache[_REGION] = region
         self._region = region
         return caching, cached
 

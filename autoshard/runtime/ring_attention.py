@@ -23,6 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from autoshard.runtime import checkpoint
 from autoshard.runtime.attention import autocast_inputs, flash_attention, kernel_runs
 
 
@@ -196,7 +197,7 @@ def ring_attention(
         kernel = kernel_runs(q, k, v)
     if kernel:
         q, k, v = autocast_inputs(q, k, v)
-    return _RingAttention.apply(q, k, v, group, causal, scale, kernel)
+    return checkpoint.unit(_RingAttention.apply, q, k, v, group, causal, scale, kernel)
 
 
 class _GatherSeq(torch.autograd.Function):
