@@ -16,6 +16,10 @@ OPTIMIZER_BYTES = 12  # fp32 master copy + Adam m + Adam v
 # a bf16 parameter's gradient as backward makes it: the bf16 gradient and its fp32 copy, added into
 # the fp32 gradient (``grad_dtype``), for one parameter at a time
 GRAD_TRANSIENT_BYTES = 2 + 4
+# ZeRO-3 (FSDP2) holds at its peak three bf16 copies of a layer's weights: the layer at work, the
+# next one's all-gather output, and the copy it makes out of that into the next layer's parameters
+# (it lets go of a gather's output when the next gather starts)
+ZERO3_GATHERED_LAYERS = 3
 BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
 
 

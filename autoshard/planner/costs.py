@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from autoshard.cost_models.comm import Where, pipeline_ends_all_reduce
 from autoshard.cost_models.hardware import Hardware
 from autoshard.cost_models.layers import POST, PRE, LayerCost, LayerCosts
-from autoshard.cost_models.memory import GRAD_TRANSIENT_BYTES, sharded_state_bytes
+from autoshard.cost_models.memory import GRAD_TRANSIENT_BYTES, ZERO3_GATHERED_LAYERS, sharded_state_bytes
 from autoshard.planner.candidates import Candidate, Problem, recompute_options, schedules
 from autoshard.planner.memo import Memo
 from autoshard.runtime.schedules import SCHEDULES, Schedule
@@ -203,13 +203,13 @@ class CandidateCosts:
 
     def buffers(self, c: Candidate, w: Work, zero: int) -> tuple[float, float]:
         """Bytes every rank needs besides model states and saved activations: the largest transient
-        (gathered K/V, expert dispatch buffers, ZeRO-3's gathered layer and its prefetch, a
+        (gathered K/V, expert dispatch buffers, ZeRO-3's gathered layers, a
         parameter's gradient as backward makes it: ``GRAD_TRANSIENT_BYTES`` per element of the
         largest parameter) and the pipeline's send/receive buffers; then the extra on the rank
         holding the output head."""
         transient = max([k.transient_bytes for k in w.kinds] + [w.pre.transient_bytes])
-        if zero == 3:
-            transient += 2 * max(k.params_dense + k.params_expert for k in w.kinds) * 2
+        if zero == 3:  # bf16 copies of the largest layer (``ZERO3_GATHERED_LAYERS``)
+            transient += ZERO3_GATHERED_LAYERS * max(k.params_dense + k.params_expert for k in w.kinds) * 2
         largest = max(self.layers.largest_param(i, c.tp, c.ep) for i in range(len(w.kinds)))
         transient += GRAD_TRANSIENT_BYTES * largest
         return transient + (4 * self._boundary(c) if c.pp > 1 else 0.0), w.post.transient_bytes
