@@ -444,9 +444,9 @@ def rank_at(plan: dict, **coords: int) -> int:
 def _dimension(plan: dict, members: list[int]) -> str:
     """The mesh dimension a process group spans, from which coordinates vary among its ranks:
     ``tp``, ``cp``, ``pp``, ``dp`` (dp x cp too: ZeRO and FSDP shard over both, and the cost model
-    counts that traffic as data parallelism's), ``world`` (every rank), else ``mixed``."""
-    if len(members) == plan["gpus"] and plan["gpus"] > 1:
-        return "world"
+    counts that traffic as data parallelism's), else ``mixed``. A group of every rank is named
+    by its coordinates too (ZeRO's dp x cp group is the world where nothing else splits it); the
+    default group is ``world`` (``group_names``)."""
     varying = {a for a in ("tp", "cp", "pp", "dp") if len({coordinates(plan, r)[a] for r in members}) > 1}
     if len(varying) == 1:
         return varying.pop()
@@ -468,6 +468,8 @@ def group_names(plan: dict) -> dict[str, str]:
     names = {}
     for pg in list(c10d_py._world.pg_names):
         names[pg.group_name] = _dimension(plan, dist.get_process_group_ranks(pg))
+    if dist.group.WORLD is not None:
+        names[dist.group.WORLD.group_name] = "world"
     labels = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "ep": "ep", "edp": "dp", "route": "dp"}
     for axis, label in labels.items():
         pg = groups._GROUPS.get(axis)

@@ -68,7 +68,10 @@ def test_process_groups_are_named_by_the_coordinates_their_ranks_vary_in():
     assert atscale._dimension(plan, [0, 1]) == "tp"
     assert atscale._dimension(plan, [0, 2, 8, 10]) == "dp"  # dp x cp: ZeRO's group, data parallelism's traffic
     assert atscale._dimension(plan, [0, 4]) == "pp"
-    assert atscale._dimension(plan, list(range(16))) == "world"
+    assert atscale._dimension(plan, list(range(16))) == "mixed"  # every coordinate varies
+    # ZeRO-3 over dp x cp with nothing else split: that group is every rank, and it is dp's
+    flat = {"gpus": 8, "mesh": {"tp": 1, "cp": 2, "pp": 1, "dp": 4, "order": ["tp", "cp", "pp", "dp"]}}
+    assert atscale._dimension(flat, list(range(8))) == "dp"
 
 
 def _attention_flops(q, k, v, causal):
