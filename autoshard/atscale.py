@@ -446,7 +446,7 @@ def _dimension(plan: dict, members: list[int]) -> str:
     ``tp``, ``cp``, ``pp``, ``dp`` (dp x cp too: ZeRO and FSDP shard over both, and the cost model
     counts that traffic as data parallelism's), else ``mixed``. A group of every rank is named
     by its coordinates too (ZeRO's dp x cp group is the world where nothing else splits it); the
-    default group is ``world`` (``group_names``)."""
+    default group is ``world`` where its ranks vary in several dimensions (``group_names``)."""
     varying = {a for a in ("tp", "cp", "pp", "dp") if len({coordinates(plan, r)[a] for r in members}) > 1}
     if len(varying) == 1:
         return varying.pop()
@@ -468,8 +468,9 @@ def group_names(plan: dict) -> dict[str, str]:
     names = {}
     for pg in list(c10d_py._world.pg_names):
         names[pg.group_name] = _dimension(plan, dist.get_process_group_ranks(pg))
-    if dist.group.WORLD is not None:
-        names[dist.group.WORLD.group_name] = "world"
+    if dist.group.WORLD is not None:  # a mesh dimension spanning every rank reuses it
+        label = _dimension(plan, list(range(plan["gpus"])))
+        names[dist.group.WORLD.group_name] = "world" if label in ("mixed", "self") else label
     labels = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "ep": "ep", "edp": "dp", "route": "dp"}
     for axis, label in labels.items():
         pg = groups._GROUPS.get(axis)
