@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autoshard.atscale import Bounds, verify_at_scale  # noqa: E402
+from autoshard.errors import AutoshardError  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,13 @@ def run(cases: list[Case], markdown: bool) -> int:
     for case in cases:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / case.key
-            compile_s = compile_case(case, out)
-            report = verify_at_scale(out, "first,last,busiest", Bounds())
+            try:
+                compile_s = compile_case(case, out)
+                report = verify_at_scale(out, "first,last,busiest", Bounds())
+            except (AutoshardError, RuntimeError) as e:  # a row that cannot run says why; the rest go on
+                failed += 1
+                print(f"| {case.what} | - | - | {e} | - | - | no |" if markdown else f"{case.key:10s} {e}", flush=True)
+                continue
         for r in report.ranks:
             peak = next(x for x in r.rows if x.what == "peak memory")
             flops = _ratio(r.rows, "FLOPs")
@@ -110,7 +116,8 @@ def run(cases: list[Case], markdown: bool) -> int:
             where = f"{r.rank} ({'/'.join(r.chosen_as)})"
             pk = f"{peak.predicted / 1e9:.1f} / {peak.measured / 1e9:.1f} ({peak.ratio:.3f})"
             if markdown:
-                print(f"| {case.what} | {report.plan} | {where} | {pk} | {flops:.4f} | {comm_text} | {ok} |")
+                row = f"| {case.what} | {report.plan} | {where} | {pk} | {flops:.4f} | {comm_text} | {ok} |"
+                print(row, flush=True)
             else:
                 took = f"{r.measured.seconds:.1f} s, {r.measured.rss_bytes / 1e9:.2f} GB rss, compile {compile_s:.0f} s"
                 line = f"{case.key:10s} rank {where:22s} peak {pk} GB  FLOPs {flops:.4f}  bytes {comm_text:18s}"
