@@ -147,6 +147,7 @@ class _Region:
         self.kept, self.saved = kept, saved
         self.read: dict[int, weakref.ref] = {}  # id(storage) -> the storage, while it lives
         self.cache = None  # the selective checkpoint's storage: op -> call index -> cached output
+        self.units: list[tuple[torch.Tensor, bool]] = []  # ``unit`` outputs, in call order
 
     def policy(self, ctx, func, *args, **kwargs):
         packet = getattr(func, "overloadpacket", func)
@@ -188,10 +189,6 @@ class _Region:
         return ref is not None and ref() is st
 
 
-_UNITS = "autoshard.units"  # a region's cache key for the outputs of its units, in call order
-_REGION = "autoshard.region"  # and for the region itself (what it keeps)
-
-
 def unit(fn, *args):
     """``fn(*args)`` (an autograd Function that communicates inside: ring attention, whose kind
     is ``attention``) as one piece under a selectively checkpointed layer. torch's selective
@@ -205,7 +202,7 @@ def unit(fn, *args):
     from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
     mode = _get_current_dispatch_mode()
-    region = getattr(mode, "storage", {}).get(_REGION) if hasattr(mode, "storage") else None
+    region = getattr(mode, "autoshard_region", None)  # the selective checkpoint's modes know their region
     if not isinstance(region, _Region):
         return fn(*args)
     keep = "attention" in region.kept
@@ -215,14 +212,12 @@ def unit(fn, *args):
                 return fn(*args)
         with _pop_mode_temporarily(), torch.autograd.graph.saved_tensors_hooks(_alias, _same):
             out = fn(*args)
-        units = mode.storage[_UNITS]
-        units[len(units)] = (out.detach(), out.requires_grad)
+        region.units.append((out.detach(), out.requires_grad))
         return out
     if not keep:  # its recomputation
         with _pop_mode_temporarily():
             return fn(*args)
-    units = mode.storage[_UNITS]
-    value, grad = units.pop(min(units))
+    value, grad = region.units.pop(0)
     return value.detach().requires_grad_(grad)
 
 
@@ -253,8 +248,7 @@ class Checkpoint(nn.Module):
         region = _Region(self._kept, self._saved)
         caching, cached = create_selective_checkpoint_contexts(region.policy)
         region.cache = getattr(caching, "storage", None)
-        if region.cache is not None:
-            region.cache[_REGION] = region
+        caching.autoshard_region = cached.autoshard_region = region
         self._region = region
         return caching, cached
 
