@@ -71,7 +71,7 @@ def _policy(kept: frozenset, saved: frozenset, ctx, func, *args, **kwargs):
 # matmul outputs the policy caches that autograd may not keep: an output projection's (read by a
 # residual add, a dropout or a TP reduction, none of which keeps its input), attention scores
 # (read by a scale and a mask before the softmax)
-_GEMMS = {p for p in (aten.mm, aten.addmm, aten.bmm, getattr(aten, "_grouped_mm", None), _FP8_MM) if p is not None}
+_GEMMS = _ops("mm", "addmm", "bmm", "_grouped_mm") | {_FP8_MM}
 # ops whose backward keeps none of their tensor inputs (views alias them; the rest keep a mask,
 # their output, or nothing): reading a tensor, they do not make autograd keep it
 _KEEP_NO_INPUT = _ops(  # fmt: skip
@@ -170,7 +170,7 @@ class _Region:
         if recompute is None or self.cache is None:  # a torch whose cache differs: keep what it cached
             return
         for key, calls in self.cache.items():
-            if getattr(key, "overloadpacket", key) not in _GEMMS or not isinstance(calls, dict):
+            if getattr(key, "overloadpacket", key) not in _GEMMS:
                 continue
             for idx, entry in calls.items():
                 if entry is recompute:
