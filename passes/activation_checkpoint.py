@@ -61,6 +61,8 @@ def activation_checkpoint(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphMo
             call = graph.call_module(name, tuple(inputs))
         call.meta = {k: anchor.meta[k] for k in ("region", "layer", "nn_module_stack", "source") if k in anchor.meta}
         call.meta["op"] = "checkpoint"
+        if len(outputs) == 1:  # what the layer hands on has its shape (a later chunk reads sizes off it)
+            call.meta["shape"] = outputs[0].meta.get("shape")
         notes[call.name] = f"layer {layer} under activation checkpointing: recompute {', '.join(sorted(recompute))}" + (
             f"; keep {', '.join(ctx.fp8_saved)} as fp8 copies" if ctx.fp8_saved else ""
         )

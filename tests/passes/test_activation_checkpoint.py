@@ -64,6 +64,16 @@ def test_each_layer_becomes_one_checkpoint_of_exactly_its_nodes():
     }
 
 
+def test_a_checkpoint_call_has_the_shape_of_what_its_layer_hands_on():
+    gm = _tiny()
+    shapes = {n.meta["layer"]: n.meta.get("shape") for n in gm.graph.nodes if n.op == "call_function"
+              and n.target is operator.add and n.meta.get("region") == "layer"}  # fmt: skip
+    activation_checkpoint(gm, RewriteContext(recompute=("activation",)))
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("checkpoint_")]
+    # a later pipeline chunk reads the batch and sequence sizes off its input, this call's result
+    assert [n.meta["shape"] for n in calls] == [shapes[0], shapes[1]] and shapes[0] is not None
+
+
 def test_nothing_to_recompute_leaves_the_graph_alone():
     gm = _tiny()
     before = listing(gm.graph)
