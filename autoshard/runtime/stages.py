@@ -134,16 +134,17 @@ def piece_blocks(shape: tuple[int, ...], spec: tuple | None, rank: int, size: in
     return out
 
 
-def restrict_rows(blocks: list[Block], start: int, stop: int) -> list[Block]:
-    """The blocks of rows ``start:stop`` (dimension 0) of a piece, with local offsets counted
-    from ``start``: what an FSDP shard of the piece holds."""
+def restrict_rows(blocks: list[Block], start: int, stop: int, dim: int = 0) -> list[Block]:
+    """The blocks of rows ``start:stop`` (along ``dim``) of a piece, with local offsets counted
+    from ``start``: what an FSDP shard or a ZeRO-1 rank's rows of the piece hold."""
     out = []
+    put = lambda v, x: (*v[:dim], x, *v[dim + 1 :])  # noqa: E731
     for b in blocks:
-        lo, hi = max(start, b.local[0]), min(stop, b.local[0] + b.sizes[0])
+        lo, hi = max(start, b.local[dim]), min(stop, b.local[dim] + b.sizes[dim])
         if lo >= hi:
             continue
-        shift = lo - b.local[0]
-        out.append(Block((lo - start, *b.local[1:]), (b.full[0] + shift, *b.full[1:]), (hi - lo, *b.sizes[1:])))
+        shift = lo - b.local[dim]
+        out.append(Block(put(b.local, lo - start), put(b.full, b.full[dim] + shift), put(b.sizes, hi - lo)))
     return out
 
 

@@ -1,5 +1,9 @@
 """ZeRO-1 as a distributed optimizer shards it: every parameter split by rows over the ranks of
 its data-parallel group, each rank keeping the fp32 master and the AdamW moments of its rows only.
+A parameter's rows are taken along the dimension that gives the largest rank the least (dimension
+0 for a weight the group divides; for a stack of experts with fewer local experts than ranks, the
+stack's rows: one local expert of Mixtral 8x22B at EP8 split over its 8 expert-data-parallel ranks
+by expert would leave one rank the whole 12 bytes per element and the rest nothing).
 
 A step: the full gradients (fp32, accumulated over the micro-batches on every rank) are
 reduce-scattered, so each rank receives the sum over the group of its rows; AdamW steps the rows'
@@ -29,9 +33,19 @@ from autoshard.runtime.collectives import _gather_into, _scatter_from  # the ten
 BUCKET_BYTES = 64 * 2**20
 
 
-def _rows(p: torch.Tensor) -> torch.Tensor:
-    """``p`` as (rows, elements per row): dimension 0 is what is split (a scalar is one row)."""
-    return p.reshape(p.shape[0] if p.dim() else 1, -1)
+def split_dim(shape: tuple[int, ...], size: int) -> int:
+    """The dimension a tensor of ``shape`` is split along over ``size`` ranks: the one whose split
+    leaves the largest rank the fewest elements (the first such)."""
+    numel = math.prod(shape)
+    share = lambda d: math.ceil(shape[d] / size) * (numel // shape[d]) if shape[d] else 0  # noqa: E731
+    return min(range(len(shape)), key=lambda d: (share(d), d)) if shape else 0
+
+
+def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` as (outer, rows, elements per row) with the rows along ``dim`` (a scalar: one row)."""
+    if not t.dim():
+        return t.reshape(1, 1, 1)
+    return t.reshape(math.prod(t.shape[:dim]), t.shape[dim], -1)
 
 
 class ShardedAdamW:
@@ -44,16 +58,19 @@ class ShardedAdamW:
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        self.dims: dict[int, int] = {}  # id(param) -> the dimension of its rows
         self.spans: dict[int, tuple[int, int, int]] = {}  # id(param) -> (rows per rank, first, end)
         self.masters: dict[int, torch.Tensor] = {}  # id(param) -> fp32 copy of this rank's rows
         with torch.no_grad():
             for p in self.params:
-                rows = _rows(p).size(0)
+                dim = self.dims[id(p)] = split_dim(tuple(p.shape), self.size)
+                rows = _rows(p, dim).size(1)
                 per = math.ceil(rows / self.size)
                 lo, hi = min(rows, self.rank * per), min(rows, (self.rank + 1) * per)
                 self.spans[id(p)] = (per, lo, hi)
-                master = _rows(p)[lo:hi].float().clone()
-                self.masters[id(p)] = master.view(hi - lo, *p.shape[1:]) if p.dim() else master.view(hi - lo)
+                master = _rows(p, dim)[:, lo:hi].float().clone()
+                shape = (*p.shape[:dim], hi - lo, *p.shape[dim + 1 :]) if p.dim() else (hi - lo,)
+                self.masters[id(p)] = master.view(shape)
         self.optim = torch.optim.AdamW(list(self.masters.values()), **kwargs)
 
     # the optimizer's face (the program sets learning rates, checkpoints read states)
@@ -70,10 +87,20 @@ class ShardedAdamW:
         """The tensor stepped for ``p`` (and keying its states): the fp32 copy of this rank's rows."""
         return self.masters.get(id(p), p)
 
-    def rows_of(self, p: torch.Tensor) -> tuple[int, int]:
-        """The rows of ``p`` this rank steps."""
+    def rows_of(self, p: torch.Tensor) -> tuple[int, int, int]:
+        """The rows of ``p`` this rank steps: (first, end, their dimension)."""
         _, lo, hi = self.spans[id(p)]
-        return lo, hi
+        return lo, hi, self.dims[id(p)]
+
+    def _view(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """``t`` (``p`` or its gradient) as (outer, rows, elements per row), split as ``p`` is."""
+        return _rows(t, self.dims[id(p)])
+
+    def _exact(self, p: torch.Tensor, t: torch.Tensor) -> bool:
+        """Whether ``t``'s own storage is the collective's buffer: the ranks' rows, each a
+        contiguous run of it, tile it exactly."""
+        outer, rows, _ = self._view(t, p).shape
+        return outer == 1 and self.spans[id(p)][0] * self.size == rows and t.is_contiguous()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -86,8 +113,8 @@ class ShardedAdamW:
     def _buckets(self, itemsize: int) -> list[list[nn.Parameter]]:
         out, size = [[]], 0
         for p in self.params:
-            per = self.spans[id(p)][0]
-            n = per * _rows(p).size(1) * self.size * itemsize
+            outer, _, inner = self._view(p, p).shape
+            n = outer * self.spans[id(p)][0] * inner * self.size * itemsize
             if out[-1] and size + n > BUCKET_BYTES:
                 out.append([])
                 size = 0
@@ -102,21 +129,21 @@ class ShardedAdamW:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p, dtype=getattr(p, "grad_dtype", None) or p.dtype)
-            grads[id(p)] = _rows(p.grad)
+            grads[id(p)] = self._view(p.grad, p)
         for bucket in self._buckets(4):
             per = [self.spans[id(p)][0] for p in bucket]
-            width = [grads[id(p)].size(1) for p in bucket]
+            width = [grads[id(p)].size(0) * grads[id(p)].size(2) for p in bucket]
             seg = sum(r * w for r, w in zip(per, width))
-            dtype = grads[id(bucket[0])].dtype
-            g0 = grads[id(bucket[0])]
-            if len(bucket) == 1 and per[0] * self.size == g0.size(0) and g0.is_contiguous():
+            p0 = bucket[0]
+            g0 = grads[id(p0)]
+            if len(bucket) == 1 and self._exact(p0, p0.grad):
                 full = g0.view(-1)  # the rows divide exactly: the gradient itself is the input
             else:
-                full = g0.new_zeros(self.size * seg, dtype=dtype)
+                full = g0.new_zeros(self.size * seg)
                 at = 0
                 for r in range(self.size):
                     for p, n, w in zip(bucket, per, width):
-                        piece = grads[id(p)][r * n : (r + 1) * n]
+                        piece = grads[id(p)][:, r * n : (r + 1) * n]
                         full[at : at + piece.numel()].copy_(piece.reshape(-1))
                         at += n * w
             mine = full.new_empty(seg)
@@ -141,10 +168,10 @@ class ShardedAdamW:
         parameters (after a step, or after a checkpoint was loaded into the masters)."""
         for bucket in self._buckets(self.params[0].element_size() if self.params else 2):
             per = [self.spans[id(p)][0] for p in bucket]
-            width = [_rows(p).size(1) for p in bucket]
+            width = [self._view(p, p).size(0) * self._view(p, p).size(2) for p in bucket]
             seg = sum(r * w for r, w in zip(per, width))
             p0 = bucket[0]
-            exact = len(bucket) == 1 and per[0] * self.size == _rows(p0).size(0) and p0.is_contiguous()
+            exact = len(bucket) == 1 and self._exact(p0, p0)
             mine = p0.new_zeros(seg)
             at = 0
             for p, n, w in zip(bucket, per, width):
@@ -161,6 +188,6 @@ class ShardedAdamW:
             at = 0
             for r in range(self.size):
                 for p, n, w in zip(bucket, per, width):
-                    rows = _rows(p.data)[r * n : (r + 1) * n]
+                    rows = self._view(p.data, p)[:, r * n : (r + 1) * n]
                     rows.copy_(full[at : at + rows.numel()].view_as(rows))
                     at += n * w
