@@ -1,6 +1,7 @@
 """ZeRO-1's sharded AdamW (``runtime/zero.py``): the dimension each parameter's rows are split
-along, and one step over 4 gloo ranks against ``torch.optim.AdamW`` on the summed gradients,
-with every rank holding its share of the states (a stack with fewer experts than ranks too)."""
+along, where a checkpoint finds each rank's rows in the full tensor, and one step over 4 gloo
+ranks against ``torch.optim.AdamW`` on the summed gradients, with every rank holding its share of
+the states (a stack with fewer experts than ranks too)."""
 
 import pytest
 import torch
@@ -41,6 +42,12 @@ def _step(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(s)) for s in SHAPES]
     opt = ShardedAdamW(params, dist.group.WORLD, lr=0.1, weight_decay=0.01)
+    for p in params[:-1]:  # what a checkpoint writes of this rank's rows: the blocks of the full tensor
+        whole = [Block((0,) * p.dim(), (0,) * p.dim(), tuple(p.shape))]
+        for b in restrict_rows(whole, *opt.rows_of(p)):
+            piece = p.detach()[tuple(slice(f, f + n) for f, n in zip(b.full, b.sizes))]
+            mine = opt.master(p)[tuple(slice(lo, lo + n) for lo, n in zip(b.local, b.sizes))]
+            assert torch.equal(piece, mine), (tuple(p.shape), b)
     gen = torch.Generator().manual_seed(rank + 1)
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
