@@ -103,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         "single-device model running the same FP8 emulation)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600, help="seconds before the run counts as hung")
+    p.add_argument(
+        "--timeout",
+        type=_positive(float),
+        help="seconds before the run counts as hung (default 600; with --at-scale 3600 per rank: a rank of a "
+        "671B plan runs 120 micro-batches on one core)",
+    )
     p.add_argument("--max-grad-norm", type=_positive(float), help="clip the gradient norm on both sides")
     p.add_argument("--warmup", type=int, help="learning-rate warm-up steps on both sides")
     p.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), help="the schedule on both sides")
@@ -249,13 +254,13 @@ def _verify(args) -> int:
         from autoshard import atscale
 
         bounds = atscale.Bounds(args.memory_within, args.flops_within, args.comm_within)
-        report = atscale.verify_at_scale(args.out, args.ranks, bounds, timeout=args.timeout)
+        report = atscale.verify_at_scale(args.out, args.ranks, bounds, timeout=args.timeout or 3600.0)
         print(json.dumps(report.to_dict(), indent=2) if args.json else atscale.format_report(report))
         return 0 if report.ok else 1
     from autoshard.verify import format_report, verify
 
     flags = {k: getattr(args, k) for k in ("max_grad_norm", "warmup", "lr_schedule", "min_lr")}
-    result = verify(args.out, args.steps, args.tolerance, args.seed, args.timeout, flags)
+    result = verify(args.out, args.steps, args.tolerance, args.seed, args.timeout or 600.0, flags)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0 if result["ok"] else 1
 
