@@ -215,7 +215,7 @@ RULES: dict[str, OpRule] = {
     **_rows("dropout native_dropout", _PW, saves=("mask",)),
     **_rows("masked_fill masked_fill_", _PW, saves=("in1",)),
     "where": replace(_PW, saves=("in0",)),
-    **_rows("to float half bfloat16 type_as _to_copy contiguous clone", _PW),
+    **_rows("to float half bfloat16 type_as _to_copy to_compute contiguous clone", _PW),
     **_rows("eq ne lt le gt ge logical_not invert bitwise_not", _PW),
     # reductions and routing (a feature shard passes the ones over other dimensions)
     **_rows("sum mean amax var std", _REDUCE, sp="reduce", tp="reduce"),
@@ -450,7 +450,7 @@ def node_cost(node: fx.Node, gm: fx.GraphModule, float_bytes: int = 2) -> NodeCo
 # ---------------------------------------------------------------------------------------------
 # Op classes from the table, refined by graph patterns
 
-_CASTS = ("to", "_to_copy", "float", "half", "bfloat16", "type_as")
+CASTS = ("to", "_to_copy", "float", "half", "bfloat16", "type_as", "to_compute")  # ops that only change a dtype
 
 
 def is_weight(node: fx.Node) -> bool:
@@ -462,7 +462,7 @@ def is_weight(node: fx.Node) -> bool:
         if node.op == "call_module" or not node.args or not isinstance(node.args[0], fx.Node):
             return False
         r = rule(node.meta.get("op", ""))
-        if r is None or not (r.alias or node.meta.get("op") in _CASTS or expert_rows(node)):
+        if r is None or not (r.alias or node.meta.get("op") in CASTS or expert_rows(node)):
             return False
         node = node.args[0]
 
@@ -626,7 +626,7 @@ def _normalised(stat: fx.Node, base: fx.Node, depth: int = 4) -> list[fx.Node] |
 def _norm_tail(node: fx.Node, prev: fx.Node) -> bool:
     """A cast of the normalised value, or its product with a weight / sum with a bias."""
     op = node.meta.get("op")
-    if op in _CASTS:
+    if op in CASTS:
         return True
     others = [a for a in node.args if isinstance(a, fx.Node) and a is not prev]
     return op in ("mul", "add") and len(others) == 1 and is_weight(others[0])
@@ -639,7 +639,7 @@ def _norm_head(base: fx.Node, members: set[fx.Node]) -> set[fx.Node]:
     while frontier:
         n = frontier.pop()
         centring = _centring(n)
-        if not (n.meta.get("op") in _CASTS or centring):
+        if not (n.meta.get("op") in CASTS or centring):
             continue
         users = [u for u in n.users if not (rule_of(u) and rule_of(u).metadata)]
         if not all(u in members or u in head for u in users):

@@ -370,7 +370,6 @@ _END = 9223372036854775807  # the end export writes for an open slice
 # RMS norms written out op by op become one rms_norm
 
 _RMS_NORM = torch.ops.aten.rms_norm.default
-_NO_OP_CASTS = ("to", "_to_copy", "type_as")  # a cast is dropped only where the traced dtype stays the same
 
 
 def rms_norms(gm: fx.GraphModule) -> bool:
@@ -427,10 +426,14 @@ def _written_rms_norm(stat: fx.Node) -> tuple | None:
     tail = _normalised(x, root)
     if tail is None or _projection(x):
         return None
+    if _upcast(x) and set(x.users) <= {square, tail}:
+        # the norm's own upcast (transformers' ``hidden_states.to(torch.float32)``): the fused norm
+        # computes in fp32 and returns its input's dtype, so it reads (and keeps) the tensor before it
+        x = x.args[0]
     weight = None
     while len(tail.users) == 1:
         user = _only_user(tail)
-        if _op(user) in _NO_OP_CASTS and user.args[0] is tail and _dtype(user) == _dtype(tail):
+        if _op(user) in ops.CASTS and user.args[0] is tail and _dtype(user) == _dtype(tail):
             tail = user
         elif weight is None and _op(user) == "mul" and len(user.args) == 2 and tail in user.args:
             other = user.args[1 - user.args.index(tail)]
@@ -476,9 +479,18 @@ def _normalised(x: fx.Node, root) -> fx.Node | None:
     return None
 
 
+def _upcast(x: fx.Node) -> bool:
+    """``x`` is a cast of a floating tensor to fp32 (``to``/``_to_copy`` as export records it)."""
+    if _op(x) not in ("to", "_to_copy") or not x.args or not isinstance(x.args[0], fx.Node):
+        return False
+    dtype = next((a for a in (*x.args[1:], x.kwargs.get("dtype")) if isinstance(a, torch.dtype)), None)
+    before = _dtype(x.args[0])
+    return dtype is torch.float32 and before is not None and before.is_floating_point
+
+
 def _projection(x: fx.Node) -> bool:
     """``x`` is, past casts, a matmul by a parameter (a projection's output features)."""
-    while _op(x) in ("to", "_to_copy", "type_as") and isinstance(x.args[0], fx.Node):
+    while _op(x) in ops.CASTS and isinstance(x.args[0], fx.Node):
         x = x.args[0]
     row = ops.rule(_op(x))
     if row is None or row.flops != "matmul":

@@ -170,7 +170,7 @@ def _not_shardable(attention: fx.Node) -> str | None:
 
 
 # ops between QK^T and the softmax that fused attention computes too (scale, mask, casts)
-_FUSED_SCORE_OPS = ("mul", "div", "truediv", "add", "masked_fill", "to", "_to_copy", "type_as", "float")
+_FUSED_SCORE_OPS = ("mul", "div", "truediv", "add", "masked_fill", *ops.CASTS)
 
 
 def _unfused_why(node: fx.Node) -> str:

@@ -247,7 +247,7 @@ def test_cut_export_gives_the_graph_and_costs_of_a_full_export(kind, monkeypatch
     expand = repeat.Cut.expand
     monkeypatch.setattr(repeat.Cut, "expand", lambda self, *a: expanded.append(self.traced) or expand(self, *a))
     cut = capture(model, seq=32)
-    assert expanded == [[0, 1]]  # layer 2 was copied, not traced
+    assert expanded == [[0, 1], [0, 1]]  # layer 2 was copied, not traced (and so in the bf16 trace)
     monkeypatch.setattr(repeat, "plan", lambda model: None)
     full = capture(model, seq=32)
     assert cut.tracer == full.tracer == "export"
@@ -524,3 +524,57 @@ def test_a_loop_over_data_dependent_ids_in_any_model_names_its_module(tmp_path):
     with pytest.raises(AutoshardError, match=r"^cannot trace hits \(Hits, hit\.py:8\): `for i in") as e:
         capture_file(str(f), None, 16)
     assert "transformers" not in str(e.value) and "\n" not in str(e.value)
+
+
+def _dtypes_of_adds(gm, params_dtype, autocast: bool) -> dict[str, torch.dtype]:
+    """The dtype of every add's result, running ``gm`` on real tensors with its parameters in
+    ``params_dtype`` (under bf16 autocast where asked)."""
+    import copy
+
+    from torch import fx
+
+    gm = copy.deepcopy(gm).to_empty(device="cpu")
+    for p in gm.parameters():
+        p.data = torch.randn(p.shape).to(params_dtype)
+    for name, b in gm.named_buffers():
+        if name.endswith("inv_freq"):
+            b.copy_(1.0 / (10000 ** (torch.arange(0, b.numel() * 2, 2).float() / (b.numel() * 2))))
+    seen = {}
+
+    class Watch(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.op == "call_function" and n.meta.get("op") == "add" and isinstance(out, torch.Tensor):
+                seen[n.name] = out.dtype
+            return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        Watch(gm).run(torch.randint(0, 128, (2, 16)))
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_an_exported_model_keeps_the_dtypes_it_has_with_bf16_parameters(kind):
+    """torch.export records a cast that changes nothing as its input, so an fp32 trace of
+    transformers' RMSNorm (``x.to(torch.float32)`` first) has every residual add read an fp32
+    copy, and casts to the parameters' dtype as casts to fp32: a bf16 program would carry an fp32
+    residual stream. Captured, the graph follows a bf16 trace: the residual stream and the
+    norms' outputs are bf16 in a bf16 program, fp32 in an fp32 one."""
+    cap = capture(_tiny_deep_hf(kind, 2), seq=16)
+    graph = cap.graph_module.graph
+    casts = [n for n in graph.nodes if n.meta.get("op") in ("to", "_to_copy")]
+    reads_cast = [n.name for n in graph.nodes if n.meta.get("op") == "add" and any(a in casts for a in n.args)]
+    assert not reads_cast, reads_cast
+    assert any(n.meta.get("op") == "to_compute" for n in graph.nodes)  # rotary tables, norms' outputs
+    norms = [n for n in graph.nodes if n.meta.get("op") == "rms_norm"]
+    assert norms and not any(n.args[0] in casts for n in norms)
+    import re
+
+    layer_of = {n.name: n.meta.get("module_path", "") for n in graph.nodes}
+    low = _dtypes_of_adds(cap.graph_module, torch.bfloat16, autocast=True)
+    residual = {name: d for name, d in low.items() if re.fullmatch(r"model\.layers\.\d+", layer_of[name])}
+    assert len(residual) == 4 and set(residual.values()) == {torch.bfloat16}, residual  # two a layer
+    # fp32 stays where the model asks for it: a norm's statistics written out (DeepSeek's q/kv norms
+    # over a projection's features), the router's scores
+    full = _dtypes_of_adds(cap.graph_module, torch.float32, autocast=False)
+    assert {d for d in full.values() if d.is_floating_point} == {torch.float32}

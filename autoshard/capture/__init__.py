@@ -24,7 +24,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import modelfile
-from autoshard.capture import shapes, structure
+from autoshard.capture import dtypes, shapes, structure
 from autoshard.capture.init import Init, record_build
 from autoshard.capture.structure import LayerKind
 from autoshard.capture.trace import BATCH_HINT, TrainingForward, causal_lm_loss, trace
@@ -83,6 +83,8 @@ def capture(
     if inputs is None:
         inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
     gm, tracer, names = trace(model, inputs, loss, source)
+    if tracer == "export":
+        _follow_bf16(gm, model, inputs, loss, source)
     gm = canonicalize(gm, inputs)
     # what nothing reads (a mask built for a kind of layer the model has none of, as Gemma3's
     # global-attention mask with only sliding layers) would be run, and sharded, for nothing
@@ -110,6 +112,21 @@ def capture(
         inits=None if inits is None else _traced_names(inits),
         notes=notes,
     )
+
+
+def _follow_bf16(gm, model: nn.Module, inputs: tuple, loss, source: str | None) -> None:
+    """Give an exported graph the dtype flow the model has with bf16 parameters
+    (``dtypes.follow``), from a second trace with its parameters bf16 on the meta device; a
+    model that does not trace so (one built off the meta device) keeps its graph as traced."""
+    if any(p.device.type != "meta" for p in model.parameters()):
+        return
+    try:
+        with dtypes.lowered_parameters(model):
+            low, tracer, _ = trace(model, inputs, loss, source)
+    except Exception:  # noqa: BLE001 - the fp32 graph stands as traced
+        return
+    if tracer == "export":
+        dtypes.follow(gm, low)
 
 
 def _traced_names(inits: dict[str, Init]) -> dict[str, Init]:

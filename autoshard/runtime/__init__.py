@@ -23,7 +23,8 @@ FP8 matmuls (``autoshard.runtime.fp8``: 1x128 / 128x128 E4M3 scaling, fp32 accum
     ``fp8_grouped_mm``.
 attention, norms and graph helpers
     ``fused_attention`` (Triton FlashAttention on CUDA, SDPA elsewhere), ``rms_norm`` and
-    ``layer_norm`` (one op each, fp32 inside, keeping their input and statistics), ``size_of``.
+    ``layer_norm`` (one op each, fp32 inside, keeping their input and statistics), ``size_of``,
+    ``to_compute`` (a cast to the program's compute dtype).
 process groups (set once by the training program from its device mesh)
     ``set_groups``, ``tp_group``, ``tp_rank``, ``tp_size``.
 
@@ -60,7 +61,7 @@ from autoshard.runtime.moe import tp_share_buffer as moe_tp_share_buffer
 from autoshard.runtime.moe import tp_unshare as moe_tp_unshare
 from autoshard.runtime.moe import tp_unshare_buffer as moe_tp_unshare_buffer
 from autoshard.runtime.norms import layer_norm, rms_norm
-from autoshard.runtime.stages import put_buffer, put_module, put_parameter, size_of
+from autoshard.runtime.stages import put_buffer, put_module, put_parameter, size_of, to_compute
 
 __all__ = [
     "put_module",
@@ -99,6 +100,7 @@ __all__ = [
     "moe_record_load",
     "moe_balance_loss",
     "size_of",
+    "to_compute",
     "set_groups",
     "tp_group",
     "tp_rank",

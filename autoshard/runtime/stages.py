@@ -61,6 +61,15 @@ def size_of(x: torch.Tensor, dim: int) -> int:
     return x.size(dim)
 
 
+def to_compute(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the program's compute dtype: autocast's where it is on (bf16), else fp32. What a
+    model's cast to its parameters' dtype (``h.to(hidden_states.dtype)`` after a norm's fp32
+    statistics, rotary tables, routing weights) does in a program whose parameters are bf16 in
+    one run and fp32 in another (``autoshard.capture.dtypes``)."""
+    kind = x.device.type
+    return x.to(torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32)
+
+
 def load_stage_file(path: str | Path):
     """Import an emitted stage file as a module."""
     path = Path(path)

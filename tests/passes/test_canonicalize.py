@@ -293,10 +293,12 @@ def _norm_graph(dim=-1, root=aten.rsqrt.default, gemma=False, project=False, wei
 
 
 def _fused_graph(gemma=False, weight=True) -> fx.Graph:
+    """The fused norm reads the tensor before the norm's own upcast (it computes in fp32 and keeps
+    its input's dtype), but where the upcast is read besides (Gemma's ``type_as(.., up)``)."""
     g = fx.Graph()
     x = g.placeholder("x")
     w = g.get_attr("weight") if weight else None
-    up = g.call_function(aten.to.dtype, (x, torch.float32))
+    up = g.call_function(aten.to.dtype, (x, torch.float32)) if gemma else x
     if gemma:
         w = g.call_function(aten.add.Tensor, (g.call_function(aten.to.dtype, (w, torch.float32)), 1.0))
     out = g.call_function(aten.rms_norm.default, (up, [8], w, EPS))
