@@ -40,6 +40,7 @@ def _worker(rank, world):
     loss.backward()
     errs["ce_forward"] = abs(loss.item() - ref.item())
     errs["ce_backward"] = (local.grad - logits.grad.chunk(world, dim=1)[rank]).abs().max().item()
+    errs["ce_input_unchanged"] = (local.detach() - logits.detach().chunk(world, dim=1)[rank]).abs().max().item()
     # vocabulary-parallel embedding
     table = torch.randn(10, 3, generator=gen)
     tokens = torch.tensor([[0, 9, 5, 4]])
