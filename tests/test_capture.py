@@ -578,3 +578,19 @@ def test_an_exported_model_keeps_the_dtypes_it_has_with_bf16_parameters(kind):
     # over a projection's features), the router's scores
     full = _dtypes_of_adds(cap.graph_module, torch.float32, autocast=False)
     assert {d for d in full.values() if d.is_floating_point} == {torch.float32}
+
+
+def test_the_bf16_trace_lowers_a_model_in_place_and_puts_it_back():
+    from autoshard.capture import dtypes
+
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_DECODER, "tie_word_embeddings": True}))
+    params = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with dtypes.lowered(model):
+        assert {p.device.type for p in model.parameters()} == {"meta"}
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert {b.dtype for b in model.buffers()} == {torch.float32}  # rotary tables keep theirs
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # still one parameter
+    assert all(model.get_parameter(name) is p for name, p in params.items())  # the same objects back
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())

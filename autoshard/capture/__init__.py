@@ -116,13 +116,16 @@ def capture(
 
 def _follow_bf16(gm, model: nn.Module, inputs: tuple, loss, source: str | None) -> None:
     """Give an exported graph the dtype flow the model has with bf16 parameters
-    (``dtypes.follow``), from a second trace with its parameters bf16 on the meta device; a
-    model that does not trace so (one built off the meta device) keeps its graph as traced."""
-    if any(p.device.type != "meta" for p in model.parameters()):
+    (``dtypes.follow``), from a second trace of it on the meta device with its parameters bf16;
+    a model that does not trace so keeps its graph as traced. So does a live model (the Python
+    API's): traced on real tensors, its graph has views a meta trace does not, and the two do
+    not align node by node."""
+    if any(t.device.type != "meta" for t in (*model.parameters(), *model.buffers())):
         return
+    meta = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     try:
-        with dtypes.lowered_parameters(model):
-            low, tracer, _ = trace(model, inputs, loss, source)
+        with dtypes.lowered(model):
+            low, tracer, _ = trace(model, meta, loss, source)
     except Exception:  # noqa: BLE001 - the fp32 graph stands as traced
         return
     if tracer == "export":

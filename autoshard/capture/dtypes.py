@@ -25,6 +25,8 @@ computes in fp32.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -33,25 +35,30 @@ from autoshard.cost_models import ops
 from autoshard.runtime.stages import to_compute
 
 
-def lowered_parameters(model: nn.Module):
-    """A context in which every floating parameter of ``model`` is a bf16 meta tensor (buffers
-    keep their dtypes, as the program keeps them); the parameters are restored on exit."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def swap():
-        saved = []
-        try:
-            for p in model.parameters():
-                if p.is_floating_point():
-                    saved.append((p, p.data))
-                    p.data = torch.empty(p.shape, dtype=torch.bfloat16, device="meta")
-            yield
-        finally:
-            for p, data in saved:
-                p.data = data
-
-    return swap()
+@contextlib.contextmanager
+def lowered(model: nn.Module):
+    """A context in which ``model`` lives on the meta device with its floating parameters bf16
+    (buffers keep their dtypes, as the program keeps them; a tied parameter stays one): each
+    module's parameters and buffers are swapped for meta tensors, and put back on exit, so a live
+    model is neither copied nor changed."""
+    swapped: dict[int, nn.Parameter] = {}
+    saved = []
+    try:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    if id(t) not in swapped:
+                        dtype = torch.bfloat16 if t.is_floating_point() and table is module._parameters else t.dtype
+                        meta = torch.empty(t.shape, dtype=dtype, device="meta")
+                        swapped[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                    saved.append((table, name, t))
+                    table[name] = swapped[id(t)]
+        yield
+    finally:
+        for table, name, t in saved:
+            table[name] = t
 
 
 def _aligned(gm: fx.GraphModule, low: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]] | None:
