@@ -453,6 +453,13 @@ def node_cost(node: fx.Node, gm: fx.GraphModule, float_bytes: int = 2) -> NodeCo
 CASTS = ("to", "_to_copy", "float", "half", "bfloat16", "type_as", "to_compute")  # ops that only change a dtype
 
 
+def cast_target(node) -> torch.dtype | None:
+    """The dtype a ``to``/``_to_copy`` call names (as torch.export records casts), or None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or op_name(node) not in ("to", "_to_copy"):
+        return None
+    return next((a for a in (*node.args[1:], node.kwargs.get("dtype")) if isinstance(a, torch.dtype)), None)
+
+
 def is_weight(node: fx.Node) -> bool:
     """A parameter, or a view/cast of one (``w.t()``, ``w.to(bf16)``), or the rows of a stacked
     expert parameter that routing choices select (:func:`expert_rows`)."""

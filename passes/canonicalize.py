@@ -481,11 +481,10 @@ def _normalised(x: fx.Node, root) -> fx.Node | None:
 
 def _upcast(x: fx.Node) -> bool:
     """``x`` is a cast of a floating tensor to fp32 (``to``/``_to_copy`` as export records it)."""
-    if _op(x) not in ("to", "_to_copy") or not x.args or not isinstance(x.args[0], fx.Node):
+    if ops.cast_target(x) is not torch.float32 or not isinstance(x.args[0], fx.Node):
         return False
-    dtype = next((a for a in (*x.args[1:], x.kwargs.get("dtype")) if isinstance(a, torch.dtype)), None)
     before = _dtype(x.args[0])
-    return dtype is torch.float32 and before is not None and before.is_floating_point
+    return before is not None and before.is_floating_point
 
 
 def _projection(x: fx.Node) -> bool:

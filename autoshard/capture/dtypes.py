@@ -78,16 +78,6 @@ def _aligned(gm: fx.GraphModule, low: fx.GraphModule) -> list[tuple[fx.Node, fx.
     return list(zip(a, b))
 
 
-def _cast_target(node: fx.Node) -> torch.dtype | None:
-    """The dtype a ``to``/``_to_copy`` cast names, or None."""
-    if node.op != "call_function" or ops.op_name(node) not in ("to", "_to_copy"):
-        return None
-    for a in (*node.args[1:], node.kwargs.get("dtype")):
-        if isinstance(a, torch.dtype):
-            return a
-    return None
-
-
 def follow(gm: fx.GraphModule, low: fx.GraphModule) -> bool:
     """Rewrite ``gm`` (traced in fp32) in place to the dtype flow of ``low`` (the same model
     traced with bf16 parameters), as the module docstring says. Nothing changes where the graphs
@@ -109,11 +99,11 @@ def follow(gm: fx.GraphModule, low: fx.GraphModule) -> bool:
                 if mine[v] is u:
                     continue
                 # the model reads the cast's input; the trace recorded the cast (it returned its input)
-                if _cast_target(u) is not None and u.args and mine[v] is u.args[0]:
+                if ops.cast_target(u) is not None and u.args and mine[v] is u.args[0]:
                     changed[i] = u.args[0]
                     continue
                 return False
-            if u is torch.float32 and v is torch.bfloat16 and _cast_target(x) is not None:
+            if u is torch.float32 and v is torch.bfloat16 and ops.cast_target(x) is not None:
                 relative.append(x)
             elif type(u) is not type(v):
                 return False

@@ -96,6 +96,11 @@ class ShardedAdamW:
         """``t`` (``p`` or its gradient) as (outer, rows, elements per row), split as ``p`` is."""
         return _rows(t, self.dims[id(p)])
 
+    def _width(self, p: torch.Tensor) -> int:
+        """Elements of ``p`` per row of its split (over the dimensions before and after it)."""
+        outer, _, inner = self._view(p, p).shape
+        return outer * inner
+
     def _exact(self, p: torch.Tensor, t: torch.Tensor) -> bool:
         """Whether ``t``'s own storage is the collective's buffer: the ranks' rows, each a
         contiguous run of it, tile it exactly."""
@@ -113,8 +118,7 @@ class ShardedAdamW:
     def _buckets(self, itemsize: int) -> list[list[nn.Parameter]]:
         out, size = [[]], 0
         for p in self.params:
-            outer, _, inner = self._view(p, p).shape
-            n = outer * self.spans[id(p)][0] * inner * self.size * itemsize
+            n = self.spans[id(p)][0] * self._width(p) * self.size * itemsize
             if out[-1] and size + n > BUCKET_BYTES:
                 out.append([])
                 size = 0
@@ -132,7 +136,7 @@ class ShardedAdamW:
             grads[id(p)] = self._view(p.grad, p)
         for bucket in self._buckets(4):
             per = [self.spans[id(p)][0] for p in bucket]
-            width = [grads[id(p)].size(0) * grads[id(p)].size(2) for p in bucket]
+            width = [self._width(p) for p in bucket]
             seg = sum(r * w for r, w in zip(per, width))
             p0 = bucket[0]
             g0 = grads[id(p0)]
@@ -168,7 +172,7 @@ class ShardedAdamW:
         parameters (after a step, or after a checkpoint was loaded into the masters)."""
         for bucket in self._buckets(self.params[0].element_size() if self.params else 2):
             per = [self.spans[id(p)][0] for p in bucket]
-            width = [self._view(p, p).size(0) * self._view(p, p).size(2) for p in bucket]
+            width = [self._width(p) for p in bucket]
             seg = sum(r * w for r, w in zip(per, width))
             p0 = bucket[0]
             exact = len(bucket) == 1 and self._exact(p0, p0)
