@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, check_output_file
 from autoshard.runtime.data import id_dtype, write_tokens
 
 LINES_PER_CALL = 1024  # documents tokenised per tokenizer call with --split-lines
@@ -31,6 +31,7 @@ def prepare(
     for path in paths:
         if not path.is_file():
             raise AutoshardError(f"{path}: no such text file")
+    check_output_file(out)  # before the tokenising, not after it
     tok = _load(tokenizer)
     eos = tok.eos_token_id
     if append_eos and eos is None:

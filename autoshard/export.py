@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, check_output_file
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -27,13 +27,16 @@ def single_device_state(checkpoint: str | Path, dtype: str = "fp32") -> tuple[di
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from autoshard.runtime import state
+    from autoshard.runtime import durable
 
-    path = state.find(Path(checkpoint))
+    path = durable.find(Path(checkpoint))
     if path is None:
         raise AutoshardError(
-            f"{checkpoint}: no complete checkpoint (a directory with {state.MARKER}, or a directory of them)"
+            f"{checkpoint}: no complete checkpoint (a directory with {durable.MARKER}, or a directory of them)"
         )
+    why = durable.damage(path)
+    if why is not None:
+        raise AutoshardError(f"checkpoint {path} is damaged ({why}); export an older one (a step_* beside it)")
     meta = json.loads((path / "trainer.json").read_text())
     md = FileSystemReader(str(path)).read_metadata()
     full = {}
@@ -65,8 +68,8 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32") -> dict
     out = Path(out)
     if out.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise AutoshardError(f"-o {out}: write a .safetensors or a torch file (.pt, .pth, .bin)")
+    check_output_file(out)
     tensors, path, missing = single_device_state(checkpoint, dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     if out.suffix == ".safetensors":
         from safetensors.torch import save_file

@@ -63,6 +63,7 @@ KEYS: dict[str, Key] = {
         Key("op", "capture", "normalised op name, the key of the op table (autoshard.cost_models.ops)"),
         Key("op_class", "capture", "one of OP_CLASSES, from the op table refined by graph patterns"),
         Key("mask", "capture", "on attention whose mask tensor is not causal: what the mask is, for refusals"),
+        Key("autoshard_logits", "capture", "on the model's output under the default loss: checked to be 3-D logits"),
         # analysis (autoshard.cost_models)
         Key("tp", "analysis", "tensor-parallel state of the output: 'replicated', 'sharded' or 'partial'"),
         Key("tp_role", "analysis", "on weighted matmuls and embeddings: 'column', 'row', 'vocab' or 'replicated'"),

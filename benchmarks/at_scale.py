@@ -5,6 +5,7 @@ step on fake tensors and holds peak memory, FLOPs and bytes per mesh dimension a
     python benchmarks/at_scale.py                 # the whole matrix (about 25 min on 2 cores)
     python benchmarks/at_scale.py --cases 405b,ds # some of it
     python benchmarks/at_scale.py --markdown      # the README's table
+    python benchmarks/at_scale.py --parts         # and each rank's memory by part
 
 Prints one row per (case, rank): measured / predicted peak memory, FLOPs, the worst dimension's
 bytes, and whether all are within the bounds (10%, 3%, 10%); the time and resident memory the
@@ -24,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autoshard.atscale import Bounds, verify_at_scale  # noqa: E402
+from autoshard.atscale import MEMORY_ROWS, Bounds, verify_at_scale  # noqa: E402
 from autoshard.errors import AutoshardError  # noqa: E402
 
 
@@ -90,7 +91,17 @@ def _worst_comm(rows, floor: float):
     return worst
 
 
-def run(cases: list[Case], markdown: bool) -> int:
+def _parts(rows) -> str:
+    """Each memory part of a rank, predicted / measured in GB (the parts the peak adds up)."""
+    out = []
+    for r in rows:
+        what = r.what.strip()
+        if r.what.startswith("  ") and what in {label for label, _, _ in MEMORY_ROWS} and (r.predicted or r.measured):
+            out.append(f"{what} {r.predicted / 1e9:.2f}/{r.measured / 1e9:.2f}")
+    return ", ".join(out)
+
+
+def run(cases: list[Case], markdown: bool, parts: bool = False) -> int:
     failed = 0
     head = "| case | plan | rank | peak memory (GB) predicted / measured | FLOPs | bytes, worst dimension | within |"
     if markdown:
@@ -122,6 +133,8 @@ def run(cases: list[Case], markdown: bool) -> int:
                 took = f"{r.measured.seconds:.1f} s, {r.measured.rss_bytes / 1e9:.2f} GB rss, compile {compile_s:.0f} s"
                 line = f"{case.key:10s} rank {where:22s} peak {pk} GB  FLOPs {flops:.4f}  bytes {comm_text:18s}"
                 print(f"{line} {ok:3s}  {took}", flush=True)
+            if parts:
+                print(f"    parts at the peak, predicted/measured GB: {_parts(r.rows)}", flush=True)
     return 1 if failed else 0
 
 
@@ -129,12 +142,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", help=f"comma-separated, of: {', '.join(c.key for c in CASES)} (default: all)")
     p.add_argument("--markdown", action="store_true", help="the README's table")
+    p.add_argument("--parts", action="store_true", help="under each rank, its memory parts predicted/measured")
     args = p.parse_args()
     keys = args.cases.split(",") if args.cases else [c.key for c in CASES]
     unknown = [k for k in keys if k not in {c.key for c in CASES}]
     if unknown:
         p.error(f"unknown case {unknown[0]!r}; choose from {', '.join(c.key for c in CASES)}")
-    return run([c for c in CASES if c.key in keys], args.markdown)
+    return run([c for c in CASES if c.key in keys], args.markdown, args.parts)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ def worker(out: Path, ckpt: Path, repeat: int, sync: bool) -> None:
     import torch
     import torch.distributed as dist
 
+    from autoshard.runtime import durable, state, trainer
     from autoshard.runtime import program as rt
-    from autoshard.runtime import state, trainer
 
     args = trainer.parse_args(["--checkpoint-dir", str(ckpt)] + (["--checkpoint-sync"] if sync else []))
     plan, prog = rt.read_json(out / "plan.json"), rt.read_json(out / "program.json")
@@ -40,7 +40,7 @@ def worker(out: Path, ckpt: Path, repeat: int, sync: bool) -> None:
     for e, opt in state._optimized(t.entries, t.optim):  # the states AdamW's first step makes
         st = state._moments(opt, e.param, create=True)
         st["step"].fill_(1)
-    ck = state.Checkpointer(ckpt, keep=1, asynchronous=not sync)
+    ck = durable.Checkpointer(ckpt, keep=1, asynchronous=not sync)
     blocked, total = [], []
     for i in range(repeat):
         dist.barrier()
@@ -50,7 +50,7 @@ def worker(out: Path, ckpt: Path, repeat: int, sync: bool) -> None:
         ck.wait()
         dist.barrier()
         total.append(time.perf_counter() - start)
-    path = state.find(ckpt)
+    path = durable.find(ckpt)
     loads = []
     for _ in range(repeat):
         dist.barrier()

@@ -36,6 +36,7 @@ Fields (all per GPU; GB = 1e9 bytes):
 from __future__ import annotations
 
 import difflib
+import math
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -66,6 +67,9 @@ _OPTIONAL = {
     "memory_headroom": (float, 0.0),
     "overlap_slowdown": (float, 0.19),
 }
+
+# fields that are a share of a peak (no kernel or link beats its peak)
+_SHARES = ("matmul_efficiency", "matmul_efficiency_fp8", "attention_efficiency", "link_efficiency")
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,8 @@ def _typed(key: str, value, kind, path: Path):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise AutoshardError(f"{path}: field {key!r} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise AutoshardError(f"{path}: field {key!r} must be a finite number, got {value!r}")
     if kind is int and value != int(value):
         raise AutoshardError(f"{path}: field {key!r} must be a whole number, got {value!r}")
     if value < 0 or (
@@ -209,6 +215,8 @@ def _typed(key: str, value, kind, path: Path):
         not in ("price_per_gpu_hour", "memory_reserve_gb", "memory_headroom", "nvlink_latency_us", "network_latency_us")
     ):
         raise AutoshardError(f"{path}: field {key!r} must be positive, got {value!r}")
+    if key in _SHARES and value > 1:
+        raise AutoshardError(f"{path}: field {key!r} is a share of a peak, at most 1 (0.8 is 80%), got {value!r}")
     if key == "memory_headroom" and value >= 1:
         raise AutoshardError(
             f"{path}: field 'memory_headroom' is a share of HBM below 1 (0.05 keeps 5% free), got {value!r}"

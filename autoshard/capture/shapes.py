@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import (
     free_unbacked_symbols,
 )
 
+from autoshard.capture import trace
 from autoshard.capture.structure import layer_signature
 from autoshard.cost_models import ops
 from autoshard.errors import AutoshardError
@@ -115,6 +116,8 @@ class _Propagator(fx.Interpreter):
                 f"{_where(n)} ({ops.op_name(n, self.module)}) branches on or sizes by the values of a tensor "
                 f"({type(e).__name__}); write it with sizes that follow the inputs' shapes"
             ) from e
+        if n.meta.get("autoshard_logits"):  # the model's output, which the default loss reads as logits
+            trace.check_logits(value)
         self.shapes.estimate_new_sizes(n, value)
         self.shapes.record(n, value)
         if self.specialised is None and any(sym in self.shape_env.replacements for sym in self.watched):

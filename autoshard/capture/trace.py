@@ -37,6 +37,17 @@ def causal_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=-100)
 
 
+def check_logits(out) -> None:
+    """The default loss needs the model's output as (batch, sequence, vocabulary) logits."""
+    if not isinstance(out, torch.Tensor) or out.dim() != 3:
+        what = f"a tensor of {out.dim()} dimensions" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise AutoshardError(
+            f"the model returns {what}, where the default loss needs (batch, sequence, vocabulary) logits: return "
+            "the logits (alone, first in a tuple, or as a dict's 'logits'), or define loss(output, *inputs) in "
+            "the model file"
+        )
+
+
 class TrainingForward(nn.Module):
     """``loss(model(*inputs), *inputs)``: what autoshard traces. Use ``TrainingForward.wrap``,
     which gives ``forward`` the model's own argument names (fx cannot trace ``*args``)."""
@@ -63,6 +74,10 @@ class TrainingForward(nn.Module):
             out = out[0]
         if self.loss_fn is not None:
             return self.loss_fn(out, *inputs)
+        if isinstance(out, fx.Proxy):  # checked where shapes are known (``shapes.propagate``)
+            out.node.meta["autoshard_logits"] = True
+        else:
+            check_logits(out)
         return causal_lm_loss(out, inputs[0])
 
 

@@ -293,6 +293,44 @@ def _check_ids(f: TokenFile, ids: np.ndarray, vocab: int) -> None:
     )
 
 
+SCAN_IDS = 1 << 26  # ids per chunk when a file's ids are scanned at start
+
+
+def check(data: str | os.PathLike, batch: int, seq: int, vocab: int, steps: int) -> list[str]:
+    """Before the first step: the data can feed this run, or a one-line error. A file whose
+    header records a vocabulary no larger than the model's was checked id by id when it was
+    written (``write_tokens``); the others (sidecar and raw files, headers without a vocabulary)
+    have their ids scanned now, so that an id outside the vocabulary stops the run at its start
+    rather than at the step that reads it. Returns warnings: fewer sequences than one global
+    batch (every batch repeats windows), or more reads than the data holds."""
+    s = stream(data)
+    windows = s.tokens // seq
+    if not windows:
+        raise _error(f"--data {data}: {s.tokens} tokens, fewer than one sequence of {seq}")
+    if s.widest.vocab > vocab:
+        raise _error(
+            f"--data {s.widest.path} was tokenised for a vocabulary of {s.widest.vocab} ids but the model has "
+            f"{vocab}; tokenise with the model's tokenizer (autoshard data prepare --tokenizer ...)"
+        )
+    for f in s.files:
+        if f.vocab and not f.legacy:
+            continue
+        for start in range(0, f.count, SCAN_IDS):
+            _check_ids(f, np.asarray(f.ids[start : start + SCAN_IDS]), vocab)
+    notes = []
+    if windows < batch:
+        notes.append(
+            f"--data {data} holds {windows} sequences of {seq} tokens, fewer than one global batch of {batch}: "
+            "every batch repeats some of them"
+        )
+    elif steps * batch > windows:
+        notes.append(
+            f"--data {data} holds {windows} sequences of {seq} tokens; {steps} steps of {batch} read it "
+            f"{steps * batch / windows:.1f} times over"
+        )
+    return notes
+
+
 def global_batch(
     index: int, batch: int, seq: int, vocab: int, seed: int, data: str | os.PathLike | None = None
 ) -> torch.Tensor:

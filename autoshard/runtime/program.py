@@ -62,9 +62,26 @@ def check_program(here: Path, plan: dict, program: dict) -> None:
             f"{here / 'plan.json'} changed after the program was generated; "
             "recompile (autoshard compile ... -o DIR) instead of editing the plan"
         )
-    chunks = plan["mesh"]["pp"] * plan["virtual_stages"]
+    try:
+        chunks = plan["mesh"]["pp"] * plan["virtual_stages"]
+        files = [c["file"] for c in program["chunks"]] + [program["loss"]["file"]]
+    except (KeyError, TypeError) as e:
+        raise ProgramError(
+            f"{here}: plan.json or program.json lacks {e} (written by another autoshard, or edited); "
+            f"recompile with autoshard compile ... -o {here}"
+        ) from None
     if len(program["chunks"]) != chunks:
         raise ProgramError(f"program.json has {len(program['chunks'])} pipeline chunks but the plan needs {chunks}")
+    for name in dict.fromkeys(files):  # each stage file there and Python (before any process group is made)
+        try:
+            compile((here / name).read_text(), str(here / name), "exec")
+        except OSError:
+            raise ProgramError(f"{here / name} is missing; recompile with autoshard compile ... -o {here}") from None
+        except (SyntaxError, ValueError) as e:
+            raise ProgramError(
+                f"{here / name} is not valid Python ({e.__class__.__name__}: {e.msg if hasattr(e, 'msg') else e}, "
+                f"line {getattr(e, 'lineno', '?')}); recompile with autoshard compile ... -o {here}"
+            ) from None
 
 
 def check_world(plan: dict) -> int:
@@ -909,6 +926,13 @@ def save_parameters(
 
 def read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except FileNotFoundError:
         raise ProgramError(f"{path} is missing; recompile with autoshard compile ... -o {path.parent}") from None
+    except (OSError, ValueError) as e:
+        raise ProgramError(
+            f"{path} is not readable JSON ({e}); recompile with autoshard compile ... -o {path.parent}"
+        ) from None
+    if not isinstance(value, dict):
+        raise ProgramError(f"{path} holds no JSON object; recompile with autoshard compile ... -o {path.parent}")
+    return value

@@ -12,18 +12,15 @@ sharded-tensor protocol (``__create_write_items__``, ``__create_chunk_list__``,
 ``__get_tensor_shard__``) itself.
 
 A checkpoint is a directory ``DIR/step_NNNNNNNN`` (the optimizer steps done): DCP's files, each
-rank's RNG state, ``trainer.json`` (step, data position, loss window, what wrote it) and, written
-last by rank 0 once every rank's files are there and their sizes check, ``COMPLETE``. Only a
-directory with ``COMPLETE`` counts: a crash while writing leaves the previous checkpoint in use.
+rank's RNG state, ``trainer.json`` (step, data position, loss window, what wrote it), every file's
+checksum and, written last, ``COMPLETE`` (``autoshard.runtime.durable``: only a directory with
+``COMPLETE`` whose files match their checksums counts).
 """
 
 from __future__ import annotations
 
 import io
-import json
-import os
-import shutil
-import time
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +33,6 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from autoshard.runtime import fake
 from autoshard.runtime.stages import Block, full_shape, piece_axis, piece_blocks, restrict_rows
 
-MARKER = "COMPLETE"
 FORMAT = 1
 
 
@@ -224,6 +220,18 @@ def clip_gradients(items: list[Entry], max_norm: float | None) -> float:
 # optimizer states
 
 
+def checkpoint_bytes(items: list[Entry]) -> float:
+    """About what this rank writes of a checkpoint: the counted blocks of its tensors, and for
+    trained parameters two fp32 AdamW moments of them."""
+    total = 0.0
+    for e in items:
+        if not e.counted:
+            continue
+        n = sum(math.prod(b.sizes) for b in e.held.blocks)
+        total += n * e.held.local.element_size() + (8 * n if isinstance(e.param, nn.Parameter) else 0)
+    return total
+
+
 def optimizer_parts(optim) -> list:
     """The optimizers behind the program's (AdamW, ``program.MasterAdamW``, ``zero.ShardedAdamW``)."""
     return list(getattr(optim, "parts", [optim]))
@@ -379,150 +387,7 @@ def split_duplicates(state: dict[str, list]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# directories, the marker, keeping K
-
-
-def step_dir(directory: Path, step: int) -> Path:
-    return Path(directory) / f"step_{step:08d}"
-
-
-def complete(path: Path) -> bool:
-    return (Path(path) / MARKER).is_file()
-
-
-def checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints in ``directory``, oldest first."""
-    out = []
-    for p in Path(directory).glob("step_*") if Path(directory).is_dir() else ():
-        try:
-            step = int(p.name.removeprefix("step_"))
-        except ValueError:
-            continue
-        if complete(p):
-            out.append((step, p))
-    return sorted(out)
-
-
-def find(path: Path) -> Path | None:
-    """The checkpoint ``path`` names: a complete checkpoint itself, or the newest complete one in
-    the directory ``path``; None when there is none."""
-    path = Path(path)
-    if complete(path):
-        return path
-    found = checkpoints(path)
-    return found[-1][1] if found else None
-
-
-def check_files(path: Path) -> None:
-    """A checkpoint's DCP files are all there, each at least as long as the metadata says it
-    is: what ``COMPLETE`` vouches for."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(path)).read_metadata()
-    need: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, length in need.items():
-        f = path / name
-        if not f.is_file() or f.stat().st_size < length:
-            raise RuntimeError(f"checkpoint {path}: {name} is missing or short")
-
-
-def finish(path: Path, meta: dict, keep: int | None) -> None:
-    """Rank 0, once every rank's files are written: check them, write ``trainer.json`` and then
-    ``COMPLETE`` (durably), and drop the complete checkpoints beyond the newest ``keep``."""
-    check_files(path)
-    _write_durably(path / "trainer.json", json.dumps(meta, indent=2) + "\n")
-    _write_durably(path / MARKER, f"{meta['step']}\n")
-    if keep:
-        for _, old in checkpoints(path.parent)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_durably(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def remove_incomplete(directory: Path) -> list[Path]:
-    """Directories a crash left without ``COMPLETE`` (rank 0, before training starts)."""
-    gone = []
-    for p in Path(directory).glob("step_*") if Path(directory).is_dir() else ():
-        if p.is_dir() and not complete(p):
-            shutil.rmtree(p, ignore_errors=True)
-            gone.append(p)
-    return gone
-
-
-class Checkpointer:
-    """Writes checkpoints, asynchronously where it can: DCP's thread writes while training goes
-    on, over a gloo group of its own (sharing the training group's gloo or NCCL communicator
-    with a background thread collides with the step's collectives). One write is in flight at a
-    time; rank 0 finishes each (``finish``) when DCP's coordinator reports every rank's files
-    written."""
-
-    def __init__(self, directory: Path, keep: int | None, asynchronous: bool = True):
-        self.directory = Path(directory)
-        self.keep = keep
-        self.asynchronous = asynchronous
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.pending = None  # (future, path, meta, started)
-        self.timings: list[dict] = []
-
-    def save(self, state: dict, meta: dict) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        self.wait()
-        path = step_dir(self.directory, meta["step"])
-        started = time.perf_counter()
-        if self.asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, async_stager=_Staged())
-            future = getattr(future, "upload_completion", future)
-            self.pending = (future, path, meta, started, time.perf_counter() - started)
-        else:
-            dcp.save(state, checkpoint_id=str(path), process_group=self.group)
-            self.pending = (None, path, meta, started, time.perf_counter() - started)
-            self.poll()
-
-    def poll(self) -> None:
-        """Finish the write in flight if it is done."""
-        if self.pending is None:
-            return
-        future, path, meta, started, blocked = self.pending
-        if future is not None and not future.done():
-            return
-        if future is not None:
-            future.result()  # raises what the writer raised
-        self.pending = None
-        if dist.get_rank(self.group) == 0:
-            finish(path, meta, self.keep)
-        self.timings.append({"step": meta["step"], "blocked_s": blocked, "write_s": time.perf_counter() - started})
-
-    def wait(self) -> None:
-        if self.pending is not None and self.pending[0] is not None:
-            self.pending[0].result()
-        self.poll()
-
-
-class _Staged:
-    """DCP's stager protocol for a state dict that is staged already: ``Pieces`` to save hold
-    copies of the blocks, taken when the step ended, so the writer thread needs no second copy
-    (and DCP's default stager cannot copy ``Pieces``)."""
-
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict: dict) -> dict:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+# loading (the directory, its marker and checksums: ``autoshard.runtime.durable``)
 
 
 def load(path: Path, passes: list[dict]) -> None:

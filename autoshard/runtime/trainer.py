@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.runtime import collectives, data, fake, fp8, groups, moe, state
+from autoshard.runtime import collectives, data, durable, fake, fp8, groups, moe, state
 from autoshard.runtime import program as rt
 
 
@@ -133,6 +133,8 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     """Train the program in directory ``out`` on the processes torchrun started."""
     args = parse_args(argv, description)
     check_args(args)
+    Fault.from_env()  # a malformed AUTOSHARD_FAULT is said before anything starts
+    check_paths(args)
     plan, program = rt.read_json(out / "plan.json"), rt.read_json(out / "program.json")
     rt.check_program(out, plan, program)
     rt.check_world(plan)
@@ -143,12 +145,14 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     init_process_group("nccl" if cuda else "gloo", args.timeout)
     try:
         train(args, out, plan, program, device)
-    except (dist.DistError, RuntimeError) as e:  # a collective that timed out or lost its peer: name this rank
+    except (dist.DistError, RuntimeError) as e:  # a collective that timed out or lost its peer: name the ranks
         if not isinstance(e, dist.DistError) and not any(m in str(e) for m in COLLECTIVE_FAILURES):
             raise
+        behind = PROGRESS.behind()
         raise rt.ProgramError(
-            f"rank {dist.get_rank()}: a collective failed ({_first_line(e)}); another rank died or hangs, "
-            f"or --timeout {args.timeout:g} s is too short"
+            f"rank {dist.get_rank()}: a collective failed ({_first_line(e)}); "
+            + (f"{behind}: it died or hangs there" if behind else "another rank died or hangs")
+            + f", or --timeout {args.timeout:g} s is too short"
         ) from None
     # FSDP2's and the pipeline schedule's state form reference cycles, so they outlive train()
     # until the next collection. Free them now, while their process groups are alive, rather
@@ -159,6 +163,47 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     dist.barrier()
     groups.set_groups(tp=None, pp=None, dp=None, cp=None, ep=None, edp=None, route=None)
     dist.destroy_process_group()
+
+
+class Progress:
+    """Where each rank is: its step and phase, in the process group's store, so that a rank whose
+    collective timed out can name the rank that did not arrive rather than only itself."""
+
+    PHASES = ("forward and backward", "gradient reduction and norm", "optimizer step")
+    KEY = "autoshard/progress/"
+
+    def __init__(self):
+        self.store = None
+
+    def mark(self, step: int, phase: int) -> None:
+        try:
+            if self.store is None:
+                self.store = dist.distributed_c10d._get_default_store()
+            self.store.set(f"{self.KEY}{dist.get_rank()}", f"{step} {phase}")
+        except Exception:  # noqa: BLE001 - a store that cannot say only loses the naming
+            self.store = False
+
+    def behind(self) -> str | None:
+        """The ranks furthest behind, in words ("rank 1 (step 3, before its optimizer step)"),
+        where the ranks' reports differ; None where they agree or cannot be read."""
+        if not self.store:
+            return None
+        try:
+            world = dist.get_world_size()
+            values = self.store.multi_get([f"{self.KEY}{r}" for r in range(world)])
+            where = [tuple(int(x) for x in bytes(v).decode().split()) for v in values]
+        except Exception:  # noqa: BLE001
+            return None
+        low = min(where)
+        if low == max(where):
+            return None
+        ranks = [r for r, w in enumerate(where) if w == low]
+        names = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+        step, phase = low
+        return f"rank{'s' if len(ranks) > 1 else ''} {names} last reported step {step}, {self.PHASES[phase]}"
+
+
+PROGRESS = Progress()
 
 
 # how gloo and NCCL report a peer that died or a collective that ran past --timeout
@@ -176,6 +221,11 @@ def check_args(args: argparse.Namespace) -> None:
             raise rt.ProgramError(f"{flag} must not be negative")
     if args.checkpoint_every < 0:
         raise rt.ProgramError("--checkpoint-every must not be negative")
+    for flag in ("lr", "min_lr", "weight_decay", "adam_eps", "max_grad_norm", "spike_zscore", "timeout", "aux_alpha",
+                 "balance_gamma"):  # fmt: skip
+        value = getattr(args, flag, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise rt.ProgramError(f"--{flag.replace('_', '-')} must be a finite number, not negative; got {value}")
     if args.init_from is not None and args.init_from_model:
         raise rt.ProgramError("--init-from and --init-from-model both say where weights come from; give one")
     if args.init_from is not None and not args.init_from.exists():
@@ -184,6 +234,22 @@ def check_args(args: argparse.Namespace) -> None:
         raise rt.ProgramError("--spike-zscore rolls back to a checkpoint: give --checkpoint-dir too")
     if args.spike_window < 2:
         raise rt.ProgramError("--spike-window must be at least 2 steps")
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """The files the run writes can be written, before any step is spent: ``--log-file`` (opened
+    for appending, as each step does) and ``--save-params`` (a directory)."""
+    if args.log is not None:
+        try:
+            if args.log.is_dir():
+                raise IsADirectoryError(21, "it is a directory")
+            args.log.parent.mkdir(parents=True, exist_ok=True)
+            with open(args.log, "a"):
+                pass
+        except OSError as e:
+            raise rt.ProgramError(f"--log-file {args.log}: cannot append to it ({e.strerror or e})") from None
+    if args.save_params is not None and (why := durable.unusable(args.save_params)) is not None:
+        raise rt.ProgramError(f"--save-params {args.save_params}: {why}; give a writable directory")
 
 
 def init_process_group(backend: str, timeout: float) -> None:
@@ -217,22 +283,28 @@ def train(args: argparse.Namespace, out: Path, plan: dict, program: dict, device
     trainer = Trainer.build(args, out, plan, program, device)
     log = StepLog.of(args.log, plan, program, args.grad_accum)
     run = Run()
-    ckpt = None
-    if args.checkpoint_dir is not None:
-        ckpt = state.Checkpointer(args.checkpoint_dir, args.keep or None, asynchronous=not args.checkpoint_sync)
-        found = _agreed(state.find(args.checkpoint_dir))
-        if found is not None:
-            run = trainer.restore(found)
-            log.event({"event": "resumed", "checkpoint": str(found), "step": run.step, "position": run.position})
-            if changed := lr_flags_changed(trainer.restored_lr, args):
-                log.event({"event": "learning-rate flags differ from the checkpoint's", "changed": changed})
-                if dist.get_rank() == 0:
-                    was = ", ".join(f"--{k.replace('_', '-')} {v[0]} -> {v[1]}" for k, v in changed.items())
-                    print(f"warning: resumed with other learning-rate flags than the run that wrote {found.name} "
-                          f"({was}): the schedule continues under the new ones", file=sys.stderr)  # fmt: skip
-        elif dist.get_rank() == 0:
-            for p in state.remove_incomplete(args.checkpoint_dir):
-                log.event({"event": "removed incomplete checkpoint", "checkpoint": str(p)})
+    if args.data is not None:  # every id in the vocabulary, enough data: said before any step
+        for note in data.check(args.data, plan["global_batch"], plan["seq_len"], program["vocab"],
+                               args.steps * args.grad_accum):  # fmt: skip
+            log.event({"event": "data", "note": note})
+            if dist.get_rank() == 0:
+                print(f"warning: {note}", file=sys.stderr)
+    ckpt = lock = None
+    try:
+        if args.checkpoint_dir is not None:
+            lock = open_checkpoint_dir(args.checkpoint_dir, trainer)
+            guarded = args.spike_zscore is not None
+            ckpt = durable.Checkpointer(
+                args.checkpoint_dir, args.keep or None, asynchronous=not args.checkpoint_sync, keep_previous=guarded
+            )
+            run = resume(trainer, args, log)
+        _loop(trainer, args, log, run, ckpt)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ckpt) -> None:
     fault = Fault.from_env()
     while run.step < args.steps:
         step = run.step
@@ -243,11 +315,24 @@ def train(args: argparse.Namespace, out: Path, plan: dict, program: dict, device
         start = time.perf_counter()
         loss, norm = trainer.step(step, run.position, fault)
         stats = trainer.gather_stats(loss, time.perf_counter() - start)
-        if args.spike_zscore is not None and run.spike(stats["loss"], args.spike_zscore, args.spike_window):
+        finite = math.isfinite(stats["loss"]) and math.isfinite(norm)
+        if args.spike_zscore is not None and run.spike(stats["loss"], norm, args.spike_zscore, args.spike_window):
             back = _rollback(trainer, ckpt, run, step, log)
             if back is not None:
                 run = back
                 continue
+        if not finite:
+            if trainer.reports:
+                log.step(step, stats, norm, lr, {})
+            if ckpt is not None:
+                ckpt.wait()  # the checkpoint in flight was written from finite steps: it completes
+            newest = durable.find(args.checkpoint_dir) if args.checkpoint_dir is not None else None
+            kept = f"; the newest checkpoint is {newest}" if newest is not None else ""
+            raise rt.ProgramError(
+                f"step {step}: the loss is {stats['loss']:g} and the gradient norm {norm:g}, not finite: the run "
+                f"stops, the step's update not applied and no checkpoint written from it{kept}. Lower --lr, clip "
+                "with --max-grad-norm, or give --spike-zscore (with --checkpoint-dir) to roll back and skip the batches"
+            )
         run.advance(stats["loss"], args.grad_accum, args.spike_window)
         if trainer.reports:
             log.step(step, stats, norm, lr, trainer.expert_load())
@@ -256,13 +341,15 @@ def train(args: argparse.Namespace, out: Path, plan: dict, program: dict, device
             if args.checkpoint_every and run.step % args.checkpoint_every == 0 and run.step < args.steps:
                 ckpt.save(*trainer.checkpoint(run))
     if ckpt is not None:
-        if not state.complete(state.step_dir(args.checkpoint_dir, run.step)):
+        if not durable.complete(durable.step_dir(args.checkpoint_dir, run.step)):
             ckpt.save(*trainer.checkpoint(run))
         ckpt.wait()
         for t in ckpt.timings:
             log.event({"event": "checkpoint", **t})
     if args.save_params:
-        rt.save_parameters(args.save_params, trainer.stages, trainer.ranks, trainer.chunk_ids, program.get("tied", []))
+        rt.save_parameters(
+            args.save_params, trainer.stages, trainer.ranks, trainer.chunk_ids, trainer.program.get("tied", [])
+        )
 
 
 def _agreed(path: Path | None) -> Path | None:
@@ -272,18 +359,133 @@ def _agreed(path: Path | None) -> Path | None:
     return Path(box[0]) if box[0] is not None else None
 
 
+def _agreed_text(text: str | None) -> str | None:
+    box = [text]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def open_checkpoint_dir(directory: Path, trainer: Trainer) -> durable.DirectoryLock | None:
+    """Before any step is spent: ``--checkpoint-dir`` must be a directory of checkpoints (not one
+    checkpoint), writable, with room for one, and no other run's; rank 0 holds its lock."""
+    directory = Path(directory)
+    if durable.is_checkpoint(directory):
+        raise rt.ProgramError(
+            f"--checkpoint-dir {directory} is a checkpoint, not a directory of them: new checkpoints would nest "
+            f"inside it, where no restart looks; give the directory holding it: --checkpoint-dir {directory.parent}"
+        )
+    need = torch.tensor([state.checkpoint_bytes(trainer.entries)], dtype=torch.float64)
+    dist.all_reduce(need)
+    why, lock = None, None
+    if dist.get_rank() == 0:
+        why = durable.unusable(directory, float(need))
+        if why is not None:
+            why += "; give a writable directory with room"
+        else:
+            lock = durable.DirectoryLock(directory)
+            holder = lock.acquire()
+            if holder is not None:
+                lock = None
+                why = f"another run writes its checkpoints there ({holder}); stop it, or give another directory"
+    why = _agreed_text(why)
+    if why is not None:
+        raise rt.ProgramError(f"--checkpoint-dir {directory}: {why}")
+    return lock
+
+
+def resume(trainer: Trainer, args: argparse.Namespace, log: StepLog) -> Run:
+    """Where the run continues: the newest intact checkpoint in ``--checkpoint-dir`` (a damaged
+    one is set aside, said in one line, and the next older tried), or the start."""
+    directory = args.checkpoint_dir
+    if dist.get_rank() == 0:
+        for p in durable.remove_incomplete(directory):
+            log.event({"event": "removed incomplete checkpoint", "checkpoint": str(p)})
+    run = _restore_intact(trainer, directory, None, log)
+    if run is None:
+        return Run()
+    found = durable.step_dir(directory, run.step)
+    log.event({"event": "resumed", "checkpoint": str(found), "step": run.step, "position": run.position})
+    if changed := lr_flags_changed(trainer.restored_lr, args):
+        log.event({"event": "learning-rate flags differ from the checkpoint's", "changed": changed})
+        if dist.get_rank() == 0:
+            was = ", ".join(f"--{k.replace('_', '-')} {v[0]} -> {v[1]}" for k, v in changed.items())
+            print(f"warning: resumed with other learning-rate flags than the run that wrote {found.name} "
+                  f"({was}): the schedule continues under the new ones", file=sys.stderr)  # fmt: skip
+    if changed := data_flags_changed(trainer.restored_meta, args, trainer.plan):
+        log.event({"event": "data flags differ from the checkpoint's", "changed": changed})
+        if dist.get_rank() == 0:
+            was = ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in changed.items())
+            print(f"warning: resumed with other data than the run that wrote {found.name} ({was}): the batches "
+                  "from here on are not the ones that run would have read", file=sys.stderr)  # fmt: skip
+    return run
+
+
+def _restore_intact(trainer: Trainer, directory: Path, before: int | None, log: StepLog) -> Run | None:
+    """Load the newest checkpoint in ``directory`` (older than step ``before`` if given) whose
+    files match their checksums, setting each damaged one aside; None when none is left."""
+    while True:
+        found = durable.checkpoints(directory) if dist.get_rank() == 0 else []
+        found = [p for s, p in found if before is None or s < before]
+        path = _agreed(found[-1] if found else None)
+        if path is None:
+            return None
+        why = durable.damage(path)
+        if why is None:
+            try:
+                return trainer.restore(path)
+            except rt.ProgramError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a file DCP cannot read is damage, as a bad checksum is
+                why = f"it could not be loaded: {_first_line(e)}"
+        if dist.get_rank() == 0:
+            aside = durable.set_aside(path, durable.DAMAGED)
+            print(f"warning: checkpoint {path} is damaged ({why}); set aside as {aside.name}, trying the one "
+                  "before it", file=sys.stderr)  # fmt: skip
+            log.event({"event": "damaged checkpoint set aside", "checkpoint": str(path), "why": why,
+                       "now": str(aside)})  # fmt: skip
+
+
+# rollbacks within one spike window of each other before the run gives up
+MAX_ROLLBACKS = 3
+
+
+def rollback_before(rollbacks: list[dict], step: int, window: int) -> int:
+    """The step a spike at ``step`` rolls back to a checkpoint strictly before: the spike's own,
+    or, where the last rollbacks lie within ``window`` steps of it (the same trouble again), the
+    oldest checkpoint they went to. Raises after ``MAX_ROLLBACKS`` of those."""
+    region = [r for r in rollbacks if step <= r["step"] + window]
+    if len(region) >= MAX_ROLLBACKS:
+        where = ", ".join(f"step {r['step']} to {r['to_step']}" for r in region)
+        raise rt.ProgramError(
+            f"step {step}: the loss spiked again after {len(region)} rollbacks ({where}), each skipping its batches: "
+            "this is not a passing spike; lower --lr, clip with --max-grad-norm, or raise --spike-zscore"
+        )
+    return min([step] + [r["to_step"] for r in region])
+
+
 def _rollback(trainer: Trainer, ckpt, run: Run, step: int, log: StepLog) -> Run | None:
-    """A loss spike at ``step``: back to the newest complete checkpoint before it, skipping the
-    batches read since (PaLM's remedy); None (train on) when there is none."""
+    """A loss spike (or a loss or gradient norm that is not finite) at ``step``: back to the
+    newest intact checkpoint strictly before it (one written after the step whose update caused
+    the spike would hold that update), skipping the batches read since (PaLM's remedy). A spike
+    again within a window of the last one goes further back; after ``MAX_ROLLBACKS`` of those the
+    run stops with one line. The abandoned checkpoints are set aside, so that neither a restart
+    nor ``--keep`` takes them for the newest. None (train on) when there is no checkpoint before."""
+    args = trainer.args
     ckpt.wait()
-    found = [p for s, p in state.checkpoints(ckpt.directory) if s <= step]
-    path = _agreed(found[-1] if found else None)
-    if path is None:
+    before = rollback_before(run.rollbacks, step, args.spike_window)
+    back = _restore_intact(trainer, ckpt.directory, before, log)
+    if back is None:
         log.event({"event": "loss spike, no checkpoint to roll back to", "step": step, "loss": run.last})
         return None
-    back = trainer.restore(path)
-    end = run.position + trainer.args.grad_accum  # past the batches of the spiking step
+    if dist.get_rank() == 0:
+        for s, p in durable.checkpoints(ckpt.directory):
+            if s > back.step:
+                log.event({"event": "checkpoint set aside by a rollback", "checkpoint": str(p),
+                           "now": str(durable.set_aside(p, durable.ROLLED_BACK))})  # fmt: skip
+    dist.barrier()
+    end = run.position + args.grad_accum  # past the batches of the spiking step
     back.skipped = [*back.skipped, [back.position, end]]
+    back.rollbacks = [*run.rollbacks, {"step": step, "to_step": back.step}]
     log.event(
         {"event": "loss spike: rolled back", "step": step, "loss": run.last, "to_step": back.step,
          "skipped_batches": [back.position, end]}
@@ -296,18 +498,21 @@ def _rollback(trainer: Trainer, ckpt, run: Run, step: int, log: StepLog) -> Run 
 class Run:
     """Where training stands: optimizer steps done, global batches read (``position``: a
     rollback skips some, so it can run ahead of the steps), the recent losses (the spike
-    guard's window) and the batch ranges skipped."""
+    guard's window), the batch ranges skipped and the rollbacks made."""
 
     step: int = 0
     position: int = 0
     window: list[float] = field(default_factory=list)
     skipped: list = field(default_factory=list)
     last: float | None = None
+    rollbacks: list = field(default_factory=list)  # {"step": spiking step, "to_step": the checkpoint's}
 
-    def spike(self, loss: float, z: float, size: int) -> bool:
+    def spike(self, loss: float, norm: float, z: float, size: int) -> bool:
         """Whether ``loss`` lies more than ``z`` standard deviations above the window's mean
-        (once the window is full)."""
+        (once the window is full), or the loss or the gradient norm is not finite (always)."""
         self.last = loss
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            return True
         if len(self.window) < size:
             return False
         w = torch.tensor(self.window, dtype=torch.float64)
@@ -320,11 +525,14 @@ class Run:
 
 
 class Fault:
-    """Fault injection for recovery tests: ``AUTOSHARD_FAULT=kill:RANK:STEP`` SIGKILLs that
-    rank in the middle of that step (after its backward, before the optimizer step), and
-    ``hang:RANK:STEP`` stops it there for an hour, and ``lr:0:STEP`` multiplies that step's
-    learning rate by 1000 once (a genuine loss spike on the next step), on a job's first attempt
-    only."""
+    """Fault injection for recovery tests, on a job's first attempt only:
+    ``AUTOSHARD_FAULT=kill:RANK:STEP`` SIGKILLs that rank in the middle of that step (after its
+    backward, before the optimizer step), ``hang:RANK:STEP`` stops it there for an hour,
+    ``lr:0:STEP`` multiplies that step's learning rate by 1000 once (a genuine loss spike on the
+    next step), and ``nan:RANK:STEP`` turns that rank's first parameter into NaN before the
+    step's forward once (weights gone bad)."""
+
+    KINDS = ("kill", "hang", "lr", "nan")
 
     def __init__(self, kind: str, rank: int, step: int):
         self.kind, self.rank, self.step = kind, rank, step
@@ -336,16 +544,28 @@ class Fault:
         self.fired = True
         return lr * 1000
 
+    def poison(self, step: int, params: list) -> None:
+        if self.kind != "nan" or step != self.step or self.fired or dist.get_rank() != self.rank:
+            return
+        self.fired = True
+        with torch.no_grad():
+            next(p for p in params if p.is_floating_point()).fill_(float("nan"))
+
     @classmethod
     def from_env(cls) -> Fault | None:
         spec = os.environ.get("AUTOSHARD_FAULT")
         if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             return None
-        kind, rank, step = spec.split(":")
-        return cls(kind, int(rank), int(step))
+        parts = spec.split(":")
+        if len(parts) != 3 or parts[0] not in cls.KINDS or not all(x.isdigit() for x in parts[1:]):
+            raise rt.ProgramError(
+                f"AUTOSHARD_FAULT={spec!r}: expected KIND:RANK:STEP with KIND one of {', '.join(cls.KINDS)} "
+                "and RANK, STEP whole numbers (e.g. kill:1:3); unset it to train without a fault"
+            )
+        return cls(parts[0], int(parts[1]), int(parts[2]))
 
     def __call__(self, step: int) -> None:
-        if self.kind == "lr" or step != self.step or dist.get_rank() != self.rank:
+        if self.kind not in ("kill", "hang") or step != self.step or dist.get_rank() != self.rank:
             return
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -434,6 +654,7 @@ class Trainer:
     loads: dict = field(default_factory=dict)  # MoE layer -> (max, mean) expert load of the last step
     dropped: int | None = None  # routed rows the capacity dropped in the last step, all ranks
     restored_lr: dict | None = None  # the learning-rate flags of the run whose checkpoint was loaded
+    restored_meta: dict | None = None  # the trainer.json of the checkpoint loaded
 
     @property
     def microbatches(self) -> int:
@@ -543,6 +764,9 @@ class Trainer:
         and the global gradient norm before clipping."""
         tokens = self.tokens(step if position is None else position)
         self.optim.zero_grad(set_to_none=True)
+        PROGRESS.mark(step, 0)
+        if fault is not None:
+            fault.poison(step, self.params)
         losses: list[torch.Tensor] = []
         if self.schedule is not None:
             # (the last chunk's outputs are not kept for the step's return: m logits of the vocabulary)
@@ -554,6 +778,7 @@ class Trainer:
                 value = self.loss(self.stages[0](mb), mb)
                 (value / m).backward()
                 losses.append(value.detach())
+        PROGRESS.mark(step, 1)
         rt.sum_partial_gradients(self.stages)  # sequence parallel: norms saw 1/tp of the tokens
         dp = self.plan["mesh"]["dp"]
         if not self.fsdp:  # (FSDP reduces over dp x cp itself, in backward)
@@ -573,6 +798,10 @@ class Trainer:
         norm = state.clip_gradients(self.entries, self.args.max_grad_norm)
         if fault is not None:
             fault(step)
+        if not math.isfinite(norm) and not fake.active():  # (all-reduced: every rank skips) the caller decides
+            self.optim.zero_grad(set_to_none=True)
+            return (mean_loss(losses, self.plan["mesh"]["dp"]) if self.last else None), norm
+        PROGRESS.mark(step, 2)
         self.optim.step()
         fp8.new_step()  # the weights changed: their FP8 copies are made again next step
         if self.program.get("routing"):  # MoE: routing biases nudged toward balance, loads for the log
@@ -615,6 +844,7 @@ class Trainer:
         meta = {
             "format": state.FORMAT, "step": run.step, "position": run.position,
             "samples": run.position * plan["global_batch"], "window": run.window, "skipped": run.skipped,
+            "rollbacks": run.rollbacks,
             "seed": args.seed, "global_batch": plan["global_batch"], "seq_len": plan["seq_len"],
             "grad_accum": args.grad_accum,
             "lr": {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr,
@@ -652,7 +882,7 @@ class Trainer:
         biases (whatever plan wrote it), and its RNG state when this same plan did; returns
         where training stands."""
         meta = json.loads((path / "trainer.json").read_text())
-        self.restored_lr = meta.get("lr")
+        self.restored_lr, self.restored_meta = meta.get("lr"), meta
         if meta.get("format") != state.FORMAT:
             raise rt.ProgramError(f"checkpoint {path}: format {meta.get('format')}, this program reads {state.FORMAT}")
         saved = self._check_compatible(path, meta)
@@ -675,7 +905,7 @@ class Trainer:
                 f"of {self.plan['global_batch']}; recompile with a global batch that divides it"
             )
         return Run(meta["step"], samples // self.plan["global_batch"], list(meta.get("window", [])),
-                   list(meta.get("skipped", [])))  # fmt: skip
+                   list(meta.get("skipped", [])), rollbacks=list(meta.get("rollbacks", [])))  # fmt: skip
 
 
 def lr_flags_changed(saved: dict | None, args: argparse.Namespace) -> dict:
@@ -687,6 +917,16 @@ def lr_flags_changed(saved: dict | None, args: argparse.Namespace) -> dict:
         now["steps"] = args.steps
     flags = {"schedule": "lr_schedule"}
     return {flags.get(k, k): (saved[k], v) for k, v in now.items() if saved and k in saved and saved[k] != v}
+
+
+def data_flags_changed(meta: dict | None, args: argparse.Namespace, plan: dict) -> dict:
+    """What decides the batches (``--seed``, ``--data``, the sequence length) where it differs
+    from the run that wrote a checkpoint: name -> (then, now)."""
+    if not meta:
+        return {}
+    now = {"--seed": args.seed, "sequence length": plan["seq_len"]}
+    then = {"--seed": meta.get("seed"), "sequence length": meta.get("seq_len")}
+    return {k: (then[k], v) for k, v in now.items() if then[k] is not None and then[k] != v}
 
 
 def dropped_everywhere() -> int:

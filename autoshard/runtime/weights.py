@@ -106,7 +106,18 @@ class Weights:
         for b in blocks:
             source = tuple(slice(start, start + n) for start, n in zip(b.full, b.sizes))
             target = tuple(slice(start, start + n) for start, n in zip(b.local, b.sizes))
-            piece[target] = reader.block(name, source)
+            value = reader.block(name, source)
+            if dtype.is_floating_point and not value.is_floating_point():
+                raise ProgramError(
+                    f"{self.path}: {name} is {value.dtype}, where the program holds a {dtype} parameter; a cast "
+                    "would change it silently: give a file of this model's floating-point weights"
+                )
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise ProgramError(
+                    f"{self.path}: {name} holds values that are not finite (nan or inf), so every loss would be; "
+                    "give weights saved before they went bad"
+                )
+            piece[target] = value
         return piece
 
     def find(self, source: str, tied: list[dict] = ()) -> str | None:

@@ -134,10 +134,11 @@ def test_gradient_clipping_matches_torch_on_one_process():
 
 def test_the_spike_guard_waits_for_a_full_window():
     run = trainer.Run()
+    assert run.spike(float("nan"), 1.0, 3.0, 3) and run.spike(3.0, float("inf"), 3.0, 3)  # not finite: always
     for loss in (3.0, 3.1, 2.9):
-        assert not run.spike(loss, 3.0, 3)
+        assert not run.spike(loss, 1.0, 3.0, 3)
         run.advance(loss, 1, 3)
-    assert not run.spike(3.2, 3.0, 3) and run.spike(4.0, 3.0, 3)
+    assert not run.spike(3.2, 1.0, 3.0, 3) and run.spike(4.0, 1.0, 3.0, 3)
     assert (run.step, run.position, run.window) == (3, 3, [3.0, 3.1, 2.9])
 
 
