@@ -18,6 +18,7 @@ shared filesystem is what DCP's resharding load needs anyway). ``DIR/.autoshard.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -339,11 +340,15 @@ class Checkpointer:
         path = step_dir(self.directory, meta["step"])
         started = time.perf_counter()
         if self.asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, async_stager=_Staged())
+            with _failing(path):
+                future = dcp.async_save(
+                    state, checkpoint_id=str(path), process_group=self.group, async_stager=_Staged()
+                )
             future = getattr(future, "upload_completion", future)
             self.pending = (future, path, meta, started, time.perf_counter() - started)
         else:
-            dcp.save(state, checkpoint_id=str(path), process_group=self.group)
+            with _failing(path):
+                dcp.save(state, checkpoint_id=str(path), process_group=self.group)
             self.pending = (None, path, meta, started, time.perf_counter() - started)
             self.poll()
 
@@ -363,9 +368,10 @@ class Checkpointer:
         future, path, meta, started, blocked = self.pending
         if not self._all_done(future):
             return
-        if future is not None:
-            future.result()  # raises what the writer raised
         self.pending = None
+        if future is not None:
+            with _failing(path):
+                future.result()  # raises what the writer raised
         sums = self._sums(path)
         if self.sync is None or dist.get_rank(self.sync) == 0:
             finish(path, meta, self.keep, sums, self.keep_previous)
@@ -384,8 +390,28 @@ class Checkpointer:
 
     def wait(self) -> None:
         if self.pending is not None and self.pending[0] is not None:
-            self.pending[0].result()
+            with _failing(self.pending[1]):
+                self.pending[0].result()
         self.poll()
+
+
+@contextlib.contextmanager
+def _failing(path: Path):
+    """A checkpoint write that fails (a full disk, a lost mount) ends the run in one line: the
+    checkpoints before it are intact, and the next start resumes from the newest of them."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps the writer's OSError in its own
+        from autoshard.runtime.program import ProgramError
+
+        failures = list(getattr(e, "failures", {}).values())  # DCP's: rank -> the exception (and its traceback)
+        cause = failures[0][0] if failures and isinstance(failures[0], tuple) else failures[0] if failures else e
+        raise ProgramError(
+            f"writing checkpoint {path} failed ({type(cause).__name__}: {_first_line(cause)}); the checkpoints "
+            "before it are intact: make room or fix the directory, and run again to resume from the newest"
+        ) from None
 
 
 class _Staged:

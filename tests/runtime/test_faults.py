@@ -156,6 +156,15 @@ def test_an_unusable_checkpoint_location_is_found_before_the_first_step(program,
     assert not _steps(proc)
 
 
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_one_before_stays(program, tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "step_00000004").write_text("")  # what DCP must make a directory of: the write fails
+    proc = _run(program, "--steps", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2")
+    _one_line(proc, f"writing checkpoint {ck / 'step_00000004'} failed (FileExistsError")
+    assert [s for s, _ in durable.checkpoints(ck)] == [2]
+
+
 # -- 5, 6. damage ------------------------------------------------------------------------------
 
 
