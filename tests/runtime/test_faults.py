@@ -281,7 +281,7 @@ def test_a_model_autoshard_cannot_train_is_one_line(tmp_path, kind):
 
 
 @pytest.mark.parametrize("where", ["directory", "missing-parent-unwritable"])
-def test_export_and_data_prepare_check_their_output_first(tmp_path, where):
+def test_export_and_data_prepare_check_their_output_first(program, tmp_path, capsys, where):
     from autoshard.cli import main as cli
 
     target = tmp_path / "x.safetensors" if where == "directory" else Path("/proc/autoshard/x.bin")
@@ -289,9 +289,14 @@ def test_export_and_data_prepare_check_their_output_first(tmp_path, where):
         target.mkdir()
     text = tmp_path / "doc.txt"
     text.write_text("hello\n")
-    # the output is checked before the tokenizer is even looked for (it does not exist)
+    # the output is checked before the tokenizer is even looked for (there is none at this path)
     assert cli(["data", "prepare", str(text), "--tokenizer", str(tmp_path / "no-tokenizer"), "-o", str(target)]) == 2
-    assert cli(["export", str(tmp_path / "no-checkpoint"), "-o", str(target)]) == 2
+    assert f"-o {target}" in capsys.readouterr().err
+    ck = tmp_path / "ck"
+    assert _run(program, "--steps", "1", "--checkpoint-dir", str(ck)).returncode == 0
+    assert cli(["export", str(ck), "-o", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"-o {target}" in err and "Traceback" not in err
 
 
 # -- 10. the smaller ones ------------------------------------------------------------------------
