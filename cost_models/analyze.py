@@ -30,7 +30,6 @@ from torch import fx
 from autoshard.capture import Captured
 from autoshard.cost_models import ops, sharding
 from autoshard.cost_models.categories import CHECKPOINT_CATEGORIES, saved_category
-from autoshard.errors import AutoshardError
 from autoshard.ir import B, S
 
 FP8_SAVED_BYTES = 1 + 4 / 128  # an E4M3 copy and one fp32 scale per 1x128 tile
@@ -276,13 +275,6 @@ class ModelCost:
 
 
 def analyze(captured: Captured) -> ModelCost:
-    if not captured.kinds:
-        where = f"{captured.source}: " if captured.source else ""
-        raise AutoshardError(
-            f"{where}the model has no stack of repeated layers (an nn.ModuleList or nn.Sequential of blocks its "
-            "forward runs in turn), which autoshard splits into pipeline stages and shards layer by layer; "
-            "hold the layers in one"
-        )
     gm = captured.graph_module
     sharding.annotate(gm)
     annotate_kinds(gm)

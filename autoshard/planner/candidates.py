@@ -65,6 +65,15 @@ class Problem:
     excluded: dict = field(default_factory=dict)
     exclusion_reasons: list = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not self.cost.blocks:
+            source = self.cost.captured.source
+            raise AutoshardError(
+                f"{source + ': ' if source else ''}the model has no stack of repeated layers (an nn.ModuleList or "
+                "nn.Sequential of blocks its forward runs in turn), which autoshard splits into pipeline stages and "
+                "shards layer by layer; hold the layers in one"
+            )
+
     @property
     def sequence_parallel(self) -> bool:
         """Sequence parallelism with TP, unless pinned off or refused by the passes."""
