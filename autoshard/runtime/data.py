@@ -259,6 +259,19 @@ def batch_rows(
     if data is None:  # synthetic: the whole batch is drawn so that any rows of it agree
         gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
         return torch.randint(0, vocab, (batch, seq), generator=gen)[start:stop]
+    s, windows = _opened(data, seq, vocab)
+    rows = []
+    for g in range(index * batch + start, index * batch + stop):
+        pieces = s.read(window(g, windows, seed) * seq, seq)
+        for f, ids in pieces:
+            _check_ids(f, ids, vocab)
+        rows.append(np.concatenate([ids for _, ids in pieces]).astype(np.int64))
+    return torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, seq, dtype=torch.long)
+
+
+def _opened(data: str | os.PathLike, seq: int, vocab: int) -> tuple[Stream, int]:
+    """The stream of ``data`` and its windows of ``seq`` tokens, once it holds one and was not
+    tokenised for a larger vocabulary than the model's."""
     s = stream(data)
     windows = s.tokens // seq
     if not windows:
@@ -268,13 +281,7 @@ def batch_rows(
             f"--data {s.widest.path} was tokenised for a vocabulary of {s.widest.vocab} ids but the model has "
             f"{vocab}; tokenise with the model's tokenizer (autoshard data prepare --tokenizer ...)"
         )
-    rows = []
-    for g in range(index * batch + start, index * batch + stop):
-        pieces = s.read(window(g, windows, seed) * seq, seq)
-        for f, ids in pieces:
-            _check_ids(f, ids, vocab)
-        rows.append(np.concatenate([ids for _, ids in pieces]).astype(np.int64))
-    return torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, seq, dtype=torch.long)
+    return s, windows
 
 
 def _check_ids(f: TokenFile, ids: np.ndarray, vocab: int) -> None:
@@ -303,15 +310,7 @@ def check(data: str | os.PathLike, batch: int, seq: int, vocab: int, steps: int)
     have their ids scanned now, so that an id outside the vocabulary stops the run at its start
     rather than at the step that reads it. Returns warnings: fewer sequences than one global
     batch (every batch repeats windows), or more reads than the data holds."""
-    s = stream(data)
-    windows = s.tokens // seq
-    if not windows:
-        raise _error(f"--data {data}: {s.tokens} tokens, fewer than one sequence of {seq}")
-    if s.widest.vocab > vocab:
-        raise _error(
-            f"--data {s.widest.path} was tokenised for a vocabulary of {s.widest.vocab} ids but the model has "
-            f"{vocab}; tokenise with the model's tokenizer (autoshard data prepare --tokenizer ...)"
-        )
+    s, windows = _opened(data, seq, vocab)
     for f in s.files:
         if f.vocab and not f.legacy:
             continue

@@ -184,7 +184,7 @@ class Progress:
             self.store = False
 
     def behind(self) -> str | None:
-        """The ranks furthest behind, in words ("rank 1 (step 3, before its optimizer step)"),
+        """The ranks furthest behind, in words ("rank 1 last reported step 3, optimizer step"),
         where the ranks' reports differ; None where they agree or cannot be read."""
         if not self.store:
             return None
