@@ -326,10 +326,10 @@ class LayerCosts:
                 t_cp = fwd + bwd
                 cp_total = (cp - 1) * (step + both) + home
                 transient = max(transient, 2 * kv_bytes)
-            else:  # all-gather K/V forward, reduce-scatter their gradients backward
+            else:  # all-gather K/V forward, reduce-scatter their gradients (same dtype) backward
                 full = kv_bytes * cp / (tp if sp else 1)
                 t_cp = comm.all_gather(full, where_cp.placement(), hw) + comm.reduce_scatter(
-                    2 * full, where_cp.placement(), hw
+                    full, where_cp.placement(), hw
                 )
                 cp_total = t_cp
                 transient = max(transient, 2 * full)
@@ -398,7 +398,7 @@ class LayerCosts:
             else:
                 full = kv_bytes * cp / (tp if sp else 1)
                 add("cp", "all_gather", full)
-                add("cp", "reduce_scatter", 2 * full)
+                add("cp", "reduce_scatter", full)
         return tuple((axis, kind, n) for (axis, kind), n in out.items())
 
     def boundary_bytes(self, block: int, mbs: int, tp: int, cp: int) -> float:

@@ -32,8 +32,8 @@ def test_a_v_shape_schedule_puts_the_first_and_last_chunks_on_rank_0():
 
 
 def test_a_round_robin_schedule_puts_the_last_chunk_on_the_last_rank():
-    plan = _plan("llama3_405b_16k_h100")
-    assert plan.schedule == "zero-bubble" and plan.virtual_stages > 1
+    plan = _plan("llama3_405b_131k_h100")
+    assert plan.schedule in ("interleaved", "zero-bubble") and plan.virtual_stages > 1
     lines = _stage_lines(plan_markdown(plan))
     assert "embedding" in lines[0] and "head+loss" in lines[-1]
     assert all(line.count("|") == plan.virtual_stages - 1 for line in lines)

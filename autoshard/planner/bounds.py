@@ -66,7 +66,7 @@ class Bounds:
         dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros)
         m_flight = costs.in_flight(sched, c.v, c.pp, m)
         bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
-        if self.memory_bound(c, zeros, w, m_flight) > self.p.hw.usable_bytes:
+        if self.memory_bound(c, zeros, w, m_flight, lazy=c.v > 1) > self.p.hw.usable_bytes:
             return math.inf
         t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep)
         if t_max == math.inf:
@@ -103,7 +103,7 @@ class Bounds:
                     (sched, v, flight)
                     for sched, v, flight in shapes
                     if runnable(sched.name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp)
-                    and self.memory_bound(c, zeros, w0, flight, rc) <= usable
+                    and self.memory_bound(c, zeros, w0, flight, rc, lazy=v > 1) <= usable
                 ]
             shapes = fitting
             if not shapes:
@@ -130,10 +130,10 @@ class Bounds:
         zeros = tuple(costs.zero_options(c))
         w0 = costs.work(c, where_key, where, True, frozenset())
         if level == 3:
-            flight = costs.in_flight(SCHEDULES[c.schedule], c.v, c.pp, m)
+            flight, lazy = costs.in_flight(SCHEDULES[c.schedule], c.v, c.pp, m), c.v > 1
         else:
-            flight = costs.schedule_shapes(c.pp, m)[1]
-        return self.memory_bound(c, zeros, w0, flight, c.recompute) <= self.p.hw.usable_bytes
+            flight, lazy = costs.schedule_shapes(c.pp, m)[1], True
+        return self.memory_bound(c, zeros, w0, flight, c.recompute, lazy) <= self.p.hw.usable_bytes
 
     def quick_bound(self, c: Candidate) -> float:
         """A cheap root bound: compute and TP/CP/EP traffic at their best placements (EP hidden as
@@ -233,14 +233,25 @@ class Bounds:
         return table[key]
 
     def memory_bound(
-        self, c: Candidate, zeros: tuple[int, ...], w: Work, in_flight: tuple, recompute: frozenset | None = None
+        self,
+        c: Candidate,
+        zeros: tuple[int, ...],
+        w: Work,
+        in_flight: tuple,
+        recompute: frozenset | None = None,
+        lazy: bool = True,
     ) -> float:
         """A lower bound on the busiest rank's memory over every stage partition and every ZeRO
         stage in ``zeros``, with ``w``'s activations or, given ``recompute``, the activations that
-        recompute set keeps (model states and buffers do not depend on it)."""
-        return min(self._memory_bound(c, z, w, in_flight, recompute) for z in _least_memory_stages(zeros))
+        recompute set keeps (model states and buffers do not depend on it). ``lazy``: the
+        schedule may run several chunks per rank, so a chunk's gradients may not exist yet at
+        the rank's activation peak (``Schedule.occupancy``); the bound is then the larger of the
+        activations at the peak beside the states without gradients, and all states with none."""
+        return min(self._memory_bound(c, z, w, in_flight, recompute, lazy) for z in _least_memory_stages(zeros))
 
-    def _memory_bound(self, c: Candidate, zero: int, w: Work, in_flight: tuple, recompute: frozenset | None) -> float:
+    def _memory_bound(
+        self, c: Candidate, zero: int, w: Work, in_flight: tuple, recompute: frozenset | None, lazy: bool
+    ) -> float:
         """``memory_bound`` at one ZeRO stage.
 
         For weights l_r >= 0 summing to one, max_r mem_r >= sum_r l_r mem_r, and the right side
@@ -249,7 +260,7 @@ class Bounds:
         # memory does not depend on the axis order, so neither does the key; the in-flight
         # tuples are memoised (``in_flight``, ``schedule_shapes``), so their identity names them
         rc = w.recompute if recompute is None else recompute
-        layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, zero)
+        layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, zero, lazy)
         key = (*layout, id(in_flight))
         value = self.memo.memory.get(key)
         if value is not None:
@@ -257,7 +268,7 @@ class Bounds:
         profile = self.memo.memory_layout.get(layout)
         if profile is None:  # the per-layer memory, shared by every schedule's in-flight counts
             costs = self.costs
-            per, pre, post = costs.states(c, w, zero)
+            per, pre, post = costs.states(c, w, zero, grads=not lazy)
             if recompute is None:
                 acts = [k.activation_bytes for k in w.kinds] + [w.pre.activation_bytes, w.post.activation_bytes]
             else:
@@ -267,15 +278,18 @@ class Bounds:
             layers = sum(n for n, _, _ in items)
             act_avg = sum(n * a for n, a, _ in items) / layers
             st_avg = sum(n * st for n, _, st in items) / layers
-            profile = self.memo.memory_layout[layout] = (items, act_avg, st_avg, costs.buffers(c, w, zero)[0])
-        items, act_avg, st_avg, buffers = profile
+            everything = costs.states(c, w, zero)  # with gradients: the step's end, no activations
+            states = sum(n * st for n, st in zip(costs.kind_counts, everything[0])) + everything[1] + everything[2]
+            profile = (items, act_avg, st_avg, costs.buffers(c, w, zero)[0], states)
+            self.memo.memory_layout[layout] = profile
+        items, act_avg, st_avg, buffers, states = profile
         total = sum(1.0 / max(act_avg * i + st_avg, 1e-9) for i in in_flight)
         # l_r x (a i_r + st) = (a i_r + st) / (act_avg i_r + st_avg) / total is monotone in i_r
         # (a ratio of linear functions), so its least over the ranks is at the fewest or the most
         # in-flight micro-batches
         ends = (min(in_flight), max(in_flight))
         bound = sum(n * min((a * i + st) / max(act_avg * i + st_avg, 1e-9) for i in ends) / total for n, a, st in items)
-        value = bound + buffers
+        value = max(bound, states / c.pp if lazy else 0.0) + buffers
         self.memo.memory[key] = value
         return value
 
@@ -288,34 +302,41 @@ class Bounds:
     def _tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap) -> float:
         """``tmax_bound`` at one ZeRO stage. Every layer is given the smallest time and memory of
         any layer kind, and the embedding/head time is rounded down to whole layers, which can
-        only lower the bound. ``in_flight`` is a memoised tuple (its identity keys the memo)."""
+        only lower the bound. ``in_flight`` is a memoised tuple (its identity keys the memo). A
+        rank's gradients may not exist yet at its activation peak (``memory_bound``), so its
+        layers are capped both by their activations beside the states without gradients and by
+        all their states alone."""
         key = (id(w), zero, ends, id(in_flight), overlap)
         table = self.memo.tmax
         if key in table:
             return table[key]
-        per, pre_state, post_state = self.costs.states(c, w, zero)
+        per, pre_state, post_state = self.costs.states(c, w, zero, grads=False)
+        per_all, pre_all, post_all = self.costs.states(c, w, zero)
         buffers, post_buffers = self.costs.buffers(c, w, zero)
         layers = self.p.num_layers
         first, last = ends
         t_min = min(k.time(overlap) for k in w.kinds)
         a_min = min(k.activation_bytes for k in w.kinds)
-        s_min = min(per)
+        s_min, s_all = min(per), min(per_all)
         caps, lead = [], []
         value = None
         for r in range(c.pp):
-            fixed, t_fixed = buffers, 0.0
+            fixed, everything, t_fixed = buffers, buffers, 0.0
             if r == first:
                 fixed += w.pre.activation_bytes * in_flight[r] + pre_state
+                everything += pre_all
                 t_fixed += w.pre.time(overlap)
             if r == last:
                 fixed += w.post.activation_bytes * in_flight[r] + post_state + post_buffers
+                everything += post_all + post_buffers
                 t_fixed += w.post.time(overlap)
-            room = self.p.hw.usable_bytes - fixed
-            if room < 0:
+            room, room_all = self.p.hw.usable_bytes - fixed, self.p.hw.usable_bytes - everything
+            if min(room, room_all) < 0:
                 value = math.inf
                 break
             unit = a_min * in_flight[r] + s_min
-            caps.append(layers if unit <= 0 else min(layers, int(room // unit)))
+            cap = layers if unit <= 0 else min(layers, int(room // unit))
+            caps.append(cap if s_all <= 0 else min(cap, int(room_all // s_all)))
             lead.append(int(t_fixed // t_min) if t_min > 0 else 0)
         if value is None:
             if sum(caps) < layers:

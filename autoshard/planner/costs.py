@@ -63,7 +63,7 @@ class Work:
     params_expert: float
     p2p: float
     recompute: frozenset = frozenset()  # what the layers recompute
-    states: dict = field(default_factory=dict)  # zero -> per-kind state bytes, cached
+    states: dict = field(default_factory=dict)  # (zero, gradients counted) -> per-kind state bytes, cached
 
 
 class CandidateCosts:
@@ -188,18 +188,29 @@ class CandidateCosts:
         grads = sharded_state_bytes(copy, 0.0, zero, c.dp * c.cp, c.edp)["grads"]
         return pipeline_ends_all_reduce(grads, where["pp"], self.p.hw)
 
-    def states(self, c: Candidate, w: Work, zero: int) -> tuple[list[float], float, float]:
+    def states(self, c: Candidate, w: Work, zero: int, grads: bool = True) -> tuple[list[float], float, float]:
         """(per-kind, embedding, head) model-state bytes at this ZeRO stage, with the FP8 copies
-        of the weights of FP8 matmuls the program keeps for a step."""
-        if zero not in w.states:
+        of the weights of FP8 matmuls the program keeps for a step; without the gradients where
+        ``grads`` is false (autograd makes them at a chunk's first backward: ``Schedule.occupancy``
+        says when)."""
+        key = (zero, grads)
+        if key not in w.states:
 
             def total(k: LayerCost, block: int) -> float:
-                states = sharded_state_bytes(k.params_dense, k.params_expert, zero, c.dp * c.cp, c.edp)["total"]
+                parts = sharded_state_bytes(k.params_dense, k.params_expert, zero, c.dp * c.cp, c.edp)
+                states = parts["total"] - (0.0 if grads else parts["grads"])
                 return states + (self.layers.fp8_weight_bytes(block, c.tp, c.ep, c.fp8) if c.fp8 else 0.0)
 
             kinds = [total(k, i) for i, k in enumerate(w.kinds)]
-            w.states[zero] = (kinds, total(w.pre, PRE), total(w.post, POST))
-        return w.states[zero]
+            w.states[key] = (kinds, total(w.pre, PRE), total(w.post, POST))
+        return w.states[key]
+
+    def grads(self, c: Candidate, w: Work, zero: int) -> tuple[list[float], float, float]:
+        """(per-kind, embedding, head) gradient bytes at this ZeRO stage: ``states`` less
+        ``states`` without them."""
+        with_grads, without = self.states(c, w, zero), self.states(c, w, zero, grads=False)
+        kinds = [a - b for a, b in zip(with_grads[0], without[0])]
+        return kinds, with_grads[1] - without[1], with_grads[2] - without[2]
 
     def buffers(self, c: Candidate, w: Work, zero: int) -> tuple[float, float]:
         """Bytes every rank needs besides model states and saved activations: the largest transient
@@ -219,35 +230,46 @@ class CandidateCosts:
         sp = c.tp > 1 and self.layers.sp
         return 2 * self.layers.block(0).eval("boundary", c.mbs, self.p.seq / c.cp) / (c.tp if sp else 1)
 
-    def rank_buffers(self, c: Candidate, schedule: Schedule, in_flight) -> list[float]:
-        """Per pipeline rank, bytes besides ``buffers``: the outputs of its chunks' forwards still
-        in flight (a pipeline stage keeps each until its backward: one per micro-batch and chunk
-        in flight, but the last chunk's, the loss), and on the rank holding the embedding its
+    def chunk_output(self, c: Candidate) -> float:
+        """Bytes a pipeline chunk keeps per micro-batch in flight besides its layers' saved
+        tensors: its forward's output, kept by the stage until its backward (none without a
+        pipeline)."""
+        return self._boundary(c) if c.pp > 1 else 0.0
+
+    def rank_buffers(self, c: Candidate, schedule: Schedule) -> list[float]:
+        """Per pipeline rank, bytes besides ``buffers``: on the rank holding the embedding, its
         gradient's transient where that is larger than the layers' largest."""
-        last, first = schedule.chunk_rank(c.pp * c.v - 1, c.pp), schedule.chunk_rank(0, c.pp)
-        out = [self._boundary(c) * in_flight[r] * (c.v - (r == last)) if c.pp > 1 else 0.0 for r in range(c.pp)]
+        first = schedule.chunk_rank(0, c.pp)
+        out = [0.0] * c.pp
         layers = max(self.layers.largest_param(i, c.tp, c.ep) for i in range(len(self.p.cost.blocks)))
         out[first] += GRAD_TRANSIENT_BYTES * max(0.0, self.layers.largest_param(PRE, c.tp, c.ep) - layers)
         return out
 
     def in_flight(self, schedule: Schedule, v: int, pp: int, m: int) -> tuple:
-        """Per pipeline rank, the micro-batches ``schedule`` keeps in flight (memoised: the tuple's
-        identity names it in other memo keys)."""
+        """Per pipeline rank, micro-batches in flight the bounds may count on for every byte a
+        rank's chunks keep per micro-batch (memoised: the tuple's identity names it in other memo
+        keys). A rank's chunks hold the same layers but for one (``partition._spread``), so its
+        activations are at least its total ``Schedule.in_flight`` spread evenly; not so on the
+        ranks holding the embedding's or the head's chunk, which take fewer layers than the
+        rank's other chunks and can hold far fewer or far more micro-batches at once (ZB1P's last
+        rank: 128 on one chunk, 1 on the head's). There the count is what every chunk holds at
+        once at some moment (``Schedule.least_held``)."""
         key = (schedule.name, v, pp, m)
         table = self.memo.in_flight
         if key not in table:
-            counts = tuple(schedule.in_flight(r, pp, m, v) for r in range(pp))
+            ends = {schedule.chunk_rank(0, pp), schedule.chunk_rank(pp * v - 1, pp)} if v > 1 else set()
+            counts = tuple(
+                schedule.least_held(r, pp, m, v) if r in ends else schedule.in_flight(r, pp, m, v) for r in range(pp)
+            )
             # one tuple per value: schedules keeping the same counts share the bounds memoised by it
             table[key] = self.memo.in_flight_values.setdefault(counts, counts)
         return table[key]
 
-    def pending(self, schedule: Schedule, v: int, pp: int, m: int) -> tuple:
-        """Per pipeline rank, the micro-batches waiting for a deferred weight-gradient pass."""
-        key = (schedule.name, v, pp, m)
-        table = self.memo.pending
-        if key not in table:
-            table[key] = tuple(schedule.weight_pending(r, pp, m, v) for r in range(pp))
-        return table[key]
+    def occupancy(self, schedule: Schedule, v: int, pp: int, m: int) -> tuple:
+        """Per pipeline rank, the schedule's micro-batches in flight chunk by chunk at each moment
+        that can be its peak (``Schedule.occupancy``; only the shapes the search evaluates need
+        it, the bounds use the rank totals)."""
+        return schedule.occupancy(pp, m, v)
 
     def schedule_shapes(self, pp: int, m: int):
         """The schedules valid for (pp, m) as (row, v, in-flight counts), and the per-rank least."""

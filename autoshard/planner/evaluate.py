@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 from autoshard.cost_models.comm import Where, data_parallel
 from autoshard.cost_models.hardware import Hardware
-from autoshard.cost_models.layers import POST, PRE, LayerCost
-from autoshard.cost_models.memory import sharded_state_bytes
+from autoshard.cost_models.layers import LayerCost
 from autoshard.planner import partition
 from autoshard.planner.candidates import Candidate
 from autoshard.planner.costs import CandidateCosts, Work
+from autoshard.planner.promises import rank_memory_parts
 from autoshard.runtime.schedules import SCHEDULES, Schedule
 
 
@@ -68,15 +68,15 @@ class Evaluator:
         sched = SCHEDULES[c.schedule]
         w = costs.work(c, where_key, where, sched.overlaps_ep)
         q = self._quantities(c, w, where, sched.overlaps_ep)
-        in_flight = list(costs.in_flight(sched, c.v, c.pp, m))
-        q.pending = list(costs.pending(sched, c.v, c.pp, m))
-        q.rank_buffers = costs.rank_buffers(c, sched, in_flight)
-        part = partition.solve(
-            costs.kinds, q, c.pp, c.v, lambda ch: sched.chunk_rank(ch, c.pp), in_flight, m, fixed_stages
-        )
+        in_flight = costs.in_flight(sched, c.v, c.pp, m)
+        q.occupancy = list(costs.occupancy(sched, c.v, c.pp, m))
+        q.boundary = costs.chunk_output(c)
+        q.rank_buffers = costs.rank_buffers(c, sched)
+        part = partition.solve(costs.kinds, q, c.pp, c.v, lambda ch: sched.chunk_rank(ch, c.pp), m, fixed_stages)
         if part is None:
             acts = sum(n * k.activation_bytes for n, k in zip(costs.kind_counts, w.kinds))
-            states = sum(n * s for n, s in zip(costs.kind_counts, q.state)) + q.pre["state"] + q.post["state"]
+            states = sum(n * (s + g) for n, s, g in zip(costs.kind_counts, q.state, q.grad))
+            states += q.pre["state"] + q.post["state"] + q.pre["grad"] + q.post["grad"]
             need = (acts * max(in_flight) + states) / c.pp + q.buffers
             return Evaluation(
                 c,
@@ -97,16 +97,17 @@ class Evaluator:
         ev = Evaluation(c, True, step, part.stage_layers, optimal=part.optimal)
         ev.memory_ranks = part.memory
         ev.breakdown = breakdown
-        ev.memory = self._memory_breakdown(c, sched, part, in_flight, w)
+        ev.memory = self._memory_breakdown(c, sched, part, w)
         ev.mfu = self.model_flops / (step * self.p.gpus * hw.peak_flops("bf16"))
         return ev
 
     def _quantities(self, c: Candidate, w: Work, where: dict[str, Where], overlap: bool) -> partition.Quantities:
         """What the stage partition weighs, per layer kind and for the embedding and the head."""
         hw = self.p.hw
-        per_state, pre_state, post_state = self.costs.states(c, w, c.zero)
+        per_state, pre_state, post_state = self.costs.states(c, w, c.zero, grads=False)
+        per_grad, pre_grad, post_grad = self.costs.grads(c, w, c.zero)
 
-        def entry(layer: LayerCost, state: float) -> dict:
+        def entry(layer: LayerCost, state: float, grad: float) -> dict:
             after, before, micro = _dp_linear(layer, c.zero, where, hw)
             return {
                 "time": layer.time(overlap),
@@ -115,17 +116,18 @@ class Evaluator:
                 "act": layer.activation_bytes,
                 "held": layer.held_bytes,
                 "state": state,
+                "grad": grad,
                 "dp_time": after,
                 "dp_gather": before,
                 "dp_micro": micro,
             }
 
-        entries = [entry(k, st) for k, st in zip(w.kinds, per_state)]
+        entries = [entry(k, st, g) for k, st, g in zip(w.kinds, per_state, per_grad)]
         buffers, post_buffers = self.costs.buffers(c, w, c.zero)
         return partition.Quantities(
             **{key: [e[key] for e in entries] for key in partition.KEYS},
-            pre=entry(w.pre, pre_state),
-            post=entry(w.post, post_state),
+            pre=entry(w.pre, pre_state, pre_grad),
+            post=entry(w.post, post_state, post_grad),
             p2p=0.0,  # pipeline sends overlap compute in the steady state; fill/drain counts them
             dp_latency=_latency(c.zero, where, hw, w),
             buffers=buffers,
@@ -179,39 +181,10 @@ class Evaluator:
             "links": {a: ("nvlink" if where[a].domains == 1 else "network") for a in ("tp", "cp", "pp", "ep", "dpcp")},
         }
 
-    def _memory_breakdown(self, c: Candidate, sched: Schedule, part, in_flight, w: Work) -> dict:
+    def _memory_breakdown(self, c: Candidate, sched: Schedule, part, w: Work) -> dict:
+        """The busiest rank's memory by part (``promises.rank_memory_parts``), the rest of its
+        total counted as buffers."""
         worst = max(range(len(part.memory)), key=lambda r: part.memory[r])
-        cuts = [0]
-        for n in part.stage_layers:
-            cuts.append(cuts[-1] + n)
-        chunks = len(part.stage_layers)
-        dense = expert = act = held = fp8 = 0.0
-        fp8_bytes = self.costs.layers.fp8_weight_bytes if c.fp8 else (lambda *_: 0.0)
-        for ch in range(chunks):
-            if sched.chunk_rank(ch, c.pp) != worst:
-                continue
-            for layer in range(cuts[ch], cuts[ch + 1]):
-                k = w.kinds[self.costs.kinds[layer]]
-                dense, expert, act = dense + k.params_dense, expert + k.params_expert, act + k.activation_bytes
-                held += k.held_bytes
-                fp8 += fp8_bytes(self.costs.kinds[layer], c.tp, c.ep, c.fp8)
-            for extra, block, here in ((w.pre, PRE, ch == 0), (w.post, POST, ch == chunks - 1)):
-                if here:
-                    dense += extra.params_dense
-                    expert += extra.params_expert
-                    act += extra.activation_bytes
-                    held += extra.held_bytes
-                    fp8 += fp8_bytes(block, c.tp, c.ep, c.fp8)
-        states = sharded_state_bytes(dense, expert, c.zero, c.dp * c.cp, c.edp)
-        pending = self.costs.pending(sched, c.v, c.pp, self.costs.microbatches(c))
-        activations = act * in_flight[worst] + held * pending[worst]
-        return {
-            "rank": worst,
-            "params": states["params"],
-            "grads": states["grads"],
-            "optimizer": states["optimizer"],
-            "activations": activations,
-            "fp8_weights": fp8,  # the FP8 copies of the weights of FP8 matmuls, kept for a step
-            "buffers": max(0.0, part.memory[worst] - states["total"] - activations - fp8),
-            "total": part.memory[worst],
-        }
+        parts = rank_memory_parts(self.costs, c, sched, w, part.stage_layers, worst)
+        total = part.memory[worst]
+        return {"rank": worst, **parts, "buffers": max(0.0, total - sum(parts.values())), "total": total}

@@ -28,8 +28,6 @@ class Memo:
     ``in_flight_values`` holds for its value)."""
     in_flight_values: dict = _table()
     """in-flight tuple -> itself: one object per value, so equal counts have one identity."""
-    pending: dict = _table()
-    """(schedule, v, pp, micro-batches) -> per-rank micro-batches waiting for a weight pass."""
     schedule_shapes: dict = _table()
     """(pp, micro-batches) -> ([(schedule row, v, in-flight tuple)], per-rank least in flight)."""
     least_bubble: dict = _table()
@@ -50,8 +48,9 @@ class Memo:
     dp_bound: dict = _table()
     """(id(Work), zero, layout key, micro-batches) -> the exposed data-parallel bound."""
     memory_layout: dict = _table()
-    """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, zero) -> (per-block (count,
-    activation bytes, state bytes), their averages, buffers): the memory bound's profile."""
+    """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, zero, gradients made lazily) ->
+    (per-block (count, activation bytes, state bytes), their averages, buffers, all states): the
+    memory bound's profile."""
     memory: dict = _table()
     """``memory_layout`` key + (id(in-flight tuple),) -> the memory lower bound."""
     tmax: dict = _table()

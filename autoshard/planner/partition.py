@@ -12,18 +12,18 @@ may hold no layers at all (LLaMA-3 put only the embedding on its first chunk).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
+
+from autoshard.runtime.schedules import Point, peak, point_matrix
 
 US = 1e6  # CP-SAT works in integers: times in microseconds
 MEM_UNIT = 2**20  # memory in MiB
-INFLIGHT_SCALE = 8  # in-flight counts are multiples of 1/v; v <= 8 keeps them exact
 PREFIX_ENUMERATION = 6  # a leading run this short is split by enumeration, not CP-SAT
 
-KEYS = ("time", "fwd", "bwd", "act", "held", "state", "dp_time", "dp_gather", "dp_micro")
-# scale of each quantity in the model's integers: times in microseconds, memory in MiB, activations
-# also times INFLIGHT_SCALE so that multiplying by an in-flight count stays integral
-_SCALE = {key: US for key in KEYS} | {
-    "act": INFLIGHT_SCALE / MEM_UNIT, "held": INFLIGHT_SCALE / MEM_UNIT, "state": 1 / MEM_UNIT,
-}  # fmt: skip
+KEYS = ("time", "fwd", "bwd", "act", "held", "state", "grad", "dp_time", "dp_gather", "dp_micro")
+# scale of each quantity in the model's integers: times in microseconds, memory in MiB (the
+# in-flight counts it is multiplied by are whole micro-batches per chunk)
+_SCALE = {key: US for key in KEYS} | {key: 1 / MEM_UNIT for key in ("act", "held", "state", "grad")}
 
 
 @dataclass
@@ -35,7 +35,8 @@ class Quantities:
     bwd: list[float]  # backward (b + w) per layer
     act: list[float]  # bytes kept per layer per micro-batch
     held: list[float]  # bytes held per layer per micro-batch waiting for a deferred weight pass
-    state: list[float]  # model-state bytes per layer
+    state: list[float]  # model-state bytes per layer, but the gradients
+    grad: list[float]  # gradient bytes per layer (made at its chunk's first backward)
     dp_time: list[float]  # seconds of gradient reduction per layer (bandwidth part)
     dp_gather: list[float]  # seconds of parameter gathering per layer
     dp_micro: list[float]  # ZeRO-3 per micro-batch seconds per layer
@@ -46,11 +47,11 @@ class Quantities:
     buffers: float  # bytes every rank needs besides states and activations
     post_buffers: float  # extra bytes on the rank holding the output head
     capacity: float  # usable bytes per GPU
-    pending: list[float] = field(default_factory=list)  # per rank: micro-batches waiting for a weight pass
+    # per rank: the schedule's ``occupancy`` (micro-batches held and waiting per chunk at each
+    # moment that can be the peak), over the rank's chunks in model order
+    occupancy: list[tuple[Point, ...]] = field(default_factory=list)
+    boundary: float = 0.0  # bytes of the output a chunk keeps per micro-batch in flight (all but the last)
     rank_buffers: list[float] = field(default_factory=list)  # per rank: bytes besides ``buffers``
-
-    def waiting(self, r: int) -> float:
-        return self.pending[r] if self.pending else 0.0
 
     def buffers_of(self, r: int, last: int) -> float:
         """Rank ``r``'s bytes besides states and activations (``last``: the rank of the head)."""
@@ -85,22 +86,26 @@ def solve(
     pp: int,
     v: int,
     chunk_rank,
-    in_flight: list[float],
     microbatches: int,
     fixed: tuple[int, ...] | None = None,
     time_limit_s: float = 20.0,
 ) -> Partition | None:
     """Optimal contiguous split of the layers into ``pp*v`` virtual stages, or None if no split
-    fits in memory."""
+    fits in memory. Unless ``fixed``, a rank's layers are spread over its chunks as evenly as
+    whole layers allow, earlier chunks first and the embedding's and head's chunks last
+    (``_spread``): the schedules' fill and drain assume chunks of one rank take equal times, and
+    a rank's memory depends on which chunk holds what (``q.occupancy``)."""
     runs = _runs(kinds)
     if fixed is None and len(runs) == 1:
-        return _solve_per_rank(len(kinds), q, pp, v, chunk_rank, in_flight, microbatches, time_limit_s)
+        return _solve_per_rank(len(kinds), q, pp, v, chunk_rank, microbatches, time_limit_s)
     if fixed is None and len(runs) == 2 and runs[0][2] <= PREFIX_ENUMERATION:
-        return _solve_prefix(kinds, q, pp, v, chunk_rank, in_flight, microbatches)
-    split = _SplitModel(kinds, q, pp, v, chunk_rank, in_flight, microbatches)
+        return _solve_prefix(kinds, q, pp, v, chunk_rank, microbatches)
+    split = _SplitModel(kinds, q, pp, v, chunk_rank, microbatches)
     split.add_boundaries()
     if fixed is not None:
         split.add_fixed_split(fixed)
+    else:
+        split.add_even_spread()
     split.add_clamps()
     split.add_maxima()
     # rank by rank, each family in turn: the constraint order (and so the search) CP-SAT has always had
@@ -117,14 +122,14 @@ class _SplitModel:
     """The CP-SAT model of one stage partition: chunk boundaries, their clamp terms per run, and
     per-rank time, memory and exposed data-parallel time under the objective's two maxima."""
 
-    def __init__(self, kinds: list[int], q: Quantities, pp: int, v: int, chunk_rank, in_flight, microbatches: int):
+    def __init__(self, kinds: list[int], q: Quantities, pp: int, v: int, chunk_rank, microbatches: int):
         # imported here: OR-Tools' CP-SAT module pulls in pandas (0.4 s), and the shapes solve()
         # handles exactly, the common ones, never need it
         from ortools.sat.python import cp_model
 
         self.cp_model = cp_model
         self.model = cp_model.CpModel()
-        self.kinds, self.q, self.in_flight, self.microbatches = kinds, q, in_flight, microbatches
+        self.kinds, self.q, self.microbatches = kinds, q, microbatches
         self.layers = len(kinds)
         self.chunks = pp * v
         self.runs = _runs(kinds)
@@ -147,6 +152,17 @@ class _SplitModel:
         for c, n in enumerate(fixed):
             acc += n
             self.model.Add(self.bound[c + 1] == acc)
+
+    def add_even_spread(self) -> None:
+        """Each rank's chunks, in ``_spread``'s order, hold non-increasing layer counts at most
+        one apart."""
+        for cs in self.ranks.values():
+            order = sorted(cs, key=lambda c: (c in (0, self.chunks - 1), c))
+            size = [self.bound[c + 1] - self.bound[c] for c in order]
+            for a, b in zip(size, size[1:]):
+                self.model.Add(a >= b)
+            if len(size) > 1:
+                self.model.Add(size[-1] >= size[0] - 1)
 
     def add_clamps(self) -> None:
         """clamp(e - start, 0, len) per boundary and run, then each quantity's sum before every boundary."""
@@ -196,17 +212,19 @@ class _SplitModel:
         self.model.Add(self.t_max >= self.rank_total(cs, "time") + round(self.q.p2p * US) * sends)
 
     def add_rank_memory(self, r: int, cs: list[int]) -> None:
-        """Rank r's in-flight activations and model states fit beside its buffers."""
+        """Rank r's activations and model states fit beside its buffers at every moment of its
+        order that can be its peak (one constraint per ``occupancy`` point)."""
         q = self.q
-        mem = self.rank_total(cs, "act")
-        inflight = round(self.in_flight[r] * INFLIGHT_SCALE)
-        held, waiting = self.rank_total(cs, "held"), round(q.waiting(r) * INFLIGHT_SCALE)
         states = self.rank_total(cs, "state")
-        buffers = q.buffers_of(r, self.last_rank)
-        cap = int((q.capacity - buffers) / MEM_UNIT)
-        # act is scaled by INFLIGHT_SCALE, in-flight too: divide once
-        scale = INFLIGHT_SCALE * INFLIGHT_SCALE
-        self.model.Add(mem * inflight + held * waiting + states * scale <= cap * scale)
+        cap = int((q.capacity - q.buffers_of(r, self.last_rank)) / MEM_UNIT)
+        chunks = sorted(cs)
+        act = [self.rank_total([c], "act") + round(_boundary(q, c, self.chunks) * _SCALE["act"]) for c in chunks]
+        held = [self.rank_total([c], "held") for c in chunks]
+        grad = [self.rank_total([c], "grad") for c in chunks]
+        for hs, ps, gs in q.occupancy[r]:
+            load = sum(a * h for a, h in zip(act, hs) if h) + sum(b * p for b, p in zip(held, ps) if p)
+            load += sum(x for x, g in zip(grad, gs) if g)
+            self.model.Add(load + states <= cap)
 
     def add_rank_exposure(self, r: int, cs: list[int]) -> None:
         """d_max covers rank r's data-parallel time not hidden behind the compute it overlaps."""
@@ -250,24 +268,10 @@ class _SplitModel:
         q, chunks = self.q, self.chunks
         cuts = [solver.Value(e) for e in self.bound]
         stage_layers = [cuts[c + 1] - cuts[c] for c in range(chunks)]
-        memory = []
-        for r, cs in sorted(self.ranks.items()):
-            total = 0.0
-            for c in cs:
-                n_by_kind = _count(self.kinds, cuts[c], cuts[c + 1])
-                act, held = (
-                    sum(n * getattr(q, key)[k] for k, n in n_by_kind.items())
-                    + (q.pre[key] if c == 0 else 0)
-                    + (q.post[key] if c == chunks - 1 else 0)
-                    for key in ("act", "held")
-                )
-                st = (
-                    sum(n * q.state[k] for k, n in n_by_kind.items())
-                    + (q.pre["state"] if c == 0 else 0)
-                    + (q.post["state"] if c == chunks - 1 else 0)
-                )
-                total += act * self.in_flight[r] + held * q.waiting(r) + st
-            memory.append(total + q.buffers_of(r, self.last_rank))
+        memory = [
+            rank_memory(q, r, sorted(cs), self.kinds, stage_layers, self.last_rank)
+            for r, cs in sorted(self.ranks.items())
+        ]
         return Partition(
             stage_layers=stage_layers,
             t_max=solver.Value(self.t_max) / US,
@@ -277,34 +281,124 @@ class _SplitModel:
         )
 
 
-def _count(kinds: list[int], start: int, end: int) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for k in kinds[start:end]:
-        out[k] = out.get(k, 0) + 1
+def _boundary(q: Quantities, c: int, chunks: int) -> float:
+    """The output chunk ``c`` keeps per micro-batch in flight for its backward (none on the
+    last chunk: its output is the loss)."""
+    return q.boundary if c < chunks - 1 else 0.0
+
+
+def chunk_loads(q: Quantities, kinds: list[int], stage_layers: list[int]) -> list[tuple[float, ...]]:
+    """Per chunk of a split: (bytes kept per micro-batch in flight, bytes kept while waiting for
+    the weight pass, model-state bytes but the gradients, gradient bytes), the embedding and head
+    and the chunk's output included."""
+    chunks, out, start = len(stage_layers), [], 0
+    for c, n in enumerate(stage_layers):
+        ends = ([q.pre] if c == 0 else []) + ([q.post] if c == chunks - 1 else [])
+        mine = kinds[start : start + n]
+        start += n
+        act, held, state, grad = (
+            sum(getattr(q, key)[k] for k in mine) + sum(e[key] for e in ends)
+            for key in ("act", "held", "state", "grad")
+        )
+        out.append((act + _boundary(q, c, chunks), held, state, grad))
     return out
 
 
-def _per_rank_terms(layers, kind, q: Quantities, pp, v, chunk_rank, in_flight, microbatches, extras, closed):
-    """Per-rank functions of n (layers of ``kind`` on the rank), in integer microseconds / bytes:
-    the fixed time, the memory cap on n, and the exposed data-parallel time D(n). ``extras[r]``
-    adds fixed quantities to rank r (embedding, head, a prefix of other layers); ranks in
-    ``closed`` take none of these layers."""
-    chunks = pp * v
-    last = chunk_rank(chunks - 1)
+def rank_memory(q: Quantities, r: int, chunks: list[int], kinds: list[int], stage_layers: list[int], last: int):
+    """Bytes rank ``r`` (holding ``chunks``) peaks at under a split: model states, buffers, and
+    activations at the worst moment of its order."""
+    loads = [chunk_loads(q, kinds, stage_layers)[c] for c in chunks]
+    acts, helds, states, grads = zip(*loads)
+    return peak(q.occupancy[r], acts, helds, grads) + sum(states) + q.buffers_of(r, last)
+
+
+class _Layout:
+    """What is fixed of a split before each rank's count of the remaining layers (all of
+    ``kind``) is chosen: per chunk, the activation bytes it keeps in any case (embedding, head,
+    its output, prefix layers of another kind); per rank, its chunks and those that may take the
+    remaining layers (``open``)."""
+
+    def __init__(self, q: Quantities, pp: int, chunks: int, chunk_rank, kind: int, prefix: dict, first_open: int):
+        import numpy as np
+
+        self.q, self.kind, self.chunks = q, kind, chunks
+        self.last = chunk_rank(chunks - 1)
+        self.fixed = np.zeros((3, chunks))  # per chunk: activation, waiting and gradient bytes
+        for i, key in enumerate(("act", "held", "grad")):
+            self.fixed[i, 0] += q.pre[key]
+            self.fixed[i, chunks - 1] += q.post[key]
+            for c, counts in prefix.items():
+                self.fixed[i, c] += sum(n * getattr(q, key)[k] for k, n in counts.items())
+        self.fixed[0, : chunks - 1] += q.boundary  # ``_boundary``: every chunk's output but the last's
+        self.mine: list[list[int]] = [[] for _ in range(pp)]
+        for c in range(chunks):
+            self.mine[chunk_rank(c)].append(c)
+        self.open = [[c for c in cs if c >= first_open] for cs in self.mine]
+        self._ranks: dict[int, tuple] = {}
+
+    def _rank(self, r: int) -> tuple:
+        """Rank ``r``'s peak as a function of its chunks' layer counts: per point of its
+        occupancy, the fixed bytes and the bytes per layer on each chunk; and the chunks (as
+        positions among its own) in the order ``_rank_spread`` fills them."""
+        import numpy as np
+
+        hit = self._ranks.get(r)
+        if hit is None:
+            q, kind, mine = self.q, self.kind, self.mine[r]
+            c = len(mine)
+            rows = point_matrix(q.occupancy[r])
+            base = rows @ self.fixed[:, mine].reshape(-1)
+            scaled = rows * np.repeat([q.act[kind], q.held[kind], q.grad[kind]], c)
+            slope = scaled[:, :c] + scaled[:, c : 2 * c] + scaled[:, 2 * c :]
+            order = [mine.index(ch) for ch in _rank_spread(0, self.open[r], self.chunks)]
+            hit = self._ranks[r] = (base, slope, tuple(order))
+        return hit
+
+    def memory(self, r: int, n: int, state: float) -> float:
+        """Rank ``r``'s peak bytes holding ``n`` of the remaining layers beside ``state`` bytes of
+        fixed model states."""
+        return float(self.memories(r, n, state)[n])
+
+    def memories(self, r: int, most: int, state: float):
+        """``memory`` for every n from 0 to ``most``, as an array."""
+        import numpy as np
+
+        q = self.q
+        base, slope, order = self._rank(r)
+        peaks = (base[:, None] + slope @ _spread_table(slope.shape[1], order, most)).max(axis=0)
+        return peaks + state + np.arange(most + 1) * q.state[self.kind] + q.buffers_of(r, self.last)
+
+
+@lru_cache(maxsize=1024)
+def _spread_table(chunks: int, order: tuple[int, ...], most: int):
+    """Layers per chunk (rows) for every count n = 0..``most`` (columns) that ``_rank_spread``
+    gives a rank of ``chunks`` chunks filling those at positions ``order`` in turn."""
+    import numpy as np
+
+    table = np.zeros((chunks, most + 1))
+    if order:
+        each, extra = np.divmod(np.arange(most + 1), len(order))
+        table[list(order), :] = each[None, :] + (np.arange(len(order))[:, None] < extra[None, :])
+    table.flags.writeable = False
+    return table
+
+
+def _per_rank_terms(layers, layout: _Layout, q: Quantities, pp, v, chunk_rank, microbatches, extras, closed):
+    """Per-rank functions of n (layers of ``layout.kind`` on the rank), in integer microseconds /
+    bytes: the fixed time, the memory cap on n, and the exposed data-parallel time D(n).
+    ``extras[r]`` adds fixed quantities to rank r (embedding, head, a prefix of other layers);
+    ranks in ``closed`` take none of these layers."""
+    kind = layout.kind
     t_layer = round(q.time[kind] * US)
     ranks = []
     for r in range(pp):
         fixed = extras[r]
-        sends = v - (1 if r == last else 0)
+        sends = v - (1 if r == layout.last else 0)
         const_t = round((fixed["time"] + q.p2p * sends) * US)
-        per_layer = q.act[kind] * in_flight[r] + q.held[kind] * q.waiting(r) + q.state[kind]
-        const_mem = (
-            fixed["act"] * in_flight[r] + fixed["held"] * q.waiting(r) + fixed["state"] + q.buffers_of(r, last)
-        )  # fmt: skip
-        room = q.capacity - const_mem
-        if room < 0:
+        memories = layout.memories(r, 0 if r in closed else layers, fixed["state"])
+        if memories[0] > q.capacity:
             return None
-        cap = 0 if r in closed else layers if per_layer <= 0 else min(layers, int(room // per_layer))
+        cap = int((memories <= q.capacity).sum()) - 1  # the most layers that fit: memory only grows with n
         f_per, b_per = round(q.fwd[kind] * US), round(q.bwd[kind] * US)
         f0, b0 = round(fixed["fwd"] * US), round(fixed["bwd"] * US)
         terms = []  # (slope, offset, multiplier) of max(0, slope * n + offset)
@@ -315,7 +409,7 @@ def _per_rank_terms(layers, kind, q: Quantities, pp, v, chunk_rank, in_flight, m
                 continue
             window_per, window0 = {"dp_time": (b_per, b0), "dp_gather": (f_per, f0)}.get(key, (f_per + b_per, f0 + b0))
             terms.append((per - window_per, extra - window0, times))
-        ranks.append({"const_t": const_t, "cap": cap, "terms": terms, "mem": (per_layer, const_mem)})
+        ranks.append({"const_t": const_t, "cap": cap, "terms": terms})
     return t_layer, ranks
 
 
@@ -331,27 +425,25 @@ def _base_extras(q: Quantities, pp: int, chunks: int, chunk_rank) -> list[dict]:
     return out
 
 
-def _solve_per_rank(
-    layers, q: Quantities, pp, v, chunk_rank, in_flight, microbatches, time_limit_s
-) -> Partition | None:
-    """All layers alike: only how many each rank holds matters (any split of a rank's layers over
-    its chunks gives the same totals)."""
+def _solve_per_rank(layers, q: Quantities, pp, v, chunk_rank, microbatches, time_limit_s) -> Partition | None:
+    """All layers alike: only how many each rank holds is chosen (``_spread`` places them)."""
     chunks = pp * v
     extras = _base_extras(q, pp, chunks, chunk_rank)
-    found = _best_counts(layers, 0, q, pp, v, chunk_rank, in_flight, microbatches, extras, set())
+    layout = _Layout(q, pp, chunks, chunk_rank, 0, {}, 0)
+    found = _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, set())
     if found is None:
         return None
     value, t_max, d_max, counts = found
     stage_layers = _spread(counts, pp, chunks, chunk_rank, {})
-    memory = [_rank_memory(q, r, counts[r], 0, extras[r], in_flight, chunk_rank(chunks - 1)) for r in range(pp)]
+    memory = [layout.memory(r, counts[r], extras[r]["state"]) for r in range(pp)]
     return Partition(stage_layers=stage_layers, t_max=t_max / US, dp_exposed=d_max / US, memory=memory, optimal=True)
 
 
-def _solve_prefix(kinds, q: Quantities, pp, v, chunk_rank, in_flight, microbatches) -> Partition | None:
+def _solve_prefix(kinds, q: Quantities, pp, v, chunk_rank, microbatches) -> Partition | None:
     """A short run of one kind, then layers of another (DeepSeek-V3: 3 dense layers, then MoE).
     The prefix fills chunks 0..J in order (chunk J may also hold later layers, earlier ones may
     not), so every way of splitting it is enumerated; for each, the rest is the all-alike problem
-    with the prefix's cost added to the ranks that hold it."""
+    with the prefix's cost added to the ranks and chunks that hold it."""
     chunks = pp * v
     head_kind, rest_kind = kinds[0], kinds[-1]
     prefix = sum(1 for k in kinds if k == head_kind)
@@ -365,15 +457,15 @@ def _solve_prefix(kinds, q: Quantities, pp, v, chunk_rank, in_flight, microbatch
             for key in KEYS:
                 extras[chunk_rank(chunk)][key] += count * getattr(q, key)[head_kind]
         closed = {r for r in range(pp) if all(c < j for c in range(chunks) if chunk_rank(c) == r)}
-        found = _best_counts(rest, rest_kind, q, pp, v, chunk_rank, in_flight, microbatches, extras, closed)
+        layout = _Layout(q, pp, chunks, chunk_rank, rest_kind, {c: {head_kind: n} for c, n in enumerate(split)}, j)
+        found = _best_counts(rest, layout, q, pp, v, chunk_rank, microbatches, extras, closed)
         if found is not None and (best is None or found[0] < best[0]):
-            best = (*found, split, extras)
+            best = (*found, split, extras, layout)
     if best is None:
         return None
-    _, t_max, d_max, counts, split, extras = best
+    _, t_max, d_max, counts, split, extras, layout = best
     stage_layers = _spread(counts, pp, chunks, chunk_rank, dict(enumerate(split)), first_open=len(split) - 1)
-    last = chunk_rank(chunks - 1)
-    memory = [_rank_memory(q, r, counts[r], rest_kind, extras[r], in_flight, last) for r in range(pp)]
+    memory = [layout.memory(r, counts[r], extras[r]["state"]) for r in range(pp)]
     return Partition(stage_layers=stage_layers, t_max=t_max / US, dp_exposed=d_max / US, memory=memory, optimal=True)
 
 
@@ -395,36 +487,36 @@ def _weak(total: int, parts: int):
             yield (first, *tail)
 
 
-def _rank_memory(q, r, n, kind, extra, in_flight, last) -> float:
-    act = n * q.act[kind] + extra["act"]
-    held = n * q.held[kind] + extra["held"]
-    state = n * q.state[kind] + extra["state"]
-    return act * in_flight[r] + held * q.waiting(r) + state + q.buffers_of(r, last)
+def _rank_spread(n: int, mine: list[int], chunks: int) -> dict[int, int]:
+    """``n`` layers over the chunks ``mine`` of one rank: as even as whole layers allow, the
+    extra ones to the earlier chunks, the embedding's and head's chunks (which carry those)
+    last."""
+    if not mine:
+        return {}
+    base, extra = divmod(n, len(mine))
+    order = sorted(mine, key=lambda c: (c in (0, chunks - 1), c))
+    return {c: base + (1 if i < extra else 0) for i, c in enumerate(order)}
 
 
 def _spread(counts, pp, chunks, chunk_rank, prefix: dict, first_open: int = 0) -> list[int]:
-    """Chunk sizes from per-rank counts: each rank's layers spread over its chunks that may hold
-    them (from ``first_open`` on), the embedding's and head's chunks taking the smaller shares;
-    ``prefix`` adds the prefix layers already placed per chunk."""
+    """Chunk sizes from per-rank counts (``_rank_spread`` over each rank's chunks from
+    ``first_open`` on); ``prefix`` adds the prefix layers already placed per chunk."""
     stage_layers = [prefix.get(c, 0) for c in range(chunks)]
     for r in range(pp):
         mine = [c for c in range(chunks) if chunk_rank(c) == r and c >= first_open]
-        if not mine:
-            continue
-        base, extra = divmod(counts[r], len(mine))
-        for i, c in enumerate(sorted(mine, key=lambda c: (c in (0, chunks - 1), c))):
-            stage_layers[c] += base + (1 if i < extra else 0)
+        for c, n in _rank_spread(counts[r], mine, chunks).items():
+            stage_layers[c] += n
     return stage_layers
 
 
-def _best_counts(layers, kind, q, pp, v, chunk_rank, in_flight, microbatches, extras, closed):
+def _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed):
     """Exact: the slowest rank's time can only be one of the values const_r + n * t; for each, in
     increasing order, the least data-parallel exposure with every rank under that time and within
     memory is found by bisection over the finitely many exposure values (each rank's exposure is
     convex in n, so the counts allowed under a bound form an interval). The scan stops once a
     larger time cannot pay for itself: microbatches x (T - T_first) >= the exposure at T_first.
     Returns (objective, t_max, d_max, counts) in microseconds, or None."""
-    terms = _per_rank_terms(layers, kind, q, pp, v, chunk_rank, in_flight, microbatches, extras, closed)
+    terms = _per_rank_terms(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed)
     if terms is None:
         return None
     t_layer, ranks = terms

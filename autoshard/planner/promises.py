@@ -13,7 +13,7 @@ from collections import defaultdict
 from autoshard.cost_models.comm import data_parallel_payload, wire_bytes
 from autoshard.cost_models.layers import POST, PRE
 from autoshard.cost_models.memory import sharded_state_bytes
-from autoshard.runtime.schedules import SCHEDULES
+from autoshard.runtime.schedules import SCHEDULES, peak_moment
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "fp8_weights", "buffers", "total")
 
@@ -30,21 +30,67 @@ class _Tally:
         self.wire[dim] += wire_bytes(kind, nbytes, ranks)
 
 
+def _rank_blocks(costs, stage_layers: list[int], mine: list[int]) -> list[tuple[int, list]]:
+    """Per chunk in ``mine``: (chunk, the blocks it runs: embedding, layer kinds, head)."""
+    cuts = [0]
+    for n in stage_layers:
+        cuts.append(cuts[-1] + n)
+    chunks = len(stage_layers)
+    out = []
+    for ch in mine:
+        blocks = ([PRE] if ch == 0 else []) + [costs.kinds[i] for i in range(cuts[ch], cuts[ch + 1])]
+        out.append((ch, blocks + ([POST] if ch == chunks - 1 else [])))
+    return out
+
+
+def rank_memory_parts(costs, c, sched, w, stage_layers: list[int], r: int) -> dict:
+    """Pipeline rank ``r``'s memory by part under a split (``w``: the candidate's ``Work``) at
+    the moment of its order its memory peaks (``Schedule.occupancy``: its chunks hold different
+    numbers of micro-batches at once, and a chunk's gradients exist from its first backward on):
+    parameters, optimizer states and FP8 weight copies of the blocks its chunks hold, the
+    gradients made by then, the layers' saved tensors then. The chunks' kept outputs and the
+    buffers are the rest."""
+    m = costs.microbatches(c)
+    params = optimizer = fp8 = 0.0
+    acts, helds, grads = [], [], []
+    chunks = len(stage_layers)
+    for _, blocks in _rank_blocks(costs, stage_layers, sched.chunks_of_rank(r, c.pp, c.v)):
+        dense = expert = act = held = 0.0
+        for block in blocks:
+            k = w.pre if block == PRE else w.post if block == POST else w.kinds[block]
+            dense, expert = dense + k.params_dense, expert + k.params_expert
+            act, held = act + k.activation_bytes, held + k.held_bytes
+            if c.fp8:
+                fp8 += costs.layers.fp8_weight_bytes(block, c.tp, c.ep, c.fp8)
+        states = sharded_state_bytes(dense, expert, c.zero, c.dp * c.cp, c.edp)
+        params, optimizer = params + states["params"], optimizer + states["optimizer"]
+        acts.append(act)
+        helds.append(held)
+        grads.append(states["grads"])
+    points = costs.occupancy(sched, c.v, c.pp, m)[r]
+    kept = [costs.chunk_output(c) if ch < chunks - 1 else 0.0 for ch in sched.chunks_of_rank(r, c.pp, c.v)]
+    hs, ps, gs = peak_moment(points, [a + k for a, k in zip(acts, kept)], helds, grads)
+    return {
+        "params": params,
+        "grads": sum(g * x for g, x in zip(gs, grads)),
+        "optimizer": optimizer,
+        "activations": sum(a * h for a, h in zip(acts, hs)) + sum(b * p for b, p in zip(helds, ps)),
+        "fp8_weights": fp8,  # the FP8 copies of the weights of FP8 matmuls, kept for a step
+    }
+
+
 def rank_promises(evaluator, ev) -> list[dict]:
     """One entry per pipeline rank of the evaluated plan ``ev`` (an ``Evaluation`` of
     ``evaluator``): ``memory_bytes`` by part, ``flops`` (forward, backward, recompute, total),
     ``comm_bytes`` (dimension -> collective -> bytes handed over) and ``comm_wire_bytes``
     (dimension -> bytes sent on the wire, ``cost_models.comm.wire_bytes``)."""
-    costs, problem = evaluator.costs, evaluator.p
+    costs = evaluator.costs
     c = ev.candidate
     sched = SCHEDULES[c.schedule]
     m = costs.microbatches(c)
     where_key, where = costs.where(c, True)
     w = costs.work(c, where_key, where, sched.overlaps_ep)
-    in_flight = costs.in_flight(sched, c.v, c.pp, m)
-    pending = costs.pending(sched, c.v, c.pp, m)
     layers = costs.layers
-    fp8 = c.fp8 if "fp8" in problem.hw.peak_tflops else ()
     cuts = [0]
     for n in ev.stage_layers:
         cuts.append(cuts[-1] + n)
@@ -52,20 +98,15 @@ def rank_promises(evaluator, ev) -> list[dict]:
     group = {"tp": c.tp, "cp": c.cp, "ep": c.ep, "pp": c.pp}
     out = []
     for r in range(c.pp):
-        dense = expert = act = held = fp8_weights = 0.0
+        dense = expert = 0.0
         flops = dict.fromkeys(("forward", "backward", "recompute"), 0.0)
         tally = _Tally()
         send = tally.send
-        mine = [ch for ch in range(chunks) if sched.chunk_rank(ch, c.pp) == r]
-        for ch in mine:
-            blocks = ([PRE] if ch == 0 else []) + [costs.kinds[i] for i in range(cuts[ch], cuts[ch + 1])]
-            blocks += [POST] if ch == chunks - 1 else []
+        mine = sched.chunks_of_rank(r, c.pp, c.v)
+        for ch, blocks in _rank_blocks(costs, ev.stage_layers, mine):
             for block in blocks:
                 k = w.pre if block == PRE else w.post if block == POST else w.kinds[block]
-                dense, expert, act = dense + k.params_dense, expert + k.params_expert, act + k.activation_bytes
-                held += k.held_bytes
-                if fp8:
-                    fp8_weights += layers.fp8_weight_bytes(block, c.tp, c.ep, c.fp8)
+                dense, expert = dense + k.params_dense, expert + k.params_expert
                 f, b, rerun = layers.matmul_flops(block, c.mbs, c.tp, c.cp, w.recompute)
                 flops["forward"] += m * f
                 flops["backward"] += m * b
@@ -89,18 +130,9 @@ def rank_promises(evaluator, ev) -> list[dict]:
         if copy and len(ends) > 1 and r in ends:  # the tied copies' gradients, summed between the ends
             grads = sharded_state_bytes(copy, 0.0, c.zero, c.dp * c.cp, c.edp)["grads"]
             send("pp", "all_reduce", grads, 2)
-        states = sharded_state_bytes(dense, expert, c.zero, c.dp * c.cp, c.edp)
-        activations = act * in_flight[r] + held * pending[r]
+        parts = rank_memory_parts(costs, c, sched, w, ev.stage_layers, r)
         total = ev.memory_ranks[r]
-        memory = {
-            "params": states["params"],
-            "grads": states["grads"],
-            "optimizer": states["optimizer"],
-            "activations": activations,
-            "fp8_weights": fp8_weights,
-            "buffers": max(0.0, total - states["total"] - activations - fp8_weights),
-            "total": total,
-        }
+        memory = {**parts, "buffers": max(0.0, total - sum(parts.values())), "total": total}
         by_dim: dict[str, dict[str, float]] = {}
         for (dim, kind), nbytes in sorted(tally.comm.items()):
             by_dim.setdefault(dim, {})[kind] = nbytes

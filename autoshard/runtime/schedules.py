@@ -3,8 +3,8 @@
 The planner prices a schedule from its row (bubble, micro-batches in flight, which rank holds
 which chunk), the passes and the emitted program place chunks by the same row, and the runtime
 builds the row's ``torch.distributed.pipelining`` class. Nothing else in autoshard spells out a
-schedule's facts. Depends on nothing but the standard library (the runtime must not import the
-planner, the passes or codegen).
+schedule's facts. Depends on nothing but the standard library and, for ``occupancy``, torch's own
+per-rank action orders (the runtime must not import the planner, the passes or codegen).
 
 A row's facts:
 
@@ -21,6 +21,13 @@ A row's facts:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+
+# one moment of a rank's order: per chunk of the rank (model order), the forwards whose saved
+# tensors are still held, the input-gradient passes still waiting for their weight pass, and
+# whether the chunk's weight gradients exist yet (1 from its first weight pass or full backward on:
+# autograd makes a parameter's gradient when that runs, and the step sets them to None)
+Point = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -84,20 +91,33 @@ class Schedule:
             return min(2 * pp, 2 * m, m + 1 + rank) / 2
         return (2 * min(m, pp) + 1) / 2  # dualpipev: one more forward inside its overlapped F&B steps
 
-    def weight_pending(self, rank: int, pp: int, m: int, v: int) -> float:
-        """Micro-batches (in the same units) whose input-gradient pass has run and weight-gradient
-        pass not yet, at most: a split backward keeps for those the gradients of the weighted
-        matmuls' outputs (torch's ``stage_backward_input`` keeps them, for
-        ``stage_backward_weight``). ZB1P defers each weight pass by the rank's
-        distance from the first; ZB-V by twice that (for the second chunk of its V), DualPipeV by
-        it. None without a split backward. An upper bound for ZB-V when ``m < 2 pp``."""
-        if not self.split_backward:
-            return 0.0
-        if self.name == "zero-bubble":
-            return min(m * v, rank + 1) / v
-        if self.name == "zbv":
-            return min(2 * rank + 1, 2 * max(0, m - pp) + 1) / 2
-        return min(m, rank + 1) / 2  # dualpipev
+    def least_held(self, rank: int, pp: int, m: int, v: int) -> float:
+        """Micro-batches every chunk of rank ``rank`` holds at once at some moment (the most such):
+        as the rank's first backward starts, nothing is freed yet. Interleaved 1F1B and ZB1P have
+        run their warm-up forwards and one more, filling the rank's chunks a round at a time, the
+        last chunk least; the V-shaped schedules, one at least (their second chunk's first
+        forward comes before its first backward). One chunk: ``in_flight``."""
+        if v == 1:
+            return self.in_flight(rank, pp, m, v)
+        if self.name not in ("interleaved", "zero-bubble"):
+            return 1.0
+        per_round = m // max(1, m // pp)
+        ops = v * m
+        warmup = min((v - 1) * per_round + (1 if self.split_backward else 2) * (pp - 1 - rank), ops)
+        done = min(warmup + 1, ops)
+        cycles, rest = divmod(done, per_round * v)
+        return float(cycles * per_round + min(per_round, max(0, rest - (v - 1) * per_round)))
+
+    def occupancy(self, pp: int, m: int, v: int) -> tuple[tuple[Point, ...], ...]:
+        """Per pipeline rank, the moments of its action order that can be its memory peak, chunk
+        by chunk (``chunks_of_rank`` order; ``Point``): per chunk, the micro-batches whose forward
+        ran and whose backward has not finished (weight pass included where it is split), those
+        whose input pass ran and weight pass not yet, and whether its gradients exist. Only the
+        moments no other moment exceeds on every chunk are kept, so for any non-negative bytes per
+        chunk the rank's peak is the largest of ``peak`` over them. ``in_flight`` is their largest total, spread evenly
+        over the chunks; the chunks themselves are not even (under ZB1P the last rank's first
+        chunk holds nearly every micro-batch at once, its last chunk one)."""
+        return _occupancy(self.name, pp, m, v)
 
     def bubble(self, pp: int, m: int, v: int, f: float, b: float, w: float) -> float:
         """Pipeline fill/drain time, from per-rank per-micro-batch averages of forward ``f``,
@@ -118,6 +138,159 @@ class Schedule:
             return (pp - 1) * t
         fill = (pp - 1) * (t if not self.split_backward else max(0.0, f + b - w)) / v
         return fill + max(0, pp - m) * max(0.0, t - fill / max(1, pp - 1))
+
+
+def peak(points: tuple[Point, ...], held: list[float], waiting: list[float], grads: list[float]) -> float:
+    """A rank's largest bytes over its ``occupancy`` ``points``, given per chunk the bytes one
+    micro-batch keeps (``held``), those it keeps only while waiting for its weight pass
+    (``waiting``) and the chunk's weight gradients (``grads``)."""
+    import numpy as np
+
+    return float((point_matrix(points) @ np.array([*held, *waiting, *grads], dtype=np.float64)).max())
+
+
+def peak_moment(points: tuple[Point, ...], held: list[float], waiting: list[float], grads: list[float]) -> Point:
+    """The point of ``points`` at which ``peak`` is reached."""
+    import numpy as np
+
+    return points[int((point_matrix(points) @ np.array([*held, *waiting, *grads], dtype=np.float64)).argmax())]
+
+
+_MATRICES: dict[int, tuple] = {}  # id(points) -> (points, their rows as one float array)
+
+
+def point_matrix(points: tuple[Point, ...]):
+    """``points`` as a matrix, one row per point (the planner weighs the same points for every
+    split it tries: they are converted once, looked up by identity)."""
+    import numpy as np
+
+    hit = _MATRICES.get(id(points))
+    if hit is None or hit[0] is not points:
+        hit = _MATRICES[id(points)] = (points, np.array([hs + ps + gs for hs, ps, gs in points], dtype=np.float64))
+    return hit[1]
+
+
+def _frontier(points: set[Point]) -> tuple[Point, ...]:
+    """The points no other point reaches or exceeds on every coordinate (they are distinct)."""
+    import numpy as np
+
+    order = sorted(points)
+    coords = np.array([hs + ps + gs for hs, ps, gs in order], dtype=np.int32)
+    covers = (coords[:, None, :] >= coords[None, :, :]).all(axis=2)  # [j, i]: j reaches i everywhere
+    np.fill_diagonal(covers, False)
+    return tuple(pt for pt, beaten in zip(order, covers.any(axis=0)) if not beaten)
+
+
+class _Counts:
+    """A rank's per-chunk counts as its order runs, noting each moment that can be a peak:
+    forwards and input passes only add, so those are the moments a weight pass or a full
+    backward starts (its chunk's gradients made, its micro-batch not yet freed), and the end."""
+
+    def __init__(self, chunks: int):
+        self.f, self.i, self.w, self.g = ([0] * chunks for _ in range(4))
+        self.moments: set[Point] = set()
+
+    def note(self) -> None:
+        f, i, w = self.f, self.i, self.w
+        self.moments.add((tuple(a - b for a, b in zip(f, w)), tuple(a - b for a, b in zip(i, w)), tuple(self.g)))
+
+    def forward(self, j: int) -> None:
+        self.f[j] += 1
+
+    def input(self, j: int) -> None:
+        self.i[j] += 1
+
+    def weight(self, j: int, full: bool = False) -> None:
+        self.g[j] = 1
+        self.note()
+        self.w[j] += 1
+        self.i[j] += full
+
+
+@lru_cache(maxsize=4096)  # a search evaluates a few hundred shapes, 64 ranks at most
+def _occupancy(name: str, pp: int, m: int, v: int) -> tuple[tuple[Point, ...], ...]:
+    row = SCHEDULES[name]
+    if v == 1 and not row.split_backward:  # one chunk: the count is the whole story
+        return tuple((((round(row.in_flight(r, pp, m, 1)),), (0,), (1,)),) for r in range(pp))
+    out = []
+    for r in range(pp):
+        if row.name in ("interleaved", "zero-bubble"):
+            moments = _interleaved_moments(r, pp, m, v, row.split_backward)
+        else:
+            moments = _moments(_rank_order(row, r, pp, m, v), row.chunks_of_rank(r, pp, v))
+        out.append(_frontier(moments))
+    return tuple(out)
+
+
+def _interleaved_moments(rank: int, pp: int, m: int, v: int, zero_bubble: bool) -> set[Point]:
+    """``_moments`` of the order torch's interleaved 1F1B and ZB1P classes give rank ``rank``,
+    without building it (building torch's actions costs 20 ms a rank at 64 ranks). The order: a
+    warm-up of forwards, ``v - 1`` rounds plus two (ZB1P: one) per rank below the last; then one
+    forward and one backward at a time; then the remaining backwards. Forwards walk the rank's
+    chunks up a round at a time, backwards down. ZB1P runs the k-th weight pass right after
+    the (k + rank)-th input pass, the last ``rank`` at the end. ``tests/runtime/test_schedules.py``
+    checks it against the torch classes' orders."""
+    per_round = m // max(1, m // pp)
+    ops = v * m
+    warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (pp - 1 - rank), ops)
+    counts = _Counts(v)
+
+    def back(step: int) -> int:
+        return v - 1 - ((step - warmup) // per_round) % v
+
+    weights = 0
+    for op in range(ops + warmup):  # warm-up forwards, forward-backward pairs, cool-down backwards
+        if op < ops:
+            counts.forward((op // per_round) % v)
+        if op < warmup:
+            continue
+        if not zero_bubble:
+            counts.weight(back(op), full=True)
+            continue
+        counts.input(back(op))
+        if op - warmup >= rank:
+            counts.weight(back(warmup + weights))
+            weights += 1
+    while zero_bubble and weights < ops:
+        counts.weight(back(warmup + weights))
+        weights += 1
+    counts.note()
+    return counts.moments
+
+
+def _rank_order(row: Schedule, rank: int, pp: int, m: int, v: int) -> list:
+    """Rank ``rank``'s actions as torch's class for ``row`` orders them. The class computes every
+    rank's order in its constructor, then (zero bubble) simulates the whole pipeline to place
+    idle slots, seconds at 64 ranks; the per-rank method alone gives the same actions (the
+    idle slots change no order; ``tests/runtime/test_schedules.py`` compares the two)."""
+    cls = torch_schedule(row.name, v)
+    shape = object.__new__(cls)  # only the attributes the per-rank method reads
+    rounds = max(1, m // pp)
+    shape.pp_group_size, shape._n_microbatches, shape.n_local_stages = pp, m, v
+    shape.num_stages = shape._num_stages = pp * v
+    shape.number_of_rounds, shape.microbatches_per_round = rounds, m // rounds
+    shape.rank = rank
+    return [a for a in cls._calculate_single_rank_operations(shape, rank) if a is not None]
+
+
+def _moments(actions: list, chunks: list[int]) -> set[Point]:
+    """The ``_Counts`` moments of a rank's ``actions`` over its ``chunks`` (an overlapped
+    forward-backward pair runs its forward first)."""
+    index = {c: j for j, c in enumerate(chunks)}
+    counts = _Counts(len(chunks))
+    step = {
+        "FORWARD": counts.forward,
+        "BACKWARD_INPUT": counts.input,
+        "BACKWARD_WEIGHT": counts.weight,
+        "FULL_BACKWARD": lambda j: counts.weight(j, full=True),
+    }
+    for action in actions:
+        kind = action.computation_type.name
+        parts = action.sub_actions if kind == "OVERLAP_F_B" else (action,)
+        for part in sorted(parts, key=lambda a: a.computation_type.name != "FORWARD"):
+            step[part.computation_type.name](index[part.stage_index])
+    counts.note()
+    return counts.moments
 
 
 SCHEDULES: dict[str, Schedule] = {
@@ -172,4 +345,15 @@ def torch_schedule(name: str, v: int):
     return getattr(torch_schedules, schedule(name).torch_class(v))
 
 
-__all__ = ["Schedule", "SCHEDULES", "NAMES", "SPLIT_BACKWARD", "schedule", "torch_schedule"]
+__all__ = [
+    "Point",
+    "Schedule",
+    "SCHEDULES",
+    "peak",
+    "peak_moment",
+    "point_matrix",
+    "NAMES",
+    "SPLIT_BACKWARD",
+    "schedule",
+    "torch_schedule",
+]

@@ -21,11 +21,12 @@ def _quantities(kinds: int, rng: random.Random, capacity: float = 1e12) -> parti
         act=per_kind(1e8, 5e8),
         held=per_kind(2e7, 2e8),
         state=per_kind(1e8, 1e9),
+        grad=per_kind(5e7, 5e8),
         dp_time=per_kind(0, 2e-3),
         dp_gather=per_kind(0, 1e-3),
         dp_micro=[0.0] * kinds,
-        pre={**zero, "time": 2e-3, "fwd": 5e-4, "bwd": 1e-3, "act": 1e8, "state": 5e8},
-        post={**zero, "time": 3e-3, "fwd": 1e-3, "bwd": 2e-3, "act": 3e8, "state": 5e8},
+        pre={**zero, "time": 2e-3, "fwd": 5e-4, "bwd": 1e-3, "act": 1e8, "state": 5e8, "grad": 2e8},
+        post={**zero, "time": 3e-3, "fwd": 1e-3, "bwd": 2e-3, "act": 3e8, "state": 5e8, "grad": 2e8},
         p2p=0.0,
         dp_latency=(1e-4, 5e-5, 0.0),
         buffers=1e8,
@@ -34,12 +35,30 @@ def _quantities(kinds: int, rng: random.Random, capacity: float = 1e12) -> parti
     )
 
 
-def brute_force(kinds_list, q, pp, v, shape, in_flight, m):
-    """Every split of the layers into pp*v contiguous chunks, scored like the solver scores it."""
+def _even(stage_layers, pp, shape) -> bool:
+    """Each rank's chunks hold non-increasing counts at most one apart, in ``partition._spread``'s
+    order (earlier chunks first, the embedding's and head's last)."""
+    chunks = len(stage_layers)
+    for r in range(pp):
+        order = sorted(shape.chunks_of_rank(r, pp, len(stage_layers) // pp), key=lambda c: (c in (0, chunks - 1), c))
+        sizes = [stage_layers[c] for c in order]
+        if any(a < b for a, b in zip(sizes, sizes[1:])) or sizes[-1] < sizes[0] - 1:
+            return False
+    return True
+
+
+def brute_force(kinds_list, q, pp, v, shape, m):
+    """Every split of the layers into pp*v contiguous chunks that spreads each rank's layers
+    evenly, scored like the solver scores it (memory chunk by chunk at every moment of the
+    schedule's order that can be a peak)."""
     layers, chunks = len(kinds_list), pp * v
     best = None
+    last = shape.chunk_rank(chunks - 1, pp)
     for cuts in itertools.combinations_with_replacement(range(layers + 1), chunks - 1):
         bounds = [0, *cuts, layers]
+        stage_layers = [bounds[c + 1] - bounds[c] for c in range(chunks)]
+        if not _even(stage_layers, pp, shape):
+            continue
         per_rank = {r: {k: 0.0 for k in partition.KEYS} for r in range(pp)}
         for c in range(chunks):
             r = shape.chunk_rank(c, pp)
@@ -50,16 +69,24 @@ def brute_force(kinds_list, q, pp, v, shape, in_flight, m):
                 if here:
                     for key in partition.KEYS:
                         per_rank[r][key] += extra[key]
-        last = shape.chunk_rank(chunks - 1, pp)
-        fits = all(
-            per_rank[r]["act"] * in_flight[r]
-            + per_rank[r]["held"] * q.waiting(r)
-            + per_rank[r]["state"]
-            + q.buffers
-            + (q.post_buffers if r == last else 0)
-            <= q.capacity
-            for r in range(pp)
-        )
+        fits = True
+        for r in range(pp):
+            mine = shape.chunks_of_rank(r, pp, v)
+            loads = {}
+            for c in mine:
+                act, held, grad = (
+                    sum(getattr(q, key)[k] for k in kinds_list[bounds[c] : bounds[c + 1]])
+                    + (q.pre[key] if c == 0 else 0)
+                    + (q.post[key] if c == chunks - 1 else 0)
+                    for key in ("act", "held", "grad")
+                )
+                loads[c] = (act + (q.boundary if c < chunks - 1 else 0), held, grad)
+            activations = max(
+                sum(loads[c][0] * h + loads[c][1] * p + loads[c][2] * g for c, h, p, g in zip(mine, hs, ps, gs))
+                for hs, ps, gs in q.occupancy[r]
+            )
+            memory = activations + per_rank[r]["state"] + q.buffers + (q.post_buffers if r == last else 0)
+            fits = fits and memory <= q.capacity
         if not fits:
             continue
         us = partition.US
@@ -82,10 +109,10 @@ def test_all_alike_layers_match_brute_force(seed, shape_name, v):
     q = _quantities(1, rng, capacity=rng.uniform(2e9, 8e9))
     pp, m, layers = 3, 4, 7
     shape = SCHEDULES[shape_name]
-    flight = [shape.in_flight(r, pp, m, v) for r in range(pp)]
-    q.pending = [shape.weight_pending(r, pp, m, v) for r in range(pp)]  # a split backward's held bytes too
-    got = partition.solve([0] * layers, q, pp, v, lambda c: shape.chunk_rank(c, pp), flight, m)
-    want = brute_force([0] * layers, q, pp, v, shape, flight, m)
+    q.occupancy = list(shape.occupancy(pp, m, v))  # a split backward's held bytes too
+    q.boundary = 4e7
+    got = partition.solve([0] * layers, q, pp, v, lambda c: shape.chunk_rank(c, pp), m)
+    want = brute_force([0] * layers, q, pp, v, shape, m)
     if want is None:
         assert got is None
     else:
@@ -101,9 +128,10 @@ def test_mixed_layers_match_brute_force(seed, kinds):
     q = _quantities(2, rng, capacity=rng.uniform(3e9, 8e9))
     pp, v, m = 2, 2, 3
     shape = SCHEDULES["interleaved"]
-    flight = [shape.in_flight(r, pp, m, v) for r in range(pp)]
-    got = partition.solve(kinds, q, pp, v, lambda c: shape.chunk_rank(c, pp), flight, m)
-    want = brute_force(kinds, q, pp, v, shape, flight, m)
+    q.occupancy = list(shape.occupancy(pp, m, v))
+    q.boundary = 4e7
+    got = partition.solve(kinds, q, pp, v, lambda c: shape.chunk_rank(c, pp), m)
+    want = brute_force(kinds, q, pp, v, shape, m)
     if want is None:
         assert got is None
     else:

@@ -1,6 +1,6 @@
-"""The schedule table's micro-batches in flight (held in full, and waiting for a deferred
-weight-gradient pass) are those of the action orders torch's classes run: walked here for every
-shape the planner may choose, small enough to enumerate."""
+"""The schedule table's micro-batches in flight, per rank and chunk by chunk (held in full, and
+waiting for a deferred weight-gradient pass), are those of the action orders torch's classes run:
+walked here for every shape the planner may choose, small enough to enumerate."""
 
 import pytest
 import torch
@@ -28,25 +28,19 @@ def _orders(name: str, pp: int, m: int, v: int) -> dict:
     return cls(stages[0] if single else stages, m, loss_fn=lambda out, target: out.sum()).pipeline_order
 
 
-def _peaks(actions) -> tuple[int, int]:
-    """(the most (chunk, micro-batch) forwards run whose full backward, or weight-gradient pass,
-    has not; the most input-gradient passes run whose weight-gradient pass has not)."""
-    f = i = w = held = pending = 0
+def _peak(actions) -> int:
+    """The most (chunk, micro-batch) forwards run whose full backward, or weight-gradient pass,
+    has not."""
+    f = w = held = 0
     for a in actions:
         name = getattr(getattr(a, "computation_type", None), "name", None)
         if name == "OVERLAP_F_B":  # one micro-batch's forward beside another's full backward
             held = max(held, f + 1 - w)
             continue
-        if name == "FORWARD":
-            f += 1
-        elif name == "BACKWARD_INPUT":
-            i += 1
-        elif name == "BACKWARD_WEIGHT":
-            w += 1
-        elif name == "FULL_BACKWARD":
-            i, w = i + 1, w + 1
-        held, pending = max(held, f - w), max(pending, i - w)
-    return held, pending
+        f += name == "FORWARD"
+        w += name in ("BACKWARD_WEIGHT", "FULL_BACKWARD")
+        held = max(held, f - w)
+    return held
 
 
 SHAPES = [
@@ -69,12 +63,90 @@ def test_in_flight_is_what_torchs_schedule_holds(name):
         except (ValueError, RuntimeError):  # a shape torch's class refuses: the runtime never meets it
             continue
         for rank in range(pp):
-            held, pending = _peaks(orders[rank])
+            held = _peak(orders[rank])
             row = SCHEDULES[name]
             assert held / v == pytest.approx(row.in_flight(rank, pp, m, v)), (name, pp, m, v, rank)
-            if row.name == "zbv":  # an upper bound below 2 pp micro-batches
-                assert pending / v <= row.weight_pending(rank, pp, m, v) + 1e-9, (name, pp, m, v, rank)
-            else:
-                assert pending / v == pytest.approx(row.weight_pending(rank, pp, m, v)), (name, pp, m, v, rank)
         checked += 1
     assert checked >= 5
+
+
+def _every_moment(actions, chunks: list[int]) -> set:
+    """(held, waiting, gradients made) per chunk after every action of a rank's order and as
+    each weight pass or full backward starts (its gradients made, its micro-batch still held),
+    brute force (an overlapped forward-backward pair: its forward, then its backward)."""
+    f, i, w, g = ({c: 0 for c in chunks} for _ in range(4))
+    out = set()
+
+    def note():
+        out.add(
+            tuple(
+                tuple(x[c] for c in chunks)
+                for x in ({c: f[c] - w[c] for c in chunks}, {c: i[c] - w[c] for c in chunks}, g)
+            )
+        )
+
+    for a in actions:
+        if a is None:
+            continue
+        parts = a.sub_actions if a.computation_type.name == "OVERLAP_F_B" else (a,)
+        for part in sorted(parts, key=lambda x: x.computation_type.name != "FORWARD"):
+            s, name = part.stage_index, part.computation_type.name
+            if name in ("BACKWARD_WEIGHT", "FULL_BACKWARD"):
+                g[s] = 1
+                note()
+            f[s] += name == "FORWARD"
+            i[s] += name in ("BACKWARD_INPUT", "FULL_BACKWARD")
+            w[s] += name in ("BACKWARD_WEIGHT", "FULL_BACKWARD")
+            note()
+    return out
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_occupancy_is_every_peak_of_torch_orders_per_chunk(name):
+    """``occupancy`` (built without torch's constructor, from the per-rank order or, for the
+    interleaved schedules, its own walk) keeps exactly the moments of the full orders no other
+    moment exceeds on every chunk, and its totals are the in-flight and pending counts."""
+    from autoshard.runtime.schedules import _frontier
+
+    row, checked = SCHEDULES[name], 0
+    for sched, pp, m, v in SHAPES:
+        if sched != name:
+            continue
+        try:
+            orders = _orders(name, pp, m, v)
+        except (ValueError, RuntimeError):
+            continue
+        occupancy = row.occupancy(pp, m, v)
+        for rank in range(pp):
+            chunks = row.chunks_of_rank(rank, pp, v)
+            assert occupancy[rank] == _frontier(_every_moment(orders[rank], chunks)), (name, pp, m, v, rank)
+            held = max(sum(hs) for hs, _, _ in occupancy[rank])
+            assert held / v == pytest.approx(row.in_flight(rank, pp, m, v)), (name, pp, m, v, rank)
+            # some moment finds every chunk of the rank holding ``least_held`` micro-batches (the
+            # planner's bounds count on it on the ranks of uneven chunks)
+            least = row.least_held(rank, pp, m, v)
+            assert 1 <= least <= row.in_flight(rank, pp, m, v), (name, pp, m, v, rank)
+            assert max(min(hs) for hs, _, _ in occupancy[rank]) >= least, (name, pp, m, v, rank)
+        checked += 1
+    assert checked >= 5
+
+
+def test_occupancy_at_scale_is_uneven_over_chunks():
+    """The flagship shape (ZB1P, 64 ranks, 2 chunks, 128 micro-batches): the last rank's total
+    stays at 128, but its first chunk alone reaches 127 while its last (the head's) holds one."""
+    last = SCHEDULES["zero-bubble"].occupancy(64, 128, 2)[63]
+    assert max(sum(hs) for hs, _, _ in last) == 128
+    assert max(hs[0] for hs, _, _ in last) == 128 and min(hs[1] for hs, _, _ in last) == 0
+    assert ((127, 1), (63, 1), (1, 1)) in last
+
+
+def test_gradients_come_with_each_chunks_first_backward():
+    """Meta's LLaMA-3 405B shape (interleaved, 16 ranks, 8 chunks, 16 micro-batches): the first
+    rank's peak, every chunk holding its 16 micro-batches, comes as its last chunk's first
+    backward starts, when only that chunk's gradients exist; once all have run one, every
+    chunk's do."""
+    first = SCHEDULES["interleaved"].occupancy(16, 16, 8)[0]
+    assert ((16,) * 8, (0,) * 8, (0,) * 7 + (1,)) in first
+    assert all(sum(gs) < 8 for hs, _, gs in first if sum(hs) == 128)
+    assert any(gs == (1,) * 8 for _, _, gs in first)
