@@ -116,11 +116,12 @@ def _fresh(captured):
 
 def _exclude(problem: planner.Problem, refusal) -> None:
     values = problem.excluded.setdefault(refusal.axis, set())
-    if refusal.value in values or "*" in values:  # the same refusal twice: the search did not honour the exclusion
+    if refusal.value is not None and problem.refused(refusal.axis, refusal.value):
+        # the same refusal twice: the search did not honour the exclusion
         raise AutoshardError(f"{refusal} (the planner chose it again after the passes refused it; a bug)")
-    if refusal.axis in problem.forced and problem.forced[refusal.axis] == refusal.value:
-        raise refusal  # the user pinned exactly what the passes refuse: their message says what to do
-    values.add("*" if refusal.value is None else refusal.value)
+    values.add(refusal.exclusion())
+    if refusal.axis in problem.forced and problem.refused(refusal.axis, problem.forced[refusal.axis]):
+        raise refusal  # the user pinned what the passes refuse: their message says what to do
     problem.exclusion_reasons.append(str(refusal))
 
 

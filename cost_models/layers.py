@@ -54,6 +54,15 @@ TILE_ELEMS = 128 * 128  # elements of a weight's FP8 scaling block
 PRE, POST = -1, -2  # block indices of the embedding and of the output head with the loss
 
 
+def kv_gathers(recompute: frozenset) -> int:
+    """All-gathers of K/V per micro-batch under the all-gather CP variant: one in the forward, and
+    in a checkpointed layer (``recompute`` not empty) one more when its backward replays the
+    forward to remake what the attention's backward reads (the attention saves its inputs, the
+    gathered K/V, and a checkpoint keeps no saved input: a selective checkpoint caches ops'
+    outputs, and the gather's output is no kept kind)."""
+    return 2 if recompute else 1
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """One layer (or the embedding/output block) for one micro-batch on one GPU."""
@@ -130,6 +139,17 @@ class LayerCosts:
         )
 
     @cache  # noqa: B019
+    def gathered_kv_kept(self, block: int, mbs: int, tp: int, cp: int, attention: str, recompute: frozenset) -> float:
+        """Bytes the all-gather CP variant keeps per micro-batch beyond the local K/V the saved
+        tensors count: without recomputation the attention keeps the gathered K/V (``cp`` shards)
+        for its backward; a checkpointed layer keeps none of them and gathers again
+        (``kv_gathers``)."""
+        if cp == 1 or attention == "ring" or recompute:
+            return 0.0
+        sp = tp > 1 and self.sp
+        full = 2 * self.block(block).eval("kv_elems", mbs, self.seq / cp) * cp / (tp if sp else 1)
+        return full * (cp - 1) / cp
+
     def held_for_weights(self, block: int, mbs: int, tp: int, cp: int) -> float:
         """Bytes one copy of ``block`` holds for one micro-batch from a split backward's
         input-gradient pass to its deferred weight-gradient pass (ZB1P, ZB-V, DualPipeV) beside
@@ -265,10 +285,13 @@ class LayerCosts:
         where_tp: Where,
         where_cp: Where,
         where_ep: Where,
+        recompute: frozenset = frozenset(),
     ) -> tuple:
         """(tp_exposed, tp_behind_gemms, cp_exposed, ep, transient_bytes) of one copy of ``block``.
         ``tp_behind_gemms`` is (re-gather, reduce-scatter) of the column groups' backward, which
-        run while the input- and weight-gradient GEMMs compute (Megatron's overlap)."""
+        run while the input- and weight-gradient GEMMs compute (Megatron's overlap). Under
+        recomputation (``recompute`` not empty) the all-gather CP variant gathers K/V twice
+        (``kv_gathers``); the bounds price none, a floor."""
         blk = self.block(block)
         hw, s = self.hw, self.seq
         sl = s / cp
@@ -326,9 +349,9 @@ class LayerCosts:
                 t_cp = fwd + bwd
                 cp_total = (cp - 1) * (step + both) + home
                 transient = max(transient, 2 * kv_bytes)
-            else:  # all-gather K/V forward, reduce-scatter their gradients (same dtype) backward
+            else:  # all-gather K/V forward (``kv_gathers``), reduce-scatter their gradients (same dtype) backward
                 full = kv_bytes * cp / (tp if sp else 1)
-                t_cp = comm.all_gather(full, where_cp.placement(), hw) + comm.reduce_scatter(
+                t_cp = kv_gathers(recompute) * comm.all_gather(full, where_cp.placement(), hw) + comm.reduce_scatter(
                     full, where_cp.placement(), hw
                 )
                 cp_total = t_cp
@@ -358,7 +381,15 @@ class LayerCosts:
 
     @cache  # noqa: B019
     def payload(
-        self, block: int, mbs: int, tp: int, cp: int, ep: int, attention: str, fp8: tuple
+        self,
+        block: int,
+        mbs: int,
+        tp: int,
+        cp: int,
+        ep: int,
+        attention: str,
+        fp8: tuple,
+        recompute: frozenset = frozenset(),
     ) -> tuple[tuple[str, str, float], ...]:
         """The collectives one copy of ``block`` runs per micro-batch, forward and backward, on one
         GPU, as (axis, kind, bytes handed over): an all-reduce's buffer, an all-gather's gathered
@@ -397,7 +428,7 @@ class LayerCosts:
                 add("cp", "send", (4 * cp - 2) * kv_bytes / (tp if sp else 1))
             else:
                 full = kv_bytes * cp / (tp if sp else 1)
-                add("cp", "all_gather", full)
+                add("cp", "all_gather", kv_gathers(recompute) * full)
                 add("cp", "reduce_scatter", full)
         return tuple((axis, kind, n) for (axis, kind), n in out.items())
 
@@ -451,8 +482,9 @@ class LayerCosts:
     def _layer(self, block, mbs, tp, cp, ep, fp8, recompute, attention, where_tp, where_cp, where_ep, where_pp):
         f, b, w, rc, act, flops, column = self.compute(block, mbs, tp, cp, fp8, recompute, ep)
         t_tp, (regather, scatter), (t_cp, cp_total), t_ep, transient = self.comm(
-            block, mbs, tp, cp, ep, attention, fp8, where_tp, where_cp, where_ep
+            block, mbs, tp, cp, ep, attention, fp8, where_tp, where_cp, where_ep, recompute
         )
+        act += self.gathered_kv_kept(block, mbs, tp, cp, attention, recompute)
         p2p = self.p2p(block, mbs, tp, cp, where_pp)
         dense, expert = self.params(block, tp, ep)
         if block == POST:  # the logits' gradient lives next to the saved log-probabilities

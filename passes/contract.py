@@ -86,11 +86,20 @@ class Pass:
 class Refusal(AutoshardError):
     """A pass cannot rewrite this model for one of the plan's choices. ``axis`` names the choice
     (``"tp"``, ``"cp"``, ``"sp"``, ...) and ``value`` its value, so that the planner can leave that
-    choice out and search again instead of handing the user a plan it cannot emit."""
+    choice out and search again instead of handing the user a plan it cannot emit. ``value`` None
+    refuses every value but 1 (what the model is, not the degree, is the obstacle); ``divides`` N
+    every value that does not divide N (a dimension of that size)."""
 
-    def __init__(self, message: str, axis: str, value=None):
+    def __init__(self, message: str, axis: str, value=None, divides: int | None = None):
         super().__init__(message)
-        self.axis, self.value = axis, value
+        self.axis, self.value, self.divides = axis, value, divides
+
+    def exclusion(self):
+        """What the planner leaves out of ``axis`` (``Problem.excluded``): the value, ``"*"`` for
+        all but 1, or ``("divides", N)``."""
+        if self.divides is not None:
+            return ("divides", self.divides)
+        return "*" if self.value is None else self.value
 
 
 class ContractError(AutoshardError):

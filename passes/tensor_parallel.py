@@ -81,13 +81,14 @@ def slice_parameter(full: torch.Tensor, spec: ParamShard, rank: int, tp: int) ->
     return slice_full(full, (spec.dim, spec.factors, spec.index, spec.parts), rank, tp).clone()
 
 
-def _fail(node: fx.Node, why: str, tp: int) -> Refusal:
+def _fail(node: fx.Node, why: str, tp: int, divides: int | None = None) -> Refusal:
     where = node.meta.get("source")
     return Refusal(
         f"tensor parallelism cannot split {node.format_node()}{f' ({where})' if where else ''}: {why}; "
         "plan with --force tp=1",
         axis="tp",
         value=tp,
+        divides=divides,
     )
 
 
@@ -162,15 +163,15 @@ class _Propagator:
         self.params: dict[fx.Node, Shard] = {}  # a parameter read whole in a region -> its split
         self.partial_sums: dict[fx.Node, str] = {}  # a sum or mean over the split dimension -> which
 
-    def fail(self, node: fx.Node, why: str) -> Refusal:
-        return _fail(node, why, self.tp)
+    def fail(self, node: fx.Node, why: str, divides: int | None = None) -> Refusal:
+        return _fail(node, why, self.tp, divides)
 
     # the column matmuls start regions -----------------------------------------------------
     def start(self, node: fx.Node) -> None:
         shape = _shape(node)
         out = _num(shape[-1])
         if out % self.tp:
-            raise self.fail(node, f"{out} output features do not divide by tp={self.tp}")
+            raise self.fail(node, f"{out} output features do not divide by tp={self.tp}", divides=out)
         s = Shard(len(shape) - 1, (out,), 0)
         self.shard[node] = self.layout[node] = s
         self.root[node] = node
@@ -378,7 +379,9 @@ class _Propagator:
         bounds = sorted(cuts)
         parts = tuple(b - a for a, b in zip(bounds, bounds[1:]))
         if any(p % self.tp for p in parts):
-            raise self.fail(node, f"parts {parts} of the split dimension do not divide by tp={self.tp}")
+            raise self.fail(
+                node, f"parts {parts} of the split dimension do not divide by tp={self.tp}", divides=math.gcd(*parts)
+            )
         layout = self.layout[root]
         self.layout[root] = Shard(layout.dim, layout.factors, layout.index, parts)
         self._refit(root, layout.factors, layout.index, parts)
@@ -412,7 +415,7 @@ class _Propagator:
             return tuple(Shard(d, (x,), 0) for x in sizes)
         n, c = len(shapes), parts.pop()
         if c % self.tp:
-            raise self.fail(node, f"parts of {c} along the split dimension do not divide by tp={self.tp}")
+            raise self.fail(node, f"parts of {c} along the split dimension do not divide by tp={self.tp}", divides=c)
         if s.factors != (n, c) or s.index != 1:
             root = self.root[src]
             if len(s.factors) != 1 or self.layout[root].factors != s.factors:

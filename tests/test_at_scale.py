@@ -55,7 +55,9 @@ def test_8b_rank_counts_states_flops_and_bytes_as_planned(llama8b):
         if what.endswith("bytes sent"):
             assert row.ok(report.bounds.comm_floor_bytes), what
     assert {"tp bytes sent", "pp bytes sent", "dp bytes sent"} <= set(rows)
-    assert rank.measured.rss_bytes < 2e9  # nothing allocated at full size
+    # nothing allocated at full size: the whole process (torch, the traced program, the fake
+    # tensors' metadata) stays below what the rank's parameters alone would take for real
+    assert rank.measured.rss_bytes < rows["params"].measured
     assert rows["peak memory"].ok() and rank.ok and report.ok
 
 

@@ -93,6 +93,25 @@ def test_a_choice_a_pass_refuses_is_left_out_and_the_search_runs_again(monkeypat
     assert any("a stand-in pass cannot rewrite" in note for note in compiled.plan.notes)
 
 
+def test_a_refusal_of_a_dimension_leaves_out_every_degree_that_does_not_divide_it():
+    """A dimension that no degree but 1 and 3 divides (GPT-2's 50,257-word vocabulary divides by
+    none of 2, 4, 8, 16): one refusal leaves out every such degree at once, so the next search
+    does not spend a round on each (GPT-3 175B's compile refused 8 plans in a row that way); a
+    refusal that names no value (the model, not the degree, is the obstacle) all but 1; a pin
+    the refusal covers is reported, not searched around."""
+    from autoshard.compiler import _exclude
+
+    problem = _problem("llama3", "cpu", 8, 16)
+    _exclude(problem, Refusal("3 output features do not divide by tp=2", "tp", 2, divides=3))
+    assert [t for t in (1, 2, 3, 4, 8) if not problem.refused("tp", t)] == [1, 3]
+    _exclude(problem, Refusal("written-out attention", "cp"))
+    assert [c for c in (1, 2, 4) if not problem.refused("cp", c)] == [1]
+    assert len(problem.exclusion_reasons) == 2
+    pinned = _problem("llama3", "cpu", 8, 16, tp=4)
+    with pytest.raises(Refusal, match="do not divide"):
+        _exclude(pinned, Refusal("3 output features do not divide by tp=2", "tp", 2, divides=3))
+
+
 def test_a_refusal_of_what_the_user_pinned_is_reported_not_worked_around(monkeypatch):
     from autoshard import codegen
 

@@ -81,11 +81,17 @@ class Problem:
 
     def allowed(self, **fields) -> bool:
         """No refusal of the passes and, when emitting, no limit of the program blocks ``fields``."""
-        for axis, values in self.excluded.items():
-            value = fields.get(axis)
-            if value in values or ("*" in values and value not in (None, 1, False)):
-                return False
+        if any(self.refused(axis, fields.get(axis)) for axis in self.excluded):
+            return False
         return not self.emit or capabilities.allows(**fields)
+
+    def refused(self, axis: str, value) -> bool:
+        """Whether a refusal of the passes (``excluded``) leaves ``value`` of ``axis`` out."""
+        values = self.excluded.get(axis, ())
+        if value in values or ("*" in values and value not in (None, 1, False)):
+            return True
+        # ("divides", N): a dimension of N elements cannot be split value ways
+        return isinstance(value, int) and value > 1 and any(isinstance(x, tuple) and x[1] % value for x in values)
 
     @property
     def layer_kinds(self) -> list[int]:

@@ -111,7 +111,9 @@ def rank_promises(evaluator, ev) -> list[dict]:
                 flops["forward"] += m * f
                 flops["backward"] += m * b
                 flops["recompute"] += m * rerun
-                for axis, kind, nbytes in layers.payload(block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8):
+                for axis, kind, nbytes in layers.payload(
+                    block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, w.recompute
+                ):
                     send(axis, kind, m * nbytes, group[axis])
             # the activation to the next chunk, the gradient of this chunk's input to the one before
             # (what a chunk hands on is its last layer's output, the embedding's before any layer)

@@ -74,6 +74,8 @@ def test_indivisible_split_is_a_clear_error():
     with pytest.raises(Refusal, match="do not divide by tp=3") as e:
         _sharded("llama3", 3)
     assert (e.value.axis, e.value.value) == ("tp", 3)
+    # the planner leaves out every degree that does not divide that dimension, not only 3
+    assert e.value.exclusion()[0] == "divides" and e.value.exclusion()[1] % 3
 
 
 def _tp_worker(rank, world, name):

@@ -1,0 +1,41 @@
+"""What the all-gather CP variant costs a layer, as the emitted program runs it (measured at full
+scale by ``benchmarks/at_scale.py``): without recomputation the attention keeps the gathered K/V
+for its backward; a checkpointed layer keeps none of them and its backward's replay gathers them
+a second time."""
+
+import pytest
+
+from autoshard.cost_models import hardware
+from autoshard.cost_models.layers import LayerCosts, kv_gathers
+
+from conftest import captured
+
+H100 = hardware.load("h100")
+SEQ = 8192
+
+
+@pytest.fixture(scope="module")
+def layers():
+    analysed = captured("llama3", "8b", SEQ)[1]
+    return analysed, LayerCosts(analysed, SEQ, H100, True)
+
+
+def _cp(payload) -> dict:
+    return {kind: n for axis, kind, n in payload if axis == "cp"}
+
+
+def test_a_checkpointed_layer_gathers_kv_twice_and_keeps_none(layers):
+    analysed, costs = layers
+    block, tp, cp = 0, 2, 4
+    plain = _cp(costs.payload(block, 1, tp, cp, 1, "allgather-kv", ()))
+    replayed = _cp(costs.payload(block, 1, tp, cp, 1, "allgather-kv", (), frozenset({"activation"})))
+    assert plain["all_gather"] > 0
+    assert replayed["all_gather"] == pytest.approx(2 * plain["all_gather"])
+    assert replayed["reduce_scatter"] == pytest.approx(plain["reduce_scatter"]) == pytest.approx(plain["all_gather"])
+    assert kv_gathers(frozenset()) == 1 and kv_gathers(frozenset({"attention"})) == 2
+    # kept: the gathered K/V less the local shard the saved tensors already count
+    full = 2 * analysed.blocks[block].eval("kv_elems", 1, SEQ / cp) * cp / tp
+    assert costs.gathered_kv_kept(block, 1, tp, cp, "allgather-kv", frozenset()) == pytest.approx(full * 3 / 4)
+    assert costs.gathered_kv_kept(block, 1, tp, cp, "allgather-kv", frozenset({"activation"})) == 0
+    assert costs.gathered_kv_kept(block, 1, tp, cp, "ring", frozenset()) == 0
+    assert costs.gathered_kv_kept(block, 1, tp, 1, "flash", frozenset()) == 0
