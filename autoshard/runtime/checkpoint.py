@@ -125,6 +125,11 @@ _KEEP_NO_INPUT = _ops(  # fmt: skip
 # scale by a number or by a dropout's noise keeps nothing of the scaled; torch's CPU dropout is
 # such a product)
 _PRODUCTS = _ops("mul", "div")
+# the norms, and the ops whose kept outputs count as ``norm_input`` only where a norm reads them
+# (the plan's category is the saver's: a rotary embedding's sum that attention keeps is an
+# ``activation``)
+_NORMS = KINDS["norm_output"]
+_SUMS = KINDS["norm_input"]
 _COLLECTIVES = ("_c10d_functional", "c10d", "_c10d_functional_autograd")
 
 
@@ -139,13 +144,16 @@ class _Region:
     """One forward of a checkpointed layer under the policy, and what it found: the storages that
     ops keeping their inputs read (``read``). ``release`` then lets go of each cached matmul
     output none of them read: autograd keeps nothing of it, so the plan counts nothing of it,
-    and the recomputation makes it again where something it recomputes needs it. (torch's
-    selective checkpoint caches every output its policy names, whether autograd keeps it or not:
-    at GPT-3 175B, 111 GB of attention scores and output projections on one pipeline rank.)"""
+    and the recomputation makes it again where something it recomputes needs it; and of each
+    cached sum no norm read (``norm_input`` is what a norm keeps: the rotary embedding's sums
+    that attention keeps are ``activation`` to the plan). (torch's selective checkpoint caches
+    every output its policy names, whether autograd keeps it or not: at GPT-3 175B, 111 GB of
+    attention scores and output projections on one pipeline rank.)"""
 
     def __init__(self, kept: frozenset, saved: frozenset):
         self.kept, self.saved = kept, saved
         self.read: dict[int, weakref.ref] = {}  # id(storage) -> the storage, while it lives
+        self.normed: dict[int, weakref.ref] = {}  # the same, of the storages a norm read
         self.cache = None  # the selective checkpoint's storage: op -> call index -> cached output
         self.units: list[tuple[torch.Tensor, bool]] = []  # ``unit`` outputs, in call order
 
@@ -161,7 +169,9 @@ class _Region:
             read = tree_leaves((args, kwargs))
         for t in read:
             if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None and id(st) not in self.read:
-                self._note(st)
+                self._note(self.read, st)
+        if packet in _NORMS and isinstance(args[0], torch.Tensor) and (st := _storage(args[0])) is not None:
+            self._note(self.normed, st)
         keep = _keeps(self.kept, self.saved, func, args)
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -170,23 +180,27 @@ class _Region:
         if recompute is None or self.cache is None:  # a torch whose cache differs: keep what it cached
             return
         for key, calls in self.cache.items():
-            if getattr(key, "overloadpacket", key) not in _GEMMS:
+            packet = getattr(key, "overloadpacket", key)
+            readers = self.read if packet in _GEMMS else self.normed if packet in _SUMS else None
+            if readers is None:
                 continue
             for idx, entry in calls.items():
                 if entry is recompute:
                     continue
                 tensors = [w.val for w in tree_leaves(entry) if isinstance(getattr(w, "val", None), torch.Tensor)]
-                if tensors and not any(self._was_read(t) for t in tensors):
+                if tensors and not any(_found(readers, t) for t in tensors):
                     calls[idx] = recompute
 
-    def _note(self, st) -> None:
+    @staticmethod
+    def _note(table: dict, st) -> None:
         key = id(st)
-        self.read[key] = weakref.ref(st, lambda _: self.read.pop(key, None))
+        table[key] = weakref.ref(st, lambda _: table.pop(key, None))
 
-    def _was_read(self, t) -> bool:
-        st = _storage(t)
-        ref = self.read.get(id(st)) if st is not None else None
-        return ref is not None and ref() is st
+
+def _found(table: dict, t) -> bool:
+    st = _storage(t)
+    ref = table.get(id(st)) if st is not None else None
+    return ref is not None and ref() is st
 
 
 def unit(fn, *args):

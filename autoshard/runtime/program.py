@@ -425,6 +425,8 @@ def _stage_class():
 
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
             zero = getattr(self.submod, "autoshard_zero", None)
+            if zero is None and backward_type == "weight":
+                return weight_pass(self.submod.parameters(), bwd_kwargs["param_groups"]), None
             if zero is None:
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
             return _fsdp_backward(self.submod, zero, backward_type, bwd_kwargs)
@@ -442,7 +444,7 @@ def _fsdp_backward(submod, zero: int, backward_type: str, bwd_kwargs: dict):
     where it has 3. A split backward's input pass keeps both for its weight pass, which reduces
     them once it is done."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input
 
     whole = backward_type != "input"
     submod.set_is_last_backward(False)
@@ -454,13 +456,50 @@ def _fsdp_backward(submod, zero: int, backward_type: str, bwd_kwargs: dict):
     elif backward_type == "input":
         out = stage_backward_input(*args, submod.parameters())
     else:
-        out = stage_backward_weight(submod.parameters(), bwd_kwargs["param_groups"]), None
+        out = weight_pass(submod.parameters(), bwd_kwargs["param_groups"]), None
     states = {id(s): s for m in submod.modules() if isinstance(m, FSDPModule) for s in [m._get_fsdp_state()]}
     for group in (g for state in states.values() for g in state._fsdp_param_groups):
         if backward_type == "weight":  # the input pass ran the units' post-backward hooks already
             group.post_backward()
         _drop_stray_gather(group)
     return out
+
+
+def weight_pass(weights, param_groups: list[dict]) -> None:
+    """A split backward's weight pass over one chunk, as one backward call: from the gradients
+    the input pass captured at each intermediate node to every weight at once. torch's
+    ``stage_backward_weight`` makes one call per parameter group, and a checkpointed layer is
+    recomputed once per call, each call's recomputation kept while the chunk's graph lives (the
+    tensors that call did not read): at DeepSeek-V3 671B under DualPipeV the weight pass of a
+    rank's chunk recomputed its MoE layers once per group and held the copies, 91 GB at the
+    peak against the plan's 3.5. One call recomputes each layer once. Each intermediate's
+    gradient is clamped to the captured one, so gradient that reaches it from another
+    intermediate is not counted twice (torch's clamp, for every group at once)."""
+    from torch.autograd.graph import GradientEdge
+    from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
+    weight_of = {_get_grad_fn_or_grad_acc(w): w for w in weights}
+    edges, outputs, params, handles = [], [], [], []
+    for group in param_groups:
+        for captured, node in zip(group.pop("grads", None) or (), group.pop("intermediates")):
+            handles.append(node.register_prehook(lambda grad_outputs, captured=captured: captured))
+            for i, grad in enumerate(captured):
+                if grad is not None:
+                    edges.append(GradientEdge(node, i))
+                    outputs.append(grad)
+        params += [p for p in group["params"] if p not in params]
+    try:
+        if edges:
+            found = torch.autograd.grad(
+                edges, [GradientEdge(p, 0) for p in params], grad_outputs=outputs, allow_unused=True
+            )
+            for node, grad in zip(params, found):
+                weight = weight_of[node]
+                if grad is not None:
+                    weight.grad = grad if weight.grad is None else weight.grad + grad
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _drop_stray_gather(group) -> None:
