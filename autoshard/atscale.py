@@ -60,8 +60,9 @@ class MemoryCounter(TorchDispatchMode):
     forward of a pipeline chunk makes and keeps is an activation (saved for backward: the
     forward's short-lived temporaries are gone before the peak they could not hold up), filed
     under the op that made it; what the backward and the schedule make (gradients of
-    activations, recomputation, receive buffers, gathered weights) is "other". A storage is
-    counted once, however many tensors view it."""
+    activations, recomputation, receive buffers, gathered weights) is "other"; weights a chunk
+    still holds gathered when its forward ends (ZeRO-2 keeps them to the step's end) are
+    parameters. A storage is counted once, however many tensors view it."""
 
     def __init__(self):
         super().__init__()
@@ -148,6 +149,8 @@ class MemoryCounter(TorchDispatchMode):
 
     def _leave_forward(self, module, args, out):
         self.forward_depth -= 1
+        for p in module.parameters():  # weights ZeRO-2 gathered and keeps (FSDP swaps them in): parameters
+            self.file(p, "params")
 
     def _enter_step(self, opt, args, kwargs):
         self.in_optimizer = True

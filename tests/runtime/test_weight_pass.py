@@ -1,13 +1,14 @@
-"""A split backward's weight pass (``runtime.program.weight_pass``) is one backward call: the
-weights' gradients are those of a whole backward, and a checkpointed layer is recomputed once in
-it, where torch's per-parameter-group calls recompute it once per group and keep each copy while
-the chunk's graph lives (measured at DeepSeek-V3 671B under DualPipeV: 91 GB at the peak of a
-rank the plan gave 3.5 GB besides activations)."""
+"""A split backward's weight pass (``runtime.program.weight_pass``): the weights' gradients are
+those of a whole backward, computed with the FLOPs of torch's own weight pass, and a checkpointed
+layer is recomputed once in it, where torch's per-parameter-group calls recompute it once per
+group and keep each copy while the chunk's graph lives (measured at DeepSeek-V3 671B under
+DualPipeV: 91 GB at the peak of a rank the plan gave 3.5 GB besides activations)."""
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.utils.flop_counter import FlopCounterMode
 
 from autoshard.runtime.checkpoint import KINDS, Checkpoint
 from autoshard.runtime.program import weight_pass
@@ -50,19 +51,24 @@ def test_one_call_gives_the_whole_backwards_gradients_recomputing_each_layer_onc
     out.backward(grad)
     expected = [p.grad.clone() for p in plain.parameters()]
 
-    grads = {}
+    grads, flops = {}, {}
     for name, second in (("ours", weight_pass), ("torch's", stage_backward_weight)):
         layers = _model()
         x = x0.clone().requires_grad_()
         out = _forward(layers, x, recompute)
         _, groups = stage_backward_input([out], [grad], [x], layers.parameters())
         before = [layer.calls for layer in layers]
-        second(layers.parameters(), groups)
+        with FlopCounterMode(display=False) as counter:
+            second(layers.parameters(), groups)
+        flops[name] = counter.get_total_flops()
         grads[name] = [p.grad for p in layers.parameters()]
         runs = [layer.calls - b for layer, b in zip(layers, before)]
         if name == "ours":
             assert runs == ([1] * 3 if recompute else [0] * 3)  # one recomputation per layer, or none
         elif recompute:
             assert max(runs) > 1  # torch's: once per parameter group
+    assert flops["ours"] <= flops["torch's"]  # nothing of the input pass runs again
+    if not recompute:
+        assert flops["ours"] == flops["torch's"]
     for got in grads.values():
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
