@@ -146,9 +146,13 @@ class LayerCosts:
         (``kv_gathers``)."""
         if cp == 1 or attention == "ring" or recompute:
             return 0.0
+        return self.gathered_kv(block, mbs, tp, cp) * (cp - 1) / cp
+
+    def gathered_kv(self, block: int, mbs: int, tp: int, cp: int) -> float:
+        """Bytes of the K/V one GPU all-gathers over CP for one micro-batch (``cp`` shards; TP
+        splits them where sequence parallelism is on)."""
         sp = tp > 1 and self.sp
-        full = 2 * self.block(block).eval("kv_elems", mbs, self.seq / cp) * cp / (tp if sp else 1)
-        return full * (cp - 1) / cp
+        return 2 * self.block(block).eval("kv_elems", mbs, self.seq / cp) * cp / (tp if sp else 1)
 
     def held_for_weights(self, block: int, mbs: int, tp: int, cp: int) -> float:
         """Bytes one copy of ``block`` holds for one micro-batch from a split backward's
@@ -350,7 +354,7 @@ class LayerCosts:
                 cp_total = (cp - 1) * (step + both) + home
                 transient = max(transient, 2 * kv_bytes)
             else:  # all-gather K/V forward (``kv_gathers``), reduce-scatter their gradients (same dtype) backward
-                full = kv_bytes * cp / (tp if sp else 1)
+                full = self.gathered_kv(block, mbs, tp, cp)
                 t_cp = kv_gathers(recompute) * comm.all_gather(full, where_cp.placement(), hw) + comm.reduce_scatter(
                     full, where_cp.placement(), hw
                 )
@@ -427,7 +431,7 @@ class LayerCosts:
             if attention == "ring":  # K/V forward; K/V with their fp32 gradients backward, then those home
                 add("cp", "send", (4 * cp - 2) * kv_bytes / (tp if sp else 1))
             else:
-                full = kv_bytes * cp / (tp if sp else 1)
+                full = self.gathered_kv(block, mbs, tp, cp)
                 add("cp", "all_gather", kv_gathers(recompute) * full)
                 add("cp", "reduce_scatter", full)
         return tuple((axis, kind, n) for (axis, kind), n in out.items())

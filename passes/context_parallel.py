@@ -37,7 +37,7 @@ from autoshard.passes._graph import seq_dim as _seq_dim
 from autoshard.passes.contract import Refusal, RewriteContext
 
 
-def _fail(node: fx.Node, why: str, cp: int) -> Refusal:
+def _fail(node: fx.Node, why: str) -> Refusal:
     """What the pass cannot shard is in the model, whatever ``cp``: every degree above 1 is refused."""
     where = node.meta.get("source")
     return Refusal(
@@ -67,7 +67,7 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             continue
         dim = _seq_dim(ph)
         if dim is None:
-            raise _fail(ph, "a model input without a sequence dimension", cp)
+            raise _fail(ph, "a model input without a sequence dimension")
         with graph.inserting_after(ph):
             local = graph.call_function(runtime.cp_shard, (ph, dim))
         place(local, model_users[0], ph, region="pre", tp=ph.meta.get("tp", "replicated"))
@@ -82,7 +82,7 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             if not (isinstance(shape, (tuple, list)) and len(shape) == 1 and shape[0] == S):
                 continue
             if len(node.args) != 1:
-                raise _fail(node, "arange over the sequence with a start or step", cp)
+                raise _fail(node, "arange over the sequence with a start or step")
             node.target = runtime.cp_positions
             node.kwargs = {k: v for k, v in node.kwargs.items() if k == "device"}
             node.meta["op"] = ops.op_name(node)
@@ -91,12 +91,12 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     for node in list(graph.nodes):
         kind = _cp(node)
         if kind == "mixes" and _in_model(node) and _along_sequence(node):
-            raise _fail(node, _unfused_why(node), cp)
+            raise _fail(node, _unfused_why(node))
         if kind != "attention":
             continue
         why = _not_shardable(node)
         if why:
-            raise _fail(node, why, cp)
+            raise _fail(node, why)
         args = ops.call_args(node)
         with graph.inserting_after(node):
             new = graph.call_function(
@@ -111,7 +111,7 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         if _cp(node) != "loss" or _in_model(node):
             continue
         args = ops.call_args(node)
-        source = _label_source(args["target"], cp)
+        source = _label_source(args["target"])
         with graph.inserting_after(source):
             sharded = graph.call_function(runtime.cp_shard, (source, _seq_dim(source)))
         place(sharded, source)
@@ -119,7 +119,7 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             if u is not sharded and not _in_model(u):
                 u.replace_input_with(source, sharded)
         if args["reduction"] != "mean" or args["weight"] is not None or args["label_smoothing"]:
-            raise _fail(node, "only the unweighted mean cross-entropy is split over the sequence", cp)
+            raise _fail(node, "only the unweighted mean cross-entropy is split over the sequence")
         with graph.inserting_after(node):
             loss = graph.call_function(runtime.cp_cross_entropy, (args["input"], args["target"], args["ignore_index"]))
         place(loss, node, **{k: v for k, v in node.meta.items() if k not in ("op", "op_class")})
@@ -202,13 +202,13 @@ def _along_sequence(node: fx.Node) -> bool:
     return any(shape[d] == S for d in (range(len(shape)) if dims is None else dims))
 
 
-def _label_source(target: fx.Node, cp: int) -> fx.Node:
+def _label_source(target: fx.Node) -> fx.Node:
     """The (batch, seq) label tensor a flattened loss target comes from."""
     node = target
     while _seq_dim(node) is None:
         row = ops.rule_of(node)
         reshaped = row is not None and (row.tp == "view" or row.tp == "pointwise" and len(node.all_input_nodes) == 1)
         if not reshaped or not node.args:  # a view or cast of the labels
-            raise _fail(target, "labels without a sequence dimension", cp)
+            raise _fail(target, "labels without a sequence dimension")
         node = node.args[0]
     return node

@@ -39,3 +39,21 @@ def captured(name: str, config: str, seq: int):
         cap = capture_file(str(EXAMPLES / f"{name}.py"), config, seq)
         _CACHE[key] = (cap, analyze(cap))
     return _CACHE[key]
+
+
+def cache_storages(module) -> list:
+    """The selective-checkpoint caches ``module`` (an ``rt.Checkpoint``) makes from now on, one per
+    forward, as the list that fills while it runs (stays empty for any other module)."""
+    from autoshard.runtime.checkpoint import Checkpoint
+
+    held: list = []
+    if isinstance(module, Checkpoint):
+        make = module._context
+
+        def recording():
+            caching, cached = make()
+            held.append(caching.storage)
+            return caching, cached
+
+        module._context = recording
+    return held

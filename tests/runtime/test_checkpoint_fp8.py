@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from autoshard.runtime import checkpoint as ckpt
 from autoshard.runtime import fp8
 
+from conftest import cache_storages
+
 D, F_DIM, TOKENS = 256, 384, 64
 
 
@@ -40,17 +42,8 @@ def _run(module_for, keep):
     """(loss, input gradient, weight gradients, what the selective cache held) of one step."""
     w = _weights()
     x = torch.randn(TOKENS, D, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    held = []
     module = module_for(_layer(*w, keep))
-    if isinstance(module, ckpt.Checkpoint):
-        make = module._context
-
-        def recording():
-            caching, cached = make()
-            held.append(caching.storage)
-            return caching, cached
-
-        module._context = recording
+    held = cache_storages(module)
     fp8.new_step()
     y = module(x)
     # what the forward left in the cache for backward: (op, dtype, bytes) of every kept tensor

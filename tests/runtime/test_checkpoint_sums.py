@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from autoshard.runtime import checkpoint as ckpt
 
+from conftest import cache_storages
+
 D, TOKENS = 64, 32
 
 
@@ -35,16 +37,7 @@ def _run(wrap):
     w = _weights()
     x = torch.randn(TOKENS, D, generator=torch.Generator().manual_seed(1)).requires_grad_()
     module = wrap(_layer(*w))
-    held = []
-    if isinstance(module, ckpt.Checkpoint):
-        make = module._context
-
-        def recording():
-            caching, cached = make()
-            held.append(caching.storage)
-            return caching, cached
-
-        module._context = recording
+    held = cache_storages(module)
     y = module(x)
     sums = [
         e.val
