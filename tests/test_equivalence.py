@@ -15,6 +15,8 @@ from conftest import EXAMPLES
 CASES = {
     "tp2": (2, "tp=2,sp=off"),
     "tp2-sp": (2, "tp=2,sp=on"),
+    # selective recomputation skips the collectives whose outputs nothing it remakes needs
+    "tp2-sp-selective": (2, "tp=2,sp=on,recompute=activation"),
     "pp2-1f1b": (2, "pp=2,schedule=1f1b"),
     "pp2-interleaved": (2, "pp=2,schedule=interleaved"),
     "pp2-zero-bubble": (2, "pp=2,schedule=zero-bubble"),

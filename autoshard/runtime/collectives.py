@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autoshard.runtime.checkpoint import collective
 from autoshard.runtime.groups import tp_group, tp_rank, tp_size
 
 # torch 2.13 renamed the tensor forms; older releases (pyproject allows torch>=2.6) have only these
@@ -22,16 +23,20 @@ _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 _scatter_from = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# Each collective runs through ``checkpoint.collective``: a selective checkpoint's recomputation
+# skips those whose outputs nothing it remakes needs, on every rank of the group alike.
+
+
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=tp_group())
+    collective(lambda: dist.all_reduce(x, group=tp_group()), x)
     return x
 
 
 def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((tp_size() * x.size(0), *x.shape[1:]))
-    _gather_into(out, x, group=tp_group())
+    collective(lambda: _gather_into(out, x, group=tp_group()), out)
     return out.movedim(0, dim).contiguous()
 
 
@@ -40,7 +45,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x.size(0) % tp_size():
         raise RuntimeError(f"reduce-scatter over tp={tp_size()}: dimension {dim} of size {x.size(0)} does not divide")
     out = x.new_empty((x.size(0) // tp_size(), *x.shape[1:]))
-    _scatter_from(out, x, group=tp_group())
+    collective(lambda: _scatter_from(out, x, group=tp_group()), out)
     return out.movedim(0, dim).contiguous()
 
 
