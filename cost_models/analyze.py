@@ -126,6 +126,10 @@ class BlockCost:
     bytes_pointwise: sympy.Expr = sympy.Integer(0)  # HBM traffic of everything but weighted matmuls
     bytes_pointwise_tp: sympy.Expr = sympy.Integer(0)  # the part inside TP regions
     kv_elems: sympy.Expr = sympy.Integer(0)  # keys + values entering attention (context parallel traffic)
+    # outputs of the ops other than weighted matmuls that read a parameter and an activation (a
+    # norm's scale, a learned bias or gate): their gradients are what a weight-gradient pass
+    # reads (``LayerCosts.held_for_weights``)
+    weighted_outputs: list[SavedTensor] = field(default_factory=list)
     # matmul-class forward FLOPs (what a FLOP counter counts: weighted GEMMs, attention's products,
     # any other matmul) as (attention core, the part TP divides, the part every TP rank does whole)
     matmul: tuple = (sympy.Integer(0),) * 3
@@ -499,9 +503,48 @@ def _block(
         bytes_pointwise_tp=sympy.expand(pointwise_tp),
         kv_elems=sympy.expand(_kv_elems(nodes)),
         matmul=_matmul_parts(nodes),
+        weighted_outputs=_weighted_outputs(nodes, gm),
     )
     blk._nodes = nodes
     return blk
+
+
+def _weighted_outputs(nodes: list[fx.Node], gm: fx.GraphModule) -> list[SavedTensor]:
+    """The outputs of the ops other than weighted matmuls that combine a parameter with an
+    activation (a norm's scale, ``x * gamma``, ``x + bias``): a parameter's gradient is computed
+    from its consumer's output gradient, which a split backward's input pass keeps for the
+    weight pass, as it keeps a matmul's."""
+    out = []
+    for n in nodes:
+        if n.op in ("get_attr", "placeholder", "output") or n.meta.get("shape") is None or ops.is_weight(n):
+            continue
+        if _gemm(n, gm) is not None or not (dtype := n.meta.get("dtype")) or not dtype.is_floating_point:
+            continue
+        args = ops.tensor_args(n)
+        weights = [a for a in args if ops.is_weight(a) and _root_parameter(a, gm)]
+        if n.op == "call_module":
+            weights += [p for _, p in _param_tensors(n, gm) if p.requires_grad]
+        activations = [a for a in args if not ops.is_weight(a) and a.meta.get("dtype") is not None]
+        if not weights or not any(a.meta["dtype"].is_floating_point for a in activations):
+            continue
+        out.append(
+            SavedTensor(
+                "weight_grad",
+                ops.numel(n.meta["shape"]),
+                None,
+                n.meta.get("tp") == "sharded",
+                _per_token(n.meta["shape"]),
+                n.name,
+            )
+        )
+    return out
+
+
+def _root_parameter(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """``node`` (an ``ops.is_weight`` node) is a parameter's view or cast, not a buffer's."""
+    while node.op != "get_attr":
+        node = node.args[0]
+    return bool(_parameters_read(node, gm))
 
 
 def _gemm(n: fx.Node, gm: fx.GraphModule) -> Gemm | None:

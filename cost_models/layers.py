@@ -159,12 +159,16 @@ class LayerCosts:
         input-gradient pass to its deferred weight-gradient pass (ZB1P, ZB-V, DualPipeV) beside
         its activations: the gradients of its weighted matmuls' outputs, which torch's input pass
         keeps for the weight pass, in the compute precision at this rank's shard (a column's
-        outputs 1/tp, a row's whole, the routed rows 1/tp)."""
+        outputs 1/tp, a row's whole, the routed rows 1/tp), and those of the other ops that read
+        a weight (a norm's scale: its output, at the residual stream's split)."""
         blk = self.block(block)
         grads = 0.0
         for g, mfn in zip(blk.gemms, blk._compiled["gemm_m"]):
             split = tp if g.experts or g.role in ("column", "vocab") else 1
             grads += 2 * float(mfn(mbs, self.seq / cp)) * g.n * g.batch / split
+        sp = tp > 1 and self.sp
+        for t in blk.weighted_outputs:
+            grads += t.bytes(mbs, self.seq / cp) / t.split(tp, sp)
         return grads
 
     @cache  # noqa: B019
