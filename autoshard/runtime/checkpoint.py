@@ -22,6 +22,7 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -308,6 +309,8 @@ class _Region:
             packet = getattr(func, "overloadpacket", func)
             if not needed[c] and (skippable or collective or getattr(func, "is_view", False)):
                 if skippable:
+                    if not isinstance(self.cache[func], _Calls):
+                        self.cache[func] = _Calls(self.cache[func])
                     self.cache[func][idx] = layout
                 continue
             values = _VALUE_OUTPUTS.get(packet)
@@ -344,6 +347,21 @@ class _Region:
         table[key] = weakref.ref(st, lambda _: table.pop(key, None))
 
 
+class _Calls(dict):
+    """One op's entries in the selective checkpoint's cache, where a skipped call's stays for
+    every recomputation: torch marks an entry used once it is read, which is right for a cached
+    output (autograd takes it over) but would make a region with skipped calls recomputable only
+    once, where a split backward recomputes a layer that caches nothing in its input pass and
+    again in its weight pass."""
+
+    def __setitem__(self, idx, value):
+        if value is getattr(torch.utils.checkpoint, "_CONSUMED", None) and any(
+            isinstance(x, _Unmade) for x in tree_leaves(self.get(idx))
+        ):
+            return
+        super().__setitem__(idx, value)
+
+
 class _Unmade:
     """A skipped call's output in the selective checkpoint's cache: an uninitialised tensor of
     the forward's layout."""
@@ -362,12 +380,26 @@ class _Unmade:
         return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
 
 
+@contextlib.contextmanager
+def unrecorded():
+    """Run what a layer's forward does and its recomputation does not (bookkeeping: expert load
+    counts, loss totals) out of sight of a selective checkpoint. Its cache indexes each op's
+    calls by their count, so an op the recomputation does not meet again would shift the entries
+    of every later call of the same op: a cached sum, or a skipped call's layout, handed to the
+    wrong call."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    if isinstance(_get_current_dispatch_mode(), torch.utils.checkpoint._CachingTorchDispatchMode):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
 def collective(run, out: torch.Tensor) -> None:
     """``run()``, a collective writing ``out``, except in a selective checkpoint's recomputation
     where nothing it remakes needs ``out`` (``_Region._skip_unneeded``: the decision reads the
     layer's op graph, so every rank of the group skips the same calls)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     mode = _get_current_dispatch_mode()
     region = getattr(mode, "autoshard_region", None)
     if not isinstance(region, _Region):
@@ -397,7 +429,7 @@ def unit(fn, *args):
     recomputation takes its output as the forward made it, running nothing of it again; where
     the plan recomputes attention, the recomputation runs it whole. Outside a selective
     checkpoint (or under full recomputation), ``fn(*args)``."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+    from torch.utils._python_dispatch import _pop_mode_temporarily
 
     mode = _get_current_dispatch_mode()
     region = getattr(mode, "autoshard_region", None)  # the selective checkpoint's modes know their region
@@ -455,6 +487,9 @@ class Checkpoint(nn.Module):
         fp8.forget_inputs()  # the forward and its recomputation quantise the same inputs first
         region, self._region = self._region, None  # None in the recomputation: its forward made it
         if region is None:
+            mode = _get_current_dispatch_mode()
+            if isinstance(getattr(mode, "autoshard_region", None), _Region):
+                mode.autoshard_region.replayed = 0  # each recomputation meets the collectives from the first
             return self.fn(*args)
         with region.noting_saves():
             out = self.fn(*args)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single_autograd, wait_tensor
 
 from autoshard.runtime import fake
+from autoshard.runtime.checkpoint import collective, unrecorded
 from autoshard.runtime.groups import ep_group, ep_size, route_group, tp_rank, tp_size
 
 # where torch._grouped_mm has a kernel (device type -> dtypes); elsewhere a loop over groups runs
@@ -249,15 +250,19 @@ def _all_to_all(rows: torch.Tensor, out_splits, in_splits, group, fp8: bool) -> 
     shape, rows = rows.shape, rows.contiguous()
     flat = rows.view(-1, shape[-1])
     n_out = sum(out_splits) if out_splits is not None else flat.size(0)
+
+    def exchange(out, x):  # skipped in a selective recomputation where nothing needs ``out``
+        collective(lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=group), out)
+
     if not fp8:
         out = torch.empty(n_out, flat.size(1), dtype=rows.dtype, device=rows.device)
-        dist.all_to_all_single(out, flat, out_splits, in_splits, group=group)
+        exchange(out, flat)
     else:
         q, s = blockwise._q_rows(flat)
         q_out = torch.empty(n_out, flat.size(1), dtype=torch.uint8, device=rows.device)
         s_out = torch.empty(n_out, s.size(1), dtype=s.dtype, device=rows.device)
-        dist.all_to_all_single(q_out, q.contiguous().view(torch.uint8), out_splits, in_splits, group=group)
-        dist.all_to_all_single(s_out, s.contiguous(), out_splits, in_splits, group=group)
+        exchange(q_out, q.contiguous().view(torch.uint8))
+        exchange(s_out, s.contiguous())
         out = blockwise.dequantize_rows(q_out.view(q.dtype), s_out).to(rows.dtype)
     return out.view(shape) if out_splits is None else out.view(n_out, *shape[1:])
 
@@ -313,7 +318,8 @@ def dispatch(
     if keep is not None:
         rows = rows.index_select(0, keep)
         if not _recomputing():
-            _dropped += _total(offs) - keep.numel()
+            with unrecorded():
+                _dropped += _total(offs) - keep.numel()
     with fake.real():
         send_counts = send_counts.view(ep, experts // ep)
         if ep == 1:
@@ -406,7 +412,7 @@ def record_load(indices: torch.Tensor, experts: int, layer: str) -> torch.Tensor
     the last ``update_biases``; returns ``indices`` unchanged (so a graph keeps the call in line).
     Not counted while an activation-checkpointed region recomputes in backward."""
     if not _recomputing():
-        with torch.no_grad():
+        with torch.no_grad(), unrecorded():
             flat = indices.reshape(-1).long()
             counts = torch.zeros(experts, dtype=torch.long, device=flat.device).index_add_(
                 0, flat, torch.ones_like(flat)
@@ -581,7 +587,8 @@ def balance_loss(
         probs = scores / scores.sum(-1, keepdim=True)
         aux = switch_aux_loss(probs, indices.reshape(scores.size(0), -1), experts, alpha)
     if not _recomputing():
-        _aux_total[layer] = _aux_total.get(layer, 0.0) + fake.value(aux.detach())
+        with unrecorded():
+            _aux_total[layer] = _aux_total.get(layer, 0.0) + fake.value(aux.detach())
     return _Attach.apply(rows, aux, _aux["scale"])
 
 

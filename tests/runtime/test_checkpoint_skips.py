@@ -78,3 +78,59 @@ def test_what_a_skipped_op_would_have_made_is_remade_where_needed():
     module(x).sum().backward()
     got = [x.grad] + [t.grad for t in w[:2]]
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expect))
+
+
+def _recomputed_layer(w, bookkeeping: list):
+    def fn(x):
+        h = x @ w[0].t()
+        if torch._C._current_graph_task_id() == -1:  # the forward only: a count, as an MoE's load
+            with ckpt.unrecorded():
+                bookkeeping.append((h.detach() > 0).sum() + 0)
+        o = F.silu(h) @ w[1].t()
+        r = x + o
+        return F.layer_norm(r, (D,)) @ w[2].t()
+
+    return fn
+
+
+def test_a_region_with_skipped_calls_recomputes_once_per_backward_call():
+    # a split backward (input pass, then weight pass) recomputes a layer that caches nothing once
+    # per call: the skipped calls' entries stay for the second, where torch marks an entry used
+    def fn(x, w):
+        h = x @ w[0].t()
+        side = h @ w[1].t()  # read by the output's sum only: skipped in each recomputation
+        return F.silu(h) @ w[2].t() + side
+
+    w = _weights()
+    x = torch.randn(TOKENS, D).requires_grad_()
+    gx, *gw = torch.autograd.grad((fn(x, w) ** 2).mean(), [x, *w])
+    everything = ["activation", "attention", "experts", "linear_output", "norm_input", "norm_output"]
+    module = ckpt.Checkpoint(lambda x: fn(x, w), everything)  # keeps dropout masks: a selective region
+    loss = (module(x) ** 2).mean()
+    with FlopCounterMode(display=False) as flops:
+        (got_x,) = torch.autograd.grad(loss, [x], retain_graph=True)
+        got_w = torch.autograd.grad(loss, w)
+    assert torch.allclose(got_x, gx, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got_w, gw))
+    product = 2 * TOKENS * D * D
+    # two recomputations of two products each (not three), and the backward's six
+    assert flops.get_total_flops() == (2 * 2 + 6) * product
+
+
+def test_what_only_the_forward_runs_does_not_shift_the_cache():
+    # the forward's bookkeeping ``add`` runs out of the cache's sight: the kept residual sum is
+    # the recomputation's second add, as it was the forward's
+    w = _weights()
+    x = torch.randn(TOKENS, D).requires_grad_()
+    seen: list = []
+    ref = _recomputed_layer(w, seen)(x)
+    ref.sum().backward()
+    expect = [x.grad.clone()] + [t.grad.clone() for t in w]
+    x.grad = None
+    for t in w:
+        t.grad = None
+    module = ckpt.Checkpoint(_recomputed_layer(w, seen), ["activation", "norm_output"])
+    module(x).sum().backward()
+    assert len(seen) == 2  # counted in each forward, not in the recomputation
+    got = [x.grad] + [t.grad for t in w]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expect))
