@@ -91,6 +91,12 @@ class CandidateCosts:
     def microbatches(self, c: Candidate) -> int:
         return self.p.global_batch // (c.dp * c.mbs)
 
+    def split_share(self, c: Candidate) -> float:
+        """The share of ``c``'s backward passes its schedule splits into an input and a weight
+        pass, averaged over the pipeline ranks (``Schedule.split_share``)."""
+        shares = SCHEDULES[c.schedule].split_share(c.pp, self.microbatches(c), c.v)
+        return sum(shares) / len(shares)
+
     def zero_options(self, c: Candidate) -> list[int]:
         zs = (0, 1, 2, 3) if c.dp * c.cp > 1 else (0,)
         return [z for z in zs if self.p.forced.get("zero", z) == z]
@@ -128,12 +134,16 @@ class CandidateCosts:
         # the layers read only these placements: layouts that differ in the data-parallel groups
         # alone share one Work
         places = (where["tp"], where["cp"], where["ep"], where["pp"])
-        key = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, places, overlap)
+        split = self.split_share(c) if rc else 0.0
+        key = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, places, overlap, split)
         w = self.memo.work.get(key)
         if w is None:
             c2 = c if rc == c.recompute else replace(c, recompute=rc)
             kinds = [self.layer(i, c2, where) for i in range(len(self.p.cost.blocks))]
             pre, post = self.layer(PRE, c2, where), self.layer(POST, c2, where)
+            if split:  # a split backward's weight pass recomputes the layer a second time
+                kinds = [_rerun_in_weight_pass(k, split) for k in kinds]
+                pre, post = _rerun_in_weight_pass(pre, split), _rerun_in_weight_pass(post, split)
             copy = self.tied_copy(c)
             if copy:  # the head's chunk holds its own copy of the tied parameters
                 post = replace(post, params_dense=post.params_dense + copy)
@@ -281,3 +291,9 @@ class CandidateCosts:
             least = tuple(map(min, *[f for _, _, f in shapes])) if len(shapes) > 1 else (shapes[0][2] if shapes else ())
             table[key] = (shapes, least)
         return table[key]
+
+
+def _rerun_in_weight_pass(k: LayerCost, split: float) -> LayerCost:
+    """``k`` with its recomputation run again in the weight pass of the ``split`` share of its
+    backwards (each pass is its own backward call, and a checkpointed layer is remade in each)."""
+    return replace(k, w=k.w + split * k.recompute, recompute=k.recompute * (1 + split))

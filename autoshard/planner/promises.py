@@ -96,6 +96,7 @@ def rank_promises(evaluator, ev) -> list[dict]:
         cuts.append(cuts[-1] + n)
     chunks = len(ev.stage_layers)
     group = {"tp": c.tp, "cp": c.cp, "ep": c.ep, "pp": c.pp}
+    split = sched.split_share(c.pp, m, c.v)
     out = []
     for r in range(c.pp):
         dense = expert = 0.0
@@ -110,7 +111,7 @@ def rank_promises(evaluator, ev) -> list[dict]:
                 f, b, rerun = layers.matmul_flops(block, c.mbs, c.tp, c.cp, w.recompute)
                 flops["forward"] += m * f
                 flops["backward"] += m * b
-                flops["recompute"] += m * rerun
+                flops["recompute"] += m * rerun * (1 + split[r])  # again in a split backward's weight pass
                 for axis, kind, nbytes in layers.payload(
                     block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, w.recompute
                 ):

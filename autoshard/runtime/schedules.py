@@ -119,6 +119,14 @@ class Schedule:
         chunk holds nearly every micro-batch at once, its last chunk one)."""
         return _occupancy(self.name, pp, m, v)
 
+    def split_share(self, pp: int, m: int, v: int) -> tuple[float, ...]:
+        """Per pipeline rank, the share of its backward passes split into an input pass and a
+        weight pass: two autograd calls, in each of which a checkpointed layer is recomputed
+        (torch's checkpoint remakes a layer once per backward call that reads it). ZB1P and ZB-V
+        split every backward; DualPipeV the ``2 pp - 1 - rank`` of its warm-up and cool-down,
+        its steady state running whole backwards beside forwards (torch's orders)."""
+        return _split_share(self.name, pp, m, v)
+
     def bubble(self, pp: int, m: int, v: int, f: float, b: float, w: float) -> float:
         """Pipeline fill/drain time, from per-rank per-micro-batch averages of forward ``f``,
         input-gradient ``b`` and weight-gradient ``w``.
@@ -219,6 +227,25 @@ def _occupancy(name: str, pp: int, m: int, v: int) -> tuple[tuple[Point, ...], .
         else:
             moments = _moments(_rank_order(row, r, pp, m, v), row.chunks_of_rank(r, pp, v))
         out.append(_frontier(moments))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _split_share(name: str, pp: int, m: int, v: int) -> tuple[float, ...]:
+    row = SCHEDULES[name]
+    if not row.split_backward:
+        return (0.0,) * pp
+    if name == "zero-bubble":  # ZB1P: an input pass then a weight pass for every backward (_interleaved_moments)
+        return (1.0,) * pp
+    out = []
+    for r in range(pp):
+        split = full = 0
+        for action in _rank_order(row, r, pp, m, v):
+            kind = action.computation_type.name
+            for part in action.sub_actions if kind == "OVERLAP_F_B" else (action,):
+                split += part.computation_type.name == "BACKWARD_INPUT"
+                full += part.computation_type.name == "FULL_BACKWARD"
+        out.append(split / max(1, split + full))
     return tuple(out)
 
 

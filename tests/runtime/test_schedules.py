@@ -150,3 +150,22 @@ def test_gradients_come_with_each_chunks_first_backward():
     assert ((16,) * 8, (0,) * 8, (0,) * 7 + (1,)) in first
     assert all(sum(gs) < 8 for hs, _, gs in first if sum(hs) == 128)
     assert any(gs == (1,) * 8 for _, _, gs in first)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_split_share_is_the_share_of_torchs_backwards_split_in_two(name):
+    # each split backward is two autograd calls, and a checkpointed layer is recomputed in each:
+    # the cost model counts its recomputation again for this share of the backwards
+    for _, pp, m, v in [s for s in SHAPES if s[0] == name][::5]:
+        order = _orders(name, pp, m, v)
+        for rank, actions in order.items():
+            parts = [
+                p.computation_type.name
+                for a in actions
+                if a is not None
+                for p in (a.sub_actions if a.computation_type.name == "OVERLAP_F_B" else (a,))
+            ]
+            split, full = parts.count("BACKWARD_INPUT"), parts.count("FULL_BACKWARD")
+            share = SCHEDULES[name].split_share(pp, m, v)[rank]
+            assert share == pytest.approx(split / max(1, split + full)), (name, pp, m, v, rank)
