@@ -166,7 +166,9 @@ def stage_source(
         if k in names or k in (origin or {}).values()
     ]
     expert_lines = [f'    "{k}",' for k in sorted(experts or []) if k in names]
-    routing_lines = [f'    "{k}": {v!r},' for k, v in sorted((routing or {}).items()) if _routed_here(k, gm)]
+    routing_lines = [
+        f'    "{k}": {v!r},' for k, v in sorted((routing or {}).items()) if any(_routed_here(k, g) for _, g in graphs)
+    ]
     origin_lines = [f'    "{k}": "{v}",' for k, v in sorted((origin or {}).items()) if k in names]
     partial_lines = [f'    "{k}",' for k in sorted(partial_grads or []) if k in names]
     init_lines = _init_lines(sorted(names), inits)
@@ -272,5 +274,8 @@ def _shard_tuple(v) -> str:
 
 
 def _routed_here(key: str, gm) -> bool:
-    """A MoE layer's routing entry belongs to the chunk that counts its loads."""
+    """A MoE layer's routing entry belongs to the chunk that counts its loads (in ``gm``, one of
+    the chunk's graphs: its own or a checkpointed layer's, where a recomputed layer counts them;
+    reading the chunk's graph alone left every recomputed MoE layer out, its routing bias never
+    updated nor saved)."""
     return any(n.op == "call_function" and n.args[2:3] == (key,) for n in gm.graph.nodes)

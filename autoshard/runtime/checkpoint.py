@@ -258,7 +258,9 @@ class _Region:
                 st, lambda r, key=key: self._made.pop(key) if self._made.get(key, (None,))[0] is r else None
             )
             self._made[key] = (ref, call, i)
-        skippable = fresh and packet in _SKIPPABLE
+        # counts and indices are read on the host, some out of the policy's sight (``tolist``):
+        # only floating-point outputs are skipped
+        skippable = fresh and packet in _SKIPPABLE and all(t.is_floating_point() for t in outs)
         layout = torch.utils._pytree.tree_map(_Unmade.of, out) if skippable else None
         self.calls.append((func, idx, reads, skippable, collective, layout))
 

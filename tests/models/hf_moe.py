@@ -76,6 +76,10 @@ LAYOUTS = {
     "ep4-tp2dp2": (4, "ep=4,tp=2,dp=2,sp=off"),  # EP4 folded over TP2 x DP2
     "ep2-zero1": (4, "ep=2,dp=4,zero=1"),
     "ep2-zero3": (4, "ep=2,dp=4,zero=3"),
+    # recomputed MoE layers count their expert loads inside the checkpoint: their routing biases
+    # must still be updated and saved
+    "ep2-recompute": (2, "ep=2,dp=2,recompute=activation"),
+    "ep2-pp2-dualpipev-recompute": (4, "ep=2,dp=2,pp=2,schedule=dualpipev,recompute=full"),
 }
 # every layout once, every model at least twice
 CI_SUBSET = [
@@ -86,4 +90,6 @@ CI_SUBSET = [
     ("deepseek_v3", "ep4"),
     ("mixtral", "ep2"),
     ("mixtral", "ep2-zero1"),
+    ("deepseek_v3 (example)", "ep2-pp2-dualpipev-recompute"),
+    ("deepseek_v3", "ep2-recompute"),
 ]

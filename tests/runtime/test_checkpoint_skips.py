@@ -134,3 +134,21 @@ def test_what_only_the_forward_runs_does_not_shift_the_cache():
     assert len(seen) == 2  # counted in each forward, not in the recomputation
     got = [x.grad] + [t.grad for t in w]
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expect))
+
+
+def test_counts_read_on_the_host_are_remade():
+    # ``tolist`` reads a tensor out of the policy's sight: an integer output (counts, indices) is
+    # never skipped, or the recomputation would size its tensors from uninitialised memory
+    def fn(x, w):
+        h = x @ w[0].t()
+        counts = (h > 0).sum(0)
+        order = torch.tensor(counts.tolist()).clamp(0, D - 1)  # the host reads the counts
+        return F.silu(h).index_select(1, order) @ w[1].t()
+
+    w = _weights()
+    x = torch.randn(TOKENS, D).requires_grad_()
+    ref = fn(x, w)
+    expect = torch.autograd.grad(ref.sum(), [x, *w[:2]])
+    module = ckpt.Checkpoint(lambda x: fn(x, w), ["activation"])
+    got = torch.autograd.grad(module(x).sum(), [x, *w[:2]])
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, expect))
