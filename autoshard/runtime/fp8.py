@@ -315,14 +315,14 @@ class _Fp8Matmul(torch.autograd.Function):
             return (*_batched_backward(ctx, gy, xq, xs, w, ctx.rows), None, None, None, None)
         groups = _groups(offs, gy.size(0))
         gx = gw = None
-        if ctx.needs_input_grad[0]:
+        if _wanted(ctx, 0):
             gq, gs = _q_rows(gy)  # 1x128 along N, the input gradient's contraction
             wq, ws = _q_blocks(w)
             wt = wq.transpose(-1, -2)  # [G, K, N]: the same 128x128 blocks, transposed
             wts = ws.transpose(-1, -2)
             parts = [_gemm(gq[a:b], gs[a:b], wt[g], wts[g], False, x_dtype) for g, (a, b) in enumerate(groups)]
             gx = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if ctx.needs_input_grad[1]:
+        if _wanted(ctx, 1):
             # the weight gradient contracts over tokens: both operands in 128x1 tiles along the
             # rows, the saved activation re-tiled from its FP8 copy (DeepSeek-V3's 1x128 -> 128x1)
             k = _kernels(xq)
@@ -382,6 +382,24 @@ def _cols_dequantized(x: torch.Tensor, groups: int, rows: int) -> torch.Tensor:
     return (_widen(_cast(t, s)) * s).view(groups, -1, k)[:, :rows]
 
 
+def _wanted(ctx, i: int) -> bool:
+    """Whether this backward call needs the gradient of input ``i``. ``needs_input_grad`` says
+    whether the input required one when the forward ran; a split backward's input pass wants the
+    inputs' gradients only and its weight pass the weights' only, and each computed both (the
+    FP8 GEMMs' FLOPs of both passes in each: DeepSeek-V3 671B's busiest DualPipeV rank 1.030 of
+    its planned FLOPs). The engine says which nodes this call runs."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    will_run = getattr(torch._C, "_will_engine_execute_node", None)
+    node = ctx.next_functions[i][0] if i < len(ctx.next_functions) else None
+    if will_run is None or node is None:
+        return True
+    try:
+        return bool(will_run(node))
+    except RuntimeError:  # outside an engine's backward (a direct call): everything it can
+        return True
+
+
 def _batched_backward(ctx, gy, xq, xs, w, rows):
     """``_Fp8Matmul``'s backward for equal groups on CPUs (stacked experts' ``bmm``): the same
     quantisation as the per-group path, the GEMMs as one batched product each."""
@@ -389,11 +407,11 @@ def _batched_backward(ctx, gy, xq, xs, w, rows):
     groups = w.size(0)
     gx = gw = None
     with torch.autocast(gy.device.type, enabled=False):
-        if ctx.needs_input_grad[0]:
+        if _wanted(ctx, 0):
             wq, ws = _q_blocks(w)
             gd = dequantize_rows(*quantize_rows(gy)).view(groups, rows, -1)
             gx = torch.bmm(gd, dequantize_blocks(wq, ws)).view(gy.size(0), -1).to(x_dtype)
-        if ctx.needs_input_grad[1]:
+        if _wanted(ctx, 1):
             g_cols = _cols_dequantized(gy, groups, rows)
             x_cols = _cols_dequantized(dequantize_rows(xq, xs), groups, rows)
             gw = torch.bmm(g_cols.transpose(1, 2), x_cols).to(w_dtype)

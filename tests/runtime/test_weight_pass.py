@@ -72,3 +72,28 @@ def test_one_call_gives_the_whole_backwards_gradients_recomputing_each_layer_onc
         assert flops["ours"] == flops["torch's"]
     for got in grads.values():
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
+
+
+def test_fp8_products_compute_each_gradient_in_its_own_pass():
+    """An FP8 product's backward (a custom autograd Function) computes the input's gradient in
+    the input pass and the weight's in the weight pass, not both in each: its
+    ``needs_input_grad`` says only what required a gradient at forward time."""
+    from autoshard.runtime import fp8
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(256, 128))
+    x = torch.randn(64, 128, requires_grad=True)
+    gy = torch.randn(64, 256)
+
+    def flops(fn):
+        with FlopCounterMode(display=False) as counter:
+            out = fn()
+        return counter.get_total_flops(), out
+
+    y = fp8.fp8_linear(x, w).clone()  # a stage output is no view
+    f_input, (grads, groups) = flops(lambda: stage_backward_input([y], [gy], [x], [w]))
+    f_weight, _ = flops(lambda: stage_backward_weight([w], groups))
+    one_gemm = 2 * 64 * 256 * 128
+    assert f_input == one_gemm and f_weight == one_gemm
+    whole_x, whole_w = torch.autograd.grad(fp8.fp8_linear(x, w), [x, w], gy)
+    assert torch.equal(grads[0], whole_x) and torch.equal(w.grad, whole_w)
