@@ -33,10 +33,6 @@ class Limit:
     reason: Callable[..., str]  # the fields -> why, and what to do instead
 
 
-def _selective(recompute: frozenset, every: frozenset) -> bool:
-    return bool(recompute) and recompute != every
-
-
 EMIT_LIMITS: tuple[Limit, ...] = (
     Limit(
         "expert tensor parallelism",
@@ -61,16 +57,6 @@ TORCH_LIMITS: tuple[Limit, ...] = (
             f"ZeRO-3 under the {schedule} schedule cannot run (FSDP2's resharding after forward loses the "
             "weight gradients of the schedule's separate weight-gradient pass); use --force zero=2 "
             "or --force schedule=interleaved"
-        ),
-    ),
-    Limit(
-        "selective recomputation under a split-backward schedule",
-        ("recompute", "every", "schedule", "pp"),
-        lambda recompute, every, schedule, pp: pp > 1 and schedule in SPLIT_BACKWARD and _selective(recompute, every),
-        lambda recompute, every, schedule, pp: (
-            f"selective recomputation under the {schedule} schedule cannot run (torch's selective "
-            "checkpointing allows one backward per region and the schedule splits backward in two); use "
-            "--force recompute=full, --force recompute=none or --force schedule=interleaved"
         ),
     ),
 )

@@ -29,6 +29,8 @@ CASES = {
     "pp2-dp2-zero2-zb": (4, "pp=2,dp=2,zero=2,schedule=zero-bubble"),  # a split backward reduces in its weight pass
     # a split backward over checkpointed layers: the weight pass is one backward call (one recomputation)
     "pp2-zb-recompute": (2, "pp=2,schedule=zero-bubble,recompute=full"),
+    # selective recomputation under a split backward: the cache serves both recomputations
+    "pp2-zb-selective": (2, "pp=2,schedule=zero-bubble,recompute=activation"),
     "cp2-ring": (2, "cp=2,attention=ring"),
     # ring attention as one piece under selective recomputation: kept (its output reused) or not
     "cp2-ring-keep": (2, "cp=2,attention=ring,recompute=activation"),
@@ -54,6 +56,7 @@ MODEL_AGNOSTIC = (
     "pp2-zero-bubble",
     "pp2-dp2-zero2-zb",
     "pp2-zb-recompute",
+    "pp2-zb-selective",
     "cp2-ring-keep",
     "cp2-ring-recompute",
 )

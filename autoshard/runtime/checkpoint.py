@@ -206,6 +206,7 @@ class _Region:
         self.collectives: list = []  # per ``collective`` of the forward, the call that wrote its output
         self.skipped: set[int] = set()  # the ``collective``s the recomputation skips
         self.replayed = 0  # ``collective``s the recomputation has met
+        self.units_met = 0  # ``unit``s the recomputation has met
 
     def policy(self, ctx, func, *args, **kwargs):
         packet = getattr(func, "overloadpacket", func)
@@ -352,16 +353,44 @@ class _Region:
 class _Calls(dict):
     """One op's entries in the selective checkpoint's cache, where a skipped call's stays for
     every recomputation: torch marks an entry used once it is read, which is right for a cached
-    output (autograd takes it over) but would make a region with skipped calls recomputable only
-    once, where a split backward recomputes a layer that caches nothing in its input pass and
-    again in its weight pass."""
+    output autograd then holds, but would make a region with skipped calls recomputable only
+    once, where a split backward recomputes a layer in its input pass and again in its weight
+    pass (``_EveryCall``: there every entry stays)."""
+
+    keep_all = False
 
     def __setitem__(self, idx, value):
-        if value is getattr(torch.utils.checkpoint, "_CONSUMED", None) and any(
-            isinstance(x, _Unmade) for x in tree_leaves(self.get(idx))
-        ):
-            return
+        if value is getattr(torch.utils.checkpoint, "_CONSUMED", None):
+            entry = self.get(idx)
+            if any(isinstance(x, _Unmade) for x in tree_leaves(entry)):
+                return
+            if self.keep_all:
+                # torch hands the cached tensor itself to the recomputation, where autograd gives
+                # it the recomputation's history: kept as it is, it would keep that whole graph
+                # (every tensor the recomputation saved) to the layer's weight pass. A new alias
+                # without history stays instead.
+                super().__setitem__(idx, torch.utils._pytree.tree_map(_fresh, entry))
+                return
         super().__setitem__(idx, value)
+
+
+def _fresh(w):
+    """A selective-cache entry's wrapper around a new alias of its tensor, without history."""
+    wrapper = getattr(torch.utils.checkpoint, "_VersionWrapper", None)
+    if wrapper is None or not isinstance(w, wrapper) or not isinstance(w.val, torch.Tensor):
+        return w
+    detach = getattr(torch.utils.checkpoint, "_detach_helper", torch.Tensor.detach)
+    return wrapper(detach(w.val))
+
+
+class _EveryCall(_Calls):
+    """The entries of a layer under a split-backward schedule: its input pass and its weight pass
+    are two backward calls, each recomputing the layer (torch's checkpoint remakes a region per
+    call), and each takes the cached outputs. torch's selective checkpoint allows one backward
+    per region: a second would find them used. The cache holds them until the layer's graph
+    goes, after its weight pass, as the plan counts a split backward's micro-batch in flight."""
+
+    keep_all = True
 
 
 class _Unmade:
@@ -450,7 +479,8 @@ def unit(fn, *args):
     if not keep:  # its recomputation
         with _pop_mode_temporarily():
             return fn(*args)
-    value, grad = region.units.pop(0)
+    value, grad = region.units[region.units_met]
+    region.units_met += 1
     return value.detach().requires_grad_(grad)
 
 
@@ -468,6 +498,7 @@ class Checkpoint(nn.Module):
 
     def __init__(self, fn, recompute: list[str], fp8_saved: list[str] = ()):
         super().__init__()
+        self.split_backward = False  # set for split-backward schedules (``runtime.program``)
         object.__setattr__(self, "fn", fn)  # not a child module: its parameters belong to the stage
         self.recompute = sorted(recompute)
         self.fp8_saved = sorted(k for k in fp8_saved if k not in self.recompute)
@@ -481,6 +512,8 @@ class Checkpoint(nn.Module):
         region = _Region(self._kept, self._saved)
         caching, cached = create_selective_checkpoint_contexts(region.policy)
         region.cache = getattr(caching, "storage", None)
+        if self.split_backward and isinstance(region.cache, defaultdict):
+            region.cache.default_factory = _EveryCall
         caching.autoshard_region = cached.autoshard_region = region
         self._region = region
         return caching, cached
@@ -491,7 +524,8 @@ class Checkpoint(nn.Module):
         if region is None:
             mode = _get_current_dispatch_mode()
             if isinstance(getattr(mode, "autoshard_region", None), _Region):
-                mode.autoshard_region.replayed = 0  # each recomputation meets the collectives from the first
+                # each recomputation (a split backward makes two) meets the collectives and units from the first
+                mode.autoshard_region.replayed = mode.autoshard_region.units_met = 0
             return self.fn(*args)
         with region.noting_saves():
             out = self.fn(*args)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.runtime import collectives, fake, groups, moe
+from autoshard.runtime.checkpoint import Checkpoint
 from autoshard.runtime.schedules import schedule, torch_schedule
 from autoshard.runtime.stages import load_stage_file, materialise, put_parameter
 from autoshard.runtime.zero import BUCKET_BYTES, ShardedAdamW
@@ -333,6 +334,11 @@ def pipeline_schedule(
     ]
     for stage in pipeline:
         _uncounted_inference(stage)
+    if schedule(plan["schedule"]).split_backward:  # each layer recomputed in both halves of its backward
+        for m in stages:
+            for layer in m.modules():
+                if isinstance(layer, Checkpoint):
+                    layer.split_backward = True
     cls = torch_schedule(plan["schedule"], v)
     made = cls(pipeline[0] if issubclass(cls, PipelineScheduleSingle) else pipeline, microbatches, loss_fn=loss)
     if shapes:
