@@ -86,6 +86,7 @@ class Collective:
     kind: str  # all_reduce (TP without SP), all_to_all (EP)
     elems: sympy.Expr
     backward: bool  # also once in backward
+    source: str = ""  # an EP dispatch: the node whose tokens it sends (``BlockCost.replayed_exchanges``)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ class BlockCost:
         backward, except the layer input, which is the checkpoint. Without recomputation a tensor
         kept only by matmuls of the ``fp8`` kinds is kept as their FP8 copy (1 byte and a 4-byte
         scale per 128); under selective recomputation the categories in ``fp8_saved``
-        (``ModelCost.fp8_saved``) are, and the rest as they are.
+        (``ModelCost.fp8_saved``) are, and so are the kept ``experts`` tensors only FP8 products
+        keep (the tokens sent to the experts, their activation's output), and the rest as they are.
         """
         total = 0.0
         for t, f in self._compiled["saved"]:
@@ -191,7 +193,9 @@ class BlockCost:
                 continue
             size, split = t.elem_bytes(float_bytes), t.split(tp, sp)
             if fp8 and t.category != "layer_input":
-                if not recompute and t.fp8_only(fp8):
+                if (not recompute or t.category == "experts") and t.fp8_only(fp8):
+                    # kept only by FP8 products: their FP8 copy (a selective checkpoint that keeps
+                    # the experts keeps their products' FP8 inputs, ``runtime.fp8``)
                     size = FP8_SAVED_BYTES
                 elif t.category in fp8_saved:
                     size, split = FP8_SAVED_BYTES, t.split(tp, sp, fp8_copy=True)
@@ -216,6 +220,26 @@ class BlockCost:
         key = ("matmul", frozenset(recompute) - {"layer_input"})
         if key not in self._closure:
             self._closure[key] = [_fn(e) for e in _matmul_parts(_rerun(self, key[1]))]
+        return self._closure[key]
+
+    def replayed_exchanges(self, recompute) -> tuple[tuple[bool, bool], ...]:
+        """Per expert-parallel collective of ``collectives``: whether the recomputation of
+        ``recompute`` runs its dispatch again (a rerun op reads the tokens it sends, and nothing
+        keeps them) and its combine (a rerun op outside the experts reads a rerun expert's
+        output, which comes back by the combine). A checkpointed layer replays its forward's
+        exchanges as it replays its ops: recomputing every kind of a MoE layer sends its tokens
+        to the experts and back once more, half again the layer's expert-parallel bytes. The
+        combine is decided per block (one routed MoE per layer)."""
+        key = ("exchanges", frozenset(recompute) - {"layer_input"})
+        if key not in self._closure:
+            rerun = _rerun(self, key[1]) if key[1] else set()
+            names = {n.name for n in rerun}
+            combine = any(
+                n.meta.get("op_class") != "experts"
+                and any(a in rerun and a.meta.get("op_class") == "experts" for a in n.all_input_nodes)
+                for n in rerun
+            )
+            self._closure[key] = tuple((c.source in names, combine) for c in self.collectives if c.axis == "ep")
         return self._closure[key]
 
     @property
@@ -860,7 +884,8 @@ def _collectives(nodes: list[fx.Node]) -> list[Collective]:
             if key not in column_inputs:
                 column_inputs.add(key)
                 out.append(Collective("tp", "all_reduce", ops.numel(act[0].meta["shape"]), backward=True))
-    out.extend(Collective("ep", "all_to_all", ops.numel(a.meta["shape"]), backward=True) for a in _dispatched(nodes))
+    for a in _dispatched(nodes):
+        out.append(Collective("ep", "all_to_all", ops.numel(a.meta["shape"]), backward=True, source=a.name))
     return out
 
 

@@ -84,6 +84,7 @@ class LayerCost:
     cp_total: float = 0.0  # CP traffic including the ring steps hidden behind attention
     slowdown: float = 0.0  # compute lost per second of communication it hides (hardware profile)
     held_bytes: float = 0.0  # held from a split backward's input pass to its weight pass (``held_for_weights``)
+    ep_replay: float = 0.0  # part of ``ep`` a recomputation spends exchanging tokens again (``replayed_payload``)
 
     @property
     def compute(self) -> float:
@@ -295,7 +296,8 @@ class LayerCosts:
         where_ep: Where,
         recompute: frozenset = frozenset(),
     ) -> tuple:
-        """(tp_exposed, tp_behind_gemms, cp_exposed, ep, transient_bytes) of one copy of ``block``.
+        """(tp_exposed, tp_behind_gemms, cp_exposed, ep, transient_bytes, ep_replayed) of one copy of
+        ``block``: ``ep_replayed`` is the part of ``ep`` its recomputation exchanges again.
         ``tp_behind_gemms`` is (re-gather, reduce-scatter) of the column groups' backward, which
         run while the input- and weight-gradient GEMMs compute (Megatron's overlap). Under
         recomputation (``recompute`` not empty) the all-gather CP variant gathers K/V twice
@@ -304,8 +306,9 @@ class LayerCosts:
         hw, s = self.hw, self.seq
         sl = s / cp
         sp = tp > 1 and self.sp
-        t_tp = t_ep = regather = scatter = 0.0
+        t_tp = t_ep = regather = scatter = ep_replay = 0.0
         transient = routed = 0.0
+        replays, ep_seen = blk.replayed_exchanges(recompute), 0
         for coll, elems_fn in blk._compiled["collectives"]:
             nbytes = 2 * float(elems_fn(mbs, sl))
             routed += nbytes if coll.axis == "ep" else 0.0
@@ -323,16 +326,13 @@ class LayerCosts:
                 else:
                     t_tp += comm.all_reduce(nbytes, where_tp.placement(), hw)
             elif coll.axis == "ep" and ep > 1:
-                # one dispatch of the routed tokens (x top-k x hidden), each TP rank its share,
-                # and its combine, the same size, forward; backward, the combine's gradient goes
-                # the dispatch's way and the dispatch's gradient the combine's. With the experts'
-                # matmuls in FP8 both transfers toward the experts go in FP8 (1 byte and a 4-byte
-                # scale per 128 instead of 2 bytes), both toward the routing ranks in bf16
-                # (DeepSeek-V3, arXiv 2412.19437 section 3.3.2; autoshard.runtime.moe)
-                local = nbytes / tp
-                dispatch = local * (1 + 4 / 128) / 2 if "experts" in self._fp8(fp8) else local
+                dispatch, local = self._exchange(nbytes, tp, fp8)
                 place = where_ep.placement()
-                t_ep += 2 * (comm.all_to_all(dispatch, place, hw) + comm.all_to_all(local, place, hw))
+                there, back = comm.all_to_all(dispatch, place, hw), comm.all_to_all(local, place, hw)
+                t_ep += 2 * (there + back)
+                again, combine_again = replays[ep_seen]
+                ep_seen += 1
+                ep_replay += there * again + back * combine_again
                 transient = max(transient, 2 * local)
         if tp > 1 and not sp and routed:
             # Without SP the routed rows (tokens x top-k) are the same on every TP rank: the
@@ -364,7 +364,18 @@ class LayerCosts:
                 )
                 cp_total = t_cp
                 transient = max(transient, 2 * full)
-        return t_tp, (regather, scatter), (t_cp, cp_total), t_ep, transient
+        return t_tp, (regather, scatter), (t_cp, cp_total), t_ep + ep_replay, transient, ep_replay
+
+    def _exchange(self, nbytes: float, tp: int, fp8: tuple) -> tuple[float, float]:
+        """(dispatch, combine) bytes one GPU sends for an expert-parallel exchange of ``nbytes``
+        routed rows (tokens x top-k x hidden in the compute precision): one dispatch, each TP
+        rank its share, and its combine, the same size, forward; backward, the combine's
+        gradient goes the dispatch's way and the dispatch's gradient the combine's. With the
+        experts' matmuls in FP8 both transfers toward the experts go in FP8 (1 byte and a 4-byte
+        scale per 128 instead of 2 bytes), both toward the routing ranks in bf16 (DeepSeek-V3,
+        arXiv 2412.19437 section 3.3.2; autoshard.runtime.moe)."""
+        local = nbytes / tp
+        return (local * (1 + 4 / 128) / 2 if "experts" in self._fp8(fp8) else local), local
 
     @cache  # noqa: B019
     def matmul_flops(self, block: int, mbs: int, tp: int, cp: int, recompute: frozenset) -> tuple:
@@ -425,8 +436,7 @@ class LayerCosts:
                 else:
                     add("tp", "all_reduce", nbytes)
             elif coll.axis == "ep" and ep > 1:
-                local = nbytes / tp
-                dispatch = local * (1 + 4 / 128) / 2 if "experts" in self._fp8(fp8) else local
+                dispatch, local = self._exchange(nbytes, tp, fp8)
                 add("ep", "all_to_all", 2 * (dispatch + local))
         if tp > 1 and not sp and routed:
             add("tp", "all_reduce", 2 * routed)
@@ -438,7 +448,27 @@ class LayerCosts:
                 full = self.gathered_kv(block, mbs, tp, cp)
                 add("cp", "all_gather", kv_gathers(recompute) * full)
                 add("cp", "reduce_scatter", full)
+        for axis, kind, nbytes in self.replayed_payload(block, mbs, tp, cp, ep, fp8, recompute):
+            add(axis, kind, nbytes)
         return tuple((axis, kind, n) for (axis, kind), n in out.items())
+
+    def replayed_payload(
+        self, block: int, mbs: int, tp: int, cp: int, ep: int, fp8: tuple, recompute: frozenset
+    ) -> tuple[tuple[str, str, float], ...]:
+        """The transfers one recomputation of ``block`` runs again (``payload``'s form): the
+        expert-parallel exchanges whose outputs the rerun ops read
+        (``BlockCost.replayed_exchanges``). ``payload`` counts one recomputation; a split
+        backward's weight pass runs another."""
+        if ep == 1 or not recompute:
+            return ()
+        blk = self.block(block)
+        sl = self.seq / cp
+        total = 0.0
+        exchanges = [f for c, f in blk._compiled["collectives"] if c.axis == "ep"]
+        for elems_fn, (again, combine_again) in zip(exchanges, blk.replayed_exchanges(recompute)):
+            dispatch, local = self._exchange(2 * float(elems_fn(mbs, sl)), tp, fp8)
+            total += dispatch * again + local * combine_again
+        return (("ep", "all_to_all", total),) if total else ()
 
     def boundary_bytes(self, block: int, mbs: int, tp: int, cp: int) -> float:
         """Bytes of the activation a pipeline boundary after ``block`` sends, one micro-batch."""
@@ -489,7 +519,7 @@ class LayerCosts:
 
     def _layer(self, block, mbs, tp, cp, ep, fp8, recompute, attention, where_tp, where_cp, where_ep, where_pp):
         f, b, w, rc, act, flops, column = self.compute(block, mbs, tp, cp, fp8, recompute, ep)
-        t_tp, (regather, scatter), (t_cp, cp_total), t_ep, transient = self.comm(
+        t_tp, (regather, scatter), (t_cp, cp_total), t_ep, transient, ep_replay = self.comm(
             block, mbs, tp, cp, ep, attention, fp8, where_tp, where_cp, where_ep, recompute
         )
         act += self.gathered_kv_kept(block, mbs, tp, cp, attention, recompute)
@@ -519,4 +549,5 @@ class LayerCosts:
             cp_total,
             self.hw.overlap_slowdown,
             self.held_for_weights(block, mbs, tp, cp),
+            ep_replay,
         )

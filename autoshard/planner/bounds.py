@@ -197,7 +197,7 @@ class Bounds:
         total = 0.0
         for block, n in zip(self.costs.blocks, self.costs.block_counts):
             f, b, w, _, _, _, _ = floor.compute(block, 1, tp, cp, fp8, frozenset(), ep)
-            t_tp, (regather, scatter), (_, cp_total), t_ep, _ = floor.comm(
+            t_tp, (regather, scatter), (_, cp_total), t_ep, *_ = floor.comm(
                 block, 1, tp, cp, ep, attn, fp8, where["tp"], where["cp"], where["ep"]
             )
             compute = f + b + w

@@ -295,5 +295,12 @@ class CandidateCosts:
 
 def _rerun_in_weight_pass(k: LayerCost, split: float) -> LayerCost:
     """``k`` with its recomputation run again in the weight pass of the ``split`` share of its
-    backwards (each pass is its own backward call, and a checkpointed layer is remade in each)."""
-    return replace(k, w=k.w + split * k.recompute, recompute=k.recompute * (1 + split))
+    backwards (each pass is its own backward call, and a checkpointed layer is remade in each,
+    its replayed expert exchanges too)."""
+    return replace(
+        k,
+        w=k.w + split * k.recompute,
+        recompute=k.recompute * (1 + split),
+        ep=k.ep + split * k.ep_replay,
+        ep_replay=k.ep_replay * (1 + split),
+    )

@@ -116,6 +116,10 @@ def rank_promises(evaluator, ev) -> list[dict]:
                     block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, w.recompute
                 ):
                     send(axis, kind, m * nbytes, group[axis])
+                for axis, kind, nbytes in layers.replayed_payload(
+                    block, c.mbs, c.tp, c.cp, c.ep, c.fp8, w.recompute
+                ):  # exchanged again by a split backward's second recomputation
+                    send(axis, kind, m * nbytes * split[r], group[axis])
             # the activation to the next chunk, the gradient of this chunk's input to the one before
             # (what a chunk hands on is its last layer's output, the embedding's before any layer)
             if ch + 1 < chunks and sched.chunk_rank(ch + 1, c.pp) != r:

@@ -164,6 +164,10 @@ _SKIPPABLE = (
     )
     | {_QUANTIZE}
 )
+# reshapes that return a new tensor over the same storage (no view to autograd): as a view, one
+# nothing needs makes nothing it reads needed (the experts' dispatched tokens are reshaped so:
+# counted as needed, their dispatch ran again in every recomputation)
+_RESHAPES = _ops("_unsafe_view")
 # the outputs that read their inputs' values, of ops with others: a dropout's mask (output 1)
 # is random, only its output 0 reads the input; a ``*_like`` factory reads its input's layout
 _LAYOUT_ONLY = ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like")
@@ -310,7 +314,7 @@ class _Region:
             if entry is not recompute:
                 continue  # cached (or not a call the replay makes): reads nothing
             packet = getattr(func, "overloadpacket", func)
-            if not needed[c] and (skippable or collective or getattr(func, "is_view", False)):
+            if not needed[c] and (skippable or collective or getattr(func, "is_view", False) or packet in _RESHAPES):
                 if skippable:
                     if not isinstance(self.cache[func], _Calls):
                         self.cache[func] = _Calls(self.cache[func])
@@ -321,9 +325,9 @@ class _Region:
                 continue  # it runs, but what is needed of it does not read its inputs' values
             for m in reads:
                 needed[m[0]].add(m[1])
-        self.skipped = {
-            n for n, m in enumerate(self.collectives) if m is not None and calls[m[0]][4] and not needed[m[0]]
-        }
+        # a ``collective`` writes its output: the call that made it is the collective itself (a
+        # functional one) or the buffer it writes into (an EP all-to-all's ``empty``)
+        self.skipped = {n for n, m in enumerate(self.collectives) if m is not None and not needed[m[0]]}
         self._made.clear()
         self._packed.clear()
 

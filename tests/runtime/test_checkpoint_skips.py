@@ -152,3 +152,24 @@ def test_counts_read_on_the_host_are_remade():
     module = ckpt.Checkpoint(lambda x: fn(x, w), ["activation"])
     got = torch.autograd.grad(module(x).sum(), [x, *w[:2]])
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, expect))
+
+
+def test_an_exchange_nothing_remade_needs_is_not_sent_again():
+    """An EP all-to-all writes into a buffer made before it (``empty``), and the received tokens
+    are reshaped by ``_unsafe_view``, no view to autograd: the recomputation sent the tokens again
+    though nothing it remade read them (DeepSeek-V3-shaped model with the experts kept)."""
+    sent = []
+    w = _weights()
+
+    def fn(x):
+        h = x @ w[0].t()  # recomputed: a linear output
+        out = torch.empty_like(h)
+        ckpt.collective(lambda: (sent.append(1), out.copy_(h)), out)  # the exchange
+        r = torch.ops.aten._unsafe_view(out, (TOKENS, D)) + x  # a sum a norm reads: kept
+        return F.layer_norm(r, (D,)) @ w[2].t()
+
+    x = torch.randn(TOKENS, D).requires_grad_()
+    y = ckpt.Checkpoint(fn, ["activation", "linear_output", "norm_output"])(x)
+    (y**2).mean().backward()
+    assert len(sent) == 1  # the forward's; twice before
+    assert x.grad is not None and w[0].grad is not None
