@@ -184,8 +184,7 @@ class BlockCost:
         backward, except the layer input, which is the checkpoint. Without recomputation a tensor
         kept only by matmuls of the ``fp8`` kinds is kept as their FP8 copy (1 byte and a 4-byte
         scale per 128); under selective recomputation the categories in ``fp8_saved``
-        (``ModelCost.fp8_saved``) are, and so are the kept ``experts`` tensors only FP8 products
-        keep (the tokens sent to the experts, their activation's output), and the rest as they are.
+        (``ModelCost.fp8_saved``) are, and the rest as they are.
         """
         total = 0.0
         for t, f in self._compiled["saved"]:
@@ -193,9 +192,7 @@ class BlockCost:
                 continue
             size, split = t.elem_bytes(float_bytes), t.split(tp, sp)
             if fp8 and t.category != "layer_input":
-                if (not recompute or t.category == "experts") and t.fp8_only(fp8):
-                    # kept only by FP8 products: their FP8 copy (a selective checkpoint that keeps
-                    # the experts keeps their products' FP8 inputs, ``runtime.fp8``)
+                if not recompute and t.fp8_only(fp8):
                     size = FP8_SAVED_BYTES
                 elif t.category in fp8_saved:
                     size, split = FP8_SAVED_BYTES, t.split(tp, sp, fp8_copy=True)

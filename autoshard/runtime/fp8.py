@@ -300,7 +300,7 @@ class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offs, rows=None, keep=False, experts=False):
         out_dtype = _out_dtype(x)
-        xq, xs = _q_rows(x, reuse=True, keep=keep or (experts and _kept_here("experts")))
+        xq, xs = _q_rows(x, reuse=True, keep=keep)
         wq, ws = _q_blocks(w)
         ctx.rows = rows if rows and _kernels(x) is None else None  # equal groups on CPU: batched
         ctx.save_for_backward(xq, xs, w, offs)
@@ -380,18 +380,6 @@ def _cols_dequantized(x: torch.Tensor, groups: int, rows: int) -> torch.Tensor:
     t = _pad_to_tiles(x.float().view(groups, rows, k), 1).view(groups, _tiles(rows), TILE, k)
     s = _scale(t.abs().amax(dim=2, keepdim=True))
     return (_widen(_cast(t, s)) * s).view(groups, -1, k)[:, :rows]
-
-
-def _kept_here(kind: str) -> bool:
-    """Whether the selective checkpoint this runs under keeps ``kind`` (``runtime.checkpoint``).
-    Where it keeps the experts, their products' inputs are kept as their FP8 copies, as the plan
-    counts them: the tokens the dispatch brought and their activation's output. Recomputed, the
-    first would send the tokens to the experts again (DeepSeek-V3 671B: a third more expert-
-    parallel bytes than planned)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    region = getattr(_get_current_dispatch_mode(), "autoshard_region", None)
-    return kind in getattr(region, "kept", ())
 
 
 def _wanted(ctx, i: int) -> bool:
