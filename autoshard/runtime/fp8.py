@@ -386,8 +386,8 @@ def _wanted(ctx, i: int) -> bool:
     """Whether this backward call needs the gradient of input ``i``. ``needs_input_grad`` says
     whether the input required one when the forward ran; a split backward's input pass wants the
     inputs' gradients only and its weight pass the weights' only, and each computed both (the
-    FP8 GEMMs' FLOPs of both passes in each: DeepSeek-V3 671B's busiest DualPipeV rank 1.030 of
-    its planned FLOPs). The engine says which nodes this call runs."""
+    FP8 GEMMs' FLOPs of both passes in each: a 9-layer DeepSeek-V3-shaped model's busiest
+    DualPipeV rank ran 1.043 of its planned FLOPs). The engine says which nodes this call runs."""
     if not ctx.needs_input_grad[i]:
         return False
     will_run = getattr(torch._C, "_will_engine_execute_node", None)
