@@ -10,7 +10,8 @@ Requires ``region`` and ``layer`` on every node and reads ``ctx.recompute`` and 
 (the kept categories held as FP8 copies: the FP8 pass marked their quantisations ``keep_fp8``). Guarantees
 (:func:`layers_wrapped`): the only computing nodes left in the ``layer`` region are one
 ``Checkpoint`` call per layer, recomputing exactly ``ctx.recompute``, and the ``getitem`` s that
-unpack its outputs; each call carries the layer's ``region``, ``layer`` and ``source``, with ``op``
+unpack its outputs (besides reads of a model input's size or device and integer arithmetic on
+them, which belong to no layer); each call carries the layer's ``region``, ``layer`` and ``source``, with ``op``
 ``"checkpoint"``, and a note in ``ctx.notes``. Nothing else in the graph changes.
 """
 
@@ -21,6 +22,7 @@ import operator
 from torch import fx
 
 from autoshard.passes.contract import RewriteContext
+from autoshard.passes.pipeline_split import input_meta_nodes
 from autoshard.runtime.checkpoint import Checkpoint
 
 
@@ -31,8 +33,15 @@ def activation_checkpoint(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphMo
         return gm
     notes = ctx.notes
     graph = gm.graph
+    # a model input's size or device and arithmetic on its sizes belong to no layer: the layers
+    # reading one take it as an input, and the pipeline split recomputes it in each chunk reading
+    # it (inside a layer, one a later layer reads would be handed on between stages, which send
+    # tensors only: transformers' MoE blocks compute batch * sequence once for every layer)
+    meta = input_meta_nodes(graph)
     layers: dict[int, list[fx.Node]] = {}
     for node in graph.nodes:
+        if node in meta:
+            continue
         if node.meta.get("region") == "layer" and node.meta.get("layer") is not None and node.op != "get_attr":
             layers.setdefault(node.meta["layer"], []).append(node)
     for layer, body in sorted(layers.items()):
@@ -95,8 +104,9 @@ def layers_wrapped(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
     """``ensures`` of the pass: every layer is one Checkpoint call recomputing ``ctx.recompute``,
     and nothing else computes in the layers. Returns what is wrong, or None."""
     seen: set[int] = set()
+    meta = input_meta_nodes(gm.graph)
     for node in gm.graph.nodes:
-        if node.meta.get("region") != "layer" or node.op in ("get_attr", "placeholder", "output"):
+        if node.meta.get("region") != "layer" or node.op in ("get_attr", "placeholder", "output") or node in meta:
             continue
         if _checkpoint_call(gm, node):
             if node.meta.get("layer") in seen:

@@ -177,3 +177,45 @@ def test_arithmetic_on_input_sizes_is_recomputed_not_handed_on():
     hidden = first(inputs)
     logits = second(*hidden) if isinstance(hidden, tuple) else second(hidden)
     assert torch.allclose(ctx.split.loss(logits, inputs), loss(model(inputs), inputs))
+
+
+class _RowsInLayer(torch.nn.Module):
+    """``b * s`` computed by the first layer and read by every later one (what torch.export makes
+    of transformers' MoE blocks, each computing it: one node, in layer 0)."""
+
+    def __init__(self, hidden: int = 8):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x, tokens, rows=None):
+        rows = tokens.size(0) * tokens.size(1) if rows is None else rows
+        return x + self.linear(x.reshape(rows, -1)).reshape(x.shape), rows
+
+
+class _RowsFromFirstLayer(_RowsOnce):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_RowsInLayer() for _ in range(2))
+
+    def forward(self, tokens):
+        x, rows = self.embed(tokens), None
+        for layer in self.layers:
+            x, rows = layer(x, tokens, rows)
+        return self.head(x)
+
+
+def test_arithmetic_on_input_sizes_inside_a_checkpointed_layer_is_not_handed_on():
+    torch.manual_seed(0)
+    model = _RowsFromFirstLayer()
+    cap = capture(model, (tokens(),), loss=loss)
+    analyze(cap)
+    gm = cap.graph_module
+    ctx = RewriteContext(stage_layers=(1, 1), recompute=("attention",))
+    gm = run_passes([p for p in PASSES if p.name in ("activation_checkpoint", "pipeline_split")], gm, ctx)
+    first, second = ctx.split.chunks
+    handed = [n for n in second.graph.nodes if n.op == "placeholder"]
+    assert all(n.meta.get("shape") is not None for n in handed), [n.name for n in handed]  # tensors only
+    inputs = tokens()
+    hidden = first(inputs)
+    logits = second(*hidden) if isinstance(hidden, tuple) else second(hidden)
+    assert torch.allclose(ctx.split.loss(logits, inputs), loss(model(inputs), inputs))
