@@ -155,6 +155,7 @@ class LayerCosts:
         sp = tp > 1 and self.sp
         return 2 * self.block(block).eval("kv_elems", mbs, self.seq / cp) * cp / (tp if sp else 1)
 
+    @cache  # noqa: B019
     def held_for_weights(self, block: int, mbs: int, tp: int, cp: int) -> float:
         """Bytes one copy of ``block`` holds for one micro-batch from a split backward's
         input-gradient pass to its deferred weight-gradient pass (ZB1P, ZB-V, DualPipeV) beside
