@@ -8,6 +8,9 @@ reason compile refused (a refusal the planner knows) or verify failed.
     python benchmarks/architectures.py --moe                # the MoE matrix (tests/models/hf_moe.py):
                                                             # EP layouts of the bundled DeepSeek-V3 and
                                                             # transformers' DeepseekV3 / Mixtral, 3 steps
+    python benchmarks/architectures.py --examples           # the examples' matrix
+                                                            # (tests/models/examples_matrix.py): GPT,
+                                                            # LLaMA and transformers' Llama, 3 steps
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ def run_case(arch: str, case: str, work: Path, zoo=None, steps: int = STEPS) -> 
 
     zoo = zoo or hf_zoo
     gpus, pins = zoo.LAYOUTS[case]
+    seq = getattr(zoo, "SEQ", {}).get(arch, SEQ)
     path, config = (ROOT / zoo.MODELS[arch][0], zoo.MODELS[arch][1]) if hasattr(zoo, "MODELS") else (ZOO, arch)
     out = work / f"{arch}-{case}".replace(" ", "_")
     args = ["compile", str(path), "--config", config, "--hardware", "cpu", "--gpus", str(gpus)]
-    args += ["--seq-len", str(SEQ), "--global-batch", str(BATCH), "--force", pins, "-o", str(out)]
+    args += ["--seq-len", str(seq), "--global-batch", str(BATCH), "--force", pins, "-o", str(out)]
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         rc = main(args)
@@ -63,20 +67,29 @@ def main(argv: list[str] | None = None) -> int:
     import hf_zoo
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--moe", action="store_true", help="the MoE matrix (tests/models/hf_moe.py) instead")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--moe", action="store_true", help="the MoE matrix (tests/models/hf_moe.py) instead")
+    which.add_argument(
+        "--examples", action="store_true", help="the examples' matrix (tests/models/examples_matrix.py) instead"
+    )
     p.add_argument("--arch", help="comma-separated models (default: all of the matrix)")
     p.add_argument("--case", help="comma-separated layouts (default: all)")
     a = p.parse_args(argv)
-    zoo = __import__("hf_moe") if a.moe else hf_zoo
-    names = zoo.MODELS if a.moe else zoo.ARCHITECTURES
+    zoo = __import__("hf_moe") if a.moe else __import__("examples_matrix") if a.examples else hf_zoo
+    names = zoo.MODELS if hasattr(zoo, "MODELS") else zoo.ARCHITECTURES
     archs = a.arch.split(",") if a.arch else list(names)
     cases = a.case.split(",") if a.case else list(zoo.LAYOUTS)
-    steps = 3 if a.moe else STEPS  # MoE: three steps, so the routing biases move twice before the last
+    # MoE: three steps, so the routing biases move twice before the last
+    steps = 3 if a.moe else getattr(zoo, "STEPS", STEPS)
+    pairs = set(getattr(zoo, "PAIRS", [(arch, case) for arch in archs for case in cases]))
     table: dict[tuple[str, str], tuple[str, str]] = {}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
             for case in cases:
+                if (arch, case) not in pairs:
+                    table[arch, case] = ("-", "")
+                    continue
                 start = time.perf_counter()
                 table[arch, case] = run_case(arch, case, Path(tmp), zoo, steps)
                 status, detail = table[arch, case]
@@ -86,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"|---|{'---|' * len(cases)}")
     for arch in archs:
         print(f"| {arch} | {' | '.join(table[arch, c][0] for c in cases)} |")
-    notes = [(k, v[1]) for k, v in table.items() if v[0] != "ok"]
+    notes = [(k, v[1]) for k, v in table.items() if v[0] not in ("ok", "-")]
     for (arch, case), detail in notes:
         print(f"- {arch} {case}: {detail}")
     failed = sum(v[0] == "FAIL" for v in table.values())
-    print(f"\n{len(table)} cases in {time.perf_counter() - t0:.0f} s: "
+    print(f"\n{sum(v[0] != '-' for v in table.values())} cases in {time.perf_counter() - t0:.0f} s: "
           f"{sum(v[0] == 'ok' for v in table.values())} ok, {failed} failed")  # fmt: skip
     return 1 if failed else 0
 

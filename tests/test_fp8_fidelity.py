@@ -9,7 +9,8 @@ probabilities 0.55/0.25/0.12/0.08, about 1.13 nats of entropy), so the models le
 comparison is of trained models, not of two runs at the uniform loss ln(256). Measured here
 (2026-12-01, this test, 64-token sequences): LLaMA 300 steps 1.21106 vs 1.21065 (3.3e-4
 relative), DeepSeek-V3 with EP2 and FP8 dispatch 200 steps 1.32650 vs 1.32702 (4.0e-4); DeepSeek
-reports under 0.25% at scale. The pair takes about 2.5 minutes on 2 cores."""
+reports under 0.25% at scale. The pair takes about 2.5 minutes on 2 cores: CI runs the LLaMA
+case, ``python benchmarks/fp8_fidelity.py`` both."""
 
 from __future__ import annotations
 
@@ -32,8 +33,16 @@ CASES = {  # model -> (hardware, pins besides fp8, steps)
 }
 
 
+CI_CASES = ["llama3"]  # DeepSeek-V3's 200 steps take 100 s more: benchmarks/fp8_fidelity.py
+
+
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory) -> Path:
+    return bigram_tokens(tmp_path_factory.mktemp("fp8-data") / "bigram.bin")
+
+
+def bigram_tokens(path: Path) -> Path:
+    """Write the fixed random bigram token file to ``path``."""
     rng = np.random.default_rng(0)
     vocab, n = 256, 200_000
     successors = rng.integers(0, vocab, size=(vocab, 4))
@@ -43,7 +52,6 @@ def tokens(tmp_path_factory) -> Path:
     for i in range(n):
         ids[i] = t
         t = successors[t, picks[i]]
-    path = tmp_path_factory.mktemp("fp8-data") / "bigram.bin"
     write_tokens(path, ids, vocab)
     return path
 
@@ -65,18 +73,25 @@ def _train(out: Path, steps: int, data: Path) -> list[float]:
     return [r["loss"] for r in records]
 
 
-@pytest.mark.parametrize("model", sorted(CASES))
+@pytest.mark.parametrize("model", CI_CASES)
 def test_fp8_training_ends_within_half_a_percent_of_high_precision(model, tokens, tmp_path):
+    on, off, steps = fidelity(model, tokens, tmp_path)
+    gap = abs(on - off) / off
+    print(f"{model}: final loss fp8 {on:.5f}, fp32 {off:.5f}, relative gap {gap:.2e} after {steps} steps")
+    assert gap < BOUND
+
+
+def fidelity(model: str, tokens: Path, work: Path) -> tuple[float, float, int]:
+    """``model`` (a key of ``CASES``) compiled with FP8 on and off and trained on ``tokens``: the
+    mean of the last 10 losses of each, and the steps."""
     hardware, pins, steps = CASES[model]
-    plans = {f: _compile(tmp_path / f, model, hardware, f"{pins},fp8={f}") for f in ("on", "off")}
+    plans = {f: _compile(work / f, model, hardware, f"{pins},fp8={f}") for f in ("on", "off")}
     fp8_on, fp8_off = plans["on"]["precision"]["fp8_matmuls"], plans["off"]["precision"]["fp8_matmuls"]
     assert fp8_on and not fp8_off
     same = {k: v for k, v in plans["on"].items() if k not in ("precision", "predicted", "forced", "alternatives")}
     assert same == {k: v for k, v in plans["off"].items() if k in same}  # one plan, FP8 aside
-    losses = {f: _train(tmp_path / f, steps, tokens) for f in ("on", "off")}
+    losses = {f: _train(work / f, steps, tokens) for f in ("on", "off")}
     on, off = (sum(losses[f][-10:]) / 10 for f in ("on", "off"))
     assert off < 0.3 * losses["off"][0], "the model did not learn the token file: the comparison would say nothing"
     assert losses["on"] != losses["off"], "FP8 changed nothing: the FP8 matmuls did not run"
-    gap = abs(on - off) / off
-    print(f"{model}: final loss fp8 {on:.5f}, fp32 {off:.5f}, relative gap {gap:.2e} after {steps} steps")
-    assert gap < BOUND
+    return on, off, steps

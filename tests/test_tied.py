@@ -104,9 +104,8 @@ CASES = {
     "pp2-1f1b": ("hf_tied.py", "tiny", 2, "pp=2,schedule=1f1b"),
     "pp2-interleaved": ("hf_tied.py", "tiny4", 2, "pp=2,schedule=interleaved"),
     "pp2-zbv": ("hf_tied.py", "tiny4", 2, "pp=2,schedule=zbv"),
-    # ZeRO-1 reduces as ZeRO-0 does (then shards the optimizer), ZeRO-3 through FSDP as ZeRO-2 does
+    # ZeRO-1 reduces as ZeRO-0 does (then shards the optimizer); ZeRO-3 (FSDP, as ZeRO-2) in pp2-dp2-zero3
     "dp2-zero1": ("hf_tied.py", "tiny", 2, "dp=2,zero=1"),
-    "dp2-zero3": ("hf_tied.py", "tiny", 2, "dp=2,zero=3"),
     "tp2": ("hf_tied.py", "tiny", 2, "tp=2"),
     "tp2-pp2": ("hf_tied.py", "tiny", 4, "tp=2,pp=2"),
     "pp2-dp2-zero3": ("hf_tied.py", "tiny", 4, "pp=2,dp=2,zero=3,schedule=interleaved"),  # copies' shards add up

@@ -86,18 +86,16 @@ def test_slower_nvlink_never_raises_tensor_parallelism(llama405b):
     assert tps[0] > tps[-1]  # and it does react
 
 
-@pytest.mark.parametrize(
-    "name,config,seq,gpus,batch", [("llama3", "405b", 8192, 16384, 2048), ("gpt", "175b", 2048, 1024, 1536)]
-)
+# These two properties held for GPT-3 175B on 1,024 GPUs and LLaMA-3 70B on 512 too when last run
+# (2026-12-03); those problems are searches of about a minute each here, too long for CI
+@pytest.mark.parametrize("name,config,seq,gpus,batch", [("llama3", "405b", 8192, 16384, 2048)])
 def test_h800_never_gets_more_tensor_parallelism_than_h100(name, config, seq, gpus, batch):
     on_h100 = _plan(name, config, seq, hardware.load("h100"), gpus, batch)
     on_h800 = _plan(name, config, seq, hardware.load("h800"), gpus, batch)
     assert on_h800.candidate.tp <= on_h100.candidate.tp
 
 
-@pytest.mark.parametrize(
-    "name,config,seq,gpus,batch", [("llama3", "8b", 8192, 64, 128), ("llama3", "70b", 8192, 512, 256)]
-)
+@pytest.mark.parametrize("name,config,seq,gpus,batch", [("llama3", "8b", 8192, 64, 128)])
 def test_less_memory_never_buys_a_bigger_footprint(name, config, seq, gpus, batch):
     """Shrinking HBM can only move the plan to less memory per GPU (more ZeRO, recompute or
     pipeline stages): a plan that needed more would have fitted the larger device too."""

@@ -71,7 +71,9 @@ def _only(ck: Path, step: int, into: Path) -> Path:
     return into
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# the three ways a rank's state is cut: TP shards and pipeline stages, ZeRO-1's optimizer shards,
+# ZeRO-3's parameter shards (CP holds what DP holds; its run is resumed from TP2 x PP2's below)
+@pytest.mark.parametrize("name", ["tp2-pp2", "dp2-zero1", "dp2-zero3"])
 def test_stop_and_resume_equals_the_straight_run(straight, name, tmp_path):
     out, ck, losses, params = straight(name)
     assert sorted(losses) == list(range(STEPS))
