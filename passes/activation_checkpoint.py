@@ -11,8 +11,9 @@ Requires ``region`` and ``layer`` on every node and reads ``ctx.recompute`` and 
 (:func:`layers_wrapped`): the only computing nodes left in the ``layer`` region are one
 ``Checkpoint`` call per layer, recomputing exactly ``ctx.recompute``, and the ``getitem`` s that
 unpack its outputs (besides reads of a model input's size or device and integer arithmetic on
-them, which belong to no layer); each call carries the layer's ``region``, ``layer`` and ``source``, with ``op``
-``"checkpoint"``, and a note in ``ctx.notes``. Nothing else in the graph changes.
+them, read off nothing the layer computes, which belong to no layer); each call carries the
+layer's ``region``, ``layer`` and ``source``, with ``op`` ``"checkpoint"``, and a note in
+``ctx.notes``. Nothing else in the graph changes.
 """
 
 from __future__ import annotations
@@ -33,17 +34,22 @@ def activation_checkpoint(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphMo
         return gm
     notes = ctx.notes
     graph = gm.graph
-    # a model input's size or device and arithmetic on its sizes belong to no layer: the layers
-    # reading one take it as an input, and the pipeline split recomputes it in each chunk reading
-    # it (inside a layer, one a later layer reads would be handed on between stages, which send
-    # tensors only: transformers' MoE blocks compute batch * sequence once for every layer)
+    # a model input's size or device and arithmetic on its sizes, read off nothing the layer
+    # computes, belong to no layer: the layers reading one take it as an input, and the pipeline
+    # split recomputes it in each chunk reading it (inside a layer, one a later layer reads would
+    # be handed on between stages, which send tensors only: transformers' MoE blocks compute
+    # batch * sequence once for every layer)
     meta = input_meta_nodes(graph)
     layers: dict[int, list[fx.Node]] = {}
+    members: dict[int, set[fx.Node]] = {}
     for node in graph.nodes:
-        if node in meta:
-            continue
         if node.meta.get("region") == "layer" and node.meta.get("layer") is not None and node.op != "get_attr":
-            layers.setdefault(node.meta["layer"], []).append(node)
+            layer = node.meta["layer"]
+            mine = members.setdefault(layer, set())
+            if node in meta and not any(a in mine for a in node.all_input_nodes):
+                continue
+            layers.setdefault(layer, []).append(node)
+            mine.add(node)
     for layer, body in sorted(layers.items()):
         members = set(body)
         inputs: list[fx.Node] = []
