@@ -163,6 +163,17 @@ class _RowsOnce(torch.nn.Module):
         return self.head(x)
 
 
+def _hands_on_tensors_and_trains_as(model, split: SplitProgram) -> None:
+    """Two chunks: the second reads tensors only, and together with the loss they give the model's loss."""
+    first, second = split.chunks
+    handed = [n for n in second.graph.nodes if n.op == "placeholder"]
+    assert all(n.meta.get("shape") is not None for n in handed), [n.name for n in handed]  # tensors only
+    inputs = tokens()
+    hidden = first(inputs)
+    logits = second(*hidden) if isinstance(hidden, tuple) else second(hidden)
+    assert torch.allclose(split.loss(logits, inputs), loss(model(inputs), inputs))
+
+
 def test_arithmetic_on_input_sizes_is_recomputed_not_handed_on():
     torch.manual_seed(0)
     model = _RowsOnce()
@@ -170,13 +181,7 @@ def test_arithmetic_on_input_sizes_is_recomputed_not_handed_on():
     ctx = RewriteContext(stage_layers=(1, 1))
     pipeline_split(gm, ctx)
     assert chunks_chained(gm, ctx) is None
-    first, second = ctx.split.chunks
-    handed = [n for n in second.graph.nodes if n.op == "placeholder"]
-    assert all(n.meta.get("shape") is not None for n in handed), [n.name for n in handed]  # tensors only
-    inputs = tokens()
-    hidden = first(inputs)
-    logits = second(*hidden) if isinstance(hidden, tuple) else second(hidden)
-    assert torch.allclose(ctx.split.loss(logits, inputs), loss(model(inputs), inputs))
+    _hands_on_tensors_and_trains_as(model, ctx.split)
 
 
 class _RowsInLayer(torch.nn.Module):
@@ -212,10 +217,4 @@ def test_arithmetic_on_input_sizes_inside_a_checkpointed_layer_is_not_handed_on(
     gm = cap.graph_module
     ctx = RewriteContext(stage_layers=(1, 1), recompute=("attention",))
     gm = run_passes([p for p in PASSES if p.name in ("activation_checkpoint", "pipeline_split")], gm, ctx)
-    first, second = ctx.split.chunks
-    handed = [n for n in second.graph.nodes if n.op == "placeholder"]
-    assert all(n.meta.get("shape") is not None for n in handed), [n.name for n in handed]  # tensors only
-    inputs = tokens()
-    hidden = first(inputs)
-    logits = second(*hidden) if isinstance(hidden, tuple) else second(hidden)
-    assert torch.allclose(ctx.split.loss(logits, inputs), loss(model(inputs), inputs))
+    _hands_on_tensors_and_trains_as(model, ctx.split)
