@@ -184,7 +184,9 @@ class BlockCost:
         backward, except the layer input, which is the checkpoint. Without recomputation a tensor
         kept only by matmuls of the ``fp8`` kinds is kept as their FP8 copy (1 byte and a 4-byte
         scale per 128); under selective recomputation the categories in ``fp8_saved``
-        (``ModelCost.fp8_saved``) are, and the rest as they are.
+        (``ModelCost.fp8_saved``) are, and so are the kept experts' tensors that only FP8 experts'
+        GEMMs read (their inputs: the dispatched rows and the activations' product, which the
+        checkpoint does not cache; ``passes.fp8``), and the rest as they are.
         """
         total = 0.0
         for t, f in self._compiled["saved"]:
@@ -194,7 +196,7 @@ class BlockCost:
             if fp8 and t.category != "layer_input":
                 if not recompute and t.fp8_only(fp8):
                     size = FP8_SAVED_BYTES
-                elif t.category in fp8_saved:
+                elif t.category in fp8_saved or t.category == "experts" and t.fp8_only(fp8):
                     size, split = FP8_SAVED_BYTES, t.split(tp, sp, fp8_copy=True)
             total += float(f(b, s)) * size / split
         return total

@@ -16,6 +16,11 @@ CHECKPOINT_CATEGORIES: tuple[str, ...] = (
 )
 
 
+# the ops whose outputs are ``activation`` wherever they are (``runtime.checkpoint`` keeps or
+# recomputes a selectively checkpointed layer's tensors by the op that made them)
+ACTIVATION_FUNCTIONS = frozenset({"gelu", "silu", "relu", "sigmoid", "tanh"})
+
+
 def saved_category(root, saver, external: bool) -> str:
     """Checkpoint category of a kept tensor, by the op that produced it (and, for pointwise
     results, by who keeps it): ``root`` the fx node that made its storage, ``saver`` the one
@@ -25,6 +30,8 @@ def saved_category(root, saver, external: bool) -> str:
     producer = root.meta.get("op_class")
     if producer in ("norm", "matmul", "router", "attention", "experts"):
         return {"norm": "norm_output", "matmul": "linear_output", "router": "linear_output"}.get(producer, producer)
+    if root.meta.get("op") in ACTIVATION_FUNCTIONS:  # inside the experts too: the runtime keeps by op
+        return "activation"
     if saver.meta.get("op_class") == "experts" or any(
         a.meta.get("op_class") == "experts" for a in root.all_input_nodes
     ):

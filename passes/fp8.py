@@ -20,7 +20,10 @@ expert weights) stays in the compute precision, and the emitted line says so.
 
 Under selective recomputation, a call whose input is of a category the plan keeps as FP8 copies
 (``plan.precision["fp8_saved"]``, ``ModelCost.fp8_saved``) gets ``keep_fp8=True``: the layer's
-checkpoint keeps that quantisation and recomputes the input (``runtime.checkpoint``).
+checkpoint keeps that quantisation and recomputes the input (``runtime.checkpoint``). So does
+every experts' GEMM where the plan keeps the experts: what they multiply (the dispatched rows, the
+activations' product) is made by ops the checkpoint does not cache, and the cost model counts
+their FP8 copies kept.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         done = _rewrite(node, gm)
         if isinstance(done, fx.Node):
             note = f"fp8 ({kind}): {_WHAT}"
-            if _input_category(done) in ctx.fp8_saved:
+            if _input_category(done) in ctx.fp8_saved or _experts_copy(done, kind, ctx):
                 done.kwargs = {**done.kwargs, "keep_fp8": True}
                 note += "; recomputation keeps x's fp8 copy, not x"
             ctx.notes[done.name] = f"{before}; {note}" if before else note
@@ -140,6 +143,14 @@ def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _experts_copy(node: fx.Node, kind: str, ctx: RewriteContext) -> bool:
+    """An FP8 experts' GEMM under selective recomputation that keeps the experts: it keeps its
+    input's FP8 copy (``ModelCost.activation_bytes``). What the experts multiply is made by ops the
+    checkpoint does not cache (the dispatch, a product of activations): without the copy the
+    recomputation ran them again, the dispatch's all-to-all with them."""
+    return kind == "experts" and bool(ctx.recompute) and "experts" not in ctx.recompute
 
 
 def _input_category(node: fx.Node) -> str | None:

@@ -39,6 +39,13 @@ def moe(tmp_path_factory):
     return _compile(tmp_path_factory.mktemp("moe"), "deepseek_v3.py", "tiny", "h800", 8, 32, "ep=4,pp=2", "fp8")
 
 
+@pytest.fixture(scope="module")
+def moe_selective(tmp_path_factory):
+    # DeepSeek-V3's full-size plan's recomputation: the activations and the norms' outputs
+    force = "ep=4,pp=2,schedule=dualpipev,recompute=activation+norm_output"
+    return _compile(tmp_path_factory.mktemp("moe-rc"), "deepseek_v3.py", "tiny", "h800", 8, 32, force, "fp8")
+
+
 def _rows(rank) -> dict:
     return {row.what.strip(): row for row in rank.rows}
 
@@ -85,3 +92,16 @@ def test_a_tight_bound_fails_and_a_bad_rank_is_one_line(moe, capsys):
     assert main(["verify", str(moe), "--at-scale", "--ranks", "middle"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'middle' is not first, last, busiest" in err[0]
+
+
+def test_moe_selective_recomputation_sends_and_remakes_what_the_plan_counts(moe_selective):
+    """Keeping the experts while recomputing activations and norms: the experts' inputs stay as
+    their FP8 copies, so the recomputation does not dispatch the tokens again (ep bytes 1.13 of
+    plan before). The step runs at all: the first micro-batch's forward quantised each FP8 weight
+    in the selective cache's sight, its recomputation found the copy, and the cache handed later
+    calls the wrong entries (a rotary embedding's cast got a 128x128 block's layout and failed)."""
+    report = atscale.verify_at_scale(moe_selective, "first", timeout=600)
+    (rank,) = report.ranks
+    rows = _rows(rank)
+    assert rows["ep bytes sent"].ratio == pytest.approx(1.0, abs=0.03)
+    assert rows["FLOPs"].ok()

@@ -11,7 +11,9 @@ FP8 matmuls (``runtime.fp8``) are two ops to the policy: the input's quantisatio
 GEMM. The GEMM's output is a ``linear_output`` (``experts`` for the experts' products) like any
 matmul's. A kept kind in ``fp8_saved`` is kept as its FP8 copy instead: its ops are recomputed
 and the quantisations the stage file marks ``keep_fp8=True`` (of that kind's tensors, which only
-FP8 matmuls read) are kept, 1 byte and a 4-byte scale per 128 elements instead of 2 or 4 bytes.
+FP8 matmuls read) are kept, 1 byte and a 4-byte scale per 128 elements instead of 2 or 4 bytes; so are the inputs
+of the experts' FP8 GEMMs where the experts are kept (``passes.fp8``), which keeps the
+recomputation from dispatching the tokens again.
 """
 
 from __future__ import annotations
@@ -104,6 +106,9 @@ _KEEP_NO_INPUT = _ops(  # fmt: skip
     "as_strided",
     "alias",
     "detach",
+    "index_select",  # these three keep only their indices (and the input's sizes)
+    "gather",
+    "embedding",
     "_softmax",
     "_log_softmax",
     "masked_fill",
@@ -161,8 +166,10 @@ _SKIPPABLE = (
         "where",
         "_softmax",
         "_log_softmax",
+        "index_select",  # the dispatch's reordering of the rows it received
+        "gather",
     )
-    | {_QUANTIZE}
+    | {_QUANTIZE, torch.ops.autoshard.fp8_dequantize_rows}
 )
 # reshapes that return a new tensor over the same storage (no view to autograd): as a view, one
 # nothing needs makes nothing it reads needed (the experts' dispatched tokens are reshaped so:
@@ -308,13 +315,22 @@ class _Region:
         needed: list[set[int]] = [set() for _ in calls]
         for c, i in self._packed:
             needed[c].add(i)
+        # the buffers ``collective``s write into: such a collective is needed where what it wrote
+        # is (the readers of the buffer come after it, so the sweep has found them), and then so
+        # is what it sends (a combine's expert outputs: skipped, the replay sent uninitialised rows)
+        buffers = {m for m in self.collectives if m is not None}
         for c in range(len(calls) - 1, -1, -1):
             func, idx, reads, skippable, collective, layout = calls[c]
             entry = self.cache.get(func, {}).get(idx)
             if entry is not recompute:
                 continue  # cached (or not a call the replay makes): reads nothing
             packet = getattr(func, "overloadpacket", func)
-            if not needed[c] and (skippable or collective or getattr(func, "is_view", False) or packet in _RESHAPES):
+            writes = collective and any(m in buffers and m[1] in needed[m[0]] for m in reads)
+            if (
+                not needed[c]
+                and not writes
+                and (skippable or collective or getattr(func, "is_view", False) or packet in _RESHAPES)
+            ):
                 if skippable:
                     if not isinstance(self.cache[func], _Calls):
                         self.cache[func] = _Calls(self.cache[func])

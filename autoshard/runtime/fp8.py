@@ -249,6 +249,21 @@ def _(x, keep):
     return x.new_empty(x.shape, dtype=E4M3), x.new_empty(x.size(0), _tiles(x.size(1)), dtype=torch.float32)
 
 
+@torch.library.custom_op("autoshard::fp8_dequantize_rows", mutates_args=())
+def _dequantize_rows_op(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize_rows`` in ``dtype``, as one op: a selective checkpoint's recomputation can
+    skip it whole where nothing needs its rows (an expert dispatch's, whose FP8 copy is kept),
+    and with it the all-to-all that brought them; on CPUs its table lookup is several ops, one of
+    them an integer copy the recomputation must not skip."""
+    k = _kernels(q)
+    return (k.dequantize_rows(q, s) if k else dequantize_rows(q, s)).to(dtype).contiguous()
+
+
+@_dequantize_rows_op.register_fake
+def _(q, s, dtype):
+    return q.new_empty(q.shape, dtype=dtype)
+
+
 def _q_cols(x, offs):
     k = _kernels(x)
     return k.quantize_cols(x, offs) if k else quantize_cols(x, offs)
@@ -261,8 +276,14 @@ def _q_blocks(w):
     """``w``'s 128x128 quantisation, computed once per optimizer step (``new_step``)."""
     if (hit := _cached(_weights, w)) is not None:
         return hit
+    from autoshard.runtime.checkpoint import unrecorded  # it imports this module
+
     k = _kernels(w)
-    out = k.quantize_blocks(w) if k else quantize_blocks(w)
+    # out of a selective checkpoint's sight: the first micro-batch's forward quantises the weight
+    # and its recomputation finds the copy, so the cache would hand the ops after it the wrong
+    # calls' entries (a skipped call's layout, a kept output)
+    with unrecorded():
+        out = k.quantize_blocks(w) if k else quantize_blocks(w)
     _keep(_weights, w, out)
     return out
 

@@ -263,7 +263,7 @@ def _all_to_all(rows: torch.Tensor, out_splits, in_splits, group, fp8: bool) -> 
         s_out = torch.empty(n_out, s.size(1), dtype=s.dtype, device=rows.device)
         exchange(q_out, q.contiguous().view(torch.uint8))
         exchange(s_out, s.contiguous())
-        out = blockwise.dequantize_rows(q_out.view(q.dtype), s_out).to(rows.dtype)
+        out = torch.ops.autoshard.fp8_dequantize_rows(q_out.view(q.dtype), s_out, rows.dtype)
     return out.view(shape) if out_splits is None else out.view(n_out, *shape[1:])
 
 
