@@ -447,6 +447,20 @@ def unrecorded():
         yield
 
 
+def read_by_keeper(*tensors: torch.Tensor) -> None:
+    """Count ``tensors`` as read by an op that keeps its inputs, in a selectively checkpointed
+    layer's forward: the local K/V a context-parallel all-gather reads for the attention, which
+    keeps what it gathers. A cached matmul output among them stays cached (the cost model counts
+    the local K/V the attention keeps), and the recomputation gathers it again without running
+    the matmul again."""
+    mode = _get_current_dispatch_mode()
+    region = getattr(mode, "autoshard_region", None)
+    if isinstance(region, _Region) and isinstance(mode, torch.utils.checkpoint._CachingTorchDispatchMode):
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None:
+                region._note(region.read, st)
+
+
 def collective(run, out: torch.Tensor) -> None:
     """``run()``, a collective writing ``out``, except in a selective checkpoint's recomputation
     where nothing it remakes needs ``out`` (``_Region._skip_unneeded``: the decision reads the

@@ -204,6 +204,7 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        checkpoint.read_by_keeper(x)  # the attention keeps what this gathers from it
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x, group=group)
