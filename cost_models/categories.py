@@ -16,8 +16,8 @@ CHECKPOINT_CATEGORIES: tuple[str, ...] = (
 )
 
 
-# the ops whose outputs are ``activation`` wherever they are (``runtime.checkpoint`` keeps or
-# recomputes a selectively checkpointed layer's tensors by the op that made them)
+# the ops whose outputs are ``activation`` wherever they are: ``runtime.checkpoint`` keeps or
+# recomputes a selectively checkpointed layer's tensors by the op that made them, from this list
 ACTIVATION_FUNCTIONS = frozenset({"gelu", "silu", "relu", "sigmoid", "tanh"})
 
 

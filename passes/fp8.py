@@ -131,7 +131,7 @@ def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         done = _rewrite(node, gm)
         if isinstance(done, fx.Node):
             note = f"fp8 ({kind}): {_WHAT}"
-            if _input_category(done) in ctx.fp8_saved or _experts_copy(done, kind, ctx):
+            if _input_category(done) in ctx.fp8_saved or _experts_copy(kind, ctx):
                 done.kwargs = {**done.kwargs, "keep_fp8": True}
                 note += "; recomputation keeps x's fp8 copy, not x"
             ctx.notes[done.name] = f"{before}; {note}" if before else note
@@ -145,7 +145,7 @@ def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     return gm
 
 
-def _experts_copy(node: fx.Node, kind: str, ctx: RewriteContext) -> bool:
+def _experts_copy(kind: str, ctx: RewriteContext) -> bool:
     """An FP8 experts' GEMM under selective recomputation that keeps the experts: it keeps its
     input's FP8 copy (``ModelCost.activation_bytes``). What the experts multiply is made by ops the
     checkpoint does not cache (the dispatch, a product of activations): without the copy the

@@ -11,9 +11,9 @@ FP8 matmuls (``runtime.fp8``) are two ops to the policy: the input's quantisatio
 GEMM. The GEMM's output is a ``linear_output`` (``experts`` for the experts' products) like any
 matmul's. A kept kind in ``fp8_saved`` is kept as its FP8 copy instead: its ops are recomputed
 and the quantisations the stage file marks ``keep_fp8=True`` (of that kind's tensors, which only
-FP8 matmuls read) are kept, 1 byte and a 4-byte scale per 128 elements instead of 2 or 4 bytes; so are the inputs
-of the experts' FP8 GEMMs where the experts are kept (``passes.fp8``), which keeps the
-recomputation from dispatching the tokens again.
+FP8 matmuls read) are kept, 1 byte and a 4-byte scale per 128 elements instead of 2 or 4 bytes;
+so are the inputs of the experts' FP8 GEMMs where the experts are kept (``passes.fp8``), which
+keeps the recomputation from dispatching the tokens again.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from autoshard.cost_models.categories import ACTIVATION_FUNCTIONS
 from autoshard.runtime import attention, fp8, norms  # noqa: F401 (attention and norms register their torch ops)
 
 aten = torch.ops.aten
@@ -46,7 +47,7 @@ KINDS = {
         "_softmax",
     )
     | {torch.ops.autoshard.flash_attention},  # the Triton kernel (runtime.attention)
-    "activation": _ops("gelu", "silu", "relu", "sigmoid", "tanh"),
+    "activation": _ops(*sorted(ACTIVATION_FUNCTIONS)),  # the cost model's list: both class by op
     "norm_output": _ops("native_layer_norm", "_fused_rms_norm")
     | {torch.ops.autoshard.rms_norm, torch.ops.autoshard.layer_norm},  # the fused norms (runtime.norms)
     "dropout_mask": _ops("native_dropout"),
