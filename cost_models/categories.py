@@ -1,9 +1,14 @@
 """The checkpoint categories: the units of selective recomputation the analysis sorts saved
 tensors into (``cost_models.analyze`` says what each holds). A plan records, per category, whether
 it is saved or recomputed; the analysis owns the list, so plans, passes and the search read it
-from here. No dependencies: ``autoshard.plan`` imports it, and the passes find an fx node's category here."""
+from here. ``autoshard.plan`` imports it, and the passes find an fx node's category here."""
 
 from __future__ import annotations
+
+# the runtime keeps or recomputes a layer's tensors by the op that made them; the activation
+# functions' list is its own (the emitted program depends on the runtime only), read here so that
+# what the plan counts as kept is what the program keeps
+from autoshard.runtime.checkpoint import ACTIVATION_FUNCTIONS
 
 CHECKPOINT_CATEGORIES: tuple[str, ...] = (
     "norm_input",
@@ -14,11 +19,6 @@ CHECKPOINT_CATEGORIES: tuple[str, ...] = (
     "dropout_mask",
     "experts",
 )
-
-
-# the ops whose outputs are ``activation`` wherever they are: ``runtime.checkpoint`` keeps or
-# recomputes a selectively checkpointed layer's tensors by the op that made them, from this list
-ACTIVATION_FUNCTIONS = frozenset({"gelu", "silu", "relu", "sigmoid", "tanh"})
 
 
 def saved_category(root, saver, external: bool) -> str:
