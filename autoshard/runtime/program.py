@@ -328,6 +328,8 @@ def pipeline_schedule(
     pp, v = plan["mesh"]["pp"], plan["virtual_stages"]
     ids = chunks_of_rank(plan, ranks.pp)
     shapes = boundaries(out, program, plan, ids, device, compute) if fake.active() else {}
+    for m in stages:
+        _hand_on_copies(m)
     pipeline = [
         _stage_class()(m, i, pp * v, device, *shapes.get(i, (None, None)), group=groups.pp_group())
         for m, i in zip(stages, ids)
@@ -345,6 +347,39 @@ def pipeline_schedule(
         fake.static_pipeline(made, pipeline)
     _layerwise_gathers(made, pipeline)
     return made
+
+
+class _HandOn(torch.autograd.Function):
+    """Identity whose output is a tensor of its own over the input's storage (no view)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _hand_on_copies(module: nn.Module) -> None:
+    """Make ``module`` (a pipeline chunk) hand on its inputs as tensors of their own. A chunk
+    passes some inputs on unchanged (the rotary tables a model computes once, in the first
+    chunk), and torch's split backward detaches the chunk's outputs in place after its input
+    pass: the chunk's inputs themselves, which its checkpointed layers recompute from in the
+    weight pass, then without gradients, saving fewer tensors than the forward did
+    (``CheckpointError`` at Mixtral 8x22B under zero-bubble). An alias costs no memory."""
+    forward = module.forward
+
+    def run(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        given = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+
+        def own(t):
+            return _HandOn.apply(t) if isinstance(t, torch.Tensor) and id(t) in given and t.requires_grad else t
+
+        return tuple(own(t) for t in out) if isinstance(out, tuple) else own(out)
+
+    module.forward = run
 
 
 def _layerwise_gathers(made, pipeline) -> None:
@@ -510,11 +545,12 @@ def _drop_stray_gather(group) -> None:
 def boundaries(out: Path, program: dict, plan: dict, chunk_ids: list[int], device, compute: str) -> dict[int, tuple]:
     """Chunk -> (example inputs, example outputs) of one micro-batch, for each of ``chunk_ids``:
     what its neighbours would tell it when the pipeline starts, found by running every chunk up
-    to the last of them forward, without gradients, on fake tensors of this rank's shapes. Only
+    to the last of them forward, with gradients as the pipeline's own inference does (an output
+    made from no parameter, such as the rotary tables, carries none), on fake tensors of this rank's shapes. Only
     a program running on fake tensors needs it (its neighbours have no fake twin to answer)."""
     x = (torch.zeros(plan["microbatch_size"], plan["seq_len"], dtype=torch.long, device=device),)
     out_shapes = {}
-    with torch.no_grad(), moe.uncounted():
+    with torch.enable_grad(), moe.uncounted():  # as torch's inference before a step: which outputs carry gradients
         for c in range(max(chunk_ids) + 1):
             info = program["chunks"][c]
             stage_file = load_stage_file(out / info["file"])
@@ -523,8 +559,9 @@ def boundaries(out: Path, program: dict, plan: dict, chunk_ids: list[int], devic
             module.to_empty(device=device)
             lower_parameters(list(module.parameters()), autocast([module], plan, device, compute))
             y = module(*x)
-            # as the real run hands them on: activations carry gradients back, token ids none
-            y = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in (y if isinstance(y, tuple) else (y,)))
+            # as the real run hands them on: what is made from the parameters carries gradients
+            # back; token ids, and tables made from buffers alone (rotary cos and sin), none
+            y = tuple(t.detach().requires_grad_(t.requires_grad) for t in (y if isinstance(y, tuple) else (y,)))
             if c in chunk_ids:
                 out_shapes[c] = (x, y)
             x = y

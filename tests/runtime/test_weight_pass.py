@@ -137,3 +137,50 @@ def test_the_input_pass_leaves_nothing_of_its_recomputation_to_the_weight_pass()
     assert cached and not any(t.grad_fn is not None or t.requires_grad for t in cached)
     weight_pass(layers.parameters(), groups)  # and the weight pass still finds them
     assert all(p.grad is not None for p in layers.parameters())
+
+
+class PassingOn(nn.Module):
+    """A pipeline chunk that hands one input on unchanged (as a chunk hands on a table made
+    once, in the first chunk) after a checkpointed layer that multiplies by it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = Layer()
+        self.ckpt = Checkpoint(lambda x, t: self.layer(x * t), ["activation", "norm_output"])
+        self.ckpt.split_backward = True
+
+    def forward(self, x, table):
+        return self.ckpt(x, table), table
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["handed-on-as-its-own", "torch's"])
+def test_an_input_handed_on_keeps_its_gradient_for_the_weight_pass(own):
+    """torch's input pass detaches the chunk's outputs in place: an input handed on unchanged is
+    the chunk's input itself, which the weight pass's recomputation then reads without its
+    gradient, saving fewer tensors than the forward (``CheckpointError`` at Mixtral 8x22B
+    under zero-bubble). Handed on as a tensor of its own, it keeps it."""
+    from autoshard.runtime.program import _hand_on_copies
+
+    gen = torch.Generator().manual_seed(1)
+    x0, t0 = torch.randn(16, D, generator=gen), torch.rand(16, D, generator=gen)
+    plain = PassingOn()
+    out, _ = plain(x0.clone().requires_grad_(), t0.clone().requires_grad_())
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected = [p.grad.clone() for p in plain.parameters()]
+
+    chunk = PassingOn()
+    if own:
+        _hand_on_copies(chunk)
+    x, t = x0.clone().requires_grad_(), t0.clone().requires_grad_()
+    out, t_out = chunk(x, t)
+    assert (t_out is not t) == own
+    _, groups = stage_backward_input([out, t_out], [grad, torch.zeros_like(t)], [x, t], chunk.parameters())
+    if not own:
+        with pytest.raises(torch.utils.checkpoint.CheckpointError):
+            weight_pass(chunk.parameters(), groups)
+        return
+    assert t.requires_grad
+    weight_pass(chunk.parameters(), groups)
+    assert all(torch.allclose(p.grad, e, atol=1e-6) for p, e in zip(chunk.parameters(), expected))
