@@ -82,6 +82,8 @@ def _policy(kept: frozenset, saved: frozenset, ctx, func, *args, **kwargs):
 # residual add, a dropout or a TP reduction, none of which keeps its input), attention scores
 # (read by a scale and a mask before the softmax)
 _GEMMS = _ops("mm", "addmm", "bmm", "_grouped_mm") | {_FP8_MM}
+# the experts' GEMMs (bf16; an FP8 one keeps its inputs' FP8 copies, ``keep_fp8``)
+_EXPERTS_GEMMS = _ops("_grouped_mm")
 # ops whose backward keeps none of their tensor inputs (views alias them; the rest keep a mask,
 # their output, or nothing): reading a tensor, they do not make autograd keep it
 _KEEP_NO_INPUT = _ops(  # fmt: skip
@@ -210,7 +212,9 @@ class _Region:
         self.read: dict[int, weakref.ref] = {}  # id(storage) -> the storage, while it lives
         self.normed: dict[int, weakref.ref] = {}  # the same, of the storages a norm read
         self.cache = None  # the selective checkpoint's storage: op -> call index -> cached output
-        self.units: list[tuple[torch.Tensor, bool]] = []  # ``unit`` outputs, in call order
+        self.units: list[tuple[torch.Tensor, bool]] = []  # ``unit`` and ``kept_whole`` outputs, in call order
+        self.expert_inputs: list[torch.Tensor] = []  # what the experts' GEMMs read, while the forward runs
+        self.unit_calls: dict[int, int] = {}  # the call standing for a ``kept_whole`` output -> its ``units`` index
         # the forward's op calls as a graph (what ``release`` finds the unneeded ones in): per
         # call [op, its index among that op's calls, (call, output) pairs it read, skippable,
         # a collective, the layout of its outputs]; None where torch does not show the policy
@@ -240,6 +244,8 @@ class _Region:
         if packet in _NORMS and isinstance(args[0], torch.Tensor) and (st := _storage(args[0])) is not None:
             self._note(self.normed, st)
         keep = _keeps(self.kept, self.saved, func, args)
+        if packet in _EXPERTS_GEMMS and "experts" in self.kept and isinstance(args[0], torch.Tensor):
+            self.expert_inputs.append(args[0])
         if self.calls is not None:
             if hasattr(ctx, "op_output"):
                 self._record(func, packet, namespace in _COLLECTIVES, (args, kwargs), ctx.op_output)
@@ -277,8 +283,9 @@ class _Region:
             self._made[key] = (ref, call, i)
         # counts and indices are read on the host, some out of the policy's sight (``tolist``):
         # only floating-point outputs are skipped
-        skippable = fresh and packet in _SKIPPABLE and all(t.is_floating_point() for t in outs)
-        layout = torch.utils._pytree.tree_map(_Unmade.of, out) if skippable else None
+        made = fresh and all(t.is_floating_point() for t in outs)  # new floating-point tensors
+        skippable = made and packet in _SKIPPABLE
+        layout = torch.utils._pytree.tree_map(_Unmade.of, out) if made else None
         self.calls.append((func, idx, reads, skippable, collective, layout))
 
     @contextlib.contextmanager
@@ -299,6 +306,19 @@ class _Region:
 
         with torch.autograd.graph.saved_tensors_hooks(noting, unpack):
             yield
+
+    def made_whole(self, out: torch.Tensor) -> None:
+        """Take ``out``, the output of a ``kept_whole`` the forward just ran out of the policy's
+        sight, into the op graph as one call reading nothing: the recomputation needs it where
+        autograd saved it or a remade op reads it."""
+        self.units.append((out.detach(), out.requires_grad))
+        if self.calls is None or (st := _storage(out)) is None:
+            return
+        call, key = len(self.calls), id(st)
+        ref = weakref.ref(st, lambda r: self._made.pop(key) if self._made.get(key, (None,))[0] is r else None)
+        self._made[key] = (ref, call, 0)
+        self.calls.append((kept_whole, len(self.unit_calls), [], False, False, None))
+        self.unit_calls[call] = len(self.units) - 1
 
     def need(self, tensors) -> None:
         """The recomputation must remake ``tensors`` (read by what the policy does not see)."""
@@ -349,6 +369,10 @@ class _Region:
         # a ``collective`` writes its output: the call that made it is the collective itself (a
         # functional one) or the buffer it writes into (an EP all-to-all's ``empty``)
         self.skipped = {n for n, m in enumerate(self.collectives) if m is not None and not needed[m[0]]}
+        for c, n in self.unit_calls.items():  # a kept exchange's output nothing remade reads: let go
+            if not needed[c]:
+                value, grad = self.units[n]
+                self.units[n] = (_Unmade.of(value), grad)
         self._made.clear()
         self._packed.clear()
 
@@ -367,7 +391,29 @@ class _Region:
                 tensors = [w.val for w in tree_leaves(entry) if isinstance(getattr(w, "val", None), torch.Tensor)]
                 if tensors and not any(_found(readers, t) for t in tensors):
                     calls[idx] = recompute
+        self._keep_expert_inputs(recompute)
         self._skip_unneeded(recompute)
+
+    def _keep_expert_inputs(self, recompute) -> None:
+        """Cache what the experts' GEMMs read where the plan keeps the experts (the cost model
+        counts their inputs as ``experts`` tensors): the activations' product the second GEMM
+        reads is a ``mul``, which no kind names, so the recomputation made it again from the
+        activation function's output, and the layer held neither (Mixtral 8x22B: 13% fewer
+        activation bytes than planned). The dispatched rows are ``kept_whole``."""
+        wrapper = getattr(torch.utils.checkpoint, "_VersionWrapper", None)
+        inputs, self.expert_inputs = self.expert_inputs, []
+        if wrapper is None or self.calls is None:
+            return
+        for a in inputs:
+            if (m := self._maker(a)) is None or m[1] != 0:
+                continue
+            func, idx, _, _, _, layout = self.calls[m[0]]
+            if (
+                isinstance(layout, _Unmade)  # one new tensor, ``a`` itself
+                and (layout.size, layout.stride, a.storage_offset()) == (tuple(a.shape), a.stride(), 0)
+                and self.cache.get(func, {}).get(idx) is recompute
+            ):
+                self.cache[func][idx] = wrapper(a.detach())
 
     @staticmethod
     def _note(table: dict, st) -> None:
@@ -521,6 +567,36 @@ def unit(fn, *args):
     value, grad = region.units[region.units_met]
     region.units_met += 1
     return value.detach().requires_grad_(grad)
+
+
+def kept_whole(kind: str, fn, *args) -> torch.Tensor:
+    """``fn(*args)``, an exchange over a group whose output is a ``kind`` tensor to the plan (an
+    expert-parallel dispatch's rows, a combine's: ``experts``), under a selectively checkpointed
+    layer. Where the plan keeps ``kind``, the forward runs ``fn`` out of the policy's sight and
+    the recomputation takes its output as the forward made it, running nothing of ``fn`` again:
+    torch's policy sees the ops inside (an all-to-all into an empty buffer, a reordering) and
+    caches none of them, so its recomputation sent the tokens again wherever anything read
+    them (Mixtral 8x22B, whose routing weights scale the combined rows: twice the planned
+    expert-parallel bytes, and the experts' second GEMM run again for the combine to send).
+    The output is kept only where autograd saved it or a remade op reads it; otherwise the
+    recomputation gets an uninitialised tensor of its layout. Where the plan recomputes
+    ``kind``, or outside a selective checkpoint, ``fn`` runs in the policy's sight like any
+    code (its exchanges skipped where nothing needs them)."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    mode = _get_current_dispatch_mode()
+    region = getattr(mode, "autoshard_region", None)
+    if not isinstance(region, _Region) or kind not in region.kept:
+        return fn(*args)
+    if isinstance(mode, torch.utils.checkpoint._CachingTorchDispatchMode):  # the layer's forward
+        with _pop_mode_temporarily(), torch.autograd.graph.saved_tensors_hooks(_alias, _same):
+            out = fn(*args)
+        region.made_whole(out)
+        return out
+    value, grad = region.units[region.units_met]  # its recomputation
+    region.units_met += 1
+    value = value.get_val() if isinstance(value, _Unmade) else value.detach()
+    return value.requires_grad_(grad)
 
 
 def _alias(t):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single_autograd, wait_tensor
 
 from autoshard.runtime import fake
-from autoshard.runtime.checkpoint import collective, unrecorded
+from autoshard.runtime.checkpoint import collective, kept_whole, unrecorded
 from autoshard.runtime.groups import ep_group, ep_size, route_group, tp_rank, tp_size
 
 # where torch._grouped_mm has a kernel (device type -> dtypes); elsewhere a loop over groups runs
@@ -331,8 +331,11 @@ def dispatch(
         out_splits, in_splits = recv_counts.sum(1).tolist(), send_counts.sum(1).tolist()
         local_offs = recv_counts.sum(0).cumsum(0).to(torch.int32)
         order = _block_transpose(recv_counts)
-    received = _send(rows, out_splits, in_splits, ep_group(), fp8)
-    return received.index_select(0, order), local_offs, recv_counts
+
+    def send(rows):
+        return _send(rows, out_splits, in_splits, ep_group(), fp8).index_select(0, order)
+
+    return kept_whole("experts", send, rows), local_offs, recv_counts
 
 
 @_timed
@@ -355,7 +358,11 @@ def combine(
             order = _block_transpose(recv_counts.t())
             out_splits, in_splits = send_counts.view(ep_size(), -1).sum(1).tolist(), recv_counts.sum(1).tolist()
     if ep_size() > 1:
-        local_out = _send(local_out.index_select(0, order), out_splits, in_splits, ep_group(), fp8_backward=fp8)
+
+        def send(rows):
+            return _send(rows.index_select(0, order), out_splits, in_splits, ep_group(), fp8_backward=fp8)
+
+        local_out = kept_whole("experts", send, local_out)
     if keep is None:
         return local_out
     return local_out.new_zeros(_total(offs), local_out.size(1)).index_copy(0, keep, local_out)
