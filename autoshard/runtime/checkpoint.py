@@ -553,8 +553,8 @@ def unit(fn, *args):
         return fn(*args)
     keep = "attention" in region.kept
     if isinstance(mode, torch.utils.checkpoint._CachingTorchDispatchMode):  # the layer's forward
-        region.need(args)
-        if not keep:
+        if not keep:  # the recomputation runs it again, from its inputs
+            region.need(args)
             with _pop_mode_temporarily():
                 return fn(*args)
         with _pop_mode_temporarily(), torch.autograd.graph.saved_tensors_hooks(_alias, _same):
