@@ -215,6 +215,7 @@ class _Region:
         self.units: list[tuple[torch.Tensor, bool]] = []  # ``unit`` and ``kept_whole`` outputs, in call order
         self.expert_inputs: list[torch.Tensor] = []  # what the experts' GEMMs read, while the forward runs
         self.unit_calls: dict[int, int] = {}  # the call standing for a ``kept_whole`` output -> its ``units`` index
+        self.unit_inputs: dict[int, list[int]] = {}  # a ``unit``'s ``units`` index -> its inputs saved to be remade
         # the forward's op calls as a graph (what ``release`` finds the unneeded ones in): per
         # call [op, its index among that op's calls, (call, output) pairs it read, skippable,
         # a collective, the layout of its outputs]; None where torch does not show the policy
@@ -319,6 +320,23 @@ class _Region:
         self._made[key] = (ref, call, 0)
         self.calls.append((kept_whole, len(self.unit_calls), [], False, False, None))
         self.unit_calls[call] = len(self.units) - 1
+
+    def kind_of(self, t: torch.Tensor) -> str:
+        """The plan's kind of ``t``, by the op that made it (through views), as the cost model
+        classes a tensor an attention keeps: a matmul's output is a ``linear_output``, a norm's
+        a ``norm_output``, any other op's (the rotary embedding's sums) an ``activation``; one
+        from outside the layer is its input, which the checkpoint keeps."""
+        m = self._maker(t) if self.calls is not None else None
+        while m is not None:
+            func, _, reads, *_ = self.calls[m[0]]
+            packet = getattr(func, "overloadpacket", func)
+            if not (getattr(func, "is_view", False) or packet in _RESHAPES):
+                return next(
+                    (k for k in ("linear_output", "norm_output", "attention", "experts") if packet in KINDS[k]),
+                    "activation",
+                )
+            m = reads[0] if reads else None
+        return "layer_input"
 
     def need(self, tensors) -> None:
         """The recomputation must remake ``tensors`` (read by what the policy does not see)."""
@@ -557,16 +575,66 @@ def unit(fn, *args):
             region.need(args)
             with _pop_mode_temporarily():
                 return fn(*args)
-        with _pop_mode_temporarily(), torch.autograd.graph.saved_tensors_hooks(_alias, _same):
+        saves = _UnitSaves(region, args)
+        with _pop_mode_temporarily(), torch.autograd.graph.saved_tensors_hooks(saves.pack, saves.unpack):
             out = fn(*args)
+        region.unit_inputs[len(region.units)] = saves.order
         region.units.append((out.detach(), out.requires_grad))
         return out
     if not keep:  # its recomputation
         with _pop_mode_temporarily():
             return fn(*args)
-    value, grad = region.units[region.units_met]
+    n = region.units_met
+    value, grad = region.units[n]
     region.units_met += 1
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # the recomputation's
+    for i in region.unit_inputs.get(n, ()):  # remade: saved again, in the forward's order
+        hooks[0](args[i])
     return value.detach().requires_grad_(grad)
+
+
+class _UnitSaves:
+    """What a kept ``unit``'s Function saves for its backward: each of its inputs of a kind the
+    plan recomputes through the checkpoint (the recomputation remakes it, and the unit's
+    recomputation saves it again), all else as itself. Ring attention keeps its query, key and
+    value: under a plan that recomputes activations they are the rotary embedding's outputs,
+    which the plan counts as recomputed (their projections run again); kept as themselves they
+    were held (Mixtral 8x22B: 1.6 GB more activations than planned on a rank) and the
+    projections' FLOPs planned for nothing."""
+
+    def __init__(self, region: _Region, args):
+        self.hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # the checkpoint's
+        self.remade = {
+            i: a
+            for i, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and self.hooks is not None and region.kind_of(a) not in region.kept
+        }
+        self.order: list[int] = []
+
+    def pack(self, t):
+        for i, a in self.remade.items():
+            if _same_tensor(t, a):
+                self.order.append(i)
+                return _Remade(self.hooks[0](t))
+        return _alias(t)
+
+    def unpack(self, packed):
+        return self.hooks[1](packed.packed) if isinstance(packed, _Remade) else packed
+
+
+class _Remade:
+    __slots__ = ("packed",)
+
+    def __init__(self, packed):
+        self.packed = packed
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        _storage(a) is not None
+        and _storage(a) is _storage(b)
+        and (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
+    )
 
 
 def kept_whole(kind: str, fn, *args) -> torch.Tensor:
