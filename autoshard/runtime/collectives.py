@@ -175,6 +175,11 @@ def _unpack(packed):
     return gathered.get().as_strided(shape, stride, offset)
 
 
+def in_input_pass() -> bool:
+    """Whether a split backward's input-gradient pass is running (``input_gradients_only``)."""
+    return _input_pass
+
+
 @contextlib.contextmanager
 def input_gradients_only():
     """Run inside: the backward computes input gradients only (a split backward's first pass),

@@ -22,6 +22,9 @@ LAYOUTS = {
     "pp2-zb-recompute": (2, "pp=2,schedule=zero-bubble,recompute=full"),
     # selective recomputation under a split backward: the cache serves both recomputations
     "pp2-zb-selective": (2, "pp=2,schedule=zero-bubble,recompute=activation"),
+    # ... and sequence parallelism under it: the input pass does not gather again what only the
+    # weight pass reads (the column products' inputs)
+    "tp2-pp2-sp-zb-selective": (4, "tp=2,pp=2,sp=on,schedule=zero-bubble,recompute=norm_output"),
     "cp2-ring": (2, "cp=2,attention=ring"),
     # ring attention as one piece under selective recomputation: kept (its output reused) or not
     "cp2-ring-keep": (2, "cp=2,attention=ring,recompute=activation"),
@@ -67,6 +70,7 @@ CI_SUBSET = [
     ("llama3", "pp2-zero-bubble"),
     ("llama3", "pp2-zb-recompute"),
     ("llama3", "pp2-zb-selective"),
+    ("llama3", "tp2-pp2-sp-zb-selective"),
     ("llama3", "pp2-dp2-zero2-zb"),
     ("llama3", "dp2-zero3"),
     ("llama3", "tp2-pp2-dp2"),
