@@ -187,12 +187,11 @@ _RESHAPES = _ops("_unsafe_view")
 # the outputs that read their inputs' values, of ops with others: a dropout's mask (output 1)
 # is random, only its output 0 reads the input; a ``*_like`` factory reads its input's layout
 _LAYOUT_ONLY = ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like")
-_FACTORIES = _ops(
-    "empty", "empty_strided", "zeros", "ones", "full", "arange", "rand", "randn", "randint", "scalar_tensor",
-    *_LAYOUT_ONLY, "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided",
-)  # fmt: skip
-_VALUE_OUTPUTS = {aten.native_dropout: (0,)} | dict.fromkeys(
-    _ops(*_LAYOUT_ONLY, "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"), ()
+_SHAPED_AFTER = _ops(*_LAYOUT_ONLY, "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided")
+_VALUE_OUTPUTS = {aten.native_dropout: (0,)} | dict.fromkeys(_SHAPED_AFTER, ())
+# ops that make a tensor from no values (the buffer a collective fills, an SP gather's ``empty``)
+_FACTORIES = _SHAPED_AFTER | _ops(
+    "empty", "empty_strided", "zeros", "ones", "full", "arange", "rand", "randn", "randint", "scalar_tensor"
 )
 
 
@@ -379,17 +378,12 @@ class _Region:
         classes a tensor an attention keeps: a matmul's output is a ``linear_output``, a norm's
         a ``norm_output``, any other op's (the rotary embedding's sums) an ``activation``; one
         from outside the layer is its input, which the checkpoint keeps."""
-        m = self._maker(t) if self.calls is not None else None
-        while m is not None:
-            func, _, reads, *_ = self.calls[m[0]]
-            packet = getattr(func, "overloadpacket", func)
-            if not _is_view(func):
-                return next(
-                    (k for k in ("linear_output", "norm_output", "attention", "experts") if packet in KINDS[k]),
-                    "activation",
-                )
-            m = reads[0] if reads else None
-        return "layer_input"
+        m = self._origin(t) if self.calls is not None else None
+        if m is None or _is_view(func := self.calls[m[0]][0]):
+            return "layer_input"
+        packet = getattr(func, "overloadpacket", func)
+        kinds = ("linear_output", "norm_output", "attention", "experts")
+        return next((k for k in kinds if packet in KINDS[k]), "activation")
 
     def _sort_saves(self, packet, args) -> None:
         """File the saves autograd made since the last op began (``_pending``): the previous
@@ -458,11 +452,7 @@ class _Region:
                 continue  # cached (or not a call the replay makes): reads nothing
             packet = getattr(func, "overloadpacket", func)
             writes = collective and any(m in buffers and m[1] in needed[m[0]] for m in reads)
-            if (
-                not needed[c]
-                and not writes
-                and (skippable or collective or getattr(func, "is_view", False) or packet in _RESHAPES)
-            ):
+            if not needed[c] and not writes and (skippable or collective or _is_view(func)):
                 if skippable and edit:
                     if not isinstance(self.cache[func], _Calls):
                         self.cache[func] = _Calls(self.cache[func])
@@ -512,13 +502,15 @@ class _Region:
             if (
                 not collective
                 and packet not in _KINDED
-                and packet not in _FACTORIES  # a buffer a collective fills (the SP gathers' ``empty``)
+                and packet not in _FACTORIES
                 and isinstance(layout, _Unmade)  # one new tensor, over ``base``'s storage
                 and base.storage_offset() == 0
             ):
                 self.kept_inputs.append(base)
 
     def _origin(self, t):
+        """The (call, output) that made ``t``'s storage, through the views of it (the view
+        reading no recorded tensor where there is none)."""
         m = self._maker(t)
         while m is not None and _is_view(self.calls[m[0]][0]) and self.calls[m[0]][2]:
             m = self.calls[m[0]][2][0]

@@ -230,10 +230,7 @@ def test_a_matmul_output_a_context_parallel_gather_reads_stays_cached():
         x = torch.randn(TOKENS, D, generator=torch.Generator().manual_seed(5)).requires_grad_()
 
         def run(module):
-            y = module(x)
-            with FlopCounterMode(display=False) as flops:
-                grads = torch.autograd.grad((y**2).mean(), [x, w[0], w[1]])
-            return grads, flops.get_total_flops()
+            return _backward(module, [x], [x, w[0], w[1]])
 
         plain = run(lambda x: fn(x, False))
         module = ckpt.Checkpoint(lambda x: fn(x, True), ["activation"])
@@ -267,10 +264,7 @@ def test_an_expert_exchange_is_kept_whole_where_the_plan_keeps_the_experts(scale
     p = torch.rand(TOKENS, 1, generator=torch.Generator().manual_seed(6)).requires_grad_()
 
     def run(module):
-        y = module(x, p)
-        with FlopCounterMode(display=False) as flops:
-            grads = torch.autograd.grad((y**2).mean(), [x, w[0], w[1], *([p] if scaled else [])])
-        return grads, flops.get_total_flops()
+        return _backward(module, [x, p], [x, w[0], w[1], *([p] if scaled else [])])
 
     plain = run(lambda x, p: fn(x, p, False))
     sent.clear()
@@ -353,10 +347,7 @@ def test_a_kept_unit_remakes_only_the_inputs_the_plan_recomputes(recompute):
     x = torch.randn(TOKENS, D, generator=torch.Generator().manual_seed(5)).requires_grad_()
 
     def run(module):
-        y = module(x)
-        with FlopCounterMode(display=False) as flops:
-            grads = torch.autograd.grad((y**2).mean(), [x, w[0], w[1]])
-        return grads, flops.get_total_flops()
+        return _backward(module, [x], [x, w[0], w[1]])
 
     plain = run(lambda x: fn(x, False))
     kept = run(ckpt.Checkpoint(lambda x: fn(x, True), recompute))
@@ -397,6 +388,15 @@ def test_what_a_kept_activation_gemm_reads_is_kept(recompute):
     # the three products' gradients (two GEMMs each) and nothing more: the GEMMs' outputs stay
     # cached either way (the activation function reads its input, the product the second's)
     assert flops.get_total_flops() == 3 * 2 * 2 * TOKENS * D * 4 * D
+
+
+def _backward(module, inputs, params):
+    """The gradients of ``params`` through ``module(*inputs)`` (its forward run first, outside the
+    count), and the FLOPs of that backward."""
+    y = module(*inputs)
+    with FlopCounterMode(display=False) as flops:
+        grads = torch.autograd.grad((y**2).mean(), params)
+    return grads, flops.get_total_flops()
 
 
 @contextlib.contextmanager
