@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from autoshard.errors import AutoshardError
 
-# Load the ``autoshard.plan`` module (the Plan dataclass; light: json and dataclasses only) now,
+# Load the ``autoshard.ir.plan`` module (the Plan dataclass; light: json and dataclasses only) now,
 # so that importing it later cannot rebind the package attribute ``plan`` from the function
 # defined below to the module.
-from autoshard.plan import Plan  # noqa: E402,I001
+from autoshard.ir.plan import Plan  # noqa: E402,I001
 
 __version__ = "0.1.0"
 
@@ -70,7 +70,7 @@ def plan(
     **force,
 ):
     """Search the parallel plan for ``model`` (a live or meta ``nn.Module``) and return the best
-    :class:`autoshard.plan.Plan`. Keyword arguments beyond the named ones pin fields exactly as
+    :class:`autoshard.ir.plan.Plan`. Keyword arguments beyond the named ones pin fields exactly as
     ``compile --force`` does, e.g. ``tp=8, pp=16, schedule="interleaved", recompute="full"``.
     ``hardware`` is a profile name, a TOML path or a loaded ``Hardware``."""
     from autoshard import planner

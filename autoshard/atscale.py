@@ -35,6 +35,12 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 from autoshard.cost_models.comm import wire_bytes
+from autoshard.errors import AutoshardError
+from autoshard.ir.schedules import schedule
+from autoshard.runtime import attention, fp8, groups, trainer  # noqa: F401 (attention and fp8 register the autoshard ops)
+from autoshard.runtime import program as rt
+from autoshard.runtime.state import make_optimizer_states, optimizer_parts
+from autoshard.verify import _read_program
 
 # ---------------------------------------------------------------------------------------------
 # memory
@@ -371,7 +377,6 @@ def _fp8_mm_flop(xq, xs, wq, ws, offs, rows, out_dtype, experts, *args, out_shap
 
 def flop_formulas() -> dict:
     """Op -> FLOP formula (over argument shapes) for the ops ``FlopCounterMode`` has none for."""
-    from autoshard.runtime import attention, fp8  # noqa: F401 (they register the autoshard ops)
 
     aten = torch.ops.aten
     out = {
@@ -466,8 +471,6 @@ def group_names(plan: dict) -> dict[str, str]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d_py
 
-    from autoshard.runtime import groups
-
     names = {}
     for pg in list(c10d_py._world.pg_names):
         names[pg.group_name] = _dimension(plan, dist.get_process_group_ranks(pg))
@@ -483,7 +486,6 @@ def group_names(plan: dict) -> dict[str, str]:
 
 
 def _optimizers(optim) -> list:
-    from autoshard.runtime.state import optimizer_parts
 
     return optimizer_parts(optim)
 
@@ -501,9 +503,6 @@ def measure(out, rank: int, compute: str = "bf16") -> Measured:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autoshard.runtime import program as rt
-    from autoshard.runtime import state, trainer
-
     out = Path(out)
     plan, program = rt.read_json(out / "plan.json"), rt.read_json(out / "program.json")
     os.environ["WORLD_SIZE"] = str(plan["gpus"])
@@ -513,7 +512,7 @@ def measure(out, rank: int, compute: str = "bf16") -> Measured:
         args = trainer.parse_args(["--steps", "1", "--compute-dtype", compute])
         with FakeTensorMode(allow_non_fake_inputs=True):
             tr = trainer.Trainer.build(args, out, plan, program, torch.device("cpu"))
-            state.make_optimizer_states(tr.optim)  # a step after the first: the states exist
+            make_optimizer_states(tr.optim)  # a step after the first: the states exist
             memory = MemoryCounter()
             memory.hold(tr.stages, _optimizers(tr.optim))
             comm = CommCounter(group_names(plan))
@@ -622,7 +621,6 @@ def chosen_ranks(plan: dict, spec: str) -> dict[int, list[str]]:
     """Global rank -> why it was chosen, from ``first,last,busiest`` and/or rank numbers: the
     rank holding the first chunk, the one holding the last (with the loss), and the one the
     plan says needs the most memory (each at TP, CP and DP coordinate 0)."""
-    from autoshard.runtime.schedules import schedule
 
     pp = plan["mesh"]["pp"]
     sched = schedule(plan["schedule"])
@@ -640,8 +638,6 @@ def chosen_ranks(plan: dict, spec: str) -> dict[int, list[str]]:
         elif word.isdigit() and int(word) < plan["gpus"]:
             out.setdefault(int(word), []).append("asked")
         else:
-            from autoshard.errors import AutoshardError
-
             raise AutoshardError(
                 f"--ranks {spec}: {word!r} is not first, last, busiest or a rank below {plan['gpus']}; "
                 "e.g. --ranks first,last,busiest or --ranks 0,17"
@@ -755,9 +751,6 @@ def verify_at_scale(
     import subprocess
     import sys
     from pathlib import Path
-
-    from autoshard.errors import AutoshardError
-    from autoshard.verify import _read_program
 
     out = Path(out)
     plan_obj, _ = _read_program(out)

@@ -1,5 +1,8 @@
 """The ``autoshard`` command line. Bad input ends in one line on stderr and exit code 2;
-``--debug`` shows the traceback instead."""
+``--debug`` shows the traceback instead.
+
+Each command imports what it runs, inside its function: ``--help``, ``autoshard hardware`` and
+argument errors answer without loading torch (a third of a second instead of two)."""
 
 from __future__ import annotations
 
@@ -277,7 +280,7 @@ def _export(args) -> int:
 
 
 def _explain(args) -> int:
-    from autoshard.plan import Plan
+    from autoshard.ir.plan import Plan
     from autoshard.planner.explain import rationale
 
     print(rationale(Plan.load(args.plan)))

@@ -15,10 +15,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from autoshard import passes
+from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
-from autoshard.plan import Plan
+from autoshard.ir.plan import Plan
+from autoshard.ir.schedules import schedule
 from autoshard.report import plan_markdown
-from autoshard.runtime.schedules import schedule
+from autoshard.stagecode import stage_source
 
 
 def write_plan(plan: Plan, out: str | Path, comparison: str | None = None, extra: dict | None = None) -> Path:
@@ -52,8 +55,6 @@ def program_files(plan: Plan, captured, rebuild) -> dict[str, str]:
     """Stage files, the loss, ``program.json`` and ``train.py`` for ``plan`` (file name -> text);
     ``program.json`` records ``rebuild`` (``autoshard.runtime.rebuild.Recipe``), how the program
     rebuilds the single-device model."""
-    from autoshard import passes
-    from autoshard.stagecode import stage_source
 
     rewritten = passes.apply(captured, plan)
     split = rewritten.split
@@ -145,7 +146,6 @@ if __name__ == "__main__":
 
 
 def _peak_flops(plan: Plan) -> float | None:
-    from autoshard.cost_models import hardware
 
     try:
         return hardware.load(plan.hardware).peak_flops(plan.precision.get("compute", "bf16"))

@@ -2,7 +2,7 @@
 
 ``compile`` must never choose a plan it then refuses. Two things keep it so:
 
-1. what the emitted program can run is a table (``autoshard.capabilities``) the search reads
+1. what the emitted program can run is a table (``autoshard.ir.capabilities``) the search reads
    (``Problem.emit``), so plans it cannot emit are never candidates;
 2. what only the model's graph can tell (an op tensor parallelism cannot split, a mask context
    parallelism cannot shard) comes from running the passes: each emission is first a dry run on
@@ -25,9 +25,13 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from autoshard import capabilities, planner
+from autoshard import planner
+from autoshard.codegen import program_files, write_plan
 from autoshard.errors import AutoshardError
-from autoshard.plan import Plan
+from autoshard.ir import capabilities
+from autoshard.ir.plan import Plan
+from autoshard.passes.contract import Refusal
+from autoshard.planner.candidates import family_options, meshes
 from autoshard.runtime.rebuild import Recipe
 
 MAX_ROUNDS = 8  # searches after refusals; each refusal removes one (axis, value), so few are ever needed
@@ -45,7 +49,6 @@ class Compiled:
 
     def write(self, out: str | Path) -> Path:
         """Write ``plan.json``, ``plan.md`` and the program files to ``out`` (see ``codegen.write_plan``)."""
-        from autoshard.codegen import write_plan
 
         self.out = write_plan(self.plan, out, self.comparison, self.files)
         return self.out
@@ -60,8 +63,6 @@ def compile_plan(
 ) -> Compiled:
     """Search ``problem`` and, unless ``plan_only``, emit the program for the plan found; the
     program rebuilds the single-device model with ``rebuild``."""
-    from autoshard.codegen import program_files
-    from autoshard.passes.contract import Refusal
 
     problem.emit = not plan_only
     for _ in range(MAX_ROUNDS):
@@ -91,7 +92,6 @@ def compile_plan(
 
 def _left_out(problem: planner.Problem) -> list[str]:
     """The emitter's limits that block some point of the whole search space of ``problem``."""
-    from autoshard.planner.candidates import family_options, meshes
 
     whole = dataclasses.replace(problem, emit=False)
     names = set()

@@ -1,8 +1,19 @@
-"""User-facing errors: one line that names the problem and the fix; the CLI exits with code 2."""
+"""User-facing errors: one line that names the problem and the fix; the CLI and the emitted
+program exit with code 2."""
+
+import sys
 
 
 class AutoshardError(Exception):
     """Bad input or an impossible request. The message is shown to the user as is."""
+
+
+class ProgramError(SystemExit):
+    """The emitted program's one-line error for the person running it; exits with code 2."""
+
+    def __init__(self, message: str):
+        print(f"train.py: error: {message}", file=sys.stderr)
+        super().__init__(2)
 
 
 def check_output_file(path, flag: str = "-o") -> None:

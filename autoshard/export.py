@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from autoshard.errors import AutoshardError, check_output_file
+from autoshard.runtime import durable
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -26,8 +27,6 @@ def single_device_state(checkpoint: str | Path, dtype: str = "fp32") -> tuple[di
     are not training state)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-
-    from autoshard.runtime import durable
 
     path = durable.find(Path(checkpoint))
     if path is None:

@@ -25,7 +25,9 @@ from pathlib import Path
 
 from torch import nn
 
+from autoshard.capture import record_build
 from autoshard.errors import AutoshardError
+from autoshard.modelfile import user_frame
 from autoshard.runtime.rebuild import Recipe, is_file_spec, resolve
 
 FIX = 'pass builder="package.module:function" (an importable function that returns the model)'
@@ -74,7 +76,6 @@ def build(recipe: Recipe, device: str = "meta") -> nn.Module:
 def record(recipe: Recipe) -> tuple[nn.Module, dict]:
     """The model the recipe builds on meta, and how it initialises its tensors: the recipe's call
     under ``autoshard.capture.record_build``, which sees the constructor run."""
-    from autoshard.capture import record_build
 
     def call():
         fn, args, kwargs = recipe.call()
@@ -84,7 +85,6 @@ def record(recipe: Recipe) -> tuple[nn.Module, dict]:
 
 
 def _checked(recipe: Recipe, make: Callable):
-    from autoshard.modelfile import user_frame
 
     try:
         made = make()

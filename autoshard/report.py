@@ -4,10 +4,11 @@ rank runs, what lost and why, and (for a ``--plan-only`` plan) why the program i
 
 from __future__ import annotations
 
+from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
-from autoshard.plan import Plan
+from autoshard.ir.plan import Plan
+from autoshard.ir.schedules import schedule
 from autoshard.planner.explain import rationale
-from autoshard.runtime.schedules import schedule
 
 GB = 1e9
 
@@ -165,7 +166,6 @@ def _not_emitted(plan: Plan) -> list[str]:
 
 
 def _domain(plan: Plan) -> int:
-    from autoshard.cost_models import hardware
 
     try:
         return hardware.load(plan.hardware).nvlink_domain

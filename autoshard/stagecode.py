@@ -15,6 +15,7 @@ from torch import fx, nn
 
 import autoshard.runtime as runtime
 from autoshard.errors import AutoshardError
+from autoshard.runtime.checkpoint import Checkpoint
 
 _RUNTIME_EXPORTS = {getattr(runtime, name): name for name in runtime.__all__}
 
@@ -97,7 +98,6 @@ def stage_source(
     ``PARTIAL_GRADS``, ``EXPERTS``, ``ROUTING`` and ``INIT`` (``inits``: stage name ->
     ``autoshard.capture.init.Init``)."""
     notes = notes or {}
-    from autoshard.runtime.checkpoint import Checkpoint
 
     graphs = [("forward", gm)]
     for node in gm.graph.nodes:

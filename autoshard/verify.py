@@ -15,9 +15,14 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from autoshard import rebuild
+from autoshard.capture import causal_lm_loss
 from autoshard.errors import AutoshardError
-from autoshard.plan import Plan
+from autoshard.ir.plan import Plan
 from autoshard.runtime import fp8, moe
+from autoshard.runtime.program import global_batch
+from autoshard.runtime.rebuild import Recipe
+from autoshard.runtime.stages import piece_axis, unslice
 from autoshard.runtime.trainer import learning_rate
 
 LR = 1e-3
@@ -77,10 +82,6 @@ def run_reference(
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-device model's losses and final parameters, its matmuls in FP8 where the
     program's are (``with_fp8`` False: all in fp32)."""
-    from autoshard import rebuild
-    from autoshard.capture import causal_lm_loss
-    from autoshard.runtime.program import global_batch
-    from autoshard.runtime.rebuild import Recipe
 
     recipe = Recipe.from_dict(program["rebuild"])
     torch.manual_seed(seed)
@@ -203,7 +204,6 @@ def _saved(params_dir: Path) -> tuple[dict[str, dict[int, list[torch.Tensor]]], 
     """name -> TP rank (EP rank for stacked expert weights) -> every copy of that piece the ranks
     saved (several where pipeline chunks hold a copy of a tied parameter), and name -> how it
     was split."""
-    from autoshard.runtime.stages import piece_axis
 
     pieces: dict[str, dict[int, list[torch.Tensor]]] = {}
     specs: dict[str, tuple | None] = {}
@@ -222,7 +222,6 @@ def _saved(params_dir: Path) -> tuple[dict[str, dict[int, list[torch.Tensor]]], 
 
 def assemble(params_dir: Path) -> dict[str, torch.Tensor]:
     """Whole parameters from the ranks' saved pieces (TP slices put back together)."""
-    from autoshard.runtime.stages import unslice
 
     pieces, specs = _saved(params_dir)
     whole = {}

@@ -28,11 +28,11 @@ import sympy
 from torch import fx
 
 from autoshard.capture import Captured
-from autoshard.cost_models import ops, sharding
-from autoshard.cost_models.categories import CHECKPOINT_CATEGORIES, saved_category
-from autoshard.ir import B, S
-
-FP8_SAVED_BYTES = 1 + 4 / 128  # an E4M3 copy and one fp32 scale per 1x128 tile
+from autoshard.cost_models import sharding
+from autoshard.cost_models.flops import ZERO_COST, NodeCost, elem_bytes, matmul_flops, node_cost
+from autoshard.ir import B, S, ops
+from autoshard.ir.categories import CHECKPOINT_CATEGORIES, saved_category
+from autoshard.ir.fp8 import SAVED_BYTES as FP8_SAVED_BYTES
 
 # the kinds a plan may recompute, plus the layer input (kept by any checkpoint) and the loss's
 RECOMPUTABLE = CHECKPOINT_CATEGORIES
@@ -321,18 +321,18 @@ def analyze(captured: Captured) -> ModelCost:
     return ModelCost(captured, blocks, pre, post, facts)
 
 
-def _node_cost(n: fx.Node, gm: fx.GraphModule, float_bytes: int) -> ops.NodeCost:
+def _node_cost(n: fx.Node, gm: fx.GraphModule, float_bytes: int) -> NodeCost:
     """The op table's cost of ``n``, but experts whose stacked weights are gathered per routed
     token (``W[choices]``, then a batched product) priced as a grouped GEMM runs them, as the
     expert-parallel pass does: the gather copies nothing, the product reads each weight once."""
     if ops.expert_rows(n):
-        return ops.ZERO_COST
-    cost = ops.node_cost(n, gm, float_bytes)
+        return ZERO_COST
+    cost = node_cost(n, gm, float_bytes)
     gathered = [a for a in ops.tensor_args(n) if ops.expert_rows(a)]
     if not gathered:
         return cost
     copies = sum(ops.numel(a.meta["shape"]) - ops.numel(a.args[0].meta["shape"]) for a in gathered)
-    return ops.NodeCost(cost.flops, sympy.expand(cost.bytes_moved - copies * float_bytes))
+    return NodeCost(cost.flops, sympy.expand(cost.bytes_moved - copies * float_bytes))
 
 
 def _facts(gm: fx.GraphModule, layers: list[BlockCost], blocks: list[BlockCost]) -> dict:
@@ -461,7 +461,7 @@ def _block(
     split_experts: set[int] = set()  # parameters read by several names count once
     split_tp: set[int] = set()
     for n in nodes:
-        cost: ops.NodeCost = n.meta["cost"]
+        cost: NodeCost = n.meta["cost"]
         flops += cost.flops
         moved += cost.bytes_moved
         by_class[n.meta["op_class"]] = by_class.get(n.meta["op_class"], zero) + cost.flops
@@ -577,7 +577,7 @@ def _gemm(n: fx.Node, gm: fx.GraphModule) -> Gemm | None:
     out = n.meta["shape"]
     role = n.meta.get("tp_role", "replicated")
     experts = n.meta.get("op_class") == "experts"
-    flops = ops.matmul_flops(n, gm)
+    flops = matmul_flops(n, gm)
     # the contraction as the op table's FLOP count reads it (addmm(bias, x, w) contracts x's last dim)
     k = int(sympy.simplify(flops / (2 * ops.numel(out))))
     # output features: the weight's other dimension (whichever side of the product it is on)
@@ -766,7 +766,7 @@ def _saved_tensors(nodes: list[fx.Node], inside: set[fx.Node], gm: fx.GraphModul
             records[key] = SavedTensor(
                 category=saved_category(root, n, external),
                 elems=ops.numel(root.meta["shape"]),
-                fixed_bytes=None if root.meta["dtype"].is_floating_point else ops.elem_bytes(root.meta["dtype"], 2),
+                fixed_bytes=None if root.meta["dtype"].is_floating_point else elem_bytes(root.meta["dtype"], 2),
                 tp_sharded=root.meta.get("tp") == "sharded",
                 per_token=_per_token(root.meta["shape"]),
                 producer=root.name,

@@ -48,6 +48,7 @@ from autoshard.cost_models.analyze import BlockCost, ModelCost
 from autoshard.cost_models.comm import Where
 from autoshard.cost_models.compute import FLASH_BACKWARD, attention_time, gemm_floor, gemm_time
 from autoshard.cost_models.hardware import Hardware
+from autoshard.ir.fp8 import SAVED_BYTES as FP8_SAVED_BYTES
 
 TILE_ELEMS = 128 * 128  # elements of a weight's FP8 scaling block
 
@@ -376,7 +377,7 @@ class LayerCosts:
         scale per 128 instead of 2 bytes), both toward the routing ranks in bf16 (DeepSeek-V3,
         arXiv 2412.19437 section 3.3.2; autoshard.runtime.moe)."""
         local = nbytes / tp
-        return (local * (1 + 4 / 128) / 2 if "experts" in self._fp8(fp8) else local), local
+        return (local * FP8_SAVED_BYTES / 2 if "experts" in self._fp8(fp8) else local), local
 
     @cache  # noqa: B019
     def matmul_flops(self, block: int, mbs: int, tp: int, cp: int, recompute: frozenset) -> tuple:

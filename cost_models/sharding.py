@@ -7,7 +7,7 @@ projection; up/gate -> activation -> down). A weighted matmul whose output reach
 way is the *vocab-parallel* output head; an embedding indexed by a model input is vocab-parallel.
 Everything else stays replicated (norms, routers, low-rank projections feeding a norm).
 
-Which ops a shard crosses is the op table's ``tp`` field (``autoshard.cost_models.ops.RULES``):
+Which ops a shard crosses is the op table's ``tp`` field (``autoshard.ir.ops.RULES``):
 exactly the ops for which the tensor-parallel pass implements a transfer rule, so the planner
 never prices a split the pass then refuses for want of a rule.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from autoshard.cost_models import ops
+from autoshard.ir import ops
 
 _ENDS = ("linear", "loss")  # transfer rules that end a region: a row matmul, the loss
 

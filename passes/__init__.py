@@ -9,6 +9,7 @@ runs the list, checking every contract on the way.
 from __future__ import annotations
 
 from autoshard.errors import AutoshardError
+from autoshard.ir.capabilities import refusals
 from autoshard.passes.activation_checkpoint import activation_checkpoint, layers_wrapped
 from autoshard.passes.context_parallel import context_parallel, no_full_sequence_attention_left
 from autoshard.passes.contract import Pass, RewriteContext, run_passes
@@ -115,7 +116,6 @@ def apply(captured, plan) -> RewriteContext:
     ``PASSES`` in order; the context returned holds the pipeline chunks (``split``) and what the
     passes decided for the emitter. Features of the plan that no pass implements yet are refused
     here with the reason rather than silently dropped."""
-    from autoshard.capabilities import refusals
 
     reasons = refusals(plan)
     if reasons:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from autoshard.cost_models import ops
-from autoshard.ir import S
+from autoshard.ir import S, ops
 
 
 def op_name(node) -> str:

@@ -14,7 +14,8 @@ import operator
 import torch
 from torch import fx
 
-from autoshard.cost_models import ops
+from autoshard.ir import ops
+from autoshard.runtime import moe
 
 GUARDS = "_guards_fn"  # torch.export's submodule that checks the inputs against its shape guards
 
@@ -586,7 +587,6 @@ def grouped_gemms(gm: fx.GraphModule) -> bool:
     """Replace every grouped GEMM ``f(rows, weights, offs)`` (rows grouped by expert, ``weights``
     ``[E, K, N]``, ``offs`` cumulative rows per expert) that takes no bias and no output dtype by
     ``autoshard.runtime.moe.grouped_mm``: the same product. Whether any changed."""
-    from autoshard.runtime import moe
 
     changed = False
     for node in gm.graph.nodes:

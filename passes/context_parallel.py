@@ -17,7 +17,7 @@ Rewrites, before the tensor-parallel pass:
 * the mean cross-entropy becomes ``cp_cross_entropy``: this rank's sum over the mean's global count,
   so the CP ranks' losses (and gradients) add up to the single-sequence mean.
 
-Which op is which is the op table's ``cp`` field (``autoshard.cost_models.ops.RULES``): attention,
+Which op is which is the op table's ``cp`` field (``autoshard.ir.ops.RULES``): attention,
 loss, positions, and ops that mix values along a dimension (refused along the sequence). A model
 the pass cannot shard raises ``Refusal(axis="cp")`` naming the line.
 """
@@ -28,8 +28,7 @@ import torch
 from torch import fx
 
 from autoshard import runtime
-from autoshard.cost_models import ops
-from autoshard.ir import S
+from autoshard.ir import S, ops
 from autoshard.passes._graph import in_model as _in_model
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import place

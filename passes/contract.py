@@ -31,7 +31,7 @@ class RewriteContext:
     tp: int = 1
     cp: int = 1
     ep: int = 1
-    attention: str = "flash"  # flash | ring | allgather-kv (autoshard.plan.ATTENTION)
+    attention: str = "flash"  # flash | ring | allgather-kv (autoshard.ir.plan.ATTENTION)
     sequence_parallel: bool = False
     recompute: tuple[str, ...] = ()  # saved-tensor categories the layers recompute
     stage_layers: tuple[int, ...] = ()  # layers per pipeline chunk, in chunk order; () for one chunk
@@ -51,7 +51,7 @@ class RewriteContext:
 
     @classmethod
     def from_plan(cls, plan) -> RewriteContext:
-        """The context for ``plan`` (an ``autoshard.plan.Plan``)."""
+        """The context for ``plan`` (an ``autoshard.ir.plan.Plan``)."""
         m = plan.mesh
         return cls(
             tp=m.tp,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autoshard.cost_models import ops
+from autoshard.ir import ops
 from autoshard.passes._graph import place
 from autoshard.passes.contract import Refusal, RewriteContext
 from autoshard.passes.tensor_parallel import ParamShard, _localise, _param

@@ -4,7 +4,7 @@ Triton kernel on GPUs, PyTorch's fused attention on CPUs).
 Found two ways: calls of ``scaled_dot_product_attention`` without a mask or dropout, and the
 written-out pattern ``softmax(q @ k^T * c [masked_fill(triu(ones(s, s), 1), -inf)]) [dropout p=0] @ v``.
 Attention with dropout > 0, an arbitrary mask or a bias is left alone (the kernel has none of them).
-Which calls are SDPA is the op table's ``signature`` (``autoshard.cost_models.ops``), whose layout
+Which calls are SDPA is the op table's ``signature`` (``autoshard.ir.ops``), whose layout
 ``ops.call_args`` reads.
 """
 
@@ -15,7 +15,7 @@ import math
 from torch import fx
 
 from autoshard import runtime
-from autoshard.cost_models import ops
+from autoshard.ir import ops
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import place
 from autoshard.passes.contract import RewriteContext

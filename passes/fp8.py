@@ -33,8 +33,8 @@ import operator
 import torch
 from torch import fx, nn
 
-from autoshard.cost_models import ops
-from autoshard.cost_models.categories import saved_category
+from autoshard.ir import ops
+from autoshard.ir.categories import saved_category
 from autoshard.passes._graph import place
 from autoshard.passes.contract import RewriteContext
 from autoshard.runtime import fp8 as runtime_fp8
@@ -154,7 +154,7 @@ def _experts_copy(kind: str, ctx: RewriteContext) -> bool:
 
 
 def _input_category(node: fx.Node) -> str | None:
-    """The checkpoint category (``cost_models.categories.saved_category``) of the activation an FP8
+    """The checkpoint category (``ir.categories.saved_category``) of the activation an FP8
     call keeps for backward, found as the analysis found it: by the op that made its storage
     (views share their base's). None for a value a pass made (no storage recorded: a TP gather,
     an expert dispatch), whose FP8 copy is then never what recomputation keeps."""

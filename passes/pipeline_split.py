@@ -27,6 +27,7 @@ from itertools import accumulate
 
 from torch import fx
 
+from autoshard import runtime
 from autoshard.errors import AutoshardError
 from autoshard.passes._graph import in_model as _in_model
 from autoshard.passes.contract import RewriteContext
@@ -341,7 +342,6 @@ def _size_from_inputs(graph: fx.Graph, env: dict, size: fx.Node, name: str) -> f
             "plan with --force pp=1 for this model"
         )
     node, d, sliced, tp = best
-    from autoshard import runtime
 
     out = graph.call_function(runtime.size_of, (node, d))
     return graph.call_function(operator.mul, (out, tp)) if sliced else out

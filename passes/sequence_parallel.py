@@ -10,7 +10,7 @@ code keeps seeing the length it was written for. The parameters used in that str
 weights, biases added after a row matmul) see only this rank's tokens, so their gradients are
 partial sums: ``ctx.partial_grads`` lists them for the runtime to all-reduce over the TP group.
 
-What is per-token is each op's ``sp`` rule in the op table (``autoshard.cost_models.ops.RULES``):
+What is per-token is each op's ``sp`` rule in the op table (``autoshard.ir.ops.RULES``):
 pointwise ops, reductions over features, norms (module or function), slices that keep everything;
 ops that read only metadata are left alone (sizes of the sequence are restored). Anything else on
 the sliced stream is refused (``Refusal(axis="sp")``), naming the op's line.
@@ -23,8 +23,7 @@ import operator
 from torch import fx
 
 from autoshard import runtime
-from autoshard.cost_models import ops
-from autoshard.ir import B, S
+from autoshard.ir import B, S, ops
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import place
 from autoshard.passes._graph import seq_dim as _seq_dim

@@ -15,7 +15,7 @@ rewritten from the propagated shapes, and the collectives go in as explicit call
 * ``vocab_parallel_embedding`` for an embedding of the vocabulary,
 * ``vocab_parallel_cross_entropy`` for the loss over vocabulary-split logits.
 
-How a split passes through each op is the op's row in ``autoshard.cost_models.ops.RULES`` (its
+How a split passes through each op is the op's row in ``autoshard.ir.ops.RULES`` (its
 ``tp`` field): one transfer rule per kind (``_TRANSFER``), the same rows the planner's sharding
 analysis reads. Where no rule applies the pass raises ``Refusal(axis="tp")`` naming the op's line.
 
@@ -33,8 +33,8 @@ import torch
 from torch import fx, nn
 
 from autoshard import runtime
-from autoshard.cost_models import ops
 from autoshard.errors import AutoshardError
+from autoshard.ir import ops
 from autoshard.passes._graph import op_name as _op_name
 from autoshard.passes._graph import place
 from autoshard.passes.contract import Refusal, RewriteContext

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from autoshard import capabilities
-from autoshard.plan import Plan
-from autoshard.runtime.schedules import SCHEDULES
+from autoshard.ir import capabilities
+from autoshard.ir.plan import Plan
+from autoshard.ir.schedules import SCHEDULES
 
 GOLDEN = Path(__file__).parent / "golden"
 

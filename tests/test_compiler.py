@@ -5,11 +5,12 @@ import copy
 
 import pytest
 
-from autoshard import capabilities, planner, rebuild
+from autoshard import planner, rebuild
 from autoshard.compiler import compile_plan
 from autoshard.cost_models import hardware
+from autoshard.ir import capabilities
+from autoshard.ir.plan import Plan
 from autoshard.passes.contract import Refusal
-from autoshard.plan import Plan
 
 from conftest import EXAMPLES, captured
 

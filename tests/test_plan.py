@@ -8,7 +8,7 @@ import pytest
 
 from autoshard.cli import main
 from autoshard.errors import AutoshardError
-from autoshard.plan import Plan
+from autoshard.ir.plan import Plan
 
 from conftest import EXAMPLES
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from autoshard.plan import Plan
+from autoshard.ir.plan import Plan
 from autoshard.report import plan_markdown
 
 from conftest import ROOT

@@ -31,7 +31,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autoshard.cost_models import ops
+from autoshard.ir import ops
 from autoshard.runtime.stages import to_compute
 
 

@@ -31,9 +31,8 @@ from torch.fx.experimental.symbolic_shapes import (
 
 from autoshard.capture import trace
 from autoshard.capture.structure import layer_signature
-from autoshard.cost_models import ops
 from autoshard.errors import AutoshardError
-from autoshard.ir import B, S
+from autoshard.ir import B, S, ops
 
 _VALUE_KEYS = ("shape", "dtype", "storage", "shapes")
 

@@ -2,7 +2,7 @@
 
 The repeated layer stack is the ``ModuleList``/``Sequential`` holding most parameters. Every node
 gets its module path and type, its layer index and its region (``pre``, ``layer``, ``post``), and
-the op it computes (the op table's name and class, ``autoshard.cost_models.ops``). Layers are
+the op it computes (the op table's name and class, ``autoshard.ir.ops``). Layers are
 hashed by their code with layer-relative names (:func:`layer_signature`); layers whose signature
 and input shapes agree are one :class:`LayerKind`, analysed once.
 """
@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import modelfile
-from autoshard.cost_models import ops
+from autoshard.ir import ops
 
 
 @dataclass

@@ -5,7 +5,7 @@ defines the math in plain torch and calls these functions for CUDA tensors.
   ``[M, K]``, ``s`` fp32 ``[M, ceil(K/128)]``. Each program takes 64 rows of one tile column.
 * ``quantize_cols(x, offs)``: 128x1 tiles along the rows, restarting at each group of ``offs``
   (cumulative ends, ``offs[-1] == M``), written transposed as the weight-gradient GEMM reads them:
-  ``q`` ``[K, M]``, ``s`` ``[K, T]``, tiles in ``runtime.fp8.tile_starts`` order.
+  ``q`` ``[K, M]``, ``s`` ``[K, T]``, tiles in ``ir.fp8.tile_starts`` order.
 * ``quantize_blocks(w)``: 128x128 blocks over the last two dimensions of ``[N, K]`` or
   ``[G, N, K]`` (any strides) -> contiguous ``q``, ``s`` ``[..., ceil(N/128), ceil(K/128)]``.
 * ``dequantize_rows(q, s)``: fp32 ``[M, K]``.
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autoshard.runtime.fp8 import E4M3, E4M3_MAX, EPS, TILE, tile_starts
+from autoshard.ir.fp8 import E4M3, E4M3_MAX, EPS, TILE, tile_starts
 
 _EPS = tl.constexpr(EPS)
 _FMAX = tl.constexpr(E4M3_MAX)

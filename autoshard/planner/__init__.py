@@ -3,10 +3,10 @@ FP8 and attention variant for one model on one machine, from the cost model alon
 
 from __future__ import annotations
 
-from autoshard import capabilities
 from autoshard.cost_models.analyze import ModelCost
 from autoshard.errors import AutoshardError
-from autoshard.plan import CHECKPOINT_CATEGORIES, PLAN_VERSION, Alternative, Mesh, Plan, Predicted
+from autoshard.ir import capabilities
+from autoshard.ir.plan import CHECKPOINT_CATEGORIES, PLAN_VERSION, Alternative, Mesh, Plan, Predicted
 from autoshard.planner.candidates import Problem, parse_force
 from autoshard.planner.costs import CandidateCosts
 from autoshard.planner.evaluate import Evaluator

@@ -27,9 +27,9 @@ import math
 
 from autoshard.cost_models.comm import data_parallel
 from autoshard.cost_models.layers import POST
+from autoshard.ir.schedules import SCHEDULES, Schedule
 from autoshard.planner.candidates import Candidate, runnable
 from autoshard.planner.costs import CandidateCosts, Work
-from autoshard.runtime.schedules import SCHEDULES, Schedule
 
 
 def _least_memory_stages(zeros: tuple[int, ...]) -> tuple[int, ...]:

@@ -7,13 +7,12 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import permutations
 
-from autoshard import capabilities
 from autoshard.cost_models.analyze import ModelCost, category_subsets
 from autoshard.cost_models.hardware import Hardware
 from autoshard.errors import AutoshardError
-from autoshard.ir import FP8_DEFAULT, FP8_KINDS
-from autoshard.plan import ATTENTION, CHECKPOINT_CATEGORIES
-from autoshard.runtime.schedules import SCHEDULES
+from autoshard.ir import FP8_DEFAULT, FP8_KINDS, capabilities
+from autoshard.ir.plan import ATTENTION, CHECKPOINT_CATEGORIES
+from autoshard.ir.schedules import SCHEDULES
 
 ORDER_AXES = ("tp", "cp", "pp", "dp")
 MESH_AXES = ("tp", "pp", "cp", "ep", "dp")  # the order of a mesh tuple
@@ -57,7 +56,7 @@ class Problem:
     precision: str = "bf16"  # bf16 | fp8 | auto
     forced: dict = field(default_factory=dict)
     model_name: str = "model"
-    # search only what the emitted program can run (``autoshard.capabilities``); off for
+    # search only what the emitted program can run (``autoshard.ir.capabilities``); off for
     # ``--plan-only`` and the golden cases, which search the whole space the cost model prices
     emit: bool = False
     # choices the rewrite passes refused for this model, by axis (``{"tp": {4}, "sp": {True}}``;

@@ -12,9 +12,9 @@ from autoshard.cost_models.comm import Where, pipeline_ends_all_reduce
 from autoshard.cost_models.hardware import Hardware
 from autoshard.cost_models.layers import POST, PRE, LayerCost, LayerCosts
 from autoshard.cost_models.memory import GRAD_TRANSIENT_BYTES, ZERO3_GATHERED_LAYERS, sharded_state_bytes
+from autoshard.ir.schedules import SCHEDULES, Schedule
 from autoshard.planner.candidates import Candidate, Problem, recompute_options, schedules
 from autoshard.planner.memo import Memo
-from autoshard.runtime.schedules import SCHEDULES, Schedule
 
 
 def _strides(c: Candidate, order: tuple[str, ...]) -> dict[str, tuple[int, int]]:

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from autoshard.cost_models.comm import Where, data_parallel
 from autoshard.cost_models.hardware import Hardware
 from autoshard.cost_models.layers import LayerCost
+from autoshard.ir.schedules import SCHEDULES, Schedule
 from autoshard.planner import partition
 from autoshard.planner.candidates import Candidate
 from autoshard.planner.costs import CandidateCosts, Work
 from autoshard.planner.promises import rank_memory_parts
-from autoshard.runtime.schedules import SCHEDULES, Schedule
 
 
 @dataclass

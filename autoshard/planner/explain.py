@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autoshard.plan import Plan
+from autoshard.ir.plan import Plan
 
 COMPONENTS = ("compute", "recompute", "bubble", "imbalance", "overlap", "tp", "cp", "ep", "pp", "dp")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from autoshard.cost_models import hardware
 from autoshard.cost_models.analyze import ModelCost
-from autoshard.plan import Plan
+from autoshard.ir.plan import Plan
 from autoshard.planner import Problem, parse_force, solve
 
 # NVIDIA/dgxc-benchmarking, llama3.1/README_{405b,70b,8b}.md at commit 143b90dd91f9 (NeMo 24.09

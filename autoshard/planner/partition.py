@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from autoshard.runtime.schedules import Point, peak, point_matrix
+from autoshard.ir.schedules import Point, peak, point_matrix
 
 US = 1e6  # CP-SAT works in integers: times in microseconds
 MEM_UNIT = 2**20  # memory in MiB

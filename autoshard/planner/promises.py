@@ -13,7 +13,7 @@ from collections import defaultdict
 from autoshard.cost_models.comm import data_parallel_payload, wire_bytes
 from autoshard.cost_models.layers import POST, PRE
 from autoshard.cost_models.memory import sharded_state_bytes
-from autoshard.runtime.schedules import SCHEDULES, peak_moment
+from autoshard.ir.schedules import SCHEDULES, peak_moment
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "fp8_weights", "buffers", "total")
 

@@ -25,7 +25,7 @@ KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple[
     torch.Tensor, torch.Tensor
 ]:  # fmt: skip
-    from autoshard.kernels.flash import flash_forward
+    from autoshard.kernels.flash import flash_forward  # lazy: Triton loads only where a GPU runs the kernel
 
     return flash_forward(q, k, v, causal, scale)
 
@@ -47,7 +47,7 @@ def _flash_backward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from autoshard.kernels.flash import flash_attention_backward
+    from autoshard.kernels.flash import flash_attention_backward  # lazy: Triton loads only on a GPU
 
     return flash_attention_backward(q, k, v, out, lse, do, causal, scale)
 

@@ -28,37 +28,23 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autoshard.runtime import attention, fp8, norms  # noqa: F401 (attention and norms register their torch ops)
+from autoshard.ir.categories import RUNTIME_OPS
+from autoshard.runtime import attention, fp8, norms, phase  # noqa: F401 (attention and norms register their torch ops)
 
 aten = torch.ops.aten
-
-# the ops whose outputs are ``activation`` wherever they are (inside the experts too); the cost
-# model's categories (``cost_models.categories``) read this list, so the plan counts as kept what
-# this policy keeps
-ACTIVATION_FUNCTIONS = frozenset({"gelu", "silu", "relu", "sigmoid", "tanh"})
 
 
 def _ops(*names: str) -> set:
     return {getattr(aten, n) for n in names if hasattr(aten, n)}
 
 
-KINDS = {
-    "attention": _ops(
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_softmax",
-    )
-    | {torch.ops.autoshard.flash_attention},  # the Triton kernel (runtime.attention)
-    "activation": _ops(*sorted(ACTIVATION_FUNCTIONS)),
-    "norm_output": _ops("native_layer_norm", "_fused_rms_norm")
-    | {torch.ops.autoshard.rms_norm, torch.ops.autoshard.layer_norm},  # the fused norms (runtime.norms)
-    "dropout_mask": _ops("native_dropout"),
-    "linear_output": _ops("mm", "addmm", "bmm"),
-    "norm_input": _ops("add"),
-    "experts": _ops("_grouped_mm"),
-}
+def _resolve(qualified: str):
+    namespace, name = qualified.split("::")
+    return getattr(getattr(torch.ops, namespace), name, None)
+
+
+# category -> the ops that make it (the table is the categories', read by the cost model too)
+KINDS = {kind: {op for op in map(_resolve, names) if op is not None} for kind, names in RUNTIME_OPS.items()}
 
 
 _QUANTIZE = torch.ops.autoshard.fp8_quantize_rows
@@ -598,22 +584,6 @@ class _Unmade:
         return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
 
 
-@contextlib.contextmanager
-def unrecorded():
-    """Run what a layer's forward does and its recomputation does not (bookkeeping: expert load
-    counts, loss totals) out of sight of a selective checkpoint. Its cache indexes each op's
-    calls by their count, so an op the recomputation does not meet again would shift the entries
-    of every later call of the same op: a cached sum, or a skipped call's layout, handed to the
-    wrong call."""
-    from torch.utils._python_dispatch import _pop_mode_temporarily
-
-    if isinstance(_get_current_dispatch_mode(), torch.utils.checkpoint._CachingTorchDispatchMode):
-        with _pop_mode_temporarily():
-            yield
-    else:
-        yield
-
-
 def read_by_keeper(*tensors: torch.Tensor) -> None:
     """Count ``tensors`` as read by an op that keeps its inputs, in a selectively checkpointed
     layer's forward: the local K/V a context-parallel all-gather reads for the attention, which
@@ -640,10 +610,8 @@ def collective(run, out: torch.Tensor) -> None:
         run()
         region.collectives.append(region._maker(out) if region.calls is not None else None)
     else:  # its recomputation
-        from autoshard.runtime import collectives  # (which imports this module)
-
         n, region.replayed = region.replayed, region.replayed + 1
-        if n not in (region.skipped_in_input_pass if collectives.in_input_pass() else region.skipped):
+        if n not in (region.skipped_in_input_pass if phase.in_input_pass() else region.skipped):
             run()
 
 

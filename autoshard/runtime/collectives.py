@@ -9,12 +9,11 @@ small ``autograd.Function``s over the plain collectives. All take the tensor-par
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autoshard.runtime import phase
 from autoshard.runtime.checkpoint import collective
 from autoshard.runtime.groups import tp_group, tp_rank, tp_size
 
@@ -128,9 +127,6 @@ def _as_computed(x: torch.Tensor) -> torch.Tensor:
 _GATHERED = WeakIdKeyDictionary()  # storage of an all-gathered tensor -> its _Gathered
 
 
-_input_pass = False  # a split backward's input-gradient pass is running (``input_gradients_only``)
-
-
 class _Gathered:
     """An all-gathered tensor's shard, and the tensor gathered again while backward needs it."""
 
@@ -140,7 +136,7 @@ class _Gathered:
         self.full: torch.Tensor | None = None
 
     def get(self) -> torch.Tensor:
-        if _input_pass:
+        if phase.in_input_pass():
             # autograd unpacks a product's saved input also where it computes only the input's
             # gradient, which does not read it (the weight pass will, and gathers it then)
             return self.shard.new_empty(self.shape)
@@ -173,23 +169,6 @@ def _unpack(packed):
         return packed
     gathered, shape, stride, offset = packed
     return gathered.get().as_strided(shape, stride, offset)
-
-
-def in_input_pass() -> bool:
-    """Whether a split backward's input-gradient pass is running (``input_gradients_only``)."""
-    return _input_pass
-
-
-@contextlib.contextmanager
-def input_gradients_only():
-    """Run inside: the backward computes input gradients only (a split backward's first pass),
-    so what sequence parallelism would gather again for the weight gradients is not gathered."""
-    global _input_pass
-    before, _input_pass = _input_pass, True
-    try:
-        yield
-    finally:
-        _input_pass = before
 
 
 def regather_saved(modules) -> None:

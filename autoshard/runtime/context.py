@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autoshard.runtime.collectives import vocab_parallel_cross_entropy
 from autoshard.runtime.groups import cp_group
 from autoshard.runtime.ring_attention import allgather_attention, ring_attention, shard_sequence
 
@@ -39,8 +40,6 @@ def cp_cross_entropy(logits, target, ignore_index: int = -100, vocab_parallel: b
     """This rank's part of the mean cross-entropy over the whole sequence: the sum over its tokens
     divided by the count over all CP ranks (so the ranks' values and gradients add up)."""
     if vocab_parallel:
-        from autoshard.runtime.collectives import vocab_parallel_cross_entropy
-
         total = vocab_parallel_cross_entropy(logits, target, ignore_index, reduction="sum")
     else:
         total = torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")

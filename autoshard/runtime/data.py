@@ -45,6 +45,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from autoshard.errors import ProgramError
+
 MAGIC = b"ASTOKENS"
 VERSION = 1
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, bytes per id, token count, vocabulary size
@@ -53,9 +55,7 @@ SIDECAR_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4"), "int32":
 LEGACY_DTYPE = np.dtype("<i4")
 
 
-def _error(message: str):
-    from autoshard.runtime.program import ProgramError  # program.py imports this module lazily too
-
+def _error(message: str) -> ProgramError:
     return ProgramError(message)
 
 

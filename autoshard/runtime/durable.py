@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from autoshard.errors import ProgramError
+
 MARKER = "COMPLETE"
 SUMS = "checksums.json"
 META = "trainer.json"
@@ -404,8 +406,6 @@ def _failing(path: Path):
     try:
         yield
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps the writer's OSError in its own
-        from autoshard.runtime.program import ProgramError
-
         failures = list(getattr(e, "failures", {}).values())  # DCP's: rank -> the exception (and its traceback)
         cause = failures[0][0] if failures and isinstance(failures[0], tuple) else failures[0] if failures else e
         raise ProgramError(

@@ -49,10 +49,8 @@ import weakref
 
 import torch
 
-TILE = 128  # elements per scaling group along a dimension (1x128 tiles, 128x128 blocks)
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-EPS = 1e-12  # least amax: a group of zeros gets scale EPS / 448 (its values stay 0)
+from autoshard.ir.fp8 import E4M3, E4M3_MAX, EPS, TILE, tile_starts
+from autoshard.runtime.phase import unrecorded
 
 
 def _tiles(n: int) -> int:
@@ -101,17 +99,6 @@ def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """fp32 ``[M, K]`` from ``quantize_rows``' output."""
     m, k = q.shape
     return (_pad_to_tiles(_widen(q), 1).view(m, _tiles(k), TILE) * s[:, :, None]).view(m, _tiles(k) * TILE)[:, :k]
-
-
-def tile_starts(rows: int, offs: torch.Tensor | None) -> list[int]:
-    """First row of every 128x1 tile over ``rows`` rows grouped by ``offs`` (cumulative counts;
-    None: one group): tiles restart at each group, so none mixes two experts' tokens."""
-    ends = [rows] if offs is None else [int(e) for e in offs.tolist()]
-    starts, begin = [], 0
-    for end in ends:
-        starts.extend(range(begin, end, TILE))
-        begin = end
-    return starts
 
 
 def quantize_cols(x: torch.Tensor, offs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +169,7 @@ def _kernels(t: torch.Tensor):
     if not t.is_cuda:
         return None
     try:
-        from autoshard.kernels import fp8
+        from autoshard.kernels import fp8  # lazy: Triton loads only where a GPU runs the kernels
     except ImportError:
         return None
     return fp8
@@ -276,8 +263,6 @@ def _q_blocks(w):
     """``w``'s 128x128 quantisation, computed once per optimizer step (``new_step``)."""
     if (hit := _cached(_weights, w)) is not None:
         return hit
-    from autoshard.runtime.checkpoint import unrecorded  # it imports this module
-
     k = _kernels(w)
     # out of a selective checkpoint's sight: the first micro-batch's forward quantises the weight
     # and its recomputation finds the copy, so the cache would hand the ops after it the wrong

@@ -36,8 +36,10 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single_autograd, wait_tensor
 
 from autoshard.runtime import fake
-from autoshard.runtime.checkpoint import collective, kept_whole, unrecorded
+from autoshard.runtime import fp8 as blockwise
+from autoshard.runtime.checkpoint import collective, kept_whole
 from autoshard.runtime.groups import ep_group, ep_size, route_group, tp_rank, tp_size
+from autoshard.runtime.phase import unrecorded
 
 # where torch._grouped_mm has a kernel (device type -> dtypes); elsewhere a loop over groups runs
 _GROUPED_MM_DTYPES = {"cpu": {torch.float32, torch.bfloat16, torch.float16}, "cuda": {torch.bfloat16}}
@@ -245,7 +247,6 @@ def _all_to_all(rows: torch.Tensor, out_splits, in_splits, group, fp8: bool) -> 
     ``in_splits`` sent to each; None: equal parts along dim 0). ``fp8``: each row quantised in
     1x128 tiles along its last dimension (``autoshard.runtime.fp8``), its E4M3 bytes and scales
     sent (about half the bytes of bf16), and dequantised on arrival."""
-    from autoshard.runtime import fp8 as blockwise
 
     shape, rows = rows.shape, rows.contiguous()
     flat = rows.view(-1, shape[-1])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,21 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.runtime import collectives, fake, groups, moe
+from autoshard.errors import ProgramError
+from autoshard.ir.schedules import schedule, torch_schedule
+from autoshard.runtime import data as token_data
+from autoshard.runtime import fake, groups, moe, phase
 from autoshard.runtime.checkpoint import Checkpoint
-from autoshard.runtime.schedules import schedule, torch_schedule
+from autoshard.runtime.rebuild import Recipe
 from autoshard.runtime.stages import load_stage_file, materialise, put_parameter
 from autoshard.runtime.zero import BUCKET_BYTES, ShardedAdamW
 
 AXES = ("tp", "cp", "pp", "dp")
-
-
-class ProgramError(SystemExit):
-    """A one-line error for the person running the program; exits with code 2."""
-
-    def __init__(self, message: str):
-        print(f"train.py: error: {message}", file=sys.stderr)
-        super().__init__(2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,8 +292,6 @@ def full_state_from_model(program: dict, seed: int) -> dict[str, torch.Tensor]:
     """The seeded single-device initialisation, named as in the traced graph (``model.*``), of the
     model ``program.json``'s ``rebuild`` recipe builds (a model file, a builder or a transformers
     config: ``autoshard.runtime.rebuild``)."""
-    from autoshard.runtime.rebuild import Recipe
-
     recipe = Recipe.from_dict(program["rebuild"])
     torch.manual_seed(seed)
     try:
@@ -461,7 +453,7 @@ def _stage_class():
         def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, *args, **kwargs):
             if full_backward:
                 return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
-            with collectives.input_gradients_only():  # the weight pass gathers what it needs later
+            with phase.input_gradients_only():  # the weight pass gathers what it needs later
                 return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
 
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
@@ -752,8 +744,6 @@ def layer_units(chunk: nn.Module) -> list[nn.Module | list[nn.Module]]:
     ending in the layer's number; each such module outside the layers is a unit of its own. One
     chunk-wide unit would gather a whole chunk's weights at once (35 GB of bf16 at LLaMA-3 70B on
     one pipeline rank) where the plan counts one layer and the next one's prefetch."""
-    from autoshard.runtime.checkpoint import Checkpoint
-
     units: list = []
     covered: set[int] = set()
     for ckpt in (m for m in chunk.children() if isinstance(m, Checkpoint)):
@@ -947,8 +937,6 @@ def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int, data: P
     """The step's whole batch of token ids, the same on every rank (each takes its DP rows):
     synthetic tokens seeded by (seed, step), or samples of the token files ``data``
     (``autoshard.runtime.data``, which says how samples are ordered)."""
-    from autoshard.runtime import data as token_data  # it imports ProgramError from here
-
     return token_data.global_batch(step, batch, seq, vocab, seed, data)
 
 

@@ -32,8 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard.errors import ProgramError
 from autoshard.runtime import collectives, data, durable, fake, fp8, groups, moe, state
 from autoshard.runtime import program as rt
+from autoshard.runtime.weights import open_weights
 
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
@@ -149,7 +151,7 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
         if not isinstance(e, dist.DistError) and not any(m in str(e) for m in COLLECTIVE_FAILURES):
             raise
         behind = PROGRESS.behind()
-        raise rt.ProgramError(
+        raise ProgramError(
             f"rank {dist.get_rank()}: a collective failed ({_first_line(e)}); "
             + (f"{behind}: it died or hangs there" if behind else "another rank died or hangs")
             + f", or --timeout {args.timeout:g} s is too short"
@@ -218,22 +220,22 @@ def check_args(args: argparse.Namespace) -> None:
     """One-line errors for flags that cannot work together."""
     for flag, value in [("--steps", args.steps), ("--grad-accum", args.grad_accum - 1), ("--keep", args.keep)]:
         if value < 0:
-            raise rt.ProgramError(f"{flag} must not be negative")
+            raise ProgramError(f"{flag} must not be negative")
     if args.checkpoint_every < 0:
-        raise rt.ProgramError("--checkpoint-every must not be negative")
+        raise ProgramError("--checkpoint-every must not be negative")
     for flag in ("lr", "min_lr", "weight_decay", "adam_eps", "max_grad_norm", "spike_zscore", "timeout", "aux_alpha",
                  "balance_gamma"):  # fmt: skip
         value = getattr(args, flag, None)
         if value is not None and not (math.isfinite(value) and value >= 0):
-            raise rt.ProgramError(f"--{flag.replace('_', '-')} must be a finite number, not negative; got {value}")
+            raise ProgramError(f"--{flag.replace('_', '-')} must be a finite number, not negative; got {value}")
     if args.init_from is not None and args.init_from_model:
-        raise rt.ProgramError("--init-from and --init-from-model both say where weights come from; give one")
+        raise ProgramError("--init-from and --init-from-model both say where weights come from; give one")
     if args.init_from is not None and not args.init_from.exists():
-        raise rt.ProgramError(f"--init-from {args.init_from}: no such file or directory")
+        raise ProgramError(f"--init-from {args.init_from}: no such file or directory")
     if args.spike_zscore is not None and args.checkpoint_dir is None:
-        raise rt.ProgramError("--spike-zscore rolls back to a checkpoint: give --checkpoint-dir too")
+        raise ProgramError("--spike-zscore rolls back to a checkpoint: give --checkpoint-dir too")
     if args.spike_window < 2:
-        raise rt.ProgramError("--spike-window must be at least 2 steps")
+        raise ProgramError("--spike-window must be at least 2 steps")
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -247,9 +249,9 @@ def check_paths(args: argparse.Namespace) -> None:
             with open(args.log, "a"):
                 pass
         except OSError as e:
-            raise rt.ProgramError(f"--log-file {args.log}: cannot append to it ({e.strerror or e})") from None
+            raise ProgramError(f"--log-file {args.log}: cannot append to it ({e.strerror or e})") from None
     if args.save_params is not None and (why := durable.unusable(args.save_params)) is not None:
-        raise rt.ProgramError(f"--save-params {args.save_params}: {why}; give a writable directory")
+        raise ProgramError(f"--save-params {args.save_params}: {why}; give a writable directory")
 
 
 def init_process_group(backend: str, timeout: float) -> None:
@@ -328,7 +330,7 @@ def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ck
                 ckpt.wait()  # the checkpoint in flight was written from finite steps: it completes
             newest = durable.find(args.checkpoint_dir) if args.checkpoint_dir is not None else None
             kept = f"; the newest checkpoint is {newest}" if newest is not None else ""
-            raise rt.ProgramError(
+            raise ProgramError(
                 f"step {step}: the loss is {stats['loss']:g} and the gradient norm {norm:g}, not finite: the run "
                 f"stops, the step's update not applied and no checkpoint written from it{kept}. Lower --lr, clip "
                 "with --max-grad-norm, or give --spike-zscore (with --checkpoint-dir) to roll back and skip the batches"
@@ -370,7 +372,7 @@ def open_checkpoint_dir(directory: Path, trainer: Trainer) -> durable.DirectoryL
     checkpoint), writable, with room for one, and no other run's; rank 0 holds its lock."""
     directory = Path(directory)
     if durable.is_checkpoint(directory):
-        raise rt.ProgramError(
+        raise ProgramError(
             f"--checkpoint-dir {directory} is a checkpoint, not a directory of them: new checkpoints would nest "
             f"inside it, where no restart looks; give the directory holding it: --checkpoint-dir {directory.parent}"
         )
@@ -389,7 +391,7 @@ def open_checkpoint_dir(directory: Path, trainer: Trainer) -> durable.DirectoryL
                 why = f"another run writes its checkpoints there ({holder}); stop it, or give another directory"
     why = _agreed_text(why)
     if why is not None:
-        raise rt.ProgramError(f"--checkpoint-dir {directory}: {why}")
+        raise ProgramError(f"--checkpoint-dir {directory}: {why}")
     return lock
 
 
@@ -433,7 +435,7 @@ def _restore_intact(trainer: Trainer, directory: Path, before: int | None, log: 
         if why is None:
             try:
                 return trainer.restore(path)
-            except rt.ProgramError:
+            except ProgramError:
                 raise
             except Exception as e:  # noqa: BLE001 - a file DCP cannot read is damage, as a bad checksum is
                 why = f"it could not be loaded: {_first_line(e)}"
@@ -456,7 +458,7 @@ def rollback_before(rollbacks: list[dict], step: int, window: int) -> int:
     region = [r for r in rollbacks if step <= r["step"] + window]
     if len(region) >= MAX_ROLLBACKS:
         where = ", ".join(f"step {r['step']} to {r['to_step']}" for r in region)
-        raise rt.ProgramError(
+        raise ProgramError(
             f"step {step}: the loss spiked again after {len(region)} rollbacks ({where}), each skipping its batches: "
             "this is not a passing spike; lower --lr, clip with --max-grad-norm, or raise --spike-zscore"
         )
@@ -558,7 +560,7 @@ class Fault:
             return None
         parts = spec.split(":")
         if len(parts) != 3 or parts[0] not in cls.KINDS or not all(x.isdigit() for x in parts[1:]):
-            raise rt.ProgramError(
+            raise ProgramError(
                 f"AUTOSHARD_FAULT={spec!r}: expected KIND:RANK:STEP with KIND one of {', '.join(cls.KINDS)} "
                 "and RANK, STEP whole numbers (e.g. kill:1:3); unset it to train without a fault"
             )
@@ -677,8 +679,6 @@ class Trainer:
         chunk_ids = rt.chunks_of_rank(plan, ranks.pp)
         full = rt.full_state_from_model(program, args.seed) if args.init_from_model else None
         if args.init_from is not None:
-            from autoshard.runtime.weights import open_weights
-
             weights = open_weights(args.init_from)
             stages = rt.build_chunks(
                 out, program, chunk_ids, device, ranks, None, args.seed, weights=weights, tied=program.get("tied", [])
@@ -863,18 +863,18 @@ class Trainer:
         for e in self.entries:
             key = f"model/{e.held.key}"
             if key not in saved:
-                raise rt.ProgramError(
+                raise ProgramError(
                     f"checkpoint {path} has no {e.held.key}: it was written for another model "
                     f"({meta.get('model')}); point --checkpoint-dir at this model's checkpoints"
                 )
             if saved[key] != e.held.shape:
-                raise rt.ProgramError(
+                raise ProgramError(
                     f"checkpoint {path}: {e.held.key} is {saved[key]} there but {e.held.shape} in this model; "
                     "it was written for another configuration of the model"
                 )
             stepped = meta["step"] > 0 and isinstance(e.param, nn.Parameter)
             if stepped and f"optim/exp_avg/{e.held.key}" not in saved:
-                raise rt.ProgramError(f"checkpoint {path} has no optimizer state for {e.held.key}; it is incomplete")
+                raise ProgramError(f"checkpoint {path} has no optimizer state for {e.held.key}; it is incomplete")
         return saved
 
     def restore(self, path: Path) -> Run:
@@ -884,7 +884,7 @@ class Trainer:
         meta = json.loads((path / "trainer.json").read_text())
         self.restored_lr, self.restored_meta = meta.get("lr"), meta
         if meta.get("format") != state.FORMAT:
-            raise rt.ProgramError(f"checkpoint {path}: format {meta.get('format')}, this program reads {state.FORMAT}")
+            raise ProgramError(f"checkpoint {path}: format {meta.get('format')}, this program reads {state.FORMAT}")
         saved = self._check_compatible(path, meta)
         passes = state.load_targets(self.entries, self.optim, saved)
         same_plan = meta.get("plan_sha256") == self.program.get("plan_sha256") and meta["gpus"] == self.plan["gpus"]
@@ -900,7 +900,7 @@ class Trainer:
             state.set_rng_state(torch.load(buf, weights_only=False))
         samples = meta["samples"]
         if samples % self.plan["global_batch"]:
-            raise rt.ProgramError(
+            raise ProgramError(
                 f"checkpoint {path} read {samples} sequences, not a whole number of this plan's global batches "
                 f"of {self.plan['global_batch']}; recompile with a global batch that divides it"
             )

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from autoshard.runtime.program import ProgramError
+from autoshard.errors import ProgramError
 from autoshard.runtime.stages import Block
 
 # what a directory may hold, in the order they are looked for (transformers' file names)

@@ -8,7 +8,8 @@ from torch import fx, nn
 
 from autoshard import ir
 from autoshard.capture import capture
-from autoshard.cost_models import ops, sharding
+from autoshard.cost_models import sharding
+from autoshard.ir import ops
 from autoshard.passes.tensor_parallel import _TRANSFER, IMPLEMENTED
 
 from graphs import RMS

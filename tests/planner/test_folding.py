@@ -10,7 +10,7 @@ import pytest
 from autoshard.cost_models import comm, hardware
 from autoshard.cost_models.layers import LayerCosts
 from autoshard.errors import AutoshardError
-from autoshard.plan import Mesh, Plan
+from autoshard.ir.plan import Mesh, Plan
 from autoshard.planner import Problem, parse_force
 from autoshard.planner.candidates import Candidate, check_problem, meshes
 from autoshard.planner.costs import placements

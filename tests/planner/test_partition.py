@@ -5,8 +5,8 @@ import random
 
 import pytest
 
+from autoshard.ir.schedules import SCHEDULES
 from autoshard.planner import partition
-from autoshard.runtime.schedules import SCHEDULES
 
 
 def _quantities(kinds: int, rng: random.Random, capacity: float = 1e12) -> partition.Quantities:

@@ -108,7 +108,7 @@ def test_a_spike_rolls_back_strictly_before_it_and_the_run_ends(program, tmp_pat
 
 
 def test_rollbacks_in_one_region_go_further_back_and_are_bounded():
-    from autoshard.runtime.program import ProgramError
+    from autoshard.errors import ProgramError
     from autoshard.runtime.trainer import MAX_ROLLBACKS, rollback_before
 
     assert rollback_before([], 10, 3) == 10
@@ -203,7 +203,7 @@ def test_damaged_newest_checkpoints_are_set_aside_one_by_one(program, tmp_path):
 
 @pytest.mark.parametrize("bad", ["int64", "nan"])
 def test_init_from_refuses_weights_that_are_not_finite_floating_point(tmp_path, bad):
-    from autoshard.runtime.program import ProgramError
+    from autoshard.errors import ProgramError
     from autoshard.runtime.stages import Block
     from autoshard.runtime.weights import open_weights
 

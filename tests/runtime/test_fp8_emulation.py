@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from autoshard.ir.fp8 import tile_starts
 from autoshard.runtime import fp8
 from autoshard.runtime.fp8 import (
     dequantize_blocks,
@@ -20,7 +21,6 @@ from autoshard.runtime.fp8 import (
     quantize_blocks,
     quantize_cols,
     quantize_rows,
-    tile_starts,
 )
 
 TILE, MAX, EPS = 128, 448.0, 1e-12

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from autoshard.runtime.schedules import SCHEDULES
+from autoshard.ir.schedules import SCHEDULES
 
 
 class _Stage:
@@ -107,7 +107,7 @@ def test_occupancy_is_every_peak_of_torch_orders_per_chunk(name):
     """``occupancy`` (built without torch's constructor, from the per-rank order or, for the
     interleaved schedules, its own walk) keeps exactly the moments of the full orders no other
     moment exceeds on every chunk, and its totals are the in-flight and pending counts."""
-    from autoshard.runtime.schedules import _frontier
+    from autoshard.ir.schedules import _frontier
 
     row, checked = SCHEDULES[name], 0
     for sched, pp, m, v in SHAPES:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.cli import main as cli
-from autoshard.plan import Plan
+from autoshard.ir.plan import Plan
 from autoshard.runtime import program as rt
 from autoshard.runtime import trainer
 

@@ -7,13 +7,13 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from autoshard.cost_models.categories import CHECKPOINT_CATEGORIES
 from autoshard.errors import AutoshardError
-from autoshard.runtime.schedules import NAMES
+from autoshard.ir.categories import CHECKPOINT_CATEGORIES
+from autoshard.ir.schedules import NAMES
 
 PLAN_VERSION = 1
 AXES = ("tp", "pp", "cp", "ep", "dp")
-SCHEDULES = NAMES  # the schedule table's rows (autoshard.runtime.schedules)
+SCHEDULES = NAMES  # the schedule table's rows (autoshard.ir.schedules)
 ATTENTION = ("flash", "ring", "allgather-kv")
 
 

@@ -60,7 +60,7 @@ KEYS: dict[str, Key] = {
         Key("layer", "capture", "index in the repeated layer stack, or None outside it"),
         Key("region", "capture", "'pre' (before the stack), 'layer', or 'post' (after it: head, loss)"),
         Key("source", "capture", "'file:line' in the user's code, where the tracer recorded it"),
-        Key("op", "capture", "normalised op name, the key of the op table (autoshard.cost_models.ops)"),
+        Key("op", "capture", "normalised op name, the key of the op table (autoshard.ir.ops)"),
         Key("op_class", "capture", "one of OP_CLASSES, from the op table refined by graph patterns"),
         Key("mask", "capture", "on attention whose mask tensor is not causal: what the mask is, for refusals"),
         Key("autoshard_logits", "capture", "on the model's output under the default loss: checked to be 3-D logits"),
@@ -68,7 +68,7 @@ KEYS: dict[str, Key] = {
         Key("tp", "analysis", "tensor-parallel state of the output: 'replicated', 'sharded' or 'partial'"),
         Key("tp_role", "analysis", "on weighted matmuls and embeddings: 'column', 'row', 'vocab' or 'replicated'"),
         Key("matmul_kind", "analysis", "on weighted matmuls: one of MATMUL_KINDS (what the FP8 choice is made per)"),
-        Key("cost", "analysis", "cost_models.ops.NodeCost: forward FLOPs and bytes moved, symbolic in b, s"),
+        Key("cost", "analysis", "ir.ops.NodeCost: forward FLOPs and bytes moved, symbolic in b, s"),
         # passes
         Key("sp_sliced_dim", "sequence_parallel", "the dimension a sequence-parallel node's output is sliced along"),
         Key("sp_tp", "sequence_parallel", "how many slices that dimension is cut into (the TP degree)"),

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autoshard.runtime.schedules import SPLIT_BACKWARD
+from autoshard.ir.schedules import SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def allows(**fields) -> bool:
 
 
 def plan_fields(plan) -> dict:
-    """The fields the limits read, from an ``autoshard.plan.Plan``."""
+    """The fields the limits read, from an ``autoshard.ir.plan.Plan``."""
     m = plan.mesh
     return {
         "tp": m.tp,
