@@ -9,9 +9,8 @@ import torch
 
 from autoshard import runtime
 from autoshard.capture import capture, causal_lm_loss
-from autoshard.cost_models import ops
 from autoshard.cost_models.analyze import analyze
-from autoshard.ir import B, S
+from autoshard.ir import B, S, ops
 from autoshard.passes.contract import Refusal, RewriteContext
 from autoshard.passes.tensor_parallel import ParamShard, load_local, slice_parameter, tensor_parallel
 
