@@ -168,7 +168,9 @@ def relative_graph(sub: fx.Graph, prefix: str, notes: dict[str, str]):
 
 def _constants_read(graph: fx.Graph, node: fx.Node, args: tuple, kwargs: dict, prefix: str, constants: dict):
     """``args`` and ``kwargs`` with each string naming the layer (``prefix`` or a name under it)
-    replaced by a read of the attribute that holds it, named after the parameter it is passed to."""
+    replaced by a read of the attribute that holds it (``constants``: attribute -> the string's
+    tail), named after the parameter it is passed to; each attribute is read once."""
+    reads = {n.target: n for n in graph.nodes if n.op == "get_attr" and n.target in constants}
     try:
         params = list(inspect.signature(node.target).parameters)
     except (TypeError, ValueError):
@@ -182,7 +184,9 @@ def _constants_read(graph: fx.Graph, node: fx.Node, args: tuple, kwargs: dict, p
         if attr is None:
             attr = param if param not in constants and param.isidentifier() else f"name_{len(constants)}"
             constants[attr] = tail
-        return graph.get_attr(attr)
+        if attr not in reads:
+            reads[attr] = graph.get_attr(attr)
+        return reads[attr]
 
     args = tuple(read(a, params[i] if i < len(params) else "name") for i, a in enumerate(args))
     return args, {k: read(v, k) for k, v in kwargs.items()}

@@ -744,7 +744,8 @@ def shard_data_parallel(
 def layer_modules(chunk: nn.Module) -> list[nn.Module]:
     """The layers of ``chunk``: the instances of the emitted layer classes, which a chunk holds in
     ``nn.ModuleDict`` s keyed by layer number (``model.layers``), in order."""
-    return [layer for d in chunk.modules() if isinstance(d, nn.ModuleDict) for layer in d.values()]
+    dicts = [d for d in chunk.modules() if isinstance(d, nn.ModuleDict) and all(k.isdigit() for k in d)]
+    return [layer for d in dicts for layer in d.values()]
 
 
 def layer_units(chunk: nn.Module) -> list[nn.Module | list[nn.Module]]:

@@ -91,18 +91,22 @@ def load_stage_file(path: str | Path):
 
 # The tables a stage file and a layer class may hold (a missing one is empty). A layer class's
 # names are relative to the layer (``attn.wq.weight``); a stage's, full (``model.layers.3.attn.wq.weight``).
+_ROUTING_NAMES = ("bias", "router")  # the fields of a ROUTING entry that are names in the model
 TABLES = {"SHARDS": dict, "ORIGIN": dict, "PARTIAL_GRADS": list, "EXPERTS": list, "ROUTING": dict, "INIT": dict}
 
 
 def full_names(table: str, entries, prefix: str):
     """A layer class's ``table`` with its names under ``prefix`` (``"model.layers.3."``): the
-    keys, ``ORIGIN``'s model names and ``ROUTING``'s bias buffers."""
+    keys, ``ORIGIN``'s model names and ``ROUTING``'s names (its bias buffer and router module)."""
     if TABLES[table] is list:
         return [prefix + name for name in entries]
     if table == "ORIGIN":
         return {prefix + k: prefix + v if isinstance(v, str) else [prefix + x for x in v] for k, v in entries.items()}
     if table == "ROUTING":
-        return {prefix + k: {**v, "bias": v["bias"] and prefix + v["bias"]} for k, v in entries.items()}
+        return {
+            prefix + k: {f: prefix + x if f in _ROUTING_NAMES and x else x for f, x in v.items()}
+            for k, v in entries.items()
+        }
     return {prefix + k: v for k, v in entries.items()}
 
 
