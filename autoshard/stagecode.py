@@ -102,7 +102,7 @@ def module_file(doc: str, classes: list[tuple[str, Source]], tables: dict) -> st
 def _docstring(doc: str, indent: str = "", notice: bool = True) -> list[str]:
     """``doc`` (and the notice that the file is generated) as a docstring wrapped at the limit."""
     text = f"{doc} {NOTICE}" if notice else doc
-    lines = textwrap.wrap(text, pysource.LIMIT - len(indent) - 3, break_long_words=False, break_on_hyphens=False)
+    lines = textwrap.wrap(text, pysource.LIMIT - len(indent) - 6, break_long_words=False, break_on_hyphens=False)
     lines[-1] += '"""'
     return [f'{indent}"""{lines[0]}', *(f"{indent}{line}" for line in lines[1:])]
 
