@@ -11,8 +11,8 @@ PACKAGE_DIRS = {"autoshard": ROOT / "autoshard", "autoshard.passes": ROOT / "pas
                 "autoshard.cost_models": ROOT / "cost_models"}  # fmt: skip
 
 PLANNING = ("autoshard.plan", "autoshard.planner", "autoshard.compiler", "autoshard.capabilities")
-EMITTING = ("autoshard.passes", "autoshard.codegen", "autoshard.report", "autoshard.stagecode", "autoshard.layercode",
-            "autoshard.pysource", "autoshard.cli")
+EMITTING = ("autoshard.passes", "autoshard.codegen", "autoshard.report", "autoshard.cli")
+EMITTING += ("autoshard.stagecode", "autoshard.layercode", "autoshard.pysource")
 
 RULES = {
     # the emitted program imports torch and autoshard.runtime only
