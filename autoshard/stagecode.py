@@ -151,9 +151,9 @@ def _import_line(name: str, obj) -> tuple[str, str]:
 # classes
 
 
-def _method(graph: fx.Graph, notes: dict[str, str], name: str, src: Source) -> list[str]:
-    """``graph``'s code as method ``name``, each noted line under its decision; returns its lines
-    (adds the globals it reads to ``src``)."""
+def _method(graph: fx.Graph, notes: dict[str, str], name: str, src: Source, spelled: dict | None = None) -> list[str]:
+    """``graph``'s code as method ``name``, each noted line under its decision, with the text in
+    ``spelled`` written as it says; returns its lines (adds the globals it reads to ``src``)."""
     code = graph.python_code(root_module="self")
     renames = {}
     for g, obj in code.globals.items():
@@ -168,6 +168,8 @@ def _method(graph: fx.Graph, notes: dict[str, str], name: str, src: Source) -> l
         if not statement:
             continue
         statement = pysource.tidy(statement, renames)
+        for old, new in (spelled or {}).items():
+            statement = statement.replace(old, new)
         target = statement.split(" = ", 1)[0] if " = " in statement else None
         if target in notes:
             lines += pysource.comment(notes[target], "        ")
@@ -233,13 +235,11 @@ def _chunk_class(gm: fx.GraphModule, name: str, layers: list, notes: dict[str, s
     builds = _builds(gm.graph, gm, "", {layer.call.target for layer in layers})
     for line in [*builds, *_layer_dicts(layers, not builds), *_checkpoints(layers)]:
         src.lines += pysource.wrap(line, "        ")
-    forward = _method(gm.graph, notes, "forward", src)
+    calls = {}  # fx reads model.layers.3 as getattr(self.model.layers, "3"): a ModuleDict is indexed
     for layer in layers:
         container, _, key = layer.prefix.rpartition(".")
-        forward = [
-            line.replace(f'getattr(self.{container}, "{key}")', f'self.{container}["{key}"]') for line in forward
-        ]
-    src.lines += forward
+        calls[f'getattr(self.{container}, "{key}")'] = f'self.{container}["{key}"]'
+    src.lines += _method(gm.graph, notes, "forward", src, calls)
     return name, src
 
 
