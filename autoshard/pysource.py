@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import textwrap
 import tokenize
 
@@ -17,8 +18,9 @@ _OPEN, _CLOSE = "([{", ")]}"
 
 
 def tidy(statement: str, renames: dict[str, str] | None = None) -> str:
-    """One fx-generated statement as ``ruff format`` writes it, with the names in ``renames``
-    (a global fx named, not an attribute) replaced."""
+    """One fx-generated statement as ``ruff format`` writes it (keyword arguments, quotes, simple
+    powers, exponents), with the names in ``renames`` (a global fx named, not an attribute)
+    replaced."""
     renames = renames or {}
     tokens = [t for t in tokenize.generate_tokens(io.StringIO(statement).readline) if t.type != tokenize.ENDMARKER]
     tokens = [t for t in tokens if t.type not in (tokenize.NEWLINE, tokenize.NL)]
@@ -33,6 +35,8 @@ def tidy(statement: str, renames: dict[str, str] | None = None) -> str:
             edits.append((t.start[1], t.end[1], renames[t.string]))
         elif t.type == tokenize.STRING and t.string.startswith("'") and '"' not in t.string and "\\" not in t.string:
             edits.append((t.start[1], t.end[1], f'"{t.string[1:-1]}"'))
+        elif t.type == tokenize.NUMBER and re.search(r"[eE]\+|E", t.string):  # 1e+38 -> 1e38
+            edits.append((t.start[1], t.end[1], re.sub(r"[eE]\+?", "e", t.string)))
         elif t.type == tokenize.OP and t.string == "=" and depth > 0:
             edits.append((before.end[1], tokens[i + 1].start[1], "="))
         elif t.type == tokenize.OP and t.string == "**" and _simple_power(tokens, i):
@@ -107,6 +111,17 @@ def _split_top(body: str) -> list[str]:
             start = t.end[1]
     rest = body[start:].strip()
     return [p for p in [*parts, rest] if p]
+
+
+def dropped(names: list[str], indent: str) -> list[str]:
+    """``a = b = None`` for ``names`` at ``indent``, as many lines as the limit needs."""
+    lines, run = [], []
+    for name in names:
+        if run and len(indent) + len(" = ".join([*run, name])) + len(" = None") > LIMIT:
+            lines.append(f"{indent}{' = '.join(run)} = None")
+            run = []
+        run.append(name)
+    return [*lines, f"{indent}{' = '.join(run)} = None"] if run else lines
 
 
 def comment(text: str, indent: str) -> list[str]:

@@ -176,7 +176,7 @@ def _method(graph: fx.Graph, notes: dict[str, str], name: str, src: Source, spel
         lines += pysource.wrap(statement, "        ")
         returns_next = i + 1 < len(statements) and statements[i + 1].strip().startswith("return ")
         if dropped and not returns_next:  # (the return drops them anyway)
-            lines.append(f"        {dropped}")
+            lines += pysource.dropped(dropped.removesuffix(" = None").split(" = "), "        ")
     return lines
 
 

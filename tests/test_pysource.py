@@ -42,3 +42,11 @@ def test_wrap_splits_at_the_last_bracket_as_ruff_does():
 def test_an_empty_table_is_left_out():
     assert pysource.table("SHARDS", {}, "about") == []
     assert pysource.table("EXPERTS", ["a.w"], "about") == ["# about", "EXPERTS = [", '    "a.w",', "]"]
+
+
+def test_numbers_and_long_deletions_as_ruff_writes_them():
+    assert pysource.tidy("w = f(x, -3.4028234663852886e+38, 1E-05)") == "w = f(x, -3.4028234663852886e38, 1e-05)"
+    names = [f"a_rather_long_value_name_{i}" for i in range(8)]
+    lines = pysource.dropped(names, "        ")
+    assert len(lines) > 1 and all(len(line) <= pysource.LIMIT for line in lines)
+    assert [n for line in lines for n in line.strip().removesuffix(" = None").split(" = ")] == names
