@@ -22,6 +22,7 @@ from torch import fx
 
 from autoshard.errors import AutoshardError
 from autoshard.passes.activation_checkpoint import call_in_place, layer_bodies, layer_graph
+from autoshard.passes.pipeline_split import input_meta_nodes
 from autoshard.runtime.checkpoint import Checkpoint
 
 
@@ -73,13 +74,14 @@ def chunk_layers(chunk: fx.GraphModule, notes: dict[str, str]) -> list[Layer]:
 
 
 def _absorbed(graph: fx.Graph, bodies: dict[int, list[fx.Node]]) -> dict[int, list[fx.Node]]:
-    """``bodies`` with each node of no layer that reads only what one layer computes moved into
-    that layer (the pipeline split recomputes arithmetic on sizes in each chunk and leaves it no
-    layer: ``size * 2`` of a size the layer read)."""
+    """``bodies`` with the arithmetic on sizes that reads only what one layer computes moved into
+    that layer (the pipeline split recomputes it in each chunk and leaves it no layer: ``s * 2``
+    of a size ``s`` the layer read)."""
     member = {n: layer for layer, body in bodies.items() for n in body}
+    meta = input_meta_nodes(graph)
     for node in graph.nodes:
         found = {member.get(a) for a in node.all_input_nodes}
-        if node.op in ("call_function", "call_method") and node not in member and len(found) == 1 and None not in found:
+        if node in meta and node not in member and len(found) == 1 and None not in found:
             member[node] = found.pop()
     order = {n: i for i, n in enumerate(graph.nodes)}
     out: dict[int, list[fx.Node]] = {}

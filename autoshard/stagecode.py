@@ -12,6 +12,7 @@ entry where one layer differs from its kind, by full names."""
 
 from __future__ import annotations
 
+import ast
 import sys
 import textwrap
 import types
@@ -60,10 +61,10 @@ def program_sources(chunks: list[fx.GraphModule], loss: fx.GraphModule, docs: li
     layers = [layercode.chunk_layers(gm, rewritten.notes) for gm in chunks]
     bodies = {id(layer): _layer_source(layer) for found in layers for layer in found}
     kinds = layercode.group([x for found in layers for x in found], lambda x: _key(bodies[id(x)], x))
-    own = [_shared_tables(kind, tables, layers) for kind in kinds]
+    shared = [_shared_tables(kind, tables, layers) for kind in kinds]  # (taken out of the chunks' tables)
     files = {}
     if kinds:
-        classes = [_kind_class(kind, bodies[id(kind.layers[0])], shared) for kind, shared in zip(kinds, own)]
+        classes = [_kind_class(kind, bodies[id(kind.layers[0])], table) for kind, table in zip(kinds, shared)]
         files["layers.py"] = module_file("The layer kinds of this program, one class each.", classes, {})
     for c, gm in enumerate(chunks):
         files[f"stage{c}.py"] = module_file(
@@ -111,8 +112,6 @@ def _imports(used: dict[str, object], code: list[str]) -> tuple[list[str], list[
     """The import block for the names ``code`` reads (``used``: name -> what it is), in ruff's
     sections (standard library, third party, autoshard, this program), and the module-level
     constants it reads (``inf``)."""
-    import ast
-
     read = {n.id for n in ast.walk(ast.parse("\n".join(code))) if isinstance(n, ast.Name)}
     sections: list[list[str]] = [[], [], [], []]
     constants = []
