@@ -509,7 +509,7 @@ def measure(out, rank: int, compute: str = "bf16") -> Measured:
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan["gpus"])
     try:
-        args = trainer.parse_args(["--steps", "1", "--compute-dtype", compute])
+        args = trainer.parse_args(["--steps", "1", "--compute-dtype", compute, "--no-compile"])  # eager, as counted
         with FakeTensorMode(allow_non_fake_inputs=True):
             tr = trainer.Trainer.build(args, out, plan, program, torch.device("cpu"))
             make_optimizer_states(tr.optim)  # a step after the first: the states exist

@@ -237,7 +237,8 @@ def _compile(args) -> int:
     )
     if extra:
         last = len(plan.stage_layers) - 1
-        print(f"wrote {out}/: plan.json, plan.md, train.py, program.json, loss.py, stage0..{last}.py")
+        layers = " layers.py," if "layers.py" in compiled.files else ""
+        print(f"wrote {out}/: plan.json, plan.md, train.py, program.json, loss.py,{layers} stage0..{last}.py")
         if plan.gpus <= 8:
             print(f"run: torchrun --nproc-per-node {plan.gpus} {out / 'train.py'} --steps 10")
         else:

@@ -21,7 +21,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
 from autoshard.ir.schedules import schedule
 from autoshard.report import plan_markdown
-from autoshard.stagecode import stage_source
+from autoshard.stagecode import program_sources
 
 
 def write_plan(plan: Plan, out: str | Path, comparison: str | None = None, extra: dict | None = None) -> Path:
@@ -58,44 +58,14 @@ def program_files(plan: Plan, captured, rebuild) -> dict[str, str]:
 
     rewritten = passes.apply(captured, plan)
     split = rewritten.split
-    files: dict[str, str] = {}
-    chunks = []
     n = len(split.chunks)
-    for c, gm in enumerate(split.chunks):
-        first, last = split.layers[c]
-        parts = ([f"layers {first}-{last - 1}"] if last > first else ["no repeated layers"]) + (
-            ["the embedding"] if c == 0 else []
-        )
-        if c == n - 1:
-            parts.append("the output head")
-        for tie in split.tied:  # one parameter with a copy in each chunk reading it
-            if c in tie["chunks"] and len(tie["chunks"]) > 1:
-                others = [str(o) for o in tie["chunks"] if o != c]
-                chunk_s = "chunk" if len(others) == 1 else "chunks"
-                parts.append(f"a copy of {tie['names'][0]} (tied: gradients summed with {chunk_s} {', '.join(others)})")
+    docs, chunks = [], []
+    for c in range(n):
         rank = schedule(plan.schedule).chunk_rank(c, plan.mesh.pp)
-        doc = f"Pipeline chunk {c} of {n} (pipeline rank {rank}): {', '.join(parts)}."
-        name = f"stage{c}.py"
-        inits = _stage_inits(captured, rewritten.origin)
-        files[name] = stage_source(
-            gm,
-            f"Chunk{c}",
-            doc,
-            rewritten.notes,
-            rewritten.shards,
-            rewritten.origin,
-            rewritten.partial_grads,
-            inits,
-            rewritten.expert_params,
-            rewritten.routing,
-        )
-        chunks.append({"file": name, "class": f"Chunk{c}", "layers": [first, last], "rank": rank})
-    files["loss.py"] = stage_source(
-        split.loss,
-        "Loss",
-        "The training loss on the last chunk's output and the micro-batch's tokens.",
-        rewritten.notes,
-    )
+        docs.append(f"Pipeline chunk {c} of {n} (pipeline rank {rank}): {_chunk_parts(split, c)}.")
+        chunks.append({"file": f"stage{c}.py", "class": f"Chunk{c}", "layers": list(split.layers[c]), "rank": rank})
+    inits = _stage_inits(captured, rewritten.origin)
+    files = program_sources(split.chunks, split.loss, docs, rewritten, inits)
     vocab = plan.model.get("vocab")
     if not vocab:
         raise AutoshardError("the model's vocabulary size is unknown, so no synthetic data can be drawn")
@@ -118,6 +88,22 @@ def program_files(plan: Plan, captured, rebuild) -> dict[str, str]:
     files["program.json"] = json.dumps(program, indent=2) + "\n"
     files["train.py"] = train_launcher(plan)
     return files
+
+
+def _chunk_parts(split, c: int) -> str:
+    """What chunk ``c`` holds, in words."""
+    first, last = split.layers[c]
+    n = len(split.chunks)
+    parts = [f"layers {first}-{last - 1}" if last - first > 1 else f"layer {first}"] if last > first else []
+    parts += (["no repeated layers"] if last == first else []) + (["the embedding"] if c == 0 else [])
+    if c == n - 1:
+        parts.append("the output head")
+    for tie in split.tied:  # one parameter with a copy in each chunk reading it
+        if c in tie["chunks"] and len(tie["chunks"]) > 1:
+            others = [str(o) for o in tie["chunks"] if o != c]
+            chunk_s = "chunk" if len(others) == 1 else "chunks"
+            parts.append(f"a copy of {tie['names'][0]} (tied: gradients summed with {chunk_s} {', '.join(others)})")
+    return ", ".join(parts)
 
 
 def train_launcher(plan: Plan) -> str:

@@ -31,6 +31,11 @@ Fields (all per GPU; GB = 1e9 bytes):
                               what no tracker sees (the caching allocator's fragmentation grows
                               with the memory in use; CUDA-graph pools); ``compile --memory-headroom``
 ==================== ======== =====================================================================
+
+The efficiencies describe the program as it runs on GPUs: each layer compiled with
+``torch.compile`` (regional compilation, the trainer's default there; ``--no-compile`` runs it
+eagerly, which these figures do not describe), FlashAttention and the FP8 GEMMs as Triton
+kernels. A layer under activation checkpointing runs eagerly either way.
 """
 
 from __future__ import annotations

@@ -32,74 +32,102 @@ def activation_checkpoint(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphMo
     recompute = list(ctx.recompute)
     if not recompute:
         return gm
-    notes = ctx.notes
-    graph = gm.graph
-    # a model input's size or device and arithmetic on its sizes, read off nothing the layer
-    # computes, belong to no layer: the layers reading one take it as an input, and the pipeline
-    # split recomputes it in each chunk reading it (inside a layer, one a later layer reads would
-    # be handed on between stages, which send tensors only: transformers' MoE blocks compute
-    # batch * sequence once for every layer)
+    for layer, body in sorted(layer_bodies(gm.graph).items()):
+        anchor = body[-1]
+        meta = {k: anchor.meta[k] for k in ("region", "layer", "nn_module_stack", "source") if k in anchor.meta}
+        meta["op"] = "checkpoint"
+        name = f"checkpoint_{layer}"
+        sub = layer_graph(body)
+        gm.add_submodule(
+            name, Checkpoint(fx.GraphModule(gm, sub, class_name=f"Layer{layer}"), recompute, ctx.fp8_saved)
+        )
+        call = call_in_place(gm.graph, body, name, meta)
+        kept = f"; keep {', '.join(ctx.fp8_saved)} as fp8 copies" if ctx.fp8_saved else ""
+        recomputed = ", ".join(sorted(recompute))
+        ctx.notes[call.name] = f"layer {layer} under activation checkpointing: recompute {recomputed}{kept}"
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def layer_bodies(graph: fx.Graph) -> dict[int, list[fx.Node]]:
+    """Layer -> its computing nodes, in graph order. A model input's size or device and
+    arithmetic on its sizes, read off nothing the layer computes, belong to no layer: the layers
+    reading one take it as an input, and the pipeline split recomputes it in each chunk reading it
+    (inside a layer, one a later layer reads would be handed on between stages, which send
+    tensors only: transformers' MoE blocks compute batch * sequence once for every layer)."""
     meta = input_meta_nodes(graph)
     layers: dict[int, list[fx.Node]] = {}
     members: dict[int, set[fx.Node]] = {}
     for node in graph.nodes:
-        if node.meta.get("region") == "layer" and node.meta.get("layer") is not None and node.op != "get_attr":
+        computes = node.op not in ("get_attr", "placeholder", "output")
+        if computes and node.meta.get("region") == "layer" and node.meta.get("layer") is not None:
             layer = node.meta["layer"]
             mine = members.setdefault(layer, set())
             if node in meta and not any(a in mine for a in node.all_input_nodes):
                 continue
             layers.setdefault(layer, []).append(node)
             mine.add(node)
-    for layer, body in sorted(layers.items()):
-        members = set(body)
-        inputs: list[fx.Node] = []
-        for n in body:
-            for a in n.all_input_nodes:
-                if a not in members and a not in inputs and a.op != "get_attr":
-                    inputs.append(a)
-        outputs = [n for n in body if any(u not in members for u in n.users)]
-        sub = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for a in inputs:
-            env[a] = sub.placeholder(a.name)
-        for n in body:
-            for a in n.all_input_nodes:
-                if a.op == "get_attr" and a not in env:
-                    env[a] = sub.get_attr(a.target)
-            env[n] = sub.node_copy(n, env.__getitem__)
-        sub.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-        fn = fx.GraphModule(gm, sub, class_name=f"Layer{layer}")
-        name = f"checkpoint_{layer}"
-        gm.add_submodule(name, Checkpoint(fn, recompute, ctx.fp8_saved))
-        anchor = body[-1]
-        with graph.inserting_after(anchor):
-            call = graph.call_module(name, tuple(inputs))
-        call.meta = {k: anchor.meta[k] for k in ("region", "layer", "nn_module_stack", "source") if k in anchor.meta}
-        call.meta["op"] = "checkpoint"
-        if len(outputs) == 1:  # what the layer hands on has its shape (a later chunk reads sizes off it)
-            call.meta["shape"] = outputs[0].meta.get("shape")
-        notes[call.name] = f"layer {layer} under activation checkpointing: recompute {', '.join(sorted(recompute))}" + (
-            f"; keep {', '.join(ctx.fp8_saved)} as fp8 copies" if ctx.fp8_saved else ""
-        )
-        results = [call]
-        if len(outputs) > 1:
-            results = []
-            last = call
-            for i, o in enumerate(outputs):
-                with graph.inserting_after(last):
-                    last = graph.call_function(operator.getitem, (call, i))
-                last.meta = {**call.meta, "shape": o.meta.get("shape")}
-                results.append(last)
-        for o, r in zip(outputs, results):
-            o.replace_all_uses_with(r, delete_user_cb=lambda u, m=members: u not in m)
-        for n in reversed(body):
-            graph.erase_node(n)
-        for a in env:  # parameters only the layer read: its graph reads them now
-            if a.op == "get_attr" and not a.users:
-                graph.erase_node(a)
-    graph.lint()
-    gm.recompile()
-    return gm
+    return layers
+
+
+def _inputs_outputs(body: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The values ``body`` reads from before it (parameter reads aside) and those read after it."""
+    members = set(body)
+    inputs: list[fx.Node] = []
+    for n in body:
+        for a in n.all_input_nodes:
+            if a not in members and a not in inputs and a.op != "get_attr":
+                inputs.append(a)
+    return inputs, [n for n in body if any(u not in members for u in n.users)]
+
+
+def layer_graph(body: list[fx.Node]) -> fx.Graph:
+    """``body`` (one layer's nodes) as a graph of its own: its inputs the values it reads from
+    before it, its outputs the values read after it; it reads its parameters itself."""
+    inputs, outputs = _inputs_outputs(body)
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = sub.placeholder(a.name)
+    for n in body:
+        for a in n.all_input_nodes:
+            if a.op == "get_attr" and a not in env:
+                env[a] = sub.get_attr(a.target)
+        env[n] = sub.node_copy(n, env.__getitem__)
+    sub.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
+    return sub
+
+
+def call_in_place(graph: fx.Graph, body: list[fx.Node], target: str, meta: dict) -> fx.Node:
+    """Replace ``body`` in ``graph`` by one ``call_module(target)`` of its ``layer_graph`` with
+    ``meta`` (its outputs unpacked by ``getitem`` where there are several); the reads of
+    parameters only it read go too. Returns the call."""
+    members = set(body)
+    inputs, outputs = _inputs_outputs(body)
+    read = {a for n in body for a in n.all_input_nodes if a.op == "get_attr"}
+    with graph.inserting_after(body[-1]):
+        call = graph.call_module(target, tuple(inputs))
+    call.meta = dict(meta)
+    if len(outputs) == 1:  # what the layer hands on has its shape (a later chunk reads sizes off it)
+        call.meta["shape"] = outputs[0].meta.get("shape")
+    results = [call]
+    if len(outputs) > 1:
+        results = []
+        last = call
+        for i, o in enumerate(outputs):
+            with graph.inserting_after(last):
+                last = graph.call_function(operator.getitem, (call, i))
+            last.meta = {**call.meta, "shape": o.meta.get("shape")}
+            results.append(last)
+    for o, r in zip(outputs, results):
+        o.replace_all_uses_with(r, delete_user_cb=lambda u: u not in members)
+    for n in reversed(body):
+        graph.erase_node(n)
+    for a in [n for n in graph.nodes if n in read]:  # parameters only the layer read: its graph reads them now
+        if not a.users:
+            graph.erase_node(a)
+    return call
 
 
 def _checkpoint_call(gm: fx.GraphModule, node: fx.Node) -> bool:

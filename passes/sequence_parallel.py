@@ -45,9 +45,19 @@ def _reduces_itself(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is runtime.vocab_parallel_embedding
 
 
-def _retarget(node: fx.Node, target, args: tuple) -> None:
+def _retarget(node: fx.Node, target, args: tuple, notes: dict[str, str]) -> None:
+    """Call ``target`` at ``node`` instead, renamed after it (the code reads
+    ``gather_from_sp = rt.gather_from_sp(...)``, not the ``copy_to_tp`` it replaced), and the
+    note on the row matmul whose partial sums it reduces says how they are reduced now."""
+    note = notes.pop(node.name, None)
     node.target, node.args = target, args
     node.meta["op"] = ops.op_name(node)
+    node._rename(target.__name__)
+    if note is not None:
+        notes[node.name] = note
+    source, said = args[0], "all-reduced by reduce_from_tp"
+    if isinstance(source, fx.Node) and said in notes.get(source.name, ""):
+        notes[source.name] = notes[source.name].replace(said, f"reduce-scattered by {target.__name__}")
 
 
 def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
@@ -62,12 +72,12 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
         if node.op == "call_function" and node.target is runtime.reduce_from_tp and node.meta.get("region") != "pre":
             dim = _seq_dim(node)
             if dim is None and _flat_tokens(node) and ctx.seq:
-                _retarget(node, runtime.reduce_scatter_tokens, (node.args[0], ctx.seq))
+                _retarget(node, runtime.reduce_scatter_tokens, (node.args[0], ctx.seq), notes)
                 dim = 0
             elif dim is None:
                 raise _fail(node, "no sequence dimension")
             else:
-                _retarget(node, runtime.reduce_scatter_to_sp, (node.args[0], dim))
+                _retarget(node, runtime.reduce_scatter_to_sp, (node.args[0], dim), notes)
             notes[node.name] = f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices"
             node.meta["sp_sliced_dim"], node.meta["sp_tp"] = dim, tp
             frontier.append(node)
@@ -114,9 +124,9 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
         node = inputs[0]
         if user.op == "call_function" and user.target is runtime.copy_to_tp:
             if _seq_dim(node) is None:  # rows of flattened (batch, sequence)
-                _retarget(user, runtime.gather_tokens, (user.args[0], ctx.seq))
+                _retarget(user, runtime.gather_tokens, (user.args[0], ctx.seq), notes)
             else:
-                _retarget(user, runtime.gather_from_sp, (user.args[0], _seq_dim(node)))
+                _retarget(user, runtime.gather_from_sp, (user.args[0], _seq_dim(node)), notes)
             notes[user.name] = "sequence parallel: all-gather the sequence before the column matmuls"
             continue
         if user.op == "output":

@@ -53,21 +53,20 @@ def test_the_fp8_plan_the_whole_space_prefers_is_the_one_emitted():
     emitted = _compile("deepseek_v3", _problem("deepseek_v3", "h800", 16, 32))
     assert emitted.plan.precision["fp8_matmuls"] == whole.precision["fp8_matmuls"]
     assert emitted.plan.predicted.step_time_s == pytest.approx(whole.predicted.step_time_s)
-    assert "rt.fp8_" in "".join(text for name, text in emitted.files.items() if name.startswith("stage"))
+    assert "rt.fp8_" in "".join(text for name, text in emitted.files.items() if name.startswith(("stage", "layers")))
 
 
 def test_pinned_fp8_is_emitted():
     compiled = _compile("llama3", _problem("llama3", "h100", 8, 16, precision="fp8"))
     assert compiled.plan.precision["fp8_matmuls"] == ["attention", "mlp"]
-    stages = "".join(text for name, text in compiled.files.items() if name.startswith("stage"))
-    assert "rt.fp8_linear(" in stages
+    assert "rt.fp8_linear(" in compiled.files["layers.py"]
 
 
 def test_pinned_expert_parallelism_is_emitted():
     compiled = _compile("deepseek_v3", _problem("deepseek_v3", "cpu", 4, 8, ep=2, dp=2))
     assert compiled.plan.mesh.ep == 2 and compiled.plan.not_emitted == []
-    stage = compiled.files["stage0.py"]
-    assert "rt.moe_dispatch_buffer(" in stage and "rt.moe_combine_buffer(" in stage
+    layers = compiled.files["layers.py"]
+    assert "rt.moe_dispatch_buffer(" in layers and "rt.moe_combine_buffer(" in layers
 
 
 def test_a_choice_a_pass_refuses_is_left_out_and_the_search_runs_again(monkeypatch):

@@ -30,7 +30,7 @@ def test_an_fp8_program_matches_the_fp8_single_device_model(pins, tmp_path):
     # with the norms' outputs kept and only FP8 matmuls reading them, their FP8 copies are kept
     saved = json.loads((tmp_path / "plan.json").read_text())["precision"].get("fp8_saved")
     assert saved == (["norm_output"] if "attention+activation" in pins else None)
-    assert ("keep_fp8 = True" in (tmp_path / "stage0.py").read_text()) == bool(saved)
+    assert ("keep_fp8=True" in (tmp_path / "layers.py").read_text()) == bool(saved)
     result = verify(tmp_path, steps=3, timeout=300)
     assert result["fp8"] == ["attention", "mlp"] and result["tolerance"] == FP8_TOLERANCE
     assert result["ok"], result

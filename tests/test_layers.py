@@ -12,6 +12,7 @@ PACKAGE_DIRS = {"autoshard": ROOT / "autoshard", "autoshard.passes": ROOT / "pas
 
 PLANNING = ("autoshard.planner", "autoshard.compiler")
 EMITTING = ("autoshard.passes", "autoshard.codegen", "autoshard.report", "autoshard.stagecode", "autoshard.cli")
+EMITTING += ("autoshard.layercode", "autoshard.pysource")
 ABOVE_THE_RUNTIME = (*PLANNING, *EMITTING, "autoshard.capture", "autoshard.cost_models", "autoshard.atscale",
                      "autoshard.verify", "autoshard.rebuild", "autoshard.modelfile", "autoshard.summary")  # fmt: skip
 

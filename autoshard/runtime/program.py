@@ -21,7 +21,7 @@ from autoshard.runtime import data as token_data
 from autoshard.runtime import fake, groups, moe, phase
 from autoshard.runtime.checkpoint import Checkpoint
 from autoshard.runtime.rebuild import Recipe
-from autoshard.runtime.stages import load_stage_file, materialise, put_parameter
+from autoshard.runtime.stages import load_stage_file, materialise, put_parameter, stage_tables
 from autoshard.runtime.zero import BUCKET_BYTES, ShardedAdamW
 
 AXES = ("tp", "cp", "pp", "dp")
@@ -185,6 +185,7 @@ def build_chunks(
         stage_file = load_stage_file(out / info["file"])
         with fake.real(), torch.device("meta"):  # meta, not fake, also on fake tensors: materialise places it
             module = getattr(stage_file, info["class"])()
+        stage_file = stage_tables(module, stage_file)
         try:
             materialise(
                 module, stage_file, device, ranks.tp, ranks.tp_size, full_state, seed, ranks.ep, ranks.ep_size,
@@ -587,7 +588,7 @@ def sum_partial_gradients(stages: list[nn.Module]) -> None:
         return
     grads = []
     for module in stages:
-        wanted = set(getattr(module.stage_file, "PARTIAL_GRADS", ()))
+        wanted = set(module.stage_file.PARTIAL_GRADS)
         for name, p in module.named_parameters():
             if name in wanted and p.grad is not None:
                 grads.append(_local(p.grad))
@@ -598,7 +599,7 @@ def expert_parameters(stages: list[nn.Module]) -> list[nn.Parameter]:
     """The stacked expert weights the chunks hold (their stage files' ``EXPERTS``)."""
     out = []
     for module in stages:
-        wanted = set(getattr(module.stage_file, "EXPERTS", ()))
+        wanted = set(module.stage_file.EXPERTS)
         out += [p for name, p in module.named_parameters() if name in wanted]
     return out
 
@@ -633,7 +634,7 @@ def routing_biases(stages: list[nn.Module]) -> dict[str, torch.Tensor]:
     out = {}
     for module in stages:
         buffers = dict(module.named_buffers())
-        for layer, entry in getattr(module.stage_file, "ROUTING", {}).items():
+        for layer, entry in module.stage_file.ROUTING.items():
             if entry.get("bias") is not None:
                 out[layer] = buffers[entry["bias"]]
     return out
@@ -732,64 +733,61 @@ def shard_data_parallel(
     return True
 
 
+def layer_modules(chunk: nn.Module) -> list[nn.Module]:
+    """The layers of ``chunk``: the instances of the emitted layer classes, which a chunk holds in
+    ``nn.ModuleDict`` s keyed by layer number (``model.layers``), in order."""
+    dicts = [d for d in chunk.modules() if isinstance(d, nn.ModuleDict) and all(k.isdigit() for k in d)]
+    return [layer for d in dicts for layer in d.values()]
+
+
 def layer_units(chunk: nn.Module) -> list[nn.Module | list[nn.Module]]:
-    """What FSDP gathers together in ``chunk``: one unit per layer, the chunk's own unit for the
-    rest (parameters the stage code reads from plain containers outside the layers, tied ones).
-    A layer under activation checkpointing is its container (``model.layers.7``, every parameter
-    of the layer), gathered around its ``Checkpoint``: FSDP's hooks outside the checkpointed
-    region, as in torchtitan, so the recomputation finds the weights gathered by the backward's
-    pre-hook and gathers nothing itself (hooks inside the region would run again in it, where
-    the selective checkpoint's cache does not expect them). Any other layer is the list of the
-    modules the stage code calls (``nn.Linear``, ``nn.Embedding``), keyed by the dotted prefix
-    ending in the layer's number; each such module outside the layers is a unit of its own. One
-    chunk-wide unit would gather a whole chunk's weights at once (35 GB of bf16 at LLaMA-3 70B on
-    one pipeline rank) where the plan counts one layer and the next one's prefetch."""
-    units: list = []
-    covered: set[int] = set()
-    for ckpt in (m for m in chunk.children() if isinstance(m, Checkpoint)):
-        container = _layer_container(chunk, ckpt.fn)
-        if container is None:
-            continue
-        container.forward = functools.partial(type(ckpt).forward, ckpt)  # FSDP's hooks, then the checkpoint
-        object.__setattr__(ckpt, "forward", container)  # not a child: the container stays where it is
-        units.append(container)
-        covered.update(id(m) for m in container.modules())
-    called = [(n, m) for n, m in chunk.named_modules() if type(m) is not nn.Module and m is not chunk]
-    called = [(n, m) for n, m in called if id(m) not in covered and any(True for _ in m.parameters(recurse=False))]
+    """What FSDP gathers together in ``chunk``: one unit per layer (the layer module), the chunk's
+    own unit for the rest (parameters the stage code reads from plain containers outside the
+    layers, tied ones). A layer under activation checkpointing is gathered around its
+    ``Checkpoint``: FSDP's hooks outside the checkpointed region, as in torchtitan, so the
+    recomputation finds the weights gathered by the backward's pre-hook and gathers nothing
+    itself (hooks inside the region would run again in it, where the selective checkpoint's cache
+    does not expect them). Each module the stage code calls outside the layers (``nn.Embedding``,
+    the head) is a unit of its own. One chunk-wide unit would gather a whole chunk's weights at
+    once (35 GB of bf16 at LLaMA-3 70B on one pipeline rank) where the plan counts one layer and
+    the next one's prefetch. A module sharing a parameter with one outside it is no unit."""
     owners: dict[int, int] = {}
     for _, m in chunk.named_modules():
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    lists: dict[str, list[nn.Module]] = {}
-    for name, m in called:
-        if any(owners[id(p)] > 1 for p in m.parameters(recurse=False)):
+    checkpoints = {id(c.fn): c for c in chunk.modules() if isinstance(c, Checkpoint)}
+    units: list = []
+    covered: set[int] = set()
+    for layer in layer_modules(chunk):
+        if any(owners[id(p)] > 1 for p in layer.parameters()):
             continue
-        parts = name.split(".")
-        ends = [i for i, part in enumerate(parts[:-1]) if part.isdigit()]
-        lists.setdefault(".".join(parts[: ends[0] + 1]) if ends else name, []).append(m)
-    return units + list(lists.values())
+        if (ckpt := checkpoints.get(id(layer))) is not None:
+            object.__setattr__(ckpt, "fn", layer.forward)  # the layer's own forward, inside the region
+            layer.forward = functools.partial(type(ckpt).forward, ckpt)  # FSDP's hooks, then the checkpoint
+            object.__setattr__(ckpt, "forward", layer)  # not a child: the layer stays where it is
+        units.append(layer)
+        covered.update(id(m) for m in layer.modules())
+    called = [m for m in chunk.modules() if type(m) is not nn.Module and m is not chunk and id(m) not in covered]
+    called = [m for m in called if any(True for _ in m.parameters(recurse=False))]
+    return units + [[m] for m in called if not any(owners[id(p)] > 1 for p in m.parameters(recurse=False))]
 
 
-def _layer_container(chunk: nn.Module, fn) -> nn.Module | None:
-    """The plain container holding the parameters of the layer a stage method ``fn`` runs
-    (``getattr(self.model.layers, "7")``, as the emitted code reads them), when it reads exactly
-    one and shares none of its parameters; else None."""
-    import inspect
-    import re
-
-    try:
-        source = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return None
-    paths = set(re.findall(r'getattr\(self((?:\.\w+)+), "(\d+)"\)', source))
-    if len(paths) != 1:
-        return None
-    ((base, index),) = paths
-    path = f"{base[1:]}.{index}"
-    container = chunk.get_submodule(path)
-    inside = {id(p) for p in container.parameters()}
-    outside = {id(p) for n, p in chunk.named_parameters(remove_duplicate=False) if not n.startswith(f"{path}.")}
-    return None if inside & outside or type(container) is not nn.Module else container
+def compile_layers(stages: list[nn.Module], device: torch.device, enabled: bool = True) -> int:
+    """Regional compilation: each layer's forward under ``torch.compile``, as torchtitan compiles
+    each transformer block (the instances of one emitted class share its compiled code). On GPUs
+    only, and never on fake tensors (the at-scale run counts the eager ops the plan costs); a
+    layer under activation checkpointing stays eager (its selective policy decides what to keep
+    op by op, which a compiled region would hide). Returns how many layers it compiled."""
+    if not enabled or device.type != "cuda" or fake.active():
+        return 0
+    compiled = 0
+    for chunk in stages:
+        checkpointed = {id(c.fn) for c in chunk.modules() if isinstance(c, Checkpoint)}
+        for layer in layer_modules(chunk):
+            if id(layer) not in checkpointed:
+                layer.forward = torch.compile(layer.forward)
+                compiled += 1
+    return compiled
 
 
 def optimizer(
@@ -952,8 +950,8 @@ def save_parameters(
     first_replica = ranks.dp == 0 and ranks.cp == 0
     for module, c in zip(stages, chunk_ids):
         shards, origin = module.stage_file.SHARDS, module.stage_file.ORIGIN
-        experts = set(getattr(module.stage_file, "EXPERTS", ()))
-        biases = {e["bias"] for e in getattr(module.stage_file, "ROUTING", {}).values() if e.get("bias")}
+        experts = set(module.stage_file.EXPERTS)
+        biases = {e["bias"] for e in module.stage_file.ROUTING.values() if e.get("bias")}
         state = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n in biases)]
         for name, p in state:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p  # collective under FSDP: every rank

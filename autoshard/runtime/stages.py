@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import math
 import sys
+import types
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,14 +72,61 @@ def to_compute(x: torch.Tensor) -> torch.Tensor:
 
 
 def load_stage_file(path: str | Path):
-    """Import an emitted stage file as a module."""
-    path = Path(path)
-    name = f"autoshard_stage_{path.stem}_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    """Import an emitted stage file as a module of a package that is its directory, so that its
+    ``from .layers import ...`` reads the program's own ``layers.py``. Each call runs the files
+    again (a program recompiled in place is read as it is now)."""
+    path = Path(path).resolve()
+    package = f"autoshard_program_{zlib.crc32(str(path.parent).encode()):08x}"
+    for name in [n for n in sys.modules if n == package or n.startswith(f"{package}.")]:
+        del sys.modules[name]
+    holder = types.ModuleType(package)
+    holder.__path__ = [str(path.parent)]
+    sys.modules[package] = holder
+    spec = importlib.util.spec_from_file_location(f"{package}.{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# The tables a stage file and a layer class may hold (a missing one is empty). A layer class's
+# names are relative to the layer (``attn.wq.weight``); a stage's, full (``model.layers.3.attn.wq.weight``).
+_ROUTING_NAMES = ("bias", "router")  # the fields of a ROUTING entry that are names in the model
+TABLES = {"SHARDS": dict, "ORIGIN": dict, "PARTIAL_GRADS": list, "EXPERTS": list, "ROUTING": dict, "INIT": dict}
+
+
+def full_names(table: str, entries, prefix: str):
+    """A layer class's ``table`` with its names under ``prefix`` (``"model.layers.3."``): the
+    keys, ``ORIGIN``'s model names and ``ROUTING``'s names (its bias buffer and router module)."""
+    if TABLES[table] is list:
+        return [prefix + name for name in entries]
+    if table == "ORIGIN":
+        return {prefix + k: prefix + v if isinstance(v, str) else [prefix + x for x in v] for k, v in entries.items()}
+    if table == "ROUTING":
+        return {
+            prefix + k: {f: prefix + x if f in _ROUTING_NAMES and x else x for f, x in v.items()}
+            for k, v in entries.items()
+        }
+    return {prefix + k: v for k, v in entries.items()}
+
+
+def stage_tables(stage: nn.Module, stage_file) -> types.SimpleNamespace:
+    """The tables of built stage ``stage`` by full name: each layer's class tables under the
+    layer's name, then the stage file's own (the entries where a layer differs from its kind,
+    and everything outside the layers); ``__file__`` the stage file's."""
+    out = {table: kind() for table, kind in TABLES.items()}
+    sources = [(f"{name}.", vars(type(m))) for name, m in stage.named_modules() if name]
+    for prefix, owner in [*sources, ("", vars(stage_file))]:
+        for table, kind in TABLES.items():
+            entries = owner.get(table)
+            if not entries:
+                continue
+            entries = full_names(table, entries, prefix) if prefix else entries
+            if kind is list:
+                out[table] += [name for name in entries if name not in out[table]]
+            else:
+                out[table].update(entries)
+    return types.SimpleNamespace(**out, __file__=stage_file.__file__)
 
 
 def slice_full(full: torch.Tensor, spec: tuple, rank: int, tp: int) -> torch.Tensor:
@@ -194,11 +242,11 @@ def materialise(
     initialisation (``INIT``). ``tied`` (``program.json``'s entries) lets a parameter be read under
     a name tied to it. A piece is this rank's along the group its ``SHARDS`` entry names: TP
     (``tp_rank`` of ``tp``), or EP (``ep_rank`` of ``ep``) for stacked expert weights."""
+    stage_file = stage_tables(stage, stage_file)
     if weights is not None:
         _check_weights(stage, stage_file, weights, tied, tp, ep)
     stage.to_empty(device=device)
-    shards, origin = stage_file.SHARDS, stage_file.ORIGIN
-    inits = getattr(stage_file, "INIT", {})
+    shards, origin, inits = stage_file.SHARDS, stage_file.ORIGIN, stage_file.INIT
     with torch.no_grad():
         for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
             source = origin.get(name, name)

@@ -99,6 +99,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     )
     p.add_argument("--aux-alpha", type=float, default=1e-4, help="MoE: the balance loss's weight")
     p.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run the layers eagerly (on GPUs each layer is compiled with torch.compile; on CPUs never)",
+    )
+    p.add_argument(
         "--log-file",
         "--log",
         "--loss-log",
@@ -687,6 +693,7 @@ class Trainer:
             stages = rt.build_chunks(out, program, chunk_ids, device, ranks, full, args.seed)
         ties = rt.tied_parameters(plan, program, mesh, stages, chunk_ids)  # one parameter, a copy per chunk
         dtype = rt.autocast(stages, plan, device, args.compute_dtype)
+        rt.compile_layers(stages, device, args.compile)  # regional compilation, as the kernel efficiencies assume
         collectives.regather_saved(stages)  # sequence parallelism keeps shards, gathers again in backward
         loss = rt.loss_fn(rt.load_loss(out, program, device))
         # 3. data parallelism at the plan's ZeRO stage (FSDP2 for ZeRO-2/3, optimizer rows sharded

@@ -19,7 +19,7 @@ from autoshard import modelfile
 from autoshard.capture.init import record_build
 from autoshard.cli import main
 from autoshard.errors import AutoshardError
-from autoshard.runtime.stages import load_stage_file, materialise, unslice
+from autoshard.runtime.stages import load_stage_file, materialise, stage_tables, unslice
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 ZOO = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2", "gpt_neox", "olmo", "olmo2"]
@@ -64,10 +64,11 @@ def replayed(out: Path, seed: int = 0) -> dict[str, torch.Tensor]:
             with torch.device("meta"):
                 module = getattr(stage_file, chunk["class"])()
             materialise(module, stage_file, torch.device("cpu"), rank, tp, None, seed)
+            tables = stage_tables(module, stage_file)  # the layer classes' tables by full name
             for name, t in [*module.named_parameters(), *module.named_buffers()]:
-                pieces[stage_file.ORIGIN.get(name, name)].append(t.detach().clone())
+                pieces[tables.ORIGIN.get(name, name)].append(t.detach().clone())
         for source, parts in pieces.items():
-            spec = stage_file.SHARDS.get(source)
+            spec = tables.SHARDS.get(source)
             if spec is None:
                 assert all(torch.equal(p, parts[0]) for p in parts), f"{source} differs between TP ranks"
             full[source] = parts[0] if spec is None else unslice(parts, spec)
