@@ -38,12 +38,7 @@ from autoshard.passes.contract import Refusal, RewriteContext
 
 def _fail(node: fx.Node, why: str) -> Refusal:
     """What the pass cannot shard is in the model, whatever ``cp``: every degree above 1 is refused."""
-    where = node.meta.get("source")
-    return Refusal(
-        f"context parallelism cannot handle {node.format_node()}{f' ({where})' if where else ''}: {why}; "
-        "plan with --force cp=1",
-        axis="cp",
-    )
+    return Refusal.at(node, "context parallelism cannot handle {node}", why, "cp")
 
 
 def _cp(node: fx.Node) -> str | None:

@@ -94,6 +94,18 @@ class Refusal(AutoshardError):
         super().__init__(message)
         self.axis, self.value, self.divides = axis, value, divides
 
+    @classmethod
+    def at(cls, node, refused: str, why: str, axis: str, value=None, divides: int | None = None, fix: str = ""):
+        """The refusal of ``node`` (an fx node, shown with its line in the user's model, or a
+        description of where): "``refused``: ``why``; plan with ``fix``", where ``refused`` says
+        what cannot be done with ``{node}`` standing for the node; ``fix`` is ``--force axis=1``
+        unless given."""
+        if isinstance(node, fx.Node):
+            where = node.meta.get("source")
+            node = node.format_node() + (f" ({where})" if where else "")
+        message = f"{refused.format(node=node)}: {why}; plan with {fix or f'--force {axis}=1'}"
+        return cls(message, axis=axis, value=value, divides=divides)
+
     def exclusion(self):
         """What the planner leaves out of ``axis`` (``Problem.excluded``): the value, ``"*"`` for
         all but 1, or ``("divides", N)``."""

@@ -79,7 +79,7 @@ def _module_path(node: fx.Node) -> str:
 def _fail(region_or_node, why: str, ep: int) -> Refusal:
     node = region_or_node
     where = node.where if isinstance(node, Region) else f"{_module_path(node) or 'the model'} ({node.name})"
-    return Refusal(f"expert parallelism cannot shard the experts of {where}: {why}; plan with --force ep=1", "ep", ep)
+    return Refusal.at(where, "expert parallelism cannot shard the experts of {node}", why, "ep", value=ep)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,13 +31,8 @@ from autoshard.passes.contract import Refusal, RewriteContext
 
 
 def _fail(node: fx.Node, why: str) -> Refusal:
-    where = node.meta.get("source")
-    return Refusal(
-        f"sequence parallelism cannot run {node.format_node()}{f' ({where})' if where else ''} on a slice of the "
-        f"sequence: {why}; plan with --force sp=off (or --force tp=1)",
-        axis="sp",
-        value=True,
-    )
+    refused = "sequence parallelism cannot run {node} on a slice of the sequence"
+    return Refusal.at(node, refused, why, "sp", value=True, fix="--force sp=off (or --force tp=1)")
 
 
 def _reduces_itself(node: fx.Node) -> bool:

@@ -82,14 +82,7 @@ def slice_parameter(full: torch.Tensor, spec: ParamShard, rank: int, tp: int) ->
 
 
 def _fail(node: fx.Node, why: str, tp: int, divides: int | None = None) -> Refusal:
-    where = node.meta.get("source")
-    return Refusal(
-        f"tensor parallelism cannot split {node.format_node()}{f' ({where})' if where else ''}: {why}; "
-        "plan with --force tp=1",
-        axis="tp",
-        value=tp,
-        divides=divides,
-    )
+    return Refusal.at(node, "tensor parallelism cannot split {node}", why, "tp", value=tp, divides=divides)
 
 
 # ---------------------------------------------------------------------------------------------
