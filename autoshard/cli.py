@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--compare", metavar="PINS", help="also evaluate this pinned plan and explain the difference")
     p.add_argument("--plan-only", action="store_true", help="write plan.json and plan.md only")
+    p.add_argument(
+        "--dump-passes",
+        metavar="DIR",
+        help="write each rewrite pass's graph before and after it to DIR as readable code (NN_pass.before.py)",
+    )
     p.add_argument("-o", "--out", required=True, help="output directory")
     p.set_defaults(run=_compile)
 
@@ -226,7 +231,7 @@ def _compile(args) -> int:
         analyze(captured), hw, args.gpus, args.seq_len, args.global_batch, args.precision, pins, name
     )
     recipe = rebuild.for_file(path, builder or None, args.config)
-    compiled = compile_plan(problem, captured, recipe, args.plan_only, reference)
+    compiled = compile_plan(problem, captured, recipe, args.plan_only, reference, args.dump_passes)
     plan, extra = compiled.plan, compiled.files
     out = compiled.write(args.out)
     p = plan.predicted

@@ -15,7 +15,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from autoshard import passes
 from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
@@ -51,12 +50,11 @@ def write_plan(plan: Plan, out: str | Path, comparison: str | None = None, extra
 # the training program
 
 
-def program_files(plan: Plan, captured, rebuild) -> dict[str, str]:
-    """Stage files, the loss, ``program.json`` and ``train.py`` for ``plan`` (file name -> text);
-    ``program.json`` records ``rebuild`` (``autoshard.runtime.rebuild.Recipe``), how the program
-    rebuilds the single-device model."""
-
-    rewritten = passes.apply(captured, plan)
+def program_files(plan: Plan, rewritten, captured, rebuild) -> dict[str, str]:
+    """Stage files, the loss, ``program.json`` and ``train.py`` for ``plan`` (file name -> text),
+    from what the passes made of ``captured`` (``rewritten``, their ``RewriteContext``: the
+    chunks, and per node what they decided); ``program.json`` records ``rebuild``
+    (``autoshard.runtime.rebuild.Recipe``), how the program rebuilds the single-device model."""
     split = rewritten.split
     n = len(split.chunks)
     docs, chunks = [], []

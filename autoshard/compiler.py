@@ -25,8 +25,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from autoshard import planner
-from autoshard.codegen import program_files, write_plan
+from autoshard import codegen, passes, planner
+from autoshard.codegen import write_plan
 from autoshard.errors import AutoshardError
 from autoshard.ir import capabilities
 from autoshard.ir.plan import Plan
@@ -60,9 +60,11 @@ def compile_plan(
     rebuild: Recipe,
     plan_only: bool = False,
     compare: dict | None = None,
+    dump_passes: str | Path | None = None,
 ) -> Compiled:
-    """Search ``problem`` and, unless ``plan_only``, emit the program for the plan found; the
-    program rebuilds the single-device model with ``rebuild``."""
+    """Search ``problem`` and, unless ``plan_only``, rewrite the graph for the plan found and emit
+    the program; the program rebuilds the single-device model with ``rebuild``. ``dump_passes``:
+    a folder for each pass's graph before and after it (``passes.dump_to``)."""
 
     problem.emit = not plan_only
     for _ in range(MAX_ROUNDS):
@@ -79,7 +81,9 @@ def compile_plan(
                 "--plan-only searches the whole space."
             )
         try:
-            files = program_files(plan, _fresh(captured), rebuild)
+            fresh = _fresh(captured)
+            rewritten = passes.apply(fresh, plan, passes.dump_to(Path(dump_passes)) if dump_passes else None)
+            files = codegen.program_files(plan, rewritten, fresh, rebuild)
         except Refusal as refusal:
             _exclude(problem, refusal)
             continue

@@ -12,7 +12,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.capabilities import refusals
 from autoshard.passes.activation_checkpoint import activation_checkpoint, layers_wrapped
 from autoshard.passes.context_parallel import context_parallel, no_full_sequence_attention_left
-from autoshard.passes.contract import Pass, RewriteContext, run_passes
+from autoshard.passes.contract import Observer, Pass, RewriteContext, dump_to, run_passes
 from autoshard.passes.expert_parallel import expert_balance, expert_parallel, no_experts_left_whole
 from autoshard.passes.flash_attention import flash_attention, no_fusable_sdpa_left
 from autoshard.passes.fp8 import fp8, fp8_calls_only
@@ -111,18 +111,18 @@ PASSES: list[Pass] = [
 ]
 
 
-def apply(captured, plan) -> RewriteContext:
+def apply(captured, plan, observe: Observer | None = None) -> RewriteContext:
     """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, running
-    ``PASSES`` in order; the context returned holds the pipeline chunks (``split``) and what the
-    passes decided for the emitter. Features of the plan that no pass implements yet are refused
-    here with the reason rather than silently dropped."""
+    ``PASSES`` in order (``observe``: see ``contract.run_passes``); the context returned holds the
+    pipeline chunks (``split``) and what the passes decided for the emitter. Features of the plan
+    that no pass implements yet are refused here with the reason rather than silently dropped."""
 
     reasons = refusals(plan)
     if reasons:
         raise AutoshardError(reasons[0])
     ctx = RewriteContext.from_plan(plan)
-    run_passes(PASSES, captured.graph_module, ctx)
+    run_passes(PASSES, captured.graph_module, ctx, observe)
     return ctx
 
 
-__all__ = ["PASSES", "Pass", "RewriteContext", "apply", "run_passes"]
+__all__ = ["PASSES", "Pass", "RewriteContext", "apply", "dump_to", "run_passes"]

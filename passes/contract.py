@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from torch import fx
 
@@ -151,16 +152,52 @@ def check_ensures(p: Pass, gm: fx.GraphModule, ctx: RewriteContext, before: dict
             raise ContractError(f"pass {p.name} did not ensure its contract: {wrong}")
 
 
-def run_passes(passes: list[Pass], gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
-    """Run ``passes`` in order on ``gm``, those that apply to ``ctx``, checking each contract."""
+# what ``run_passes`` shows an observer: the pass, "before" or "after", the graph and the context
+Observer = Callable[[Pass, str, fx.GraphModule, RewriteContext], None]
+
+
+def run_passes(passes: list[Pass], gm: fx.GraphModule, ctx: RewriteContext, observe: Observer | None = None):
+    """Run ``passes`` in order on ``gm``, those that apply to ``ctx``, checking each contract;
+    ``observe`` sees the graph before and after each pass that runs."""
     for p in passes:
         if not p.applies(ctx):
             continue
         check_requires(p, gm)
         before = _keys(gm)
+        if observe:
+            observe(p, "before", gm, ctx)
         gm = p.run(gm, ctx)
+        if observe:
+            observe(p, "after", gm, ctx)
         check_ensures(p, gm, ctx, before)
     return gm
+
+
+def dump_to(folder: Path) -> Observer:
+    """An observer writing each pass's graph before and after it as readable code, one file each:
+    ``folder/03_tensor_parallel.before.py`` (as inductor's ``GraphTransformObserver`` does). After
+    the pipeline split, the chunks' and the loss's code follow the graph's."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise AutoshardError(f"--dump-passes {folder}: cannot make that folder ({e.strerror}); give another") from None
+    for stale in [*folder.glob("*.before.py"), *folder.glob("*.after.py")]:
+        stale.unlink()
+    seen: list[str] = []
+
+    def observe(p: Pass, when: str, gm: fx.GraphModule, ctx: RewriteContext) -> None:
+        if when == "before":
+            seen.append(p.name)
+        text = f"# {p.name}: {p.summary}\n# {when} the pass\n{gm.code}"
+        if when == "after" and ctx.split is not None:
+            parts = [
+                *(f"# chunk {c}\n{chunk.code}" for c, chunk in enumerate(ctx.split.chunks)),
+                f"# loss\n{ctx.split.loss.code}",
+            ]
+            text += "\n".join(parts)
+        (folder / f"{len(seen):02d}_{p.name}.{when}.py").write_text(text)
+
+    return observe
 
 
 __all__ = ["RewriteContext", "Pass", "Refusal", "ContractError", "run_passes", "check_requires", "check_ensures"]

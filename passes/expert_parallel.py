@@ -76,10 +76,11 @@ def _module_path(node: fx.Node) -> str:
     return paths[-1] if paths else ""
 
 
-def _fail(region_or_node, why: str, ep: int) -> Refusal:
+def _fail(region_or_node, why: str, divides: int | None = None, ep: int | None = None) -> Refusal:
+    """Every EP degree above 1 refused, or with ``divides`` N those that do not divide N."""
     node = region_or_node
     where = node.where if isinstance(node, Region) else f"{_module_path(node) or 'the model'} ({node.name})"
-    return Refusal.at(where, "expert parallelism cannot shard the experts of {node}", why, "ep", value=ep)
+    return Refusal.at(where, "expert parallelism cannot shard the experts of {node}", why, "ep", ep, divides)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +128,6 @@ def find_regions(gm: fx.GraphModule, ep: int | None = None) -> list[Region]:
                 f"{gemm.format_node()} is an expert product of a kind this pass does not split (it splits "
                 "stacked (E, ., .) weights read by a grouped GEMM over rows sorted by expert, or by a batched "
                 "product over an (E, C, H) buffer)",
-                ep,
             )
         act, weight, offs = parts
         experts = int(_param(gm, target).shape[0])
@@ -142,7 +142,7 @@ def find_regions(gm: fx.GraphModule, ep: int | None = None) -> list[Region]:
             done |= set(loose)
             continue
         if loose:
-            raise _fail(region, f"{loose[0].name} reads the experts' rows together with other tensors", ep)
+            raise _fail(region, f"{loose[0].name} reads the experts' rows together with other tensors")
         done |= set(region.gemms)
         regions.append(region)
     return regions
@@ -229,7 +229,7 @@ def expert_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     regions = find_regions(gm, ctx.ep if ctx.ep > 1 else None)
     for region in regions:
         if region.experts % ctx.ep:
-            raise _fail(region, f"EP{ctx.ep} does not divide its {region.experts} experts", ctx.ep)
+            raise _fail(region, f"EP{ctx.ep} does not divide its {region.experts} experts", region.experts, ctx.ep)
         _rewrite(gm, region, ctx)
         for target in region.weights:
             if target not in ctx.expert_params:

@@ -81,7 +81,9 @@ def slice_parameter(full: torch.Tensor, spec: ParamShard, rank: int, tp: int) ->
     return slice_full(full, (spec.dim, spec.factors, spec.index, spec.parts), rank, tp).clone()
 
 
-def _fail(node: fx.Node, why: str, tp: int, divides: int | None = None) -> Refusal:
+def _fail(node: fx.Node, why: str, tp: int | None = None, divides: int | None = None) -> Refusal:
+    """``tp`` where the obstacle is that degree (or ``divides`` N, a size every degree must
+    divide); None where it is the model, refusing every degree above 1 in one round."""
     return Refusal.at(node, "tensor parallelism cannot split {node}", why, "tp", value=tp, divides=divides)
 
 
@@ -157,7 +159,7 @@ class _Propagator:
         self.partial_sums: dict[fx.Node, str] = {}  # a sum or mean over the split dimension -> which
 
     def fail(self, node: fx.Node, why: str, divides: int | None = None) -> Refusal:
-        return _fail(node, why, self.tp, divides)
+        return _fail(node, why, self.tp if divides else None, divides)
 
     # the column matmuls start regions -----------------------------------------------------
     def start(self, node: fx.Node) -> None:
@@ -788,12 +790,12 @@ def _split_embeddings(gm: fx.GraphModule, ctx: RewriteContext, nodes: list[fx.No
                 padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
                 padding = None if padding is None or padding < 0 else padding
             else:
-                raise _fail(node, "an embedding whose table is not a parameter", tp)
+                raise _fail(node, "an embedding whose table is not a parameter")
             tied = ctx.shards.get(weight_name)  # the vocabulary head's weight too: already this rank's rows
             if tied is not None:
                 rows = math.prod(tied.factors)
             if rows % tp:
-                raise _fail(node, f"vocabulary {rows} does not divide by tp={tp}", tp)
+                raise _fail(node, f"vocabulary {rows} does not divide by tp={tp}", tp, divides=rows)
             if node.op == "call_module":
                 _swap(gm, node.target, nn.Embedding(rows // tp, dim, device="meta"))
             elif tied is None:
@@ -815,14 +817,14 @@ def _split_losses(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) ->
     tp, graph = ctx.tp, gm.graph
     for node, s in prop.losses.items():
         if s.dim != len(_shape(node.args[0])) - 1:
-            raise _fail(node, "only cross-entropy over logits split along the vocabulary is supported", tp)
+            raise _fail(node, "only cross-entropy over logits split along the vocabulary is supported")
         if node.target is runtime.cp_cross_entropy:
             node.args = (*node.args[:3], True)  # vocabulary-parallel and context-parallel at once
             ctx.notes[node.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
             continue
         args = ops.call_args(node)
         if args["weight"] is not None or args["label_smoothing"]:
-            raise _fail(node, "class weights or label smoothing in a vocabulary-split loss", tp)
+            raise _fail(node, "class weights or label smoothing in a vocabulary-split loss")
         with graph.inserting_after(node):
             ce = graph.call_function(
                 runtime.vocab_parallel_cross_entropy,
@@ -841,7 +843,7 @@ def _split_region_parameters(gm: fx.GraphModule, ctx: RewriteContext, prop: _Pro
         others = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == node.target]
         readers = [u for n in others for u in n.users]
         if any(u not in prop.shard for u in readers):
-            raise _fail(node, f"parameter {node.target} is split in one place and read whole in another", ctx.tp)
+            raise _fail(node, f"parameter {node.target} is split in one place and read whole in another")
         shape = list(_param(gm, node.target).shape)
         shape[s.dim] //= ctx.tp
         _localise(gm, node.target, tuple(shape))
@@ -959,7 +961,7 @@ def _linear(gm: fx.GraphModule, node: fx.Node, tp: int) -> _Lin:
             in_f, out_f = _param(gm, w.target).shape
             bias = b.target if b is not None else None
             return _Lin(w.target, bias, out_f, in_f, False, x=1 if name == "addmm" else 0, stored_in_out=True)
-    raise _fail(node, "only linear layers whose weight is a parameter are split", tp)
+    raise _fail(node, "only linear layers whose weight is a parameter are split")
 
 
 def _param(gm: fx.GraphModule, target: str) -> torch.Tensor:
@@ -1008,7 +1010,7 @@ def _rewrite_sizes(node: fx.Node, s: Shard, tp: int) -> None:
             return
         sizes[s.dim] = value // tp
     elif isinstance(value, fx.Node) and not _local_size(value):
-        raise _fail(node, "the split dimension's size is computed, not a constant; write it as a constant", tp)
+        raise _fail(node, "the split dimension's size is computed, not a constant; write it as a constant")
     node.args = (args[0], type(args[1])(sizes)) if packed else (args[0], *sizes)
 
 

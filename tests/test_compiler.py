@@ -145,3 +145,23 @@ def test_a_160_layer_model_compiles_with_no_walk_recursing_on_depth(tmp_path):
     plan = Plan.load(out)
     assert sum(plan.stage_layers) == 160 and (out / "train.py").exists()
     assert len(list(out.glob("stage*.py"))) == plan.mesh.pp * plan.virtual_stages
+
+
+def test_dump_passes_writes_each_pass_graph_before_and_after_it(tmp_path):
+    """``--dump-passes DIR``: one readable file per pass and side, in the order the passes ran;
+    the tensor-parallel pass's graph gains the collectives it inserts, and the pipeline split's
+    shows the chunks. A stale dump of an earlier run is replaced."""
+    (tmp_path / "09_stale.after.py").write_text("")
+    problem = _problem("llama3", "cpu", 4, 16, tp=2, pp=2)
+    cap, _ = captured("llama3", "tiny", SEQ)
+    recipe = rebuild.for_file(str(EXAMPLES / "llama3.py"), None, "tiny")
+    compile_plan(problem, copy.deepcopy(cap), recipe, dump_passes=tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "09_stale.after.py" not in names and len(names) % 2 == 0
+    tp = [n for n in names if n.endswith("_tensor_parallel.before.py")]
+    assert tp, names
+    before = (tmp_path / tp[0]).read_text()
+    after = (tmp_path / tp[0].replace(".before", ".after")).read_text()
+    assert "reduce_from_tp" not in before and "reduce_from_tp" in after
+    split = next(n for n in names if n.endswith("_pipeline_split.after.py"))
+    assert "# chunk 3" in (tmp_path / split).read_text()
