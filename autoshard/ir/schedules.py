@@ -16,10 +16,19 @@ A row's facts:
 ``overlaps_ep``     one micro-batch's expert all-to-all runs under another's compute (DualPipeV).
 ``torch_class``     the ``torch.distributed.pipelining.schedules`` class that runs it with one
                     chunk per rank (``single_class``) or several (``multi_class``).
+``runs``            why torch's class cannot run a (pp, micro-batches, v), or None.
+``held``            the micro-batches a rank holds at its peak (``in_flight``).
+``rounds``          its order fills the rank's chunks a round of micro-batches at a time
+                    (interleaved 1F1B, ZB1P), which ``least_held`` and ``occupancy`` read.
+``fill``            the rule of its pipeline bubble (``bubble``).
+
+The formulas are columns too (small functions named by what they check), so nothing reads a
+schedule's name to decide what it does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -28,6 +37,43 @@ from functools import lru_cache
 # whether the chunk's weight gradients exist yet (1 from its first weight pass or full backward on:
 # autograd makes a parameter's gradient when that runs, and the step sets them to None)
 Point = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+# Per-row rules: a schedule's formulas are columns of its row, looked up, never branched on by
+# name. ``rank, pp, m, v`` as in the methods below; ``rounds`` is ``m`` split into
+# ``max(1, m // pp)`` equal parts.
+
+
+def _one_per_stage(pp: int, m: int, v: int) -> str | None:
+    return None if m >= pp or pp == 1 else f"1F1B needs at least {pp} micro-batches (one per stage)"
+
+
+def _whole_rounds(pp: int, m: int, v: int) -> str | None:
+    if v < 2:
+        return "this schedule needs at least 2 chunks per rank"
+    return None if m % max(1, m // pp) == 0 else f"{m} micro-batches are not whole rounds of {pp}"
+
+
+def _paired(pp: int, m: int, v: int) -> str | None:
+    if m < 2 * pp or pp % 2 or m % 2:
+        return "DualPipeV needs an even number of stages and an even number of at least 2p micro-batches"
+    return None
+
+
+def _any(pp: int, m: int, v: int) -> str | None:
+    return None
+
+
+def _fill_drain(pp: int, m: int, v: int, t: float, split: bool, f: float, b: float, w: float) -> float:
+    """1F1B: (p-1)(F+B+W), whatever the micro-batches."""
+    return (pp - 1) * t
+
+
+def _fill_over_chunks(pp: int, m: int, v: int, t: float, split: bool, f: float, b: float, w: float) -> float:
+    """Interleaved: /v (Narayanan et al.); split backward: (p-1)(F+B-W)/v (ZB-H1, Qi et al.). With
+    fewer micro-batches than stages each missing one adds the share interleaving cannot hide."""
+    fill = (pp - 1) * (t if not split else max(0.0, f + b - w)) / v
+    return fill + max(0, pp - m) * max(0.0, t - fill / max(1, pp - 1))
 
 
 @dataclass(frozen=True)
@@ -40,6 +86,10 @@ class Schedule:
     single_class: str | None  # one chunk per rank
     multi_class: str  # several chunks per rank
     summary: str
+    runs: Callable[[int, int, int], str | None]  # (pp, m, v) -> why torch's class cannot run it, or None
+    held: Callable[[int, int, int, int, int], float]  # (rank, pp, m, v, round) -> ``in_flight``
+    rounds: bool  # its order is interleaved 1F1B's, chunks filled a round at a time (``least_held``)
+    fill: Callable[..., float]  # the bubble's rule (``bubble``)
 
     def chunk_rank(self, chunk: int, pp: int) -> int:
         """The pipeline rank that holds ``chunk``."""
@@ -57,19 +107,10 @@ class Schedule:
     def runs_with(self, pp: int, microbatches: int, v: int) -> str | None:
         """Why torch's implementation cannot run ``microbatches`` micro-batches through ``pp``
         ranks of ``v`` chunks each, or ``None`` if it can."""
-        m = microbatches
         if self.fixed_v is not None and v != self.fixed_v:
             return f"{self.name} has {self.fixed_v} chunk(s) per rank, not {v}"
-        if self.name == "1f1b":
-            return None if m >= pp or pp == 1 else f"1F1B needs at least {pp} micro-batches (one per stage)"
-        if self.name in ("interleaved", "zero-bubble"):
-            if v < 2:
-                return f"{self.name} needs at least 2 chunks per rank"
-            rounds = max(1, m // pp)
-            return None if m % rounds == 0 else f"{m} micro-batches are not whole rounds of {pp}"
-        if self.name == "dualpipev" and (m < 2 * pp or pp % 2 or m % 2):
-            return "DualPipeV needs an even number of stages and an even number of at least 2p micro-batches"
-        return None
+        why = self.runs(pp, microbatches, v)
+        return why.replace("this schedule", self.name) if why else None
 
     def in_flight(self, rank: int, pp: int, m: int, v: int) -> float:
         """Micro-batches whose activations rank ``rank`` holds at its peak, in units of one
@@ -80,16 +121,7 @@ class Schedule:
         Interleaved 1F1B holds ``v - 1`` rounds plus twice the distance to the last rank; ZB1P,
         which defers each weight pass, ``v - 1`` rounds plus ``pp`` on every rank. A round is
         ``m`` split into ``max(1, m // pp)`` equal parts."""
-        per_round = m // max(1, m // pp)
-        if self.name == "1f1b":
-            return min(m, pp - rank)
-        if self.name == "interleaved":
-            return min(m * v, (v - 1) * per_round + 2 * (pp - rank - 1) + 1) / v
-        if self.name == "zero-bubble":
-            return min(m * v, (v - 1) * per_round + pp) / v
-        if self.name == "zbv":
-            return min(2 * pp, 2 * m, m + 1 + rank) / 2
-        return (2 * min(m, pp) + 1) / 2  # dualpipev: one more forward inside its overlapped F&B steps
+        return self.held(rank, pp, m, v, m // max(1, m // pp))
 
     def least_held(self, rank: int, pp: int, m: int, v: int) -> float:
         """Micro-batches every chunk of rank ``rank`` holds at once at some moment (the most such):
@@ -99,7 +131,7 @@ class Schedule:
         forward comes before its first backward). One chunk: ``in_flight``."""
         if v == 1:
             return self.in_flight(rank, pp, m, v)
-        if self.name not in ("interleaved", "zero-bubble"):
+        if not self.rounds:
             return 1.0
         per_round = m // max(1, m // pp)
         ops = v * m
@@ -141,11 +173,7 @@ class Schedule:
         micro-batch adds the share of a rank's time that interleaving cannot hide."""
         if pp == 1:
             return 0.0
-        t = f + b + w
-        if self.name == "1f1b":
-            return (pp - 1) * t
-        fill = (pp - 1) * (t if not self.split_backward else max(0.0, f + b - w)) / v
-        return fill + max(0, pp - m) * max(0.0, t - fill / max(1, pp - 1))
+        return self.fill(pp, m, v, f + b + w, self.split_backward, f, b, w)
 
 
 def peak(points: tuple[Point, ...], held: list[float], waiting: list[float], grads: list[float]) -> float:
@@ -222,7 +250,7 @@ def _occupancy(name: str, pp: int, m: int, v: int) -> tuple[tuple[Point, ...], .
         return tuple((((round(row.in_flight(r, pp, m, 1)),), (0,), (1,)),) for r in range(pp))
     out = []
     for r in range(pp):
-        if row.name in ("interleaved", "zero-bubble"):
+        if row.rounds:
             moments = _interleaved_moments(r, pp, m, v, row.split_backward)
         else:
             moments = _moments(_rank_order(row, r, pp, m, v), row.chunks_of_rank(r, pp, v))
@@ -235,7 +263,7 @@ def _split_share(name: str, pp: int, m: int, v: int) -> tuple[float, ...]:
     row = SCHEDULES[name]
     if not row.split_backward:
         return (0.0,) * pp
-    if name == "zero-bubble":  # ZB1P: an input pass then a weight pass for every backward (_interleaved_moments)
+    if row.rounds:  # ZB1P: an input pass then a weight pass for every backward (_interleaved_moments)
         return (1.0,) * pp
     out = []
     for r in range(pp):
@@ -324,34 +352,34 @@ SCHEDULES: dict[str, Schedule] = {
     s.name: s
     for s in (
         Schedule(
-            "1f1b", False, False, 1, False, "Schedule1F1B", "ScheduleInterleaved1F1B", "one forward, one backward"
+            "1f1b", False, False, 1, False, "Schedule1F1B", "ScheduleInterleaved1F1B", "one forward, one backward",
+            runs=_one_per_stage, held=lambda r, pp, m, v, rnd: min(m, pp - r), rounds=False, fill=_fill_drain,
         ),
         Schedule(
-            "interleaved", False, False, None, False, None, "ScheduleInterleaved1F1B", "1F1B over v chunks per rank"
+            "interleaved", False, False, None, False, None, "ScheduleInterleaved1F1B", "1F1B over v chunks per rank",
+            runs=_whole_rounds, held=lambda r, pp, m, v, rnd: min(m * v, (v - 1) * rnd + 2 * (pp - r - 1) + 1) / v,
+            rounds=True, fill=_fill_over_chunks,
         ),
         Schedule(
-            "zero-bubble",
-            False,
-            True,
-            None,
-            False,
-            None,
-            "ScheduleInterleavedZeroBubble",
+            "zero-bubble", False, True, None, False, None, "ScheduleInterleavedZeroBubble",
             "interleaved, weight gradients deferred into the bubble",
+            runs=_whole_rounds, held=lambda r, pp, m, v, rnd: min(m * v, (v - 1) * rnd + pp) / v,
+            rounds=True, fill=_fill_over_chunks,
         ),
-        Schedule("zbv", True, True, 2, False, None, "ScheduleZBVZeroBubble", "zero-bubble over a V of two chunks"),
         Schedule(
-            "dualpipev",
-            True,
-            True,
-            2,
-            True,
-            None,
-            "ScheduleDualPipeV",
+            "zbv", True, True, 2, False, None, "ScheduleZBVZeroBubble", "zero-bubble over a V of two chunks",
+            runs=_any, held=lambda r, pp, m, v, rnd: min(2 * pp, 2 * m, m + 1 + r) / 2,
+            rounds=False, fill=_fill_over_chunks,
+        ),
+        Schedule(
+            "dualpipev", True, True, 2, True, None, "ScheduleDualPipeV",
             "V of two chunks, forward and backward of two micro-batches overlapped",
+            # one more forward inside its overlapped F&B steps
+            runs=_paired, held=lambda r, pp, m, v, rnd: (2 * min(m, pp) + 1) / 2,
+            rounds=False, fill=_fill_over_chunks,
         ),
     )
-}
+}  # fmt: skip
 NAMES: tuple[str, ...] = tuple(SCHEDULES)
 SPLIT_BACKWARD: frozenset[str] = frozenset(n for n, s in SCHEDULES.items() if s.split_backward)
 
