@@ -36,6 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 from autoshard.cost_models.comm import wire_bytes
 from autoshard.errors import AutoshardError
+from autoshard.ir.plan import GRID_AXES
 from autoshard.ir.schedules import schedule
 from autoshard.runtime import attention, fp8, groups, trainer  # noqa: F401 (attention and fp8 register the autoshard ops)
 from autoshard.runtime import program as rt
@@ -455,7 +456,7 @@ def _dimension(plan: dict, members: list[int]) -> str:
     counts that traffic as data parallelism's), else ``mixed``. A group of every rank is named
     by its coordinates too (ZeRO's dp x cp group is the world where nothing else splits it); the
     default group is ``world`` where its ranks vary in several dimensions (``group_names``)."""
-    varying = {a for a in ("tp", "cp", "pp", "dp") if len({coordinates(plan, r)[a] for r in members}) > 1}
+    varying = {a for a in GRID_AXES if len({coordinates(plan, r)[a] for r in members}) > 1}
     if len(varying) == 1:
         return varying.pop()
     if varying == {"dp", "cp"}:

@@ -21,8 +21,6 @@ from torch import fx
 
 from autoshard.ir import ops
 
-_ENDS = ("linear", "loss")  # transfer rules that end a region: a row matmul, the loss
-
 
 def _weighted(node: fx.Node, gm: fx.GraphModule) -> bool:
     r = ops.rule_of(node)
@@ -38,7 +36,7 @@ def _splittable(node: fx.Node, gm: fx.GraphModule) -> bool:
 def _transparent(node: fx.Node) -> bool:
     """A TP shard passes through ``node``: its row names a transfer rule that carries it on."""
     r = ops.rule_of(node)
-    return r is not None and r.tp is not None and r.tp not in _ENDS
+    return r is not None and r.tp is not None and r.tp not in ops.TP_REGION_ENDS
 
 
 def _explore(start: fx.Node, gm: fx.GraphModule):

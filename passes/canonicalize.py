@@ -592,7 +592,7 @@ def grouped_gemms(gm: fx.GraphModule) -> bool:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is moe.grouped_mm:
             continue
-        if ops.op_name(node) not in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback"):
+        if ops.op_name(node) not in ops.GROUPED_MATMULS:
             continue
         args = list(node.args) + [None] * (3 - len(node.args))
         offs = node.kwargs.get("offs", args[2])

@@ -47,8 +47,6 @@ from autoshard.passes.contract import Refusal, RewriteContext
 from autoshard.passes.tensor_parallel import ParamShard, _localise, _param
 from autoshard.runtime import collectives, moe
 
-_GROUPED = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
-_ROWWISE = ("pointwise", "softmax", "norm")  # op-table tp kinds that act on each row alone
 _KEEP_ROWS = ("getitem", "split", "view", "unsqueeze", "squeeze", "transpose", "permute", "expand", "slice")
 
 
@@ -99,7 +97,7 @@ def _weight_target(node: fx.Node) -> str | None:
 def _gemm_parts(gemm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     """(activation, weight, offs) of an expert GEMM; None if it is not one this pass reads."""
     args = [a for a in gemm.args if isinstance(a, fx.Node)]
-    if ops.op_name(gemm) in _GROUPED or gemm.meta.get("op") in _GROUPED:
+    if ops.op_name(gemm) in ops.GROUPED_MATMULS or gemm.meta.get("op") in ops.GROUPED_MATMULS:
         offs = gemm.args[2] if len(gemm.args) > 2 else gemm.kwargs.get("offs")
         return (gemm.args[0], gemm.args[1], offs) if isinstance(offs, fx.Node) else None
     weights = [a for a in args if ops.is_weight(a)]
@@ -198,7 +196,7 @@ def _keeps_rows(node: fx.Node, rows: tuple, kind: str) -> bool:
     r = ops.rule_of(node)
     if r is None or r.metadata:
         return False
-    if r.tp not in (*_ROWWISE, *_KEEP_ROWS) and r.op_class != "elementwise":
+    if r.tp not in (*ops.TP_ROW_WISE, *_KEEP_ROWS) and r.op_class != "elementwise":
         return False
     shape = node.meta.get("shape")
     if shape is None:  # a split/chunk: its getitems carry the shapes

@@ -601,7 +601,7 @@ _TRANSFER = {
     "cat": _Propagator.cat,
     "stack": _Propagator.stack,
 }
-IMPLEMENTED = frozenset(_TRANSFER) | {"linear", "loss"}  # every kind of ops.TP_RULES
+IMPLEMENTED = frozenset(_TRANSFER) | set(ops.TP_REGION_ENDS)  # every kind of ops.TP_RULES
 _CHECKS_OWN_INPUTS = ("attention", "matmul", "cat", "stack")
 
 

@@ -17,6 +17,12 @@ model, the sharding analysis and the rewrite passes need to know about it, side 
 * ``metadata``: it reads only its input's metadata, never its values (a key of ``METADATA``);
 * ``signature``: the argument layout of an attention or loss call (a key of ``SIGNATURES``),
   read with :func:`call_args` by the cost model and every pass.
+* ``cast``: it only changes its input's dtype (``CASTS``);
+* ``grouped``: a grouped GEMM over rows sorted by expert (``GROUPED_MATMULS``).
+
+Facts of the transfer rules themselves sit beside them: ``TP_REGION_ENDS`` (a row matmul and the
+vocabulary-parallel loss end a tensor-parallel region), ``TP_ROW_WISE`` (rules that act on each
+row alone).
 
 Saved-tensor codes (``OpRule.saves``):
   ``partner``  bilinear ops (mul, matmul, linear): each operand is kept when the other needs a
@@ -68,6 +74,11 @@ TP_RULES = {
     "column- or row-parallel, as the analysis pairs them",
     "loss": "cross-entropy over logits split along the vocabulary (vocabulary-parallel)",
 }
+
+# transfer rules that end a tensor-parallel region (a row matmul, the vocabulary-parallel loss),
+# and those that act on each row of a tensor alone (experts' rows may be split between ranks)
+TP_REGION_ENDS = ("linear", "loss")
+TP_ROW_WISE = ("pointwise", "softmax", "norm")
 
 SP_RULES = {
     "pointwise": "per token: element by element, every operand per token or broadcast over the sequence",
@@ -155,6 +166,8 @@ class OpRule:
     cp: str | None = None  # a key of CP_RULES
     metadata: str | None = None  # a key of METADATA
     signature: str | None = None  # a key of SIGNATURES
+    cast: bool = False  # it only changes its input's dtype
+    grouped: bool = False  # a grouped GEMM: rows sorted by expert, one weight per group (``offs``)
 
 
 def _rows(names: str, rule: OpRule, **fields) -> dict[str, OpRule]:
@@ -177,7 +190,8 @@ RULES: dict[str, OpRule] = {
     # matrix products
     **_rows("linear addmm", _MATMUL, tp="linear"),  # addmm(bias, x, w): GPT-2's Conv1D
     **_rows("matmul mm bmm", _MATMUL, tp="matmul"),
-    **_rows("baddbmm einsum _grouped_mm grouped_mm grouped_mm_fallback", _MATMUL),
+    **_rows("baddbmm einsum", _MATMUL),
+    **_rows("_grouped_mm grouped_mm grouped_mm_fallback", _MATMUL, grouped=True),
     # attention
     **_rows("scaled_dot_product_attention", _SDPA, signature="sdpa"),
     # the aten kernels (torch.export): priced and split by heads; flash and CP leave them to torch
@@ -215,7 +229,8 @@ RULES: dict[str, OpRule] = {
     **_rows("dropout native_dropout", _PW, saves=("mask",)),
     **_rows("masked_fill masked_fill_", _PW, saves=("in1",)),
     "where": replace(_PW, saves=("in0",)),
-    **_rows("to float half bfloat16 type_as _to_copy to_compute contiguous clone", _PW),
+    **_rows("to float half bfloat16 type_as _to_copy to_compute", _PW, cast=True),
+    **_rows("contiguous clone", _PW),
     **_rows("eq ne lt le gt ge logical_not invert bitwise_not", _PW),
     # reductions and routing (a feature shard passes the ones over other dimensions)
     **_rows("sum mean amax var std", _REDUCE, sp="reduce", tp="reduce"),
@@ -370,7 +385,8 @@ def tensor_args(node: fx.Node) -> list[fx.Node]:
 # ---------------------------------------------------------------------------------------------
 # Op classes from the table, refined by graph patterns
 
-CASTS = ("to", "_to_copy", "float", "half", "bfloat16", "type_as", "to_compute")  # ops that only change a dtype
+CASTS = tuple(name for name, r in RULES.items() if r.cast)  # ops that only change a dtype
+GROUPED_MATMULS = tuple(name for name, r in RULES.items() if r.grouped)
 
 
 def cast_target(node) -> torch.dtype | None:

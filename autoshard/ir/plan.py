@@ -12,7 +12,8 @@ from autoshard.ir.categories import CHECKPOINT_CATEGORIES
 from autoshard.ir.schedules import NAMES
 
 PLAN_VERSION = 1
-AXES = ("tp", "pp", "cp", "ep", "dp")
+AXES = ("tp", "pp", "cp", "ep", "dp")  # the mesh's degrees, in the order a mesh tuple lists them
+GRID_AXES = ("tp", "cp", "pp", "dp")  # the rank grid's axes (ep folds into cp x dp), innermost first by default
 SCHEDULES = NAMES  # the schedule table's rows (autoshard.ir.schedules)
 ATTENTION = ("flash", "ring", "allgather-kv")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from autoshard.cost_models.analyze import ModelCost
 from autoshard.errors import AutoshardError
 from autoshard.ir import capabilities
-from autoshard.ir.plan import CHECKPOINT_CATEGORIES, PLAN_VERSION, Alternative, Mesh, Plan, Predicted
+from autoshard.ir.plan import AXES, CHECKPOINT_CATEGORIES, PLAN_VERSION, Alternative, Mesh, Plan, Predicted
 from autoshard.planner.candidates import Problem, parse_force
 from autoshard.planner.costs import CandidateCosts
 from autoshard.planner.evaluate import Evaluator
@@ -55,7 +55,7 @@ def to_plan(problem: Problem, result: SearchResult) -> Plan:
                 ),
             )
         )
-    seen = {tuple(a.mesh[k] for k in ("tp", "pp", "cp", "ep", "dp")) for a in plan.alternatives}
+    seen = {tuple(a.mesh[k] for k in AXES) for a in plan.alternatives}
     for ev in result.infeasible:
         key = ev.candidate.mesh_key()
         if key in seen or key == best.candidate.mesh_key() or len(plan.alternatives) >= 2 * max(1, len(result.ranked)):

@@ -11,11 +11,11 @@ from autoshard.cost_models.analyze import ModelCost, category_subsets
 from autoshard.cost_models.hardware import Hardware
 from autoshard.errors import AutoshardError
 from autoshard.ir import FP8_DEFAULT, FP8_KINDS, capabilities
-from autoshard.ir.plan import ATTENTION, CHECKPOINT_CATEGORIES
+from autoshard.ir.plan import ATTENTION, AXES, CHECKPOINT_CATEGORIES, GRID_AXES
 from autoshard.ir.schedules import SCHEDULES
 
-ORDER_AXES = ("tp", "cp", "pp", "dp")
-MESH_AXES = ("tp", "pp", "cp", "ep", "dp")  # the order of a mesh tuple
+ORDER_AXES = GRID_AXES
+MESH_AXES = AXES  # the order of a mesh tuple
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Candidate:
     recompute: frozenset[str]
     schedule: str = "1f1b"
     v: int = 1
-    order: tuple[str, ...] = ("tp", "cp", "pp", "dp")
+    order: tuple[str, ...] = GRID_AXES
     zero: int = 1
 
     def mesh_key(self) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ from autoshard.cost_models.comm import Where, pipeline_ends_all_reduce
 from autoshard.cost_models.hardware import Hardware
 from autoshard.cost_models.layers import POST, PRE, LayerCost, LayerCosts
 from autoshard.cost_models.memory import GRAD_TRANSIENT_BYTES, ZERO3_GATHERED_LAYERS, sharded_state_bytes
+from autoshard.ir.plan import GRID_AXES
 from autoshard.ir.schedules import SCHEDULES, Schedule
 from autoshard.planner.candidates import Candidate, Problem, recompute_options, schedules
 from autoshard.planner.memo import Memo
@@ -38,7 +39,7 @@ def placements(c: Candidate, order: tuple[str, ...] | None, hw: Hardware) -> dic
         # (the family floor's stand-in has dp = 1, fewer ranks than ep may need; it reads no edp)
         return best | {"dpcp": Where.best(c.dp * c.cp, hw), "edp": Where.best(max(1, c.edp), hw)}
     st = _strides(c, order)
-    out = {a: Where.grid((st[a],), d) for a in ("tp", "cp", "pp", "dp")}
+    out = {a: Where.grid((st[a],), d) for a in GRID_AXES}
     out["dpcp"] = Where.grid(tuple(st[a] for a in order if a in ("cp", "dp")), d)
     stage = tuple(st[a] for a in order if a != "pp")
     out["ep"] = Where.grid(stage, d, take=c.ep)

@@ -24,9 +24,6 @@ from autoshard.runtime.rebuild import Recipe
 from autoshard.runtime.stages import load_stage_file, materialise, put_parameter, stage_tables
 from autoshard.runtime.zero import BUCKET_BYTES, ShardedAdamW
 
-AXES = ("tp", "cp", "pp", "dp")
-
-
 # ---------------------------------------------------------------------------------------------
 # mesh
 

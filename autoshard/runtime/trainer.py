@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.errors import ProgramError
+from autoshard.ir.plan import AXES
 from autoshard.runtime import collectives, data, durable, fake, fp8, groups, moe, state
 from autoshard.runtime import program as rt
 from autoshard.runtime.weights import open_weights
@@ -857,7 +858,7 @@ class Trainer:
             "lr": {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr,
                    "steps": args.steps},
             "plan_sha256": self.program.get("plan_sha256"), "gpus": plan["gpus"], "model": plan["model"].get("name"),
-            "mesh": {k: plan["mesh"][k] for k in ("tp", "pp", "cp", "ep", "dp")}, "zero_stage": plan["zero_stage"],
+            "mesh": {k: plan["mesh"][k] for k in AXES}, "zero_stage": plan["zero_stage"],
             "tied": [e["names"] for e in self.program.get("tied", [])],
             "state_dict_keys": self.program.get("state_dict_keys"),
             "time": time.time(),

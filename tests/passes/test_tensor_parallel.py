@@ -276,7 +276,8 @@ def test_softmax_over_the_split_dimension_is_refused_with_the_line():
 
     with pytest.raises(Refusal, match=r"softmax over the split dimension; plan with --force tp=1") as e:
         _rewrite(Bad())
-    assert (e.value.axis, e.value.value) == ("tp", 2)
+    # the model, not the degree, is the obstacle: every degree above 1 is refused in one round
+    assert (e.value.axis, e.value.value, e.value.exclusion()) == ("tp", None, "*")
     assert "test_tensor_parallel.py:" in str(e.value)
 
 
@@ -437,4 +438,4 @@ class _WholeKeys(torch.nn.Module):
 def test_attention_whose_keys_stay_whole_is_refused_by_name():
     with pytest.raises(Refusal, match=r"its key transpose_2 keeps all 4 heads, another input is split") as e:
         _rewrite(_WholeKeys())
-    assert (e.value.axis, e.value.value) == ("tp", 2)
+    assert (e.value.axis, e.value.exclusion()) == ("tp", "*")  # whatever the degree

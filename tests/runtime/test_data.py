@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from autoshard.errors import ProgramError
 from autoshard.runtime import data
 from autoshard.runtime import program as rt
 
@@ -168,7 +169,7 @@ def test_a_rewritten_file_is_reopened(tmp_path):
 
 
 def _error(capsys, call) -> str:
-    with pytest.raises(rt.ProgramError) as e:
+    with pytest.raises(ProgramError) as e:
         call()
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
@@ -223,7 +224,7 @@ def test_only_the_rows_read_are_checked(tmp_path, capsys):
     for index in range(1001):
         try:
             data.global_batch(index, 1, SEQ, 5, 0, shards)
-        except rt.ProgramError:
+        except ProgramError:
             failing.append(index)
             assert f"--data {shards / 'b.bin'}: token id 9" in capsys.readouterr().err
     assert len(failing) == 1  # one epoch of 1001 windows reads b.bin's window once
