@@ -45,6 +45,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The commands and their flags. Long by nature: a table of ``add_argument`` rows, one per
+    flag, read top to bottom like ``--help``; splitting it would scatter one table."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks")
     parser = _Parser(prog="autoshard", description=__doc__, parents=[common])

@@ -59,9 +59,22 @@ def mesh_drawing(plan: Plan, domain: int) -> list[str]:
 
 
 def plan_markdown(plan: Plan, comparison: str | None = None) -> str:
+    """plan.md: the headline, then one section each (``_SECTIONS``), then the alternatives that
+    lost, the comparison with a reference plan when there is one, and the rationale."""
+    out = _headline(plan)
+    for title, section in _SECTIONS:
+        out += [f"## {title}", "", *section(plan), ""]
+    out += _alternatives(plan)
+    if comparison:
+        out += ["## Compared with the reference plan", "", comparison, ""]
+    out += ["## Rationale", "", "```", rationale(plan), "```", ""]
+    return "\n".join(out)
+
+
+def _headline(plan: Plan) -> list[str]:
     p, m = plan.predicted, plan.mesh
-    mem = p.memory_bytes_per_gpu
-    out = [
+    fp8 = plan.precision["fp8_matmuls"]
+    return [
         f"# Plan: {plan.model.get('name', 'model')} on {plan.gpus} x {plan.hardware}",
         "",
         f"**{m.product_form()}**, ZeRO-{plan.zero_stage}, {plan.schedule} schedule "
@@ -69,87 +82,82 @@ def plan_markdown(plan: Plan, comparison: str | None = None) -> str:
         f"{plan.microbatch_size} x {plan.seq_len} tokens, "
         f"sequence parallel {'on' if plan.sequence_parallel else 'off'}, "
         f"attention {plan.attention}, precision {plan.precision['compute']}"
-        + (f" with FP8 {', '.join(plan.precision['fp8_matmuls'])}" if plan.precision["fp8_matmuls"] else "")
+        + (f" with FP8 {', '.join(fp8)}" if fp8 else "")
         + ".",
         "",
         f"Predicted step time **{p.step_time_s:.3f} s**, MFU **{p.mfu * 100:.1f}%**, {p.tokens_per_s:,.0f} tokens/s.",
         "",
         *_not_emitted(plan),
-        "## The mesh on the hardware",
+    ]
+
+
+def _step_time(plan: Plan) -> list[str]:
+    p = plan.predicted
+    rows = [
+        ["compute (incl. recompute)", f"{p.compute_s:.3f}"],
+        ["recompute", f"{p.recompute_s:.3f}"],
+        ["compute slowed by hidden communication", f"{p.overlap_s:.3f}"],
+        ["pipeline bubble", f"{p.bubble_fraction * p.step_time_s:.3f}"],
+    ]
+    exposed = [
+        [f"{axis.upper()} communication exposed", f"{v['exposed']:.3f}"] for axis, v in p.comm_s.items() if v["total"]
+    ]
+    return _table(["part", "seconds"], rows + exposed)
+
+
+def _communication(plan: Plan) -> list[str]:
+    rows = [
+        [axis.upper(), f"{v['total']:.3f}", f"{v['exposed']:.3f}", f"{v['total'] - v['exposed']:.3f}"]
+        for axis, v in plan.predicted.comm_s.items()
+    ]
+    return _table(["axis", "total s", "exposed s", "overlapped s"], rows)
+
+
+def _memory(plan: Plan) -> list[str]:
+    p = plan.predicted
+    mem = p.memory_bytes_per_gpu
+    parts = ("params", "grads", "optimizer", "activations", "fp8_weights", "buffers", "total")
+    rows = [[k.replace("_", " "), f"{mem[k] / GB:.2f}"] for k in parts if k in mem]
+    return _table(
+        ["part", "GB"], rows + [["usable (capacity minus reserve and headroom)", f"{p.memory_limit_bytes / GB:.2f}"]]
+    )
+
+
+def _checkpointing(plan: Plan) -> list[str]:
+    rows = [[k, _kept(plan, k, v)] for k, v in sorted(plan.checkpoint.items())]
+    return _table(["saved-tensor category", "decision"], rows)
+
+
+_SECTIONS = (
+    ("The mesh on the hardware", lambda plan: mesh_drawing(plan, _domain(plan))),
+    ("Where the step time goes (busiest pipeline rank)", _step_time),
+    ("Communication per step", _communication),
+    ("Memory on the busiest GPU", _memory),
+    ("Pipeline stages", lambda plan: [_stages_text(plan)]),
+    ("Activation checkpointing", _checkpointing),
+)
+
+
+def _alternatives(plan: Plan) -> list[str]:
+    if not plan.alternatives:
+        return []
+    rows = [
+        [
+            " x ".join(f"{k.upper()}{v}" for k, v in a.mesh.items() if k != "order"),
+            a.schedule,
+            a.zero_stage,
+            "-" if a.step_time_s is None else f"{a.step_time_s:.3f}",
+            "-" if a.mfu is None else f"{a.mfu * 100:.1f}%",
+            a.reason,
+        ]
+        for a in plan.alternatives
+    ]
+    return [
+        "## Alternatives that lost",
         "",
-        *mesh_drawing(plan, _domain(plan)),
-        "",
-        "## Where the step time goes (busiest pipeline rank)",
-        "",
-        *_table(
-            ["part", "seconds"],
-            [
-                ["compute (incl. recompute)", f"{p.compute_s:.3f}"],
-                ["recompute", f"{p.recompute_s:.3f}"],
-                ["compute slowed by hidden communication", f"{p.overlap_s:.3f}"],
-                ["pipeline bubble", f"{p.bubble_fraction * p.step_time_s:.3f}"],
-            ]
-            + [
-                [f"{axis.upper()} communication exposed", f"{v['exposed']:.3f}"]
-                for axis, v in p.comm_s.items()
-                if v["total"]
-            ],
-        ),
-        "",
-        "## Communication per step",
-        "",
-        *_table(
-            ["axis", "total s", "exposed s", "overlapped s"],
-            [
-                [axis.upper(), f"{v['total']:.3f}", f"{v['exposed']:.3f}", f"{v['total'] - v['exposed']:.3f}"]
-                for axis, v in p.comm_s.items()
-            ],
-        ),
-        "",
-        "## Memory on the busiest GPU",
-        "",
-        *_table(
-            ["part", "GB"],
-            [
-                [k.replace("_", " "), f"{mem[k] / GB:.2f}"]
-                for k in ("params", "grads", "optimizer", "activations", "fp8_weights", "buffers", "total")
-                if k in mem
-            ]
-            + [["usable (capacity minus reserve and headroom)", f"{p.memory_limit_bytes / GB:.2f}"]],
-        ),
-        "",
-        "## Pipeline stages",
-        "",
-        _stages_text(plan),
-        "",
-        "## Activation checkpointing",
-        "",
-        *_table(
-            ["saved-tensor category", "decision"], [[k, _kept(plan, k, v)] for k, v in sorted(plan.checkpoint.items())]
-        ),
+        *_table(["mesh", "schedule", "ZeRO", "step s", "MFU", "why it lost"], rows),
         "",
     ]
-    if plan.alternatives:
-        out += ["## Alternatives that lost", ""]
-        out += _table(
-            ["mesh", "schedule", "ZeRO", "step s", "MFU", "why it lost"],
-            [
-                [
-                    " x ".join(f"{k.upper()}{v}" for k, v in a.mesh.items() if k != "order"),
-                    a.schedule,
-                    a.zero_stage,
-                    "-" if a.step_time_s is None else f"{a.step_time_s:.3f}",
-                    "-" if a.mfu is None else f"{a.mfu * 100:.1f}%",
-                    a.reason,
-                ]
-                for a in plan.alternatives
-            ],
-        )
-        out.append("")
-    if comparison:
-        out += ["## Compared with the reference plan", "", comparison, ""]
-    out += ["## Rationale", "", "```", rationale(plan), "```", ""]
-    return "\n".join(out)
 
 
 def _not_emitted(plan: Plan) -> list[str]:

@@ -40,7 +40,8 @@ from autoshard.runtime.weights import open_weights
 
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
-    """The program's command line (``argv`` defaults to ``sys.argv[1:]``)."""
+    """The program's command line (``argv`` defaults to ``sys.argv[1:]``). Long by nature: a
+    table of ``add_argument`` rows, one per flag, in ``--help`` order."""
     p = argparse.ArgumentParser(
         prog="train.py", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
