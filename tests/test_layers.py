@@ -171,3 +171,13 @@ def test_a_function_level_import_says_why_it_is_there():
 def test_the_graph_scan_sees_function_level_imports():
     edges = EDGES["autoshard.runtime.attention"]
     assert ("autoshard.kernels.flash", True) in {(m, inner) for m, _, inner in edges}
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages a wheel holds; a folder left out installs nowhere."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = [p.parent.relative_to(ROOT / "autoshard") for p in (ROOT / "autoshard").rglob("__init__.py")]
+    found = {".".join(("autoshard", *f.parts)) for f in folders} | {"autoshard.passes", "autoshard.cost_models"}
+    assert found <= listed, sorted(found - listed)
