@@ -14,9 +14,6 @@ from autoshard.ir import FP8_DEFAULT, FP8_KINDS, capabilities
 from autoshard.ir.plan import ATTENTION, AXES, CHECKPOINT_CATEGORIES, GRID_AXES
 from autoshard.ir.schedules import SCHEDULES
 
-ORDER_AXES = GRID_AXES
-MESH_AXES = AXES  # the order of a mesh tuple
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -196,7 +193,7 @@ def _normalise_force(pins: dict) -> dict:
         pins["recompute"] = frozenset(cats)
     if "order" in pins:
         order = tuple(pins["order"].split("-"))
-        if sorted(order) != sorted(ORDER_AXES):
+        if sorted(order) != sorted(GRID_AXES):
             raise AutoshardError(f"--force order={pins['order']}: list tp, cp, pp, dp joined by -, innermost first")
         pins["order"] = order
     if "stage_layers" in pins:
@@ -279,7 +276,7 @@ def _no_mesh(problem: Problem) -> str:
     """Why no mesh satisfies the divisibility rules: the pin that rules every mesh out, where
     dropping that one pin would leave some, else the rules themselves."""
     pins = problem.forced
-    mesh_pins = {k: pins[k] for k in MESH_AXES if k in pins}
+    mesh_pins = {k: pins[k] for k in AXES if k in pins}
     shown = ",".join(f"{k}={v}" for k, v in mesh_pins.items())
     grid = [k for k in ("tp", "pp", "cp", "dp") if k in mesh_pins]
     product = math.prod(mesh_pins[k] for k in grid)
@@ -302,7 +299,7 @@ def _no_mesh(problem: Problem) -> str:
                 f"expert layers take their EP groups from; the other settings leave stages of "
                 f"{', '.join(map(str, stages))} ranks"
             )
-        allowed = sorted({m[MESH_AXES.index(axis)] for m in others})
+        allowed = sorted({m[AXES.index(axis)] for m in others})
         choices = ", ".join(map(str, allowed))
         return f"--force {shown}: no mesh has {axis}={value} with the other settings; {axis} can be {choices}"
     hint = "; try a power-of-two GPU count" if problem.gpus & (problem.gpus - 1) else ""
@@ -405,9 +402,9 @@ def orders(c: Candidate, problem: Problem) -> list[tuple[str, ...]]:
     if "order" in problem.forced:
         return [problem.forced["order"]]
     sizes = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp}
-    active = [a for a in ORDER_AXES if sizes[a] > 1]
-    idle = [a for a in ORDER_AXES if sizes[a] == 1]
-    return [tuple(p) + tuple(idle) for p in permutations(active)] or [ORDER_AXES]
+    active = [a for a in GRID_AXES if sizes[a] > 1]
+    idle = [a for a in GRID_AXES if sizes[a] == 1]
+    return [tuple(p) + tuple(idle) for p in permutations(active)] or [GRID_AXES]
 
 
 def with_fields(c: Candidate, **kw) -> Candidate:

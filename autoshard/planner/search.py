@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autoshard.errors import AutoshardError
-from autoshard.planner.candidates import MESH_AXES, Candidate, Problem, check_problem, meshes
+from autoshard.ir.plan import AXES
+from autoshard.planner.candidates import Candidate, Problem, check_problem, meshes
 from autoshard.planner.costs import CandidateCosts
 from autoshard.planner.evaluate import Evaluation
 from autoshard.planner.gpus import smallest_gpus_that_fit
@@ -63,7 +64,7 @@ class Planner:
                 around = [
                     mesh
                     for mesh in _neighbours(best.candidate, self.p.gpus)
-                    if mesh in valid and all(self.p.forced.get(k, v) == v for k, v in zip(MESH_AXES, mesh))
+                    if mesh in valid and all(self.p.forced.get(k, v) == v for k, v in zip(AXES, mesh))
                 ]
                 dealt = [around[i::SHARES] for i in range(SHARES)]
                 found = dict(zip([m for share in dealt for m in share], sum(helper.map(_search_meshes, dealt), [])))
@@ -81,7 +82,7 @@ class Planner:
 
     def best_of_mesh(self, mesh: tuple) -> tuple:
         """(the best plan of ``mesh`` or None, nodes, leaves), the other pins kept."""
-        pins = dict(zip(MESH_AXES, mesh)) | {k: v for k, v in self.p.forced.items() if k not in MESH_AXES}
+        pins = dict(zip(AXES, mesh)) | {k: v for k, v in self.p.forced.items() if k not in AXES}
         # share the memoised costs and bounds: the pins differ only in the mesh, which none of the
         # memo keys leaves out
         sub = Tree(CandidateCosts(replace(self.p, forced=pins), share=self.tree.costs))
