@@ -75,7 +75,8 @@ def plan(
     ``hardware`` is a profile name, a TOML path or a loaded ``Hardware``."""
     from autoshard import planner
 
-    problem, _ = _problem(model, inputs, loss, hardware, gpus, seq_len, global_batch, precision, name, force)
+    args = (hardware, gpus, seq_len, global_batch, precision, name, force)
+    problem, _ = _problem(model, inputs, loss, *args)
     return planner.solve(problem)[0]
 
 
@@ -120,21 +121,15 @@ def compile(
 
 
 def _problem(model, inputs, loss, hardware, gpus, seq_len, global_batch, precision, name, force, inits=None):
-    """The planner's problem for ``model`` (checked arguments, captured and analysed), and the capture."""
-    from autoshard import planner
+    """The pipeline's first steps for the API (``compiler.problem``): ``model`` captured and its
+    problem for the search; returns both."""
+    from autoshard import compiler, planner
     from autoshard.capture import capture as _capture
-    from autoshard.cost_models import hardware as hw
-    from autoshard.cost_models.analyze import analyze as _analyze
 
-    profile = hardware if isinstance(hardware, hw.Hardware) else hw.load(hardware)
-    for key, value in (("gpus", gpus), ("seq_len", seq_len), ("global_batch", global_batch)):
-        if not isinstance(value, int) or value < 1:
-            raise AutoshardError(f"{key}={value!r}: must be a positive whole number")
     pins = planner.parse_force(",".join(f"{k}={_force_text(k, v)}" for k, v in force.items()))
+    compiler.check_run(gpus, seq_len, global_batch)  # before a capture at a nonsense length
     captured = _capture(model, inputs, seq=seq_len, loss=loss, inits=inits)
-    cost = _analyze(captured)
-    problem = planner.Problem(cost, profile, gpus, seq_len, global_batch, precision, pins, name or type(model).__name__)
-    return problem, captured
+    return compiler.problem(captured, hardware, gpus, seq_len, global_batch, precision, pins, name), captured
 
 
 def _on_meta(inputs):

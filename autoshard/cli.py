@@ -212,28 +212,23 @@ def _headroom(text: str) -> float:
 
 
 def _compile(args) -> int:
-    import dataclasses
-    from pathlib import Path
+    from autoshard import planner
+    from autoshard.compiler import compile_file
 
-    from autoshard import planner, rebuild
-    from autoshard.capture import capture_file
-    from autoshard.compiler import compile_plan
-    from autoshard.cost_models import hardware
-    from autoshard.cost_models.analyze import analyze
-
-    hw = hardware.load(args.hardware)
-    if args.memory_headroom is not None:
-        hw = dataclasses.replace(hw, memory_headroom=args.memory_headroom)
-    pins = planner.parse_force(args.force)
-    reference = planner.parse_force(args.compare) if args.compare else None
-    captured = capture_file(args.model, args.config, args.seq_len)
-    path, _, builder = args.model.partition(":")
-    name = Path(path).stem + (f":{args.config}" if args.config else "")
-    problem = planner.Problem(
-        analyze(captured), hw, args.gpus, args.seq_len, args.global_batch, args.precision, pins, name
+    compiled = compile_file(
+        args.model,
+        args.config,
+        hardware=args.hardware,
+        gpus=args.gpus,
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        precision=args.precision,
+        pins=planner.parse_force(args.force),
+        memory_headroom=args.memory_headroom,
+        plan_only=args.plan_only,
+        compare=planner.parse_force(args.compare) if args.compare else None,
+        dump_passes=args.dump_passes,
     )
-    recipe = rebuild.for_file(path, builder or None, args.config)
-    compiled = compile_plan(problem, captured, recipe, args.plan_only, reference, args.dump_passes)
     plan, extra = compiled.plan, compiled.files
     out = compiled.write(args.out)
     p = plan.predicted

@@ -1,4 +1,15 @@
-"""The compile driver: search a plan the program can run, rewrite the graph for it, emit.
+"""The pipeline, top to bottom: capture -> analyze -> search -> passes -> emit.
+
+Both ``autoshard compile`` (:func:`compile_file`) and the Python API (``autoshard.plan``,
+``autoshard.compile``: :func:`problem`, :func:`compile_plan`) run it:
+
+1. **capture** (``autoshard.capture``): trace the model built on meta into an fx graph; the first
+   pass, canonicalisation (``passes.canonical``), runs there, on the traced graph, since the cost
+   model reads the form it leaves; then every node is annotated (``autoshard.ir`` keys);
+2. **analyze** (``cost_models.analyze``, in :func:`problem`): per-layer FLOPs, bytes, memory;
+3. **search** (``planner.solve``): the plan for the hardware and the run;
+4. **passes** (``passes.apply``): the plan's rewrites of a fresh copy of the captured graph;
+5. **emit** (``codegen.program_files``): the program's files.
 
 ``compile`` must never choose a plan it then refuses. Two things keep it so:
 
@@ -26,12 +37,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoshard import codegen, passes, planner
+from autoshard.capture import Captured, capture_file
 from autoshard.codegen import write_plan
+from autoshard.cost_models import hardware as hw
+from autoshard.cost_models.analyze import analyze
 from autoshard.errors import AutoshardError
 from autoshard.ir import capabilities
 from autoshard.ir.plan import Plan
 from autoshard.passes.contract import Refusal
 from autoshard.planner.candidates import family_options, meshes
+from autoshard.rebuild import for_file
 from autoshard.runtime.rebuild import Recipe
 
 MAX_ROUNDS = 8  # searches after refusals; each refusal removes one (axis, value), so few are ever needed
@@ -54,19 +69,74 @@ class Compiled:
         return self.out
 
 
-def compile_plan(
-    problem: planner.Problem,
-    captured,
-    rebuild: Recipe,
+def compile_file(
+    spec: str,
+    config: str | None,
+    *,
+    hardware="h100",
+    gpus: int,
+    seq_len: int,
+    global_batch: int,
+    precision: str = "bf16",
+    pins: dict | None = None,
+    memory_headroom: float | None = None,
     plan_only: bool = False,
     compare: dict | None = None,
     dump_passes: str | Path | None = None,
 ) -> Compiled:
+    """``autoshard compile``: the whole pipeline for the model file ``spec`` (``model.py[:builder]``)
+    at ``config``; the arguments are the command's."""
+    profile = _hardware(hardware, memory_headroom)  # a bad profile fails before a long capture
+    check_run(gpus, seq_len, global_batch)
+    observe = passes.dump_to(dump_passes) if dump_passes else None
+    captured = capture_file(spec, config, seq_len, observe=observe)
+    path, _, builder = spec.partition(":")
+    name = Path(path).stem + (f":{config}" if config else "")
+    problem_ = problem(captured, profile, gpus, seq_len, global_batch, precision, pins, name)
+    recipe = for_file(path, builder or None, config)
+    return compile_plan(problem_, captured, recipe, plan_only, compare, observe)
+
+
+def problem(
+    captured: Captured,
+    hardware,
+    gpus: int,
+    seq_len: int,
+    global_batch: int,
+    precision: str = "bf16",
+    pins: dict | None = None,
+    name: str | None = None,
+) -> planner.Problem:
+    """The search's problem for ``captured``: its cost analysis (``analyze``) on ``hardware`` (a
+    profile name, a TOML path or a loaded ``Hardware``) for the run's size, with the user's pins
+    (``planner.parse_force``)."""
+    check_run(gpus, seq_len, global_batch)
+    profile = _hardware(hardware)
+    name = name or type(captured.model).__name__
+    return planner.Problem(analyze(captured), profile, gpus, seq_len, global_batch, precision, pins or {}, name)
+
+
+def check_run(gpus, seq_len, global_batch) -> None:
+    """The run's sizes are positive whole numbers (the CLI's parser checks its own)."""
+    for key, value in (("gpus", gpus), ("seq_len", seq_len), ("global_batch", global_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise AutoshardError(f"{key}={value!r}: must be a positive whole number")
+
+
+def compile_plan(
+    problem: planner.Problem,
+    captured: Captured,
+    rebuild: Recipe,
+    plan_only: bool = False,
+    compare: dict | None = None,
+    dump_passes: str | Path | passes.Observer | None = None,
+) -> Compiled:
     """Search ``problem`` and, unless ``plan_only``, rewrite the graph for the plan found and emit
     the program; the program rebuilds the single-device model with ``rebuild``. ``dump_passes``:
-    a folder for each pass's graph before and after it (``passes.dump_to``)."""
+    a folder for each pass's graph before and after it, or the observer (``passes.dump_to``)."""
 
     problem.emit = not plan_only
+    observe = passes.dump_to(dump_passes) if isinstance(dump_passes, (str, Path)) else dump_passes
     for _ in range(MAX_ROUNDS):
         plan, result = planner.solve(problem)
         comparison = planner.compare(problem, result, compare) if compare is not None else None
@@ -82,7 +152,7 @@ def compile_plan(
             )
         try:
             fresh = _fresh(captured)
-            rewritten = passes.apply(fresh, plan, passes.dump_to(Path(dump_passes)) if dump_passes else None)
+            rewritten = passes.apply(fresh, plan, observe)
             files = codegen.program_files(plan, rewritten, fresh, rebuild)
         except Refusal as refusal:
             _exclude(problem, refusal)
@@ -92,6 +162,14 @@ def compile_plan(
         f"the rewrite passes refused {MAX_ROUNDS} plans in a row ({'; '.join(problem.exclusion_reasons)}); "
         "pin a plan with --force, or use --plan-only"
     )
+
+
+def _hardware(hardware, memory_headroom: float | None = None):
+    """The hardware profile ``hardware`` names (or is), with the user's memory headroom."""
+    profile = hardware if isinstance(hardware, hw.Hardware) else hw.load(hardware)
+    if memory_headroom is not None:
+        profile = dataclasses.replace(profile, memory_headroom=memory_headroom)
+    return profile
 
 
 def _left_out(problem: planner.Problem) -> list[str]:
@@ -129,4 +207,4 @@ def _exclude(problem: planner.Problem, refusal) -> None:
     problem.exclusion_reasons.append(str(refusal))
 
 
-__all__ = ["Compiled", "compile_plan"]
+__all__ = ["Compiled", "check_run", "compile_file", "compile_plan", "problem"]

@@ -1,5 +1,9 @@
 """Graph rewrites, one job per file, run in the order ``PASSES`` lists them.
 
+The first, ``canonicalize``, runs at capture (``canonical``), on the freshly traced graph and with
+no plan: the cost model and the planner read the graph it leaves. The others run for a plan
+(``apply``).
+
 Each entry is a :class:`~autoshard.passes.contract.Pass`: a function ``(gm, ctx) -> gm``, when it
 applies, the ``node.meta`` keys it requires and writes, and the graph facts it ensures.
 ``apply`` builds the shared :class:`~autoshard.passes.contract.RewriteContext` from the plan and
@@ -8,11 +12,14 @@ runs the list, checking every contract on the way.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from autoshard.errors import AutoshardError
 from autoshard.ir.capabilities import refusals
 from autoshard.passes.activation_checkpoint import activation_checkpoint, layers_wrapped
+from autoshard.passes.canonicalize import canonicalize_pass, no_tracer_residue
 from autoshard.passes.context_parallel import context_parallel, no_full_sequence_attention_left
-from autoshard.passes.contract import Observer, Pass, RewriteContext, dump_to, run_passes
+from autoshard.passes.contract import Dump, Observer, Pass, RewriteContext, run_passes
 from autoshard.passes.expert_parallel import expert_balance, expert_parallel, no_experts_left_whole
 from autoshard.passes.flash_attention import flash_attention, no_fusable_sdpa_left
 from autoshard.passes.fp8 import fp8, fp8_calls_only
@@ -26,6 +33,16 @@ _PLACED = ("shape", "region", "layer")  # what the nodes every pass inserts carr
 
 
 PASSES: list[Pass] = [
+    Pass(
+        "canonicalize",
+        canonicalize_pass,
+        lambda ctx: True,
+        writes=("mask",),  # on an attention whose mask stays: what the mask is, for the passes' refusals
+        ensures=(no_tracer_residue,),
+        summary="one form of the graph whichever tracer made it: no input guards or device constants; causal "
+        "masks, repeated KV heads, written-out RMS norms and grouped GEMMs in their one form",
+        phase="capture",
+    ),
     Pass(
         "fused_norm",
         fused_norm,
@@ -111,18 +128,35 @@ PASSES: list[Pass] = [
 ]
 
 
+def canonical(gm, inputs: tuple | None, observe: Observer | None = None):
+    """Run the capture passes (``canonicalize``) on a freshly traced ``gm`` traced with ``inputs``."""
+    return run_passes(_phase("capture"), gm, RewriteContext(inputs=inputs), observe)
+
+
 def apply(captured, plan, observe: Observer | None = None) -> RewriteContext:
-    """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, running
-    ``PASSES`` in order (``observe``: see ``contract.run_passes``); the context returned holds the
-    pipeline chunks (``split``) and what the passes decided for the emitter. Features of the plan
-    that no pass implements yet are refused here with the reason rather than silently dropped."""
+    """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, running the plan
+    passes of ``PASSES`` in order (``observe``: see ``contract.run_passes``); the context returned
+    holds the pipeline chunks (``split``) and what the passes decided for the emitter. Features of
+    the plan that no pass implements yet are refused here with the reason rather than silently
+    dropped."""
 
     reasons = refusals(plan)
     if reasons:
         raise AutoshardError(reasons[0])
     ctx = RewriteContext.from_plan(plan)
-    run_passes(PASSES, captured.graph_module, ctx, observe)
+    if isinstance(observe, Dump):
+        observe.restart()
+    run_passes(_phase("plan"), captured.graph_module, ctx, observe)
     return ctx
 
 
-__all__ = ["PASSES", "Pass", "RewriteContext", "apply", "dump_to", "run_passes"]
+def dump_to(folder) -> Dump:
+    """The observer ``autoshard compile --dump-passes FOLDER`` gives every pass (``contract.Dump``)."""
+    return Dump(Path(folder), PASSES)
+
+
+def _phase(phase: str) -> list[Pass]:
+    return [p for p in PASSES if p.phase == phase]
+
+
+__all__ = ["PASSES", "Pass", "RewriteContext", "apply", "canonical", "dump_to", "run_passes"]

@@ -2,9 +2,10 @@
 
 ``torch.fx.symbolic_trace`` and ``torch.export`` trace the same training forward into different
 graphs: export adds checks of the example inputs and records the capture's device (meta) as a
-constant. Capture runs :func:`canonicalize` right after tracing, before it annotates anything, so
-that the cost model, the planner and every pass read the same kind of graph and none of them
-cleans up after a tracer.
+constant. :func:`canonicalize` is the first entry of ``autoshard.passes.PASSES``; capture runs it
+(``passes.canonical``) right after tracing, before it annotates anything, so that the cost model,
+the planner and every later pass read the same kind of graph and none of them cleans up after a
+tracer.
 """
 
 from __future__ import annotations
@@ -65,19 +66,8 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
     - every other node, its arguments and its ``meta`` are as traced (a graph already canonical,
       as ``symbolic_trace`` of a model without device constants gives, is left unchanged).
     """
-    graph = gm.graph
-    changed = False
-    for node in list(graph.nodes):
-        if node.users:
-            continue
-        if (node.op == "call_module" and node.target == GUARDS) or (
-            node.op == "call_function" and getattr(node.target, "overloadpacket", None) is _ASSERT_METADATA
-        ):
-            graph.erase_node(node)
-            changed = True
-    if hasattr(gm, GUARDS) and not any(n.op == "call_module" and n.target == GUARDS for n in graph.nodes):
-        gm.delete_submodule(GUARDS)
-    changed |= _inputs_device(graph)
+    changed = _tracer_checks(gm)
+    changed |= _inputs_device(gm.graph)
     if inputs is not None:
         changed |= causal_masks(gm, inputs)
     changed |= grouped_keys(gm)
@@ -86,9 +76,43 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
     changed |= grouped_gemms(gm)
     changed |= float_histograms(gm)
     if changed:
-        graph.lint()
+        gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def canonicalize_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """:func:`canonicalize` as the first entry of ``autoshard.passes.PASSES``: the example inputs
+    come from the context (``RewriteContext.inputs``)."""
+    return canonicalize(gm, ctx.inputs)
+
+
+def _is_tracer_check(node: fx.Node) -> bool:
+    return (node.op == "call_module" and node.target == GUARDS) or (
+        node.op == "call_function" and getattr(node.target, "overloadpacket", None) is _ASSERT_METADATA
+    )
+
+
+def _tracer_checks(gm: fx.GraphModule) -> bool:
+    """Remove export's input guards and metadata asserts (unused nodes); whether any was found."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not node.users and _is_tracer_check(node):
+            gm.graph.erase_node(node)
+            changed = True
+    if hasattr(gm, GUARDS) and not any(n.op == "call_module" and n.target == GUARDS for n in gm.graph.nodes):
+        gm.delete_submodule(GUARDS)
+    return changed
+
+
+def no_tracer_residue(gm: fx.GraphModule, ctx) -> str | None:
+    """The canonical form's check: no tracer's input check and no capture-device constant left."""
+    for node in gm.graph.nodes:
+        if _is_tracer_check(node):
+            return f"{node.name} is a tracer's check of the example inputs"
+        if any(_is_meta(a) for a in (*node.args, *node.kwargs.values())):
+            return f"{node.name} names the capture's meta device"
+    return None
 
 
 def _is_meta(x) -> bool:

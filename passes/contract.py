@@ -39,6 +39,7 @@ class RewriteContext:
     seq: int = 0  # tokens per sequence on one context-parallel rank (0: unknown)
     fp8: tuple[str, ...] = ()  # the matmul kinds in FP8 (autoshard.ir.FP8_KINDS)
     fp8_saved: tuple[str, ...] = ()  # kept categories recomputation keeps as FP8 copies
+    inputs: tuple | None = None  # the example inputs of a freshly traced graph (canonicalize's mask check)
     # written by the passes
     notes: dict[str, str] = field(default_factory=dict)  # node name -> decision, a comment in the emitted code
     shards: dict = field(default_factory=dict)  # parameter -> tensor_parallel.ParamShard
@@ -82,6 +83,9 @@ class Pass:
     writes: tuple[str, ...] = ()  # node.meta keys it may add to the nodes it finds
     ensures: tuple[GraphCheck, ...] = ()  # graph facts afterwards: each returns what is wrong, or None
     summary: str = ""
+    # "capture": runs on the freshly traced graph, before capture annotates it and before any plan
+    # (the cost model reads its result); "plan": runs on the captured graph for a plan
+    phase: str = "plan"
 
 
 class Refusal(AutoshardError):
@@ -173,21 +177,33 @@ def run_passes(passes: list[Pass], gm: fx.GraphModule, ctx: RewriteContext, obse
     return gm
 
 
-def dump_to(folder: Path) -> Observer:
-    """An observer writing each pass's graph before and after it as readable code, one file each:
-    ``folder/03_tensor_parallel.before.py`` (as inductor's ``GraphTransformObserver`` does). After
-    the pipeline split, the chunks' and the loss's code follow the graph's."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise AutoshardError(f"--dump-passes {folder}: cannot make that folder ({e.strerror}); give another") from None
-    for stale in [*folder.glob("*.before.py"), *folder.glob("*.after.py")]:
-        stale.unlink()
-    seen: list[str] = []
+class Dump:
+    """An observer writing each pass's graph before and after it as readable code, one file each,
+    numbered by the pass's place in the list: ``folder/04_tensor_parallel.before.py`` (as
+    inductor's ``GraphTransformObserver`` does). After the pipeline split, the chunks' and the
+    loss's code follow the graph's. Each rewrite of a plan (``restart``) replaces the files of the
+    plan passes before it; the capture passes' files stay."""
 
-    def observe(p: Pass, when: str, gm: fx.GraphModule, ctx: RewriteContext) -> None:
-        if when == "before":
-            seen.append(p.name)
+    def __init__(self, folder: Path, order: list[Pass]):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise AutoshardError(
+                f"--dump-passes {folder}: cannot make that folder ({e.strerror}); give another"
+            ) from None
+        self.folder, self.order = folder, [p.name for p in order]
+        self.phases = {p.name: p.phase for p in order}
+        self.restart(phase=None)
+
+    def restart(self, phase: str | None = "plan") -> None:
+        """Remove what an earlier rewrite wrote: every dump file (``phase`` None) or those of the
+        passes of ``phase``."""
+        for stale in [*self.folder.glob("*.before.py"), *self.folder.glob("*.after.py")]:
+            name = stale.name.split(".")[0].split("_", 1)[-1]
+            if phase is None or self.phases.get(name) == phase:
+                stale.unlink()
+
+    def __call__(self, p: Pass, when: str, gm: fx.GraphModule, ctx: RewriteContext) -> None:
         text = f"# {p.name}: {p.summary}\n# {when} the pass\n{gm.code}"
         if when == "after" and ctx.split is not None:
             parts = [
@@ -195,9 +211,16 @@ def dump_to(folder: Path) -> Observer:
                 f"# loss\n{ctx.split.loss.code}",
             ]
             text += "\n".join(parts)
-        (folder / f"{len(seen):02d}_{p.name}.{when}.py").write_text(text)
-
-    return observe
+        (self.folder / f"{self.order.index(p.name):02d}_{p.name}.{when}.py").write_text(text)
 
 
-__all__ = ["RewriteContext", "Pass", "Refusal", "ContractError", "run_passes", "check_requires", "check_ensures"]
+__all__ = [
+    "Dump",
+    "RewriteContext",
+    "Pass",
+    "Refusal",
+    "ContractError",
+    "run_passes",
+    "check_requires",
+    "check_ensures",
+]

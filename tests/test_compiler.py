@@ -165,3 +165,29 @@ def test_dump_passes_writes_each_pass_graph_before_and_after_it(tmp_path):
     assert "reduce_from_tp" not in before and "reduce_from_tp" in after
     split = next(n for n in names if n.endswith("_pipeline_split.after.py"))
     assert "# chunk 3" in (tmp_path / split).read_text()
+
+
+def test_compile_file_runs_the_whole_pipeline_with_canonicalisation_as_its_first_pass(tmp_path):
+    """``compiler.compile_file`` (what ``autoshard compile`` runs) captures, analyses, searches,
+    rewrites and emits; the dump starts with canonicalisation, which ran at capture on the traced
+    graph, and the plan passes follow in the order of ``PASSES``."""
+    from autoshard.compiler import compile_file
+    from autoshard.passes import PASSES
+
+    compiled = compile_file(
+        str(EXAMPLES / "llama3.py"),
+        "tiny",
+        hardware="cpu",
+        gpus=4,
+        seq_len=SEQ,
+        global_batch=8,
+        pins=planner.parse_force("tp=2,pp=2"),
+        dump_passes=tmp_path,
+    )
+    assert PASSES[0].name == "canonicalize" and PASSES[0].phase == "capture"
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[:2] == ["00_canonicalize.after.py", "00_canonicalize.before.py"], names
+    order = [p.name for p in PASSES]
+    ran = [n.split(".")[0].split("_", 1)[1] for n in names[::2]]
+    assert ran == sorted(ran, key=order.index) and "tensor_parallel" in ran
+    assert compiled.plan.mesh.tp == 2 and "train.py" in compiled.files

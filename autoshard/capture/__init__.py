@@ -4,8 +4,9 @@ The steps, one module each, in the order :func:`capture` runs them:
 
 1. ``trace``: the training forward (model, then loss) as an fx graph, by ``torch.fx.symbolic_trace``
    or, where that fails, ``torch.export``;
-2. ``autoshard.passes.canonicalize``: the one form of the graph whichever tracer produced it
-   (no export guards or metadata asserts, no device constants);
+2. ``autoshard.passes.canonical``: the first pass, canonicalisation, makes one form of the graph
+   whichever tracer produced it (no export guards or metadata asserts, no device constants); the
+   cost model reads that form, so it runs here rather than with the plan's passes;
 3. ``structure``: the repeated layer stack, and on every node its module path, layer and region;
 4. ``shapes``: shapes symbolic in batch ``b`` and sequence ``s``, each repeated layer propagated
    once, and which values need gradients;
@@ -23,12 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from autoshard import modelfile
+from autoshard import modelfile, passes
 from autoshard.capture import dtypes, shapes, structure
 from autoshard.capture.init import Init, record_build
 from autoshard.capture.structure import LayerKind
 from autoshard.capture.trace import BATCH_HINT, TrainingForward, causal_lm_loss, trace
-from autoshard.passes.canonicalize import canonicalize
 
 
 @dataclass
@@ -61,12 +61,13 @@ class Captured:
         return sum(p.numel() for p in self.model.parameters())
 
 
-def capture_file(spec: str, config: str | None, seq: int, batch: int = BATCH_HINT) -> Captured:
-    """Load ``model.py[:builder]``, build ``config`` on the meta device and capture it."""
+def capture_file(spec: str, config: str | None, seq: int, batch: int = BATCH_HINT, observe=None) -> Captured:
+    """Load ``model.py[:builder]``, build ``config`` on the meta device and capture it
+    (``observe``: see ``capture``)."""
     mf = modelfile.load(spec)
     model, inits = record_build(mf.build, config)
     inputs = mf.sample_inputs(config, batch, seq)
-    return capture(model, inputs, loss=mf.loss, source=str(mf.path), inits=inits)
+    return capture(model, inputs, loss=mf.loss, source=str(mf.path), inits=inits, observe=observe)
 
 
 def capture(
@@ -77,15 +78,17 @@ def capture(
     loss=None,
     source: str | None = None,
     inits: dict[str, Init] | None = None,
+    observe=None,
 ) -> Captured:
     """Trace ``model`` (live or on meta) with ``inputs`` (default: token ids of shape (2, seq));
-    ``inits``, from ``init.record_build``, say how the model initialises its tensors."""
+    ``inits``, from ``init.record_build``, say how the model initialises its tensors; ``observe``
+    (``passes.contract.Observer``) sees the graph before and after canonicalisation."""
     if inputs is None:
         inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
     gm, tracer, names = trace(model, inputs, loss, source)
     if tracer == "export":
         _follow_bf16(gm, model, inputs, loss, source)
-    gm = canonicalize(gm, inputs)
+    gm = passes.canonical(gm, inputs, observe)
     # what nothing reads (a mask built for a kind of layer the model has none of, as Gemma3's
     # global-attention mask with only sliding layers) would be run, and sharded, for nothing
     if gm.graph.eliminate_dead_code():
