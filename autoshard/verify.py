@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from autoshard import rebuild
 from autoshard.capture import causal_lm_loss
 from autoshard.errors import AutoshardError
+from autoshard.ir import ops
 from autoshard.ir.plan import Plan
 from autoshard.runtime import fp8, moe
 from autoshard.runtime.program import global_batch
@@ -180,19 +181,17 @@ def _fp8_matmuls(model: torch.nn.Module, names: list[str]):
             t = t._base
         return False
 
-    linear = (torch.nn.functional.linear, torch._C._nn.linear)
-    matmul = (torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm, torch.Tensor.__matmul__)
-
     class Fp8(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func in linear and len(args) >= 2 and is_fp8(args[1]):
+            form = ops.fp8_form(func)  # the op table's column the FP8 pass reads too
+            if form == "linear" and len(args) >= 2 and is_fp8(args[1]):
                 return fp8.fp8_linear(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"))
-            if func in matmul and len(args) == 2 and not kwargs and is_fp8(args[1]):
+            if form == "product" and len(args) == 2 and not kwargs and is_fp8(args[1]):
                 return fp8.fp8_matmul(args[0], args[1])
-            if func is torch.addmm and len(args) == 3 and not kwargs and is_fp8(args[2]):
+            if form == "addmm" and len(args) == 3 and not kwargs and is_fp8(args[2]):
                 return fp8.fp8_addmm(*args)
-            if func in (torch._grouped_mm, moe.grouped_mm) and len(args) >= 2 and is_fp8(args[1]):
+            if form == "grouped" and len(args) >= 2 and is_fp8(args[1]):
                 return fp8.fp8_grouped_mm(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
             return func(*args, **kwargs)
 

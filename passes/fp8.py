@@ -6,10 +6,13 @@ accumulation, and whose backward runs the input-gradient and weight-gradient GEM
 
 The forms rewritten (what capture, canonicalisation and the other passes leave):
 
-``nn.Linear`` module call, ``F.linear(x, w, b)``          -> ``rt.fp8_linear(x, w, b)``
-``x @ w``, ``torch.matmul`` / ``torch.bmm`` by a weight     -> ``rt.fp8_matmul(x, w)``
-``torch.addmm(b, x, w)`` by a weight (``Conv1D``)          -> ``rt.fp8_addmm(b, x, w)``
-``rt.moe_grouped_mm(rows, w, offs)``                      -> ``rt.fp8_grouped_mm(rows, w, offs)``
+``nn.Linear`` module call, ``F.linear(x, w, b)``                   -> ``rt.fp8_linear(x, w, b)``
+``x @ w``, ``torch.matmul`` / ``mm`` / ``bmm`` by a weight, or as methods -> ``rt.fp8_matmul(x, w)``
+``torch.addmm(b, x, w)`` by a weight (``Conv1D``)                   -> ``rt.fp8_addmm(b, x, w)``
+``rt.moe_grouped_mm(rows, w, offs)``                               -> ``rt.fp8_grouped_mm(rows, w, offs)``
+
+Which form an op takes is the op table's ``fp8`` column (``autoshard.ir.ops``), read by the
+node's ``meta["op"]``.
 
 It runs after tensor, sequence and expert parallelism, so it rewrites each rank's local product
 (its TP slice of a weight, its EP rank's experts): the scaling groups are cut out of what the rank
@@ -28,8 +31,6 @@ their FP8 copies kept.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx, nn
 
@@ -41,10 +42,6 @@ from autoshard.runtime import fp8 as runtime_fp8
 from autoshard.runtime import moe
 
 aten = torch.ops.aten
-_LINEAR = (torch.nn.functional.linear, torch._C._nn.linear, aten.linear.default)  # (torch.export: aten ops)
-_MATMUL = (torch.matmul, torch.bmm, operator.matmul, aten.matmul.default, aten.bmm.default, aten.mm.default)
-_METHODS = ("matmul", "bmm", "__matmul__")
-_ADDMM = (torch.addmm, aten.addmm.default)
 _EXCHANGES = {  # the experts' all-to-alls: the direction that reaches the experts goes in FP8
     moe.dispatch: "fp8: the routed rows go in 1x128 e4m3 tiles (half the bytes), as the experts multiply them",
     moe.dispatch_buffer: "fp8: the routed rows go in 1x128 e4m3 tiles (half the bytes), as the experts multiply them",
@@ -66,53 +63,70 @@ def _weight_arg(node: fx.Node) -> bool:
     )
 
 
-def _rewrite(node: fx.Node, gm: fx.GraphModule) -> str | None:
+def _rewrite(node: fx.Node, gm: fx.GraphModule) -> fx.Node | str:
     """Rewrite one matmul: the FP8 call that replaces it, else why it was left as it is."""
-    graph = gm.graph
+    row = ops.rule_of(node)
+    form = row.fp8 if row is not None and node.op in ("call_function", "call_method", "call_module") else None
+    if form == "linear":
+        return _linear_module(node, gm) if node.op == "call_module" else _retarget(node, runtime_fp8.fp8_linear)
+    if form == "product":
+        return _product(node)
+    if form == "addmm":
+        return _addmm(node)
+    if form == "grouped" and node.target is moe.grouped_mm:
+        return _retarget(node, runtime_fp8.fp8_grouped_mm)
     if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        if type(module) is not nn.Linear or len(node.args) != 1 or node.kwargs:
-            return f"a {type(module).__name__} module call"
-        with graph.inserting_before(node):
-            args = [node.args[0]]
-            for name in ("weight", "bias"):
-                p = getattr(module, name)
-                if p is not None:
-                    a = graph.get_attr(f"{node.target}.{name}")
-                    args.append(place(a, node, shape=tuple(p.shape), dtype=p.dtype, requires_grad=True, is_param=True))
-            new = graph.call_function(runtime_fp8.fp8_linear, tuple(args))
-        place(new, node, **{k: node.meta[k] for k in ("op", "op_class", "matmul_kind", "cost") if k in node.meta})
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        return new
-    if node.op == "call_function" and node.target in _LINEAR:
-        node.target = runtime_fp8.fp8_linear
-        return node
-    product = node.target in _MATMUL if node.op == "call_function" else node.target in _METHODS
-    if node.op in ("call_function", "call_method") and product:
-        if node.kwargs or len(node.args) != 2 or not _weight_arg(node):
-            return "the weight is not the right operand"
-        w = node.args[1].meta.get("shape") or ()
-        x = node.args[0].meta.get("shape") or ()
-        batched = node.target in (torch.bmm, "bmm", aten.bmm.default) or (len(x) == 3 and x[0] == w[0])
-        if len(w) == 3 and not (len(x) == 3 and batched):
-            return "a broadcast product by stacked weights"
-        if len(w) not in (2, 3):
-            return f"a {len(w)}-d weight"
-        node.op, node.target = "call_function", runtime_fp8.fp8_matmul
-        return node
-    if node.op == "call_function" and node.target in _ADDMM:
-        if node.kwargs or len(node.args) != 3:
-            return "an addmm with beta or alpha"
-        x, w = node.args[1], node.args[2]
-        if not (isinstance(w, fx.Node) and ops.is_weight(w) and isinstance(x, fx.Node) and not ops.is_weight(x)):
-            return "the weight is not the right operand"
-        node.target = runtime_fp8.fp8_addmm
-        return node
-    if node.op == "call_function" and node.target is moe.grouped_mm:
-        node.target = runtime_fp8.fp8_grouped_mm
-        return node
+        return f"a {type(gm.get_submodule(node.target)).__name__} module call"
     return "a form the FP8 pass does not rewrite"
+
+
+def _retarget(node: fx.Node, target) -> fx.Node:
+    node.op, node.target = "call_function", target
+    return node
+
+
+def _linear_module(node: fx.Node, gm: fx.GraphModule) -> fx.Node | str:
+    """An ``nn.Linear`` module call -> ``rt.fp8_linear(x, weight, bias)`` reading its parameters."""
+    graph = gm.graph
+    module = gm.get_submodule(node.target)
+    if type(module) is not nn.Linear or len(node.args) != 1 or node.kwargs:
+        return f"a {type(module).__name__} module call"
+    with graph.inserting_before(node):
+        args = [node.args[0]]
+        for name in ("weight", "bias"):
+            p = getattr(module, name)
+            if p is not None:
+                a = graph.get_attr(f"{node.target}.{name}")
+                args.append(place(a, node, shape=tuple(p.shape), dtype=p.dtype, requires_grad=True, is_param=True))
+        new = graph.call_function(runtime_fp8.fp8_linear, tuple(args))
+    place(new, node, **{k: node.meta[k] for k in ("op", "op_class", "matmul_kind", "cost") if k in node.meta})
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
+
+
+def _product(node: fx.Node) -> fx.Node | str:
+    """``x @ w`` by a 2-d weight, or a batched product by stacked weights -> ``rt.fp8_matmul``."""
+    if node.kwargs or len(node.args) != 2 or not _weight_arg(node):
+        return "the weight is not the right operand"
+    w = node.args[1].meta.get("shape") or ()
+    x = node.args[0].meta.get("shape") or ()
+    batched = node.meta.get("op") == "bmm" or (len(x) == 3 and x[0] == w[0])
+    if len(w) == 3 and not (len(x) == 3 and batched):
+        return "a broadcast product by stacked weights"
+    if len(w) not in (2, 3):
+        return f"a {len(w)}-d weight"
+    return _retarget(node, runtime_fp8.fp8_matmul)
+
+
+def _addmm(node: fx.Node) -> fx.Node | str:
+    """``addmm(bias, x, w)`` by a weight -> ``rt.fp8_addmm``."""
+    if node.kwargs or len(node.args) != 3:
+        return "an addmm with beta or alpha"
+    x, w = node.args[1], node.args[2]
+    if not (isinstance(w, fx.Node) and ops.is_weight(w) and isinstance(x, fx.Node) and not ops.is_weight(x)):
+        return "the weight is not the right operand"
+    return _retarget(node, runtime_fp8.fp8_addmm)
 
 
 def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:

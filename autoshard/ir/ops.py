@@ -168,6 +168,9 @@ class OpRule:
     signature: str | None = None  # a key of SIGNATURES
     cast: bool = False  # it only changes its input's dtype
     grouped: bool = False  # a grouped GEMM: rows sorted by expert, one weight per group (``offs``)
+    # the form its FP8 call takes (passes/fp8.py), where one exists: "linear" (x, w, bias),
+    # "product" (x @ w, batched or not), "addmm" (bias, x, w) or "grouped" (rows, w, offs)
+    fp8: str | None = None
 
 
 def _rows(names: str, rule: OpRule, **fields) -> dict[str, OpRule]:
@@ -188,10 +191,11 @@ _COLLECTIVE = OpRule("other")  # inserted by the passes: runtime collectives, id
 
 RULES: dict[str, OpRule] = {
     # matrix products
-    **_rows("linear addmm", _MATMUL, tp="linear"),  # addmm(bias, x, w): GPT-2's Conv1D
-    **_rows("matmul mm bmm", _MATMUL, tp="matmul"),
+    **_rows("linear", _MATMUL, tp="linear", fp8="linear"),
+    **_rows("addmm", _MATMUL, tp="linear", fp8="addmm"),  # addmm(bias, x, w): GPT-2's Conv1D
+    **_rows("matmul mm bmm", _MATMUL, tp="matmul", fp8="product"),
     **_rows("baddbmm einsum", _MATMUL),
-    **_rows("_grouped_mm grouped_mm grouped_mm_fallback", _MATMUL, grouped=True),
+    **_rows("_grouped_mm grouped_mm grouped_mm_fallback", _MATMUL, grouped=True, fp8="grouped"),
     # attention
     **_rows("scaled_dot_product_attention", _SDPA, signature="sdpa"),
     # the aten kernels (torch.export): priced and split by heads; flash and CP leave them to torch
@@ -307,6 +311,7 @@ _FUNCTION_NAMES = {
     operator.getitem: "getitem",
     operator.pow: "pow",
     operator.matmul: "matmul",
+    torch.Tensor.__matmul__: "matmul",
     getattr: "getattr",
 }
 
@@ -326,6 +331,13 @@ def op_name(node: fx.Node, gm: fx.GraphModule | None = None) -> str:
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target.__name__
     return _FUNCTION_NAMES.get(target, getattr(target, "__name__", str(target)))
+
+
+def fp8_form(func) -> str | None:
+    """The ``fp8`` column of what the callable ``func`` computes (a torch function or method as
+    ``__torch_function__`` sees it), for running a model's own calls as the FP8 pass rewrites them."""
+    row = rule(_FUNCTION_NAMES.get(func, getattr(func, "__name__", "")))
+    return row.fp8 if row is not None else None
 
 
 def rule(name: str) -> OpRule | None:

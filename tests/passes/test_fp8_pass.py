@@ -157,3 +157,46 @@ def test_an_unknown_fp8_kind_is_refused(tmp_path):
     proc = _compile(tmp_path, "examples/llama3.py", "--hardware", "h100", "--force", "fp8=attention+convs")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "fp8=attention+convs" in proc.stderr and "mlp" in proc.stderr
+
+
+class _MmModel(torch.nn.Module):
+    """Products written with ``torch.mm`` and the ``mm`` method, beside a ``Linear``."""
+
+    def __init__(self, d: int = 128, vocab: int = 256):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.up = torch.nn.Parameter(torch.randn(d, 2 * d) / d**0.5)
+        self.down = torch.nn.Parameter(torch.randn(2 * d, d) / d**0.5)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        b, s, d = x.shape
+        h = torch.relu(torch.mm(x.reshape(b * s, d), self.up))
+        return self.head(x + h.mm(self.down).reshape(b, s, d))
+
+
+def test_torch_mm_by_a_weight_runs_in_fp8_as_verify_runs_it():
+    """``torch.mm`` and ``Tensor.mm`` take the op table's ``fp8`` column ("product") like ``@``: the
+    pass makes them ``rt.fp8_matmul`` and verify's reference runs the model's own calls so, exactly."""
+    torch.manual_seed(0)
+    model = _MmModel()
+    tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    cap = capture(model, (tokens,))
+    analyze(cap)
+    gm = cap.graph_module
+    mms = [n for n in gm.graph.nodes if n.meta.get("op") == "mm"]
+    assert len(mms) == 2 and {n.meta.get("matmul_kind") for n in mms} == {"mlp"}
+    ctx = RewriteContext(fp8=("mlp",))
+    gm = fp8(gm, ctx)
+    assert fp8_calls_only(gm, ctx) is None and not ctx.fp8_left
+    assert [n.target for n in mms] == [runtime.fp8_matmul] * 2
+    assert sorted(ctx.fp8_params) == ["model.down", "model.up"]
+    runtime.fp8.new_step()
+    got = gm(tokens)
+    model.zero_grad(set_to_none=True)
+    runtime.fp8.new_step()
+    with _fp8_matmuls(model, ctx.fp8_params):
+        want = causal_lm_loss(model(tokens), tokens)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, causal_lm_loss(model(tokens), tokens))  # FP8 changed the numbers
