@@ -451,15 +451,43 @@ def _block(
 ) -> BlockCost:
     """The costs of ``nodes``; parameters whose ids are in ``counted`` (held by another block)
     are not counted again."""
-    zero = sympy.Integer(0)
     inside = set(nodes)
+    work = _work(nodes)
+    params, params_tp, params_experts = _parameter_counts(nodes, gm, counted)
+    gemms = _grouped_experts([g for n in nodes if (g := _gemm(n, gm)) is not None])
+    pointwise, pointwise_tp = _pointwise_bytes(nodes, gm)
+    saved = _saved_tensors(nodes, inside, gm)
+    outputs = [n for n in nodes if n.meta.get("shape") is not None and any(u not in inside for u in n.users)]
+    boundary = ops.numel(outputs[-1].meta["shape"]) if outputs else sympy.Integer(0)
+    blk = BlockCost(
+        name=name,
+        count=count,
+        layers=layers,
+        params=params,
+        params_tp=params_tp,
+        params_experts=params_experts,
+        **work,
+        saved=saved,
+        collectives=_collectives(nodes),
+        boundary_elems=boundary,
+        gemms=gemms,
+        bytes_pointwise=sympy.expand(pointwise),
+        bytes_pointwise_tp=sympy.expand(pointwise_tp),
+        kv_elems=sympy.expand(_kv_elems(nodes)),
+        matmul=_matmul_parts(nodes),
+        weighted_outputs=_weighted_outputs(nodes, gm),
+    )
+    blk._nodes = nodes
+    return blk
+
+
+def _work(nodes: list[fx.Node]) -> dict[str, sympy.Expr | dict[str, sympy.Expr]]:
+    """The FLOP and byte fields of :class:`BlockCost` (``flops`` ... ``bytes_by_class``): the
+    nodes' costs summed, in total, by op class and over the parts TP, experts and attention do."""
+    zero = sympy.Integer(0)
     flops = flops_tp = flops_experts = flops_attn = moved = zero
     by_class: dict[str, sympy.Expr] = {}
     bytes_by_class: dict[str, sympy.Expr] = {}
-    params = params_tp = params_experts = 0
-    seen_params: set[int] = set(counted)
-    split_experts: set[int] = set()  # parameters read by several names count once
-    split_tp: set[int] = set()
     for n in nodes:
         cost: NodeCost = n.meta["cost"]
         flops += cost.flops
@@ -472,6 +500,25 @@ def _block(
             flops_experts += cost.flops
         if n.meta["op_class"] == "attention":
             flops_attn += cost.flops
+    return {
+        "flops": sympy.expand(flops),
+        "flops_tp": sympy.expand(flops_tp),
+        "flops_experts": sympy.expand(flops_experts),
+        "flops_attention": sympy.expand(flops_attn),
+        "bytes_moved": sympy.expand(moved),
+        "flops_by_class": {k: sympy.expand(v) for k, v in by_class.items()},
+        "bytes_by_class": {k: sympy.expand(v) for k, v in bytes_by_class.items()},
+    }
+
+
+def _parameter_counts(nodes: list[fx.Node], gm: fx.GraphModule, counted: set[int]) -> tuple[int, int, int]:
+    """(all, divided among TP ranks, of routed experts) parameters ``nodes`` read, each once and
+    none whose id is in ``counted``."""
+    params = params_tp = params_experts = 0
+    seen_params: set[int] = set(counted)
+    split_experts: set[int] = set()  # parameters read by several names count once
+    split_tp: set[int] = set()
+    for n in nodes:
         read = _parameters_read(n, gm)  # a tied parameter's second name too
         for pname, p in read:
             if id(p) in seen_params:
@@ -494,42 +541,18 @@ def _block(
             if id(p) not in split_tp and any(_param_tp_sharded(u, "weight") for u in _weight_users(n)):
                 split_tp.add(id(p))
                 params_tp += p.numel()
-    gemms = _grouped_experts([g for n in nodes if (g := _gemm(n, gm)) is not None])
-    pointwise = pointwise_tp = zero
+    return params, params_tp, params_experts
+
+
+def _pointwise_bytes(nodes: list[fx.Node], gm: fx.GraphModule) -> tuple[sympy.Expr, sympy.Expr]:
+    """HBM traffic of every node but the weighted matmuls, and the part inside TP regions."""
+    pointwise = pointwise_tp = sympy.Integer(0)
     for n in nodes:
         if _gemm(n, gm) is None:
             pointwise += n.meta["cost"].bytes_moved
             if sharding.splits_work(n):
                 pointwise_tp += n.meta["cost"].bytes_moved
-    saved = _saved_tensors(nodes, inside, gm)
-    outputs = [n for n in nodes if n.meta.get("shape") is not None and any(u not in inside for u in n.users)]
-    boundary = ops.numel(outputs[-1].meta["shape"]) if outputs else zero
-    blk = BlockCost(
-        name=name,
-        count=count,
-        layers=layers,
-        params=params,
-        params_tp=params_tp,
-        params_experts=params_experts,
-        flops=sympy.expand(flops),
-        flops_tp=sympy.expand(flops_tp),
-        flops_experts=sympy.expand(flops_experts),
-        flops_attention=sympy.expand(flops_attn),
-        bytes_moved=sympy.expand(moved),
-        flops_by_class={k: sympy.expand(v) for k, v in by_class.items()},
-        bytes_by_class={k: sympy.expand(v) for k, v in bytes_by_class.items()},
-        saved=saved,
-        collectives=_collectives(nodes),
-        boundary_elems=boundary,
-        gemms=gemms,
-        bytes_pointwise=sympy.expand(pointwise),
-        bytes_pointwise_tp=sympy.expand(pointwise_tp),
-        kv_elems=sympy.expand(_kv_elems(nodes)),
-        matmul=_matmul_parts(nodes),
-        weighted_outputs=_weighted_outputs(nodes, gm),
-    )
-    blk._nodes = nodes
-    return blk
+    return pointwise, pointwise_tp
 
 
 def _weighted_outputs(nodes: list[fx.Node], gm: fx.GraphModule) -> list[SavedTensor]:

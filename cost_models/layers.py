@@ -305,14 +305,22 @@ class LayerCosts:
         recomputation (``recompute`` not empty) the all-gather CP variant gathers K/V twice
         (``kv_gathers``); the bounds price none, a floor."""
         blk = self.block(block)
-        hw, s = self.hw, self.seq
-        sl = s / cp
+        sent = [(coll, 2 * float(elems_fn(mbs, self.seq / cp))) for coll, elems_fn in blk._compiled["collectives"]]
+        t_tp, regather, scatter = self._tp_exchanges(sent, tp, where_tp)
+        replays = blk.replayed_exchanges(recompute)
+        t_ep, ep_replay, ep_transient = self._ep_exchanges(sent, replays, tp, ep, fp8, where_ep)
+        t_cp, cp_total, cp_transient = self._cp_exchanges(block, mbs, tp, cp, attention, where_cp, recompute)
+        transient = max(ep_transient, cp_transient)
+        return t_tp, (regather, scatter), (t_cp, cp_total), t_ep + ep_replay, transient, ep_replay
+
+    def _tp_exchanges(self, sent: list[tuple], tp: int, where_tp: Where) -> tuple[float, float, float]:
+        """(exposed, re-gather, reduce-scatter) seconds of the TP collectives among ``sent``
+        ((collective, bytes) of one copy of a block); the last two are the column groups'
+        backward, which ``comm`` says run behind the gradient GEMMs."""
+        hw = self.hw
         sp = tp > 1 and self.sp
-        t_tp = t_ep = regather = scatter = ep_replay = 0.0
-        transient = routed = 0.0
-        replays, ep_seen = blk.replayed_exchanges(recompute), 0
-        for coll, elems_fn in blk._compiled["collectives"]:
-            nbytes = 2 * float(elems_fn(mbs, sl))
+        t_tp = regather = scatter = routed = 0.0
+        for coll, nbytes in sent:
             routed += nbytes if coll.axis == "ep" else 0.0
             if coll.axis == "tp" and tp > 1:
                 if sp:
@@ -327,46 +335,62 @@ class LayerCosts:
                         t_tp += 2 * one
                 else:
                     t_tp += comm.all_reduce(nbytes, where_tp.placement(), hw)
-            elif coll.axis == "ep" and ep > 1:
-                dispatch, local = self._exchange(nbytes, tp, fp8)
-                place = where_ep.placement()
-                there, back = comm.all_to_all(dispatch, place, hw), comm.all_to_all(local, place, hw)
-                t_ep += 2 * (there + back)
-                again, combine_again = replays[ep_seen]
-                ep_seen += 1
-                ep_replay += there * again + back * combine_again
-                transient = max(transient, 2 * local)
         if tp > 1 and not sp and routed:
             # Without SP the routed rows (tokens x top-k) are the same on every TP rank: the
             # expert-parallel pass gives each rank its share of every expert's rows and puts the
             # shares back together by an all-reduce of the rows (zeros outside a rank's share);
             # backward, the rows' gradient is all-reduced the same way (copy_to_tp before the share)
             t_tp += 2 * comm.all_reduce(routed, where_tp.placement(), hw)
-        t_cp = cp_total = 0.0
-        if cp > 1:
-            kv_bytes = 2 * blk.eval("kv_elems", mbs, sl)
-            attn_f = attention_time(blk.eval("flops_attention", mbs, s) / (tp * cp), s / cp, hw)
-            if attention == "ring":
-                # forward: cp - 1 steps of the K/V block, each behind a block's attention; backward:
-                # the block and its gradients (accumulated, and sent, in fp32: twice its bytes)
-                # cp - 1 steps behind a block's backward, then the gradients alone home, exposed
-                span = 1 if where_cp.domains == 1 else hw.nvlink_domain
-                kvb = kv_bytes / (tp if sp else 1)
-                step = comm.p2p(kvb, span, hw)
-                fwd = (cp - 1) * max(0.0, step - attn_f / cp)
-                both, home = comm.p2p(3 * kvb, span, hw), comm.p2p(2 * kvb, span, hw)
-                bwd = (cp - 1) * max(0.0, both - FLASH_BACKWARD * attn_f / cp) + home
-                t_cp = fwd + bwd
-                cp_total = (cp - 1) * (step + both) + home
-                transient = max(transient, 2 * kv_bytes)
-            else:  # all-gather K/V forward (``kv_gathers``), reduce-scatter their gradients (same dtype) backward
-                full = self.gathered_kv(block, mbs, tp, cp)
-                t_cp = kv_gathers(recompute) * comm.all_gather(full, where_cp.placement(), hw) + comm.reduce_scatter(
-                    full, where_cp.placement(), hw
-                )
-                cp_total = t_cp
-                transient = max(transient, 2 * full)
-        return t_tp, (regather, scatter), (t_cp, cp_total), t_ep + ep_replay, transient, ep_replay
+        return t_tp, regather, scatter
+
+    def _ep_exchanges(
+        self, sent: list[tuple], replays: tuple, tp: int, ep: int, fp8: tuple, where_ep: Where
+    ) -> tuple[float, float, float]:
+        """(seconds, the part of them a recomputation exchanges again, transient bytes) of the
+        expert-parallel all-to-alls among ``sent``: dispatch and combine, forward and backward;
+        ``replays`` says per exchange whose dispatch and combine are replayed."""
+        t_ep = ep_replay = transient = 0.0
+        ep_seen = 0
+        for coll, nbytes in sent:
+            if coll.axis == "ep" and ep > 1:
+                dispatch, local = self._exchange(nbytes, tp, fp8)
+                place = where_ep.placement()
+                there, back = comm.all_to_all(dispatch, place, self.hw), comm.all_to_all(local, place, self.hw)
+                t_ep += 2 * (there + back)
+                again, combine_again = replays[ep_seen]
+                ep_seen += 1
+                ep_replay += there * again + back * combine_again
+                transient = max(transient, 2 * local)
+        return t_ep, ep_replay, transient
+
+    def _cp_exchanges(
+        self, block: int, mbs: int, tp: int, cp: int, attention: str, where_cp: Where, recompute: frozenset
+    ) -> tuple[float, float, float]:
+        """(exposed seconds, total seconds, transient bytes) of the K/V exchanges of context
+        parallelism for one copy of ``block``."""
+        if cp == 1:
+            return 0.0, 0.0, 0.0
+        blk, hw, s = self.block(block), self.hw, self.seq
+        sp = tp > 1 and self.sp
+        kv_bytes = 2 * blk.eval("kv_elems", mbs, s / cp)
+        attn_f = attention_time(blk.eval("flops_attention", mbs, s) / (tp * cp), s / cp, hw)
+        if attention == "ring":
+            # forward: cp - 1 steps of the K/V block, each behind a block's attention; backward:
+            # the block and its gradients (accumulated, and sent, in fp32: twice its bytes)
+            # cp - 1 steps behind a block's backward, then the gradients alone home, exposed
+            span = 1 if where_cp.domains == 1 else hw.nvlink_domain
+            kvb = kv_bytes / (tp if sp else 1)
+            step = comm.p2p(kvb, span, hw)
+            fwd = (cp - 1) * max(0.0, step - attn_f / cp)
+            both, home = comm.p2p(3 * kvb, span, hw), comm.p2p(2 * kvb, span, hw)
+            bwd = (cp - 1) * max(0.0, both - FLASH_BACKWARD * attn_f / cp) + home
+            return fwd + bwd, (cp - 1) * (step + both) + home, 2 * kv_bytes
+        # all-gather K/V forward (``kv_gathers``), reduce-scatter their gradients (same dtype) backward
+        full = self.gathered_kv(block, mbs, tp, cp)
+        t_cp = kv_gathers(recompute) * comm.all_gather(full, where_cp.placement(), hw) + comm.reduce_scatter(
+            full, where_cp.placement(), hw
+        )
+        return t_cp, t_cp, 2 * full
 
     def _exchange(self, nbytes: float, tp: int, fp8: tuple) -> tuple[float, float]:
         """(dispatch, combine) bytes one GPU sends for an expert-parallel exchange of ``nbytes``

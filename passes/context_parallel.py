@@ -49,13 +49,21 @@ def _cp(node: fx.Node) -> str | None:
 def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Rewrite ``gm`` in place for ``ctx.cp`` ranks with ``ctx.attention`` (ring or
     all-gather-KV); a comment per changed node goes to ``ctx.notes``."""
-    cp, variant, notes = ctx.cp, ctx.attention, ctx.notes
-    if cp == 1:
+    if ctx.cp == 1:
         return gm
-    graph = gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    # 1. the model reads its token input in this rank's layout; the loss keeps the whole sequence
-    for ph in placeholders:
+    _shard_inputs(gm.graph, ctx)
+    _global_positions(gm.graph, ctx)
+    _shard_attention(gm.graph, ctx)
+    _shard_loss(gm.graph, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _shard_inputs(graph: fx.Graph, ctx: RewriteContext) -> None:
+    """The model reads its token input in this rank's layout; the loss keeps the whole sequence."""
+    cp, notes = ctx.cp, ctx.notes
+    for ph in [n for n in graph.nodes if n.op == "placeholder"]:
         model_users = [u for u in ph.users if _in_model(u)]
         if not model_users:
             continue
@@ -69,7 +77,10 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             u.replace_input_with(ph, local)
         _local_lengths(graph, ph, local, dim)
         notes[local.name] = f"context parallel: this rank's 2 of {2 * cp} sequence chunks (load-balanced layout)"
-    # 2. positions: arange over the sequence length -> the global positions of the local chunks
+
+
+def _global_positions(graph: fx.Graph, ctx: RewriteContext) -> None:
+    """An arange over the sequence length becomes the global positions of the local chunks."""
     for node in list(graph.nodes):
         if _cp(node) == "positions" and _in_model(node):
             shape = node.meta.get("shape")
@@ -80,8 +91,12 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             node.target = runtime.cp_positions
             node.kwargs = {k: v for k, v in node.kwargs.items() if k == "device"}
             node.meta["op"] = ops.op_name(node)
-            notes[node.name] = "context parallel: global positions of this rank's chunks"
-    # 3. attention over the whole sequence
+            ctx.notes[node.name] = "context parallel: global positions of this rank's chunks"
+
+
+def _shard_attention(graph: fx.Graph, ctx: RewriteContext) -> None:
+    """Attention runs over the whole sequence (ring or all-gather-KV); any other op that mixes
+    values along the sequence is refused."""
     for node in list(graph.nodes):
         kind = _cp(node)
         if kind == "mixes" and _in_model(node) and _along_sequence(node):
@@ -92,15 +107,13 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         if why:
             raise _fail(node, why)
         args = ops.call_args(node)
-        with graph.inserting_after(node):
-            new = graph.call_function(
-                runtime.cp_attention, (args["query"], args["key"], args["value"], variant, args["scale"])
-            )
-        place(new, node, **{k: v for k, v in node.meta.items() if k not in ("op", "op_class")})
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        notes[new.name] = f"context parallel: {variant} attention over the {cp} ranks' chunks"
-    # 4. the loss: labels in the same layout, the mean taken over the whole sequence
+        qkv = (args["query"], args["key"], args["value"])
+        new = _replace_call(graph, node, runtime.cp_attention, (*qkv, ctx.attention, args["scale"]))
+        ctx.notes[new.name] = f"context parallel: {ctx.attention} attention over the {ctx.cp} ranks' chunks"
+
+
+def _shard_loss(graph: fx.Graph, ctx: RewriteContext) -> None:
+    """The loss reads its labels in the same layout and takes the mean over the whole sequence."""
     for node in list(graph.nodes):
         if _cp(node) != "loss" or _in_model(node):
             continue
@@ -114,15 +127,20 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
                 u.replace_input_with(source, sharded)
         if args["reduction"] != "mean" or args["weight"] is not None or args["label_smoothing"]:
             raise _fail(node, "only the unweighted mean cross-entropy is split over the sequence")
-        with graph.inserting_after(node):
-            loss = graph.call_function(runtime.cp_cross_entropy, (args["input"], args["target"], args["ignore_index"]))
-        place(loss, node, **{k: v for k, v in node.meta.items() if k not in ("op", "op_class")})
-        node.replace_all_uses_with(loss)
-        graph.erase_node(node)
-        notes[loss.name] = "context parallel: this rank's share of the sequence-mean loss"
-    graph.lint()
-    gm.recompile()
-    return gm
+        loss_args = (args["input"], args["target"], args["ignore_index"])
+        loss = _replace_call(graph, node, runtime.cp_cross_entropy, loss_args)
+        ctx.notes[loss.name] = "context parallel: this rank's share of the sequence-mean loss"
+
+
+def _replace_call(graph: fx.Graph, node: fx.Node, target, args: tuple) -> fx.Node:
+    """Call ``target`` on ``args`` in place of ``node``, which is erased; the new node keeps its
+    metadata but the op's own (``op``, ``op_class``)."""
+    with graph.inserting_after(node):
+        new = graph.call_function(target, args)
+    place(new, node, **{k: v for k, v in node.meta.items() if k not in ("op", "op_class")})
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
 
 
 def no_full_sequence_attention_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:

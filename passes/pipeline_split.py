@@ -209,42 +209,9 @@ def split_program(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
     meta = input_meta_nodes(gm.graph)
     nodes = [n for n in gm.graph.nodes if n not in meta and not _parameter_read(n)]
     placeholders = [p for p in nodes if p.op == "placeholder"]
-    computed = [v for v in nodes if v.op != "placeholder"]
-    for node in nodes:
-        for arg in node.all_input_nodes:
-            held_by_each = arg.op == "placeholder" or arg in meta or _parameter_read(arg)
-            if held_by_each or node.op == "output" or node not in chunk:
-                continue
-            a, b = chunk[arg], chunk[node]
-            if b == LOSS and a not in (LOSS, n - 1):
-                raise AutoshardError(f"the loss reads {arg.name} from pipeline chunk {a}, not the last one")
-            if a != LOSS and b != LOSS and a > b:
-                raise AutoshardError(f"{node.name} in chunk {b} reads {arg.name} from the later chunk {a}")
-    # the value each chunk hands on: produced at or before it, read after it
-    reads_after: list[list[fx.Node]] = []
-    for c in range(n):
-        needed = []
-        for v in [*placeholders, *computed]:
-            if v.op == "output" or (v.op != "placeholder" and chunk.get(v, 0) > c) or chunk.get(v) == LOSS:
-                continue
-            later = [u for u in v.users if u in chunk and (chunk[u] > c or (chunk[u] == LOSS and c == n - 1))]
-            if v.op == "placeholder":  # the loss takes model inputs as its target, not from the pipeline
-                later = [u for u in later if chunk[u] != LOSS]
-            if later:
-                needed.append(v)
-        reads_after.append(needed)
-
-    def read_by_loss(p: fx.Node) -> bool:
-        return any(
-            chunk.get(u) == LOSS or (_input_size(u) and any(chunk.get(w) == LOSS for w in u.users)) for u in p.users
-        )
-
-    loss_inputs = [p for p in placeholders if read_by_loss(p)]
-    if len(loss_inputs) > 1:
-        raise AutoshardError(
-            f"the loss reads {len(loss_inputs)} model inputs ({', '.join(p.name for p in loss_inputs)}); "
-            "the pipeline hands it one target"
-        )
+    _check_reads_go_forward(nodes, chunk, meta, n)
+    reads_after = _handed_on(nodes, chunk, n)
+    loss_inputs = _loss_inputs(placeholders, chunk)
     chunks = []
     for c in range(n):
         inputs = [p for p in placeholders if any(chunk.get(u) == 0 for u in p.users)] if c == 0 else reads_after[c - 1]
@@ -263,6 +230,58 @@ def split_program(gm: fx.GraphModule, stage_layers: list[int]) -> SplitProgram:
         loss_inputs[0].name if loss_inputs else None,
         _ties(gm, chunks),
     )
+
+
+def _check_reads_go_forward(nodes: list[fx.Node], chunk: dict[fx.Node, int], meta: set[fx.Node], n: int) -> None:
+    """Every value a chunk reads comes from it or an earlier one, and the loss reads only the
+    last chunk's; what every chunk holds (inputs, their sizes, parameters) is read anywhere."""
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            held_by_each = arg.op == "placeholder" or arg in meta or _parameter_read(arg)
+            if held_by_each or node.op == "output" or node not in chunk:
+                continue
+            a, b = chunk[arg], chunk[node]
+            if b == LOSS and a not in (LOSS, n - 1):
+                raise AutoshardError(f"the loss reads {arg.name} from pipeline chunk {a}, not the last one")
+            if a != LOSS and b != LOSS and a > b:
+                raise AutoshardError(f"{node.name} in chunk {b} reads {arg.name} from the later chunk {a}")
+
+
+def _handed_on(nodes: list[fx.Node], chunk: dict[fx.Node, int], n: int) -> list[list[fx.Node]]:
+    """The values each of the ``n`` chunks hands on: produced at or before it, read after it
+    (model inputs first, then computed values in program order)."""
+    placeholders = [p for p in nodes if p.op == "placeholder"]
+    computed = [v for v in nodes if v.op != "placeholder"]
+    reads_after: list[list[fx.Node]] = []
+    for c in range(n):
+        needed = []
+        for v in [*placeholders, *computed]:
+            if v.op == "output" or (v.op != "placeholder" and chunk.get(v, 0) > c) or chunk.get(v) == LOSS:
+                continue
+            later = [u for u in v.users if u in chunk and (chunk[u] > c or (chunk[u] == LOSS and c == n - 1))]
+            if v.op == "placeholder":  # the loss takes model inputs as its target, not from the pipeline
+                later = [u for u in later if chunk[u] != LOSS]
+            if later:
+                needed.append(v)
+        reads_after.append(needed)
+    return reads_after
+
+
+def _loss_inputs(placeholders: list[fx.Node], chunk: dict[fx.Node, int]) -> list[fx.Node]:
+    """The model input the loss reads as its target (directly or through its size): one at most."""
+
+    def read_by_loss(p: fx.Node) -> bool:
+        return any(
+            chunk.get(u) == LOSS or (_input_size(u) and any(chunk.get(w) == LOSS for w in u.users)) for u in p.users
+        )
+
+    loss_inputs = [p for p in placeholders if read_by_loss(p)]
+    if len(loss_inputs) > 1:
+        raise AutoshardError(
+            f"the loss reads {len(loss_inputs)} model inputs ({', '.join(p.name for p in loss_inputs)}); "
+            "the pipeline hands it one target"
+        )
+    return loss_inputs
 
 
 def _ties(gm: fx.GraphModule, chunks: list[fx.GraphModule]) -> list[dict]:

@@ -58,10 +58,22 @@ def _retarget(node: fx.Node, target, args: tuple, notes: dict[str, str]) -> None
 def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Rewrite ``gm`` (after ``tensor_parallel``) in place; adds the parameters whose gradients
     are partial over TP to ``ctx.partial_grads`` and a comment per changed node to ``ctx.notes``."""
-    tp, notes = ctx.tp, ctx.notes
-    if tp == 1:
+    if ctx.tp == 1:
         return gm
-    graph = gm.graph
+    frontier = _reduce_scatter_region_ends(gm.graph, ctx)
+    frontier += [_slice_entry(gm.graph, entry, ctx) for entry in _stream_entries(gm.graph)]
+    partial = _follow_slices(gm, ctx, frontier)
+    gm.graph.lint()
+    gm.recompile()
+    ctx.partial_grads.extend(sorted(partial))
+    return gm
+
+
+def _reduce_scatter_region_ends(graph: fx.Graph, ctx: RewriteContext) -> list[fx.Node]:
+    """Each TP region's closing all-reduce outside the embedding becomes a reduce-scatter onto
+    the sequence slices (of the rows of flattened tokens when there is no sequence dimension);
+    returns those nodes, where the sliced stream starts."""
+    tp, notes = ctx.tp, ctx.notes
     frontier: list[fx.Node] = []
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is runtime.reduce_from_tp and node.meta.get("region") != "pre":
@@ -76,7 +88,12 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
             notes[node.name] = f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices"
             node.meta["sp_sliced_dim"], node.meta["sp_tp"] = dim, tp
             frontier.append(node)
-    # the hidden state entering the layer stack: what a layer's first norm and residual add read
+    return frontier
+
+
+def _stream_entries(graph: fx.Graph) -> set[fx.Node]:
+    """The hidden state entering the layer stack: what a layer's first norm and residual add
+    read from the embedding region."""
     first = [
         n
         for n in graph.nodes
@@ -87,27 +104,38 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
         for a in n.all_input_nodes:
             if a.meta.get("region") == "pre" and a.op != "get_attr" and _seq_dim(a) is not None and _residual_reader(n):
                 entries.add(a)
-    for a in entries:
-        readers = [u for u in a.users if u.meta.get("region") in ("layer", "post") and _residual_reader(u)]
-        if _reduces_itself(a) and set(readers) == set(a.users):
-            # the vocabulary-parallel embedding's partial sums reduce-scattered onto the slices,
-            # rather than all-reduced and then cut
-            a.kwargs = {**a.kwargs, "sp_dim": _seq_dim(a)}
-            a.meta["sp_sliced_dim"], a.meta["sp_tp"] = _seq_dim(a), tp
-            notes[a.name] = (notes.get(a.name, "") + "; " if a.name in notes else "") + (
-                f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices"
-            )
-            frontier.append(a)
-            continue
-        with graph.inserting_after(a):
-            scatter = graph.call_function(runtime.scatter_to_sp, (a, _seq_dim(a)))
-        place(scatter, a, tp="replicated", sp_sliced_dim=_seq_dim(a), sp_tp=tp)  # (the end of the embedding region)
-        notes[scatter.name] = f"sequence parallel: keep this rank's 1/{tp} of the sequence from here on"
-        for user in list(a.users):
-            if user is not scatter and user.meta.get("region") in ("layer", "post") and _residual_reader(user):
-                user.replace_input_with(a, scatter)
-        frontier.append(scatter)
-    # follow the sliced stream, in program order, to the next TP region
+    return entries
+
+
+def _slice_entry(graph: fx.Graph, a: fx.Node, ctx: RewriteContext) -> fx.Node:
+    """Hand the layers this rank's slice of the entering hidden state ``a``; returns the node
+    that holds the slice."""
+    tp, notes = ctx.tp, ctx.notes
+    readers = [u for u in a.users if u.meta.get("region") in ("layer", "post") and _residual_reader(u)]
+    if _reduces_itself(a) and set(readers) == set(a.users):
+        # the vocabulary-parallel embedding's partial sums reduce-scattered onto the slices,
+        # rather than all-reduced and then cut
+        a.kwargs = {**a.kwargs, "sp_dim": _seq_dim(a)}
+        a.meta["sp_sliced_dim"], a.meta["sp_tp"] = _seq_dim(a), tp
+        notes[a.name] = (notes.get(a.name, "") + "; " if a.name in notes else "") + (
+            f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices"
+        )
+        return a
+    with graph.inserting_after(a):
+        scatter = graph.call_function(runtime.scatter_to_sp, (a, _seq_dim(a)))
+    place(scatter, a, tp="replicated", sp_sliced_dim=_seq_dim(a), sp_tp=tp)  # (the end of the embedding region)
+    notes[scatter.name] = f"sequence parallel: keep this rank's 1/{tp} of the sequence from here on"
+    for user in list(a.users):
+        if user is not scatter and user.meta.get("region") in ("layer", "post") and _residual_reader(user):
+            user.replace_input_with(a, scatter)
+    return scatter
+
+
+def _follow_slices(gm: fx.GraphModule, ctx: RewriteContext, frontier: list[fx.Node]) -> set[str]:
+    """Follow the sliced stream from ``frontier``, in program order, to the next TP region,
+    whose input is gathered again: every op on the way runs on the slice or is refused. Returns
+    the parameters whose gradients are partial over TP."""
+    tp, graph = ctx.tp, gm.graph
     sliced: set[fx.Node] = set(frontier)
     partial: set[str] = set()
     for user in list(graph.nodes):
@@ -118,11 +146,7 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
             continue
         node = inputs[0]
         if user.op == "call_function" and user.target is runtime.copy_to_tp:
-            if _seq_dim(node) is None:  # rows of flattened (batch, sequence)
-                _retarget(user, runtime.gather_tokens, (user.args[0], ctx.seq), notes)
-            else:
-                _retarget(user, runtime.gather_from_sp, (user.args[0], _seq_dim(node)), notes)
-            notes[user.name] = "sequence parallel: all-gather the sequence before the column matmuls"
+            _gather_at_region_start(user, node, ctx)
             continue
         if user.op == "output":
             continue
@@ -135,28 +159,45 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
         if row is not None and row.sp == "view":
             if not _view_of_tokens(graph, user, node, tp, ctx.seq):
                 raise _fail(user, "a view that mixes the sequence with features")
-            sliced.add(user)
-            user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _sliced_dim(user), tp
-            continue
-        if not _per_token(user, node, row):
+        elif not _per_token(user, node, row):
             raise _fail(user, _why_not_per_token(user, row))
-        if user.op == "call_module":  # a norm module's parameters see this rank's tokens only
-            partial.update(f"{user.target}.{p}" for p, _ in gm.get_submodule(user.target).named_parameters())
-        elif row.sp in ("pointwise", "norm"):
-            for other in user.all_input_nodes:
-                if other in sliced:
-                    continue
-                if other.op == "get_attr":
-                    partial.add(other.target)
-                    continue
-                _check_broadcast(user, other, node)
-                partial.update(_parameters_behind(other))
+        else:
+            partial.update(_partial_parameters(gm, user, node, row, sliced))
         sliced.add(user)
         user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _sliced_dim(user), tp
-    graph.lint()
-    gm.recompile()
-    ctx.partial_grads.extend(sorted(partial))
-    return gm
+    return partial
+
+
+def _gather_at_region_start(copy: fx.Node, sliced: fx.Node, ctx: RewriteContext) -> None:
+    """The ``copy_to_tp`` opening a TP region becomes an all-gather of the sequence (of the rows
+    of flattened tokens when ``sliced`` has no sequence dimension)."""
+    if _seq_dim(sliced) is None:  # rows of flattened (batch, sequence)
+        _retarget(copy, runtime.gather_tokens, (copy.args[0], ctx.seq), ctx.notes)
+    else:
+        _retarget(copy, runtime.gather_from_sp, (copy.args[0], _seq_dim(sliced)), ctx.notes)
+    ctx.notes[copy.name] = "sequence parallel: all-gather the sequence before the column matmuls"
+
+
+def _partial_parameters(
+    gm: fx.GraphModule, user: fx.Node, sliced: fx.Node, row: ops.OpRule | None, stream: set[fx.Node]
+) -> set[str]:
+    """The parameters the per-token op ``user`` applies to this rank's tokens only, whose
+    gradients are therefore partial: a norm module's own, or the operands off the sliced
+    ``stream`` of a pointwise op or functional norm (each checked to broadcast along the
+    sequence)."""
+    if user.op == "call_module":
+        return {f"{user.target}.{p}" for p, _ in gm.get_submodule(user.target).named_parameters()}
+    found: set[str] = set()
+    if row.sp in ("pointwise", "norm"):
+        for other in user.all_input_nodes:
+            if other in stream:
+                continue
+            if other.op == "get_attr":
+                found.add(other.target)
+                continue
+            _check_broadcast(user, other, sliced)
+            found.update(_parameters_behind(other))
+    return found
 
 
 def _per_token(user: fx.Node, sliced: fx.Node, row: ops.OpRule | None) -> bool:

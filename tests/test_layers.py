@@ -1,5 +1,6 @@
 """Layers point one way: the runtime knows nothing of planning or rewriting, capture and the cost
-formulas nothing of plans; and the project cites no file outside itself."""
+formulas nothing of plans; the project cites no file outside itself; and a function a reader
+cannot follow on one screen says why it is long."""
 
 import ast
 from pathlib import Path
@@ -181,3 +182,48 @@ def test_every_package_is_installed():
     folders = [p.parent.relative_to(ROOT / "autoshard") for p in (ROOT / "autoshard").rglob("__init__.py")]
     found = {".".join(("autoshard", *f.parts)) for f in folders} | {"autoshard.passes", "autoshard.cost_models"}
     assert found <= listed, sorted(found - listed)
+
+
+# ---------------------------------------------------------------------------------------------
+# function length: past this many lines (def line to last line) a function is split into helpers
+# a reader can follow top to bottom, or its docstring says why it is long (an argument table)
+
+MAX_FUNCTION_LINES = 60
+# being split into helpers on other branches now; whoever merges them empties this set
+_BEING_SPLIT = {
+    "autoshard/runtime/program.py::_stage_class",
+    "autoshard/verify.py::verify",
+    "passes/canonicalize.py::canonicalize",
+}
+
+
+def _long_functions(source: str) -> list[tuple[str, int, bool]]:
+    """(name, lines, whether its docstring says why it is long) of each function or method of
+    ``source`` over ``MAX_FUNCTION_LINES`` lines."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                found.append((node.name, lines, "long" in (ast.get_docstring(node) or "").lower()))
+    return found
+
+
+def test_a_long_function_says_why():
+    unexplained = {}
+    for folder in PACKAGE_DIRS.values():
+        for path in sorted(folder.rglob("*.py")):
+            for name, lines, says_why in _long_functions(path.read_text()):
+                if not says_why:
+                    unexplained[f"{path.relative_to(ROOT).as_posix()}::{name}"] = lines
+    left = [f"{where} ({lines} lines)" for where, lines in unexplained.items() if where not in _BEING_SPLIT]
+    assert not left, f"over {MAX_FUNCTION_LINES} lines: split into helpers, or say why it is long: {left}"
+    done = sorted(_BEING_SPLIT - set(unexplained))
+    assert not done, f"split now: take {done} out of _BEING_SPLIT"
+
+
+def test_the_length_scan_counts_from_def_to_last_line():
+    body = "\n".join(f"    x{i} = {i}" for i in range(59))
+    assert _long_functions(f"def f():\n{body}\n") == []
+    assert _long_functions(f"@cache\ndef f():\n{body}\n    return 0\n") == [("f", 61, False)]
+    assert _long_functions(f'class C:\n  def m(self):\n    """A long table."""\n{body}\n') == [("m", 61, True)]

@@ -93,15 +93,12 @@ def _mesh(ev: Evaluation) -> Mesh:
 
 
 def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
-    c, hw = ev.candidate, problem.hw
-    b = ev.breakdown
-    cats = sorted(problem.categories)
-    tokens = problem.global_batch * problem.seq
-    comm = {axis: {"total": v["total"], "exposed": v["exposed"]} for axis, v in b["comm_s"].items()}
+    """The Plan of the evaluated candidate ``ev``."""
+    c = ev.candidate
     plan = Plan(
         version=PLAN_VERSION,
         model=model_summary(problem.cost, problem.model_name, problem.seq),
-        hardware=hw.name,
+        hardware=problem.hw.name,
         gpus=problem.gpus,
         seq_len=problem.seq,
         global_batch=problem.global_batch,
@@ -114,7 +111,9 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
         stage_layers=list(ev.stage_layers),
         sequence_parallel=c.tp > 1 and problem.sequence_parallel,
         checkpoint={
-            cat: ("recompute" if cat in c.recompute else "save") for cat in cats if cat in CHECKPOINT_CATEGORIES
+            cat: ("recompute" if cat in c.recompute else "save")
+            for cat in sorted(problem.categories)
+            if cat in CHECKPOINT_CATEGORIES
         },
         precision={
             "compute": "bf16",
@@ -123,39 +122,51 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
             **_fp8_saved(problem, c),
         },
         attention=c.attention,
-        predicted=Predicted(
-            step_time_s=ev.step_time_s,
-            mfu=ev.mfu,
-            tokens_per_s=tokens / ev.step_time_s,
-            bubble_fraction=b["bubble_s"] / ev.step_time_s,
-            memory_bytes_per_gpu={
-                k: ev.memory[k]
-                for k in ("params", "grads", "optimizer", "activations", "fp8_weights", "buffers", "total")
-                if k != "fp8_weights" or ev.memory.get(k)
-            },
-            comm_s=comm,
-            compute_s=b["compute_s"],
-            recompute_s=b["recompute_s"],
-            overlap_s=b["overlap_s"],
-            memory_limit_bytes=hw.usable_bytes,
-            ranks=rank_promises(Evaluator(CandidateCosts(problem)), ev),
-        ),
+        predicted=_predicted(problem, ev),
         forced={k: _jsonable(v) for k, v in problem.forced.items()},
-        notes=(
-            []
-            if ev.optimal
-            else ["The stage partition solver stopped at its time limit: the split may not be optimal."]
-        )
+        notes=_notes(problem, ev),
+    )
+    if not problem.emit:
+        plan.not_emitted = capabilities.refusals(plan)
+    return plan
+
+
+def _predicted(problem: Problem, ev: Evaluation) -> Predicted:
+    """What the cost model predicts for ``ev``: step time, throughput, memory, time by kind and
+    each pipeline rank's promises."""
+    b = ev.breakdown
+    tokens = problem.global_batch * problem.seq
+    return Predicted(
+        step_time_s=ev.step_time_s,
+        mfu=ev.mfu,
+        tokens_per_s=tokens / ev.step_time_s,
+        bubble_fraction=b["bubble_s"] / ev.step_time_s,
+        memory_bytes_per_gpu={
+            k: ev.memory[k]
+            for k in ("params", "grads", "optimizer", "activations", "fp8_weights", "buffers", "total")
+            if k != "fp8_weights" or ev.memory.get(k)
+        },
+        comm_s={axis: {"total": v["total"], "exposed": v["exposed"]} for axis, v in b["comm_s"].items()},
+        compute_s=b["compute_s"],
+        recompute_s=b["recompute_s"],
+        overlap_s=b["overlap_s"],
+        memory_limit_bytes=problem.hw.usable_bytes,
+        ranks=rank_promises(Evaluator(CandidateCosts(problem)), ev),
+    )
+
+
+def _notes(problem: Problem, ev: Evaluation) -> list[str]:
+    """The plan's notes: a partition cut short, choices the passes cannot emit, capture's notes
+    and the memory limit."""
+    return (
+        ([] if ev.optimal else ["The stage partition solver stopped at its time limit: the split may not be optimal."])
         + [
             f"Left out of the search, as the rewrite passes cannot emit it for this model: {r}"
             for r in problem.exclusion_reasons
         ]
         + list(problem.cost.captured.notes)
-        + [f"Memory limit: {hw.memory_limit_text()} (--memory-headroom keeps a share of it free besides)."],
+        + [f"Memory limit: {problem.hw.memory_limit_text()} (--memory-headroom keeps a share of it free besides)."]
     )
-    if not problem.emit:
-        plan.not_emitted = capabilities.refusals(plan)
-    return plan
 
 
 def _jsonable(v):

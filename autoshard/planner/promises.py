@@ -9,6 +9,7 @@ entry per pipeline rank describes them all (routing taken as balanced).
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import accumulate
 
 from autoshard.cost_models.comm import data_parallel_payload, wire_bytes
 from autoshard.cost_models.layers import POST, PRE
@@ -87,70 +88,87 @@ def rank_promises(evaluator, ev) -> list[dict]:
     costs = evaluator.costs
     c = ev.candidate
     sched = SCHEDULES[c.schedule]
-    m = costs.microbatches(c)
     where_key, where = costs.where(c, True)
     w = costs.work(c, where_key, where, sched.overlaps_ep)
-    layers = costs.layers
-    cuts = [0]
-    for n in ev.stage_layers:
-        cuts.append(cuts[-1] + n)
-    chunks = len(ev.stage_layers)
+    return [_rank_promise(costs, c, sched, w, ev, r) for r in range(c.pp)]
+
+
+def _rank_promise(costs, c, sched, w, ev, r: int) -> dict:
+    """Pipeline rank ``r``'s entry of ``rank_promises``."""
+    m = costs.microbatches(c)
+    mine = sched.chunks_of_rank(r, c.pp, c.v)
+    tally = _Tally()
+    flops, dense, expert = _run_chunks(costs, c, sched, w, ev.stage_layers, r, mine, tally)
+    for kind, nbytes in data_parallel_payload(dense, c.zero, c.dp * c.cp, m):
+        tally.send("dp", kind, nbytes, c.dp * c.cp)
+    for kind, nbytes in data_parallel_payload(expert, c.zero, c.edp, m):
+        tally.send("dp", kind, nbytes, c.edp)
+    _send_tied_gradients(costs, c, sched, len(ev.stage_layers), r, tally)
+    parts = rank_memory_parts(costs, c, sched, w, ev.stage_layers, r)
+    total = ev.memory_ranks[r]
+    memory = {**parts, "buffers": max(0.0, total - sum(parts.values())), "total": total}
+    by_dim: dict[str, dict[str, float]] = {}
+    for (dim, kind), nbytes in sorted(tally.comm.items()):
+        by_dim.setdefault(dim, {})[kind] = nbytes
+    return {
+        "pp_rank": r,
+        "chunks": mine,
+        "memory_bytes": memory,
+        "flops": {**flops, "total": sum(flops.values())},
+        "comm_bytes": by_dim,
+        "comm_wire_bytes": dict(sorted(tally.wire.items())),
+    }
+
+
+def _run_chunks(costs, c, sched, w, stage_layers: list[int], r: int, mine: list[int], tally: _Tally) -> tuple:
+    """(FLOPs by pass, dense parameters, expert parameters) of rank ``r``'s chunks ``mine`` for
+    a step; their layers' exchanges and the tensors they hand between ranks go to ``tally``."""
+    layers, m = costs.layers, costs.microbatches(c)
+    share = sched.split_share(c.pp, m, c.v)[r]
+    dense = expert = 0.0
+    flops = dict.fromkeys(("forward", "backward", "recompute"), 0.0)
+    for ch, blocks in _rank_blocks(costs, stage_layers, mine):
+        for block in blocks:
+            k = w.pre if block == PRE else w.post if block == POST else w.kinds[block]
+            dense, expert = dense + k.params_dense, expert + k.params_expert
+            f, b, rerun = layers.matmul_flops(block, c.mbs, c.tp, c.cp, w.recompute)
+            flops["forward"] += m * f
+            flops["backward"] += m * b
+            flops["recompute"] += m * rerun * (1 + share)  # again in a split backward's weight pass
+            _send_exchanges(layers, c, w.recompute, block, m, share, tally)
+        _send_boundaries(costs, c, sched, stage_layers, r, ch, tally)
+    return flops, dense, expert
+
+
+def _send_exchanges(layers, c, recompute: frozenset, block: int, m: int, share: float, tally: _Tally) -> None:
+    """What ``m`` micro-batches through one copy of ``block`` hand over, and what the second
+    recomputation of a split backward (``share`` of the backwards) exchanges again."""
     group = {"tp": c.tp, "cp": c.cp, "ep": c.ep, "pp": c.pp}
-    split = sched.split_share(c.pp, m, c.v)
-    out = []
-    for r in range(c.pp):
-        dense = expert = 0.0
-        flops = dict.fromkeys(("forward", "backward", "recompute"), 0.0)
-        tally = _Tally()
-        send = tally.send
-        mine = sched.chunks_of_rank(r, c.pp, c.v)
-        for ch, blocks in _rank_blocks(costs, ev.stage_layers, mine):
-            for block in blocks:
-                k = w.pre if block == PRE else w.post if block == POST else w.kinds[block]
-                dense, expert = dense + k.params_dense, expert + k.params_expert
-                f, b, rerun = layers.matmul_flops(block, c.mbs, c.tp, c.cp, w.recompute)
-                flops["forward"] += m * f
-                flops["backward"] += m * b
-                flops["recompute"] += m * rerun * (1 + split[r])  # again in a split backward's weight pass
-                for axis, kind, nbytes in layers.payload(
-                    block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, w.recompute
-                ):
-                    send(axis, kind, m * nbytes, group[axis])
-                for axis, kind, nbytes in layers.replayed_payload(
-                    block, c.mbs, c.tp, c.cp, c.ep, c.fp8, w.recompute
-                ):  # exchanged again by a split backward's second recomputation
-                    send(axis, kind, m * nbytes * split[r], group[axis])
-            # the activation to the next chunk, the gradient of this chunk's input to the one before
-            # (what a chunk hands on is its last layer's output, the embedding's before any layer)
-            if ch + 1 < chunks and sched.chunk_rank(ch + 1, c.pp) != r:
-                last = costs.kinds[cuts[ch + 1] - 1] if cuts[ch + 1] > 0 else PRE
-                send("pp", "send", m * layers.boundary_bytes(last, c.mbs, c.tp, c.cp), 2)
-            if ch > 0 and sched.chunk_rank(ch - 1, c.pp) != r:
-                before = costs.kinds[cuts[ch] - 1] if cuts[ch] > 0 else PRE
-                send("pp", "send", m * layers.boundary_bytes(before, c.mbs, c.tp, c.cp), 2)
-        for kind, nbytes in data_parallel_payload(dense, c.zero, c.dp * c.cp, m):
-            send("dp", kind, nbytes, c.dp * c.cp)
-        for kind, nbytes in data_parallel_payload(expert, c.zero, c.edp, m):
-            send("dp", kind, nbytes, c.edp)
-        ends = {sched.chunk_rank(0, c.pp), sched.chunk_rank(chunks - 1, c.pp)}
-        copy = costs.tied_copy(c)
-        if copy and len(ends) > 1 and r in ends:  # the tied copies' gradients, summed between the ends
-            grads = sharded_state_bytes(copy, 0.0, c.zero, c.dp * c.cp, c.edp)["grads"]
-            send("pp", "all_reduce", grads, 2)
-        parts = rank_memory_parts(costs, c, sched, w, ev.stage_layers, r)
-        total = ev.memory_ranks[r]
-        memory = {**parts, "buffers": max(0.0, total - sum(parts.values())), "total": total}
-        by_dim: dict[str, dict[str, float]] = {}
-        for (dim, kind), nbytes in sorted(tally.comm.items()):
-            by_dim.setdefault(dim, {})[kind] = nbytes
-        out.append(
-            {
-                "pp_rank": r,
-                "chunks": mine,
-                "memory_bytes": memory,
-                "flops": {**flops, "total": sum(flops.values())},
-                "comm_bytes": by_dim,
-                "comm_wire_bytes": dict(sorted(tally.wire.items())),
-            }
-        )
-    return out
+    for axis, kind, nbytes in layers.payload(block, c.mbs, c.tp, c.cp, c.ep, c.attention, c.fp8, recompute):
+        tally.send(axis, kind, m * nbytes, group[axis])
+    for axis, kind, nbytes in layers.replayed_payload(block, c.mbs, c.tp, c.cp, c.ep, c.fp8, recompute):
+        tally.send(axis, kind, m * nbytes * share, group[axis])
+
+
+def _send_boundaries(costs, c, sched, stage_layers: list[int], r: int, ch: int, tally: _Tally) -> None:
+    """The activation chunk ``ch`` hands the next chunk and the gradient of its input it hands
+    the one before, where that chunk is on another rank than ``r`` (what a chunk hands on is
+    its last layer's output, the embedding's before any layer)."""
+    m = costs.microbatches(c)
+    cuts = [0, *accumulate(stage_layers)]
+    if ch + 1 < len(stage_layers) and sched.chunk_rank(ch + 1, c.pp) != r:
+        last = costs.kinds[cuts[ch + 1] - 1] if cuts[ch + 1] > 0 else PRE
+        tally.send("pp", "send", m * costs.layers.boundary_bytes(last, c.mbs, c.tp, c.cp), 2)
+    if ch > 0 and sched.chunk_rank(ch - 1, c.pp) != r:
+        before = costs.kinds[cuts[ch] - 1] if cuts[ch] > 0 else PRE
+        tally.send("pp", "send", m * costs.layers.boundary_bytes(before, c.mbs, c.tp, c.cp), 2)
+
+
+def _send_tied_gradients(costs, c, sched, chunks: int, r: int, tally: _Tally) -> None:
+    """The gradients of the copies of tied parameters (the embedding's in the head), summed
+    between the ranks of the first and the last chunk when ``r`` is one of them."""
+    ends = {sched.chunk_rank(0, c.pp), sched.chunk_rank(chunks - 1, c.pp)}
+    copy = costs.tied_copy(c)
+    if copy and len(ends) > 1 and r in ends:
+        grads = sharded_state_bytes(copy, 0.0, c.zero, c.dp * c.cp, c.edp)["grads"]
+        tally.send("pp", "all_reduce", grads, 2)
