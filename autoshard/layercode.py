@@ -33,7 +33,6 @@ class Layer:
     index: int
     prefix: str  # the layer's module in the model: "model.layers.3"
     graph: fx.Graph
-    notes: dict[str, str]  # node name in ``graph`` -> the decision behind it
     owner: fx.GraphModule  # holds the layer's modules and parameters under their full names
     constants: dict[str, str]  # attribute -> what follows the layer's name in the string it holds
     call: fx.Node  # the layer's call in the chunk's graph
@@ -50,7 +49,7 @@ class Kind:
     layers: list[Layer] = field(default_factory=list)
 
 
-def chunk_layers(chunk: fx.GraphModule, notes: dict[str, str]) -> list[Layer]:
+def chunk_layers(chunk: fx.GraphModule) -> list[Layer]:
     """The layers of ``chunk``, each called in the chunk's graph as one module call (a checkpointed
     layer as its ``Checkpoint``, any other layer cut out of the graph, called by its module name
     ``model.layers.3``)."""
@@ -62,14 +61,14 @@ def chunk_layers(chunk: fx.GraphModule, notes: dict[str, str]) -> list[Layer]:
             checkpoint = chunk.get_submodule(call.target)
             sub = checkpoint.fn.graph
             layer = call.meta["layer"]
-            layers.append(_layer(layer, _prefix(layer, sub.nodes), sub, checkpoint.fn, call, notes, checkpoint))
+            layers.append(_layer(layer, _prefix(layer, sub.nodes), sub, checkpoint.fn, call, checkpoint))
         return layers
     layers = []
     for layer, body in sorted(_absorbed(graph, layer_bodies(graph)).items()):
         prefix = _prefix(layer, body)
         sub = layer_graph(body)
         call = call_in_place(graph, body, prefix, {"region": "layer", "layer": layer})
-        layers.append(_layer(layer, prefix, sub, chunk, call, notes, None))
+        layers.append(_layer(layer, prefix, sub, chunk, call, None))
     return layers
 
 
@@ -104,13 +103,13 @@ def _prefix(layer: int, nodes) -> str:
     return found.most_common(1)[0][0]
 
 
-def _layer(index, prefix, sub, owner, call, notes, checkpoint) -> Layer:
-    graph, new_notes, constants, outside = relative_graph(sub, prefix, notes)
+def _layer(index, prefix, sub, owner, call, checkpoint) -> Layer:
+    graph, constants, outside = relative_graph(sub, prefix)
     if outside:  # parameters read from outside the layer: the chunk reads them and passes them in
         with call.graph.inserting_before(call):
             reads = [call.graph.get_attr(target) for target in outside]
         call.args = (*call.args, *reads)
-    layer = Layer(index, prefix, graph, new_notes, owner, constants, call, checkpoint)
+    layer = Layer(index, prefix, graph, owner, constants, call, checkpoint)
     layer.source = _source_class(sub, prefix)
     return layer
 
@@ -131,12 +130,12 @@ def _base(name: str, prefix: str) -> str:
     return re.sub(r"_\d+$", "", name.removeprefix(f"{prefix.replace('.', '_')}_"))
 
 
-def relative_graph(sub: fx.Graph, prefix: str, notes: dict[str, str]):
-    """``sub`` (one layer's graph) rebuilt with its names relative to ``prefix``: returns the graph,
-    its notes, the attributes holding strings that name the layer (attribute -> the string's
+def relative_graph(sub: fx.Graph, prefix: str):
+    """``sub`` (one layer's graph) rebuilt with its names relative to ``prefix`` (in its nodes'
+    notes too): returns the graph, the attributes holding strings that name the layer (attribute -> the string's
     tail after ``prefix``) and the full names of the parameters it reads from outside the layer,
     which became its last inputs."""
-    graph, env, out_notes, constants = fx.Graph(), {}, {}, {}
+    graph, env, constants = fx.Graph(), {}, {}
     under = f"{prefix}."
     outside = [n.target for n in sub.nodes if n.op == "get_attr" and not n.target.startswith(under)]
     inputs = [n for n in sub.nodes if n.op == "placeholder"]
@@ -163,9 +162,9 @@ def relative_graph(sub: fx.Graph, prefix: str, notes: dict[str, str]):
         if node.op == "call_function":
             args, kwargs = _constants_read(graph, node, args, kwargs, prefix, constants)
         env[node] = graph.create_node(node.op, target, args, kwargs, name=name)
-        if node.name in notes:
-            out_notes[env[node].name] = notes[node.name].replace(under, "")
-    return graph, out_notes, constants, outside
+        if "note" in node.meta:
+            env[node].meta["note"] = node.meta["note"].replace(under, "")
+    return graph, constants, outside
 
 
 def _constants_read(graph: fx.Graph, node: fx.Node, args: tuple, kwargs: dict, prefix: str, constants: dict):

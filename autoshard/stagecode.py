@@ -58,7 +58,7 @@ def program_sources(chunks: list[fx.GraphModule], loss: fx.GraphModule, docs: li
     """``stageN.py`` for each chunk (``docs[N]`` its docstring's first line), ``layers.py`` (where
     there are layers) and ``loss.py``: file name -> text."""
     tables = [chunk_tables(gm, rewritten, inits) for gm in chunks]
-    layers = [layercode.chunk_layers(gm, rewritten.notes) for gm in chunks]
+    layers = [layercode.chunk_layers(gm) for gm in chunks]
     bodies = {id(layer): _layer_source(layer) for found in layers for layer in found}
     kinds = layercode.group([x for found in layers for x in found], lambda x: _key(bodies[id(x)], x))
     shared = [_shared_tables(kind, tables, layers) for kind in kinds]  # (taken out of the chunks' tables)
@@ -67,11 +67,9 @@ def program_sources(chunks: list[fx.GraphModule], loss: fx.GraphModule, docs: li
         classes = [_kind_class(kind, bodies[id(kind.layers[0])], table) for kind, table in zip(kinds, shared)]
         files["layers.py"] = module_file("The layer kinds of this program, one class each.", classes, {})
     for c, gm in enumerate(chunks):
-        files[f"stage{c}.py"] = module_file(
-            docs[c], [_chunk_class(gm, f"Chunk{c}", layers[c], rewritten.notes)], tables[c]
-        )
+        files[f"stage{c}.py"] = module_file(docs[c], [_chunk_class(gm, f"Chunk{c}", layers[c])], tables[c])
     loss_doc = "The training loss on the last chunk's output and the micro-batch's tokens."
-    files["loss.py"] = module_file(loss_doc, [_chunk_class(loss, "Loss", [], rewritten.notes)], {})
+    files["loss.py"] = module_file(loss_doc, [_chunk_class(loss, "Loss", [])], {})
     return files
 
 
@@ -150,9 +148,11 @@ def _import_line(name: str, obj) -> tuple[str, str]:
 # classes
 
 
-def _method(graph: fx.Graph, notes: dict[str, str], name: str, src: Source, spelled: dict | None = None) -> list[str]:
-    """``graph``'s code as method ``name``, each noted line under its decision, with the text in
-    ``spelled`` written as it says; returns its lines (adds the globals it reads to ``src``)."""
+def _method(graph: fx.Graph, name: str, src: Source, spelled: dict | None = None) -> list[str]:
+    """``graph``'s code as method ``name``, each noted line under its decision (the node's
+    ``meta["note"]``), with the text in ``spelled`` written as it says; returns its lines (adds
+    the globals it reads to ``src``)."""
+    notes = {n.name: n.meta["note"] for n in graph.nodes if "note" in n.meta}
     code = graph.python_code(root_module="self")
     renames = {}
     for g, obj in code.globals.items():
@@ -197,7 +197,7 @@ def _layer_source(layer: layercode.Layer) -> Source:
         src.lines += pysource.wrap(line, "        ")
     for attr, tail in layer.constants.items():
         src.lines.append(f'        self.{attr} = f"{{name}}{tail}"' if tail else f"        self.{attr} = name")
-    src.lines += _method(layer.graph, layer.notes, "forward", src)
+    src.lines += _method(layer.graph, "forward", src)
     return src
 
 
@@ -225,7 +225,7 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
-def _chunk_class(gm: fx.GraphModule, name: str, layers: list, notes: dict[str, str]) -> tuple[str, Source]:
+def _chunk_class(gm: fx.GraphModule, name: str, layers: list) -> tuple[str, Source]:
     """A chunk's class: ``__init__`` builds what lies outside the layers, then its layers from
     their classes (``nn.ModuleDict`` s under the model's names) and their checkpoints; ``forward``
     calls them in order."""
@@ -238,7 +238,7 @@ def _chunk_class(gm: fx.GraphModule, name: str, layers: list, notes: dict[str, s
     for layer in layers:
         container, _, key = layer.prefix.rpartition(".")
         calls[f'getattr(self.{container}, "{key}")'] = f'self.{container}["{key}"]'
-    src.lines += _method(gm.graph, notes, "forward", src, calls)
+    src.lines += _method(gm.graph, "forward", src, calls)
     return name, src
 
 

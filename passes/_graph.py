@@ -34,6 +34,13 @@ def in_model(node: fx.Node) -> bool:
     return any(p == "model" or p.startswith("model.") for p in paths)
 
 
+def note(node: fx.Node, text: str) -> None:
+    """Record a decision on ``node`` (``meta["note"]``, after any earlier pass's): the emitted
+    program shows it as a comment above the node's line."""
+    before = node.meta.get("note")
+    node.meta["note"] = f"{before}; {text}" if before else text
+
+
 _PLACE = ("nn_module_stack", "module_path", "module_type", "layer", "region", "source", "tp")
 _FROM_TENSOR = ("shape", "dtype", "requires_grad")
 

@@ -13,7 +13,7 @@ Requires ``region`` and ``layer`` on every node and reads ``ctx.recompute`` and 
 unpack its outputs (besides reads of a model input's size or device and integer arithmetic on
 them, read off nothing the layer computes, which belong to no layer); each call carries the
 layer's ``region``, ``layer`` and ``source``, with ``op`` ``"checkpoint"``, and a note in
-``ctx.notes``. Nothing else in the graph changes.
+``meta["note"]``. Nothing else in the graph changes.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import operator
 
 from torch import fx
 
+from autoshard.passes._graph import note
 from autoshard.passes.contract import RewriteContext
 from autoshard.passes.pipeline_split import input_meta_nodes
 from autoshard.runtime.checkpoint import Checkpoint
@@ -44,7 +45,7 @@ def activation_checkpoint(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphMo
         call = call_in_place(gm.graph, body, name, meta)
         kept = f"; keep {', '.join(ctx.fp8_saved)} as fp8 copies" if ctx.fp8_saved else ""
         recomputed = ", ".join(sorted(recompute))
-        ctx.notes[call.name] = f"layer {layer} under activation checkpointing: recompute {recomputed}{kept}"
+        note(call, f"layer {layer} under activation checkpointing: recompute {recomputed}{kept}")
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -30,8 +30,8 @@ from torch import fx
 from autoshard import runtime
 from autoshard.ir import S, ops
 from autoshard.passes._graph import in_model as _in_model
+from autoshard.passes._graph import note, place
 from autoshard.passes._graph import op_name as _op
-from autoshard.passes._graph import place
 from autoshard.passes._graph import seq_dim as _seq_dim
 from autoshard.passes.contract import Refusal, RewriteContext
 
@@ -48,7 +48,7 @@ def _cp(node: fx.Node) -> str | None:
 
 def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Rewrite ``gm`` in place for ``ctx.cp`` ranks with ``ctx.attention`` (ring or
-    all-gather-KV); a comment per changed node goes to ``ctx.notes``."""
+    all-gather-KV); a comment per changed node goes to its ``meta["note"]``."""
     if ctx.cp == 1:
         return gm
     _shard_inputs(gm.graph, ctx)
@@ -62,7 +62,7 @@ def context_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
 
 def _shard_inputs(graph: fx.Graph, ctx: RewriteContext) -> None:
     """The model reads its token input in this rank's layout; the loss keeps the whole sequence."""
-    cp, notes = ctx.cp, ctx.notes
+    cp = ctx.cp
     for ph in [n for n in graph.nodes if n.op == "placeholder"]:
         model_users = [u for u in ph.users if _in_model(u)]
         if not model_users:
@@ -76,7 +76,7 @@ def _shard_inputs(graph: fx.Graph, ctx: RewriteContext) -> None:
         for u in model_users:
             u.replace_input_with(ph, local)
         _local_lengths(graph, ph, local, dim)
-        notes[local.name] = f"context parallel: this rank's 2 of {2 * cp} sequence chunks (load-balanced layout)"
+        note(local, f"context parallel: this rank's 2 of {2 * cp} sequence chunks (load-balanced layout)")
 
 
 def _global_positions(graph: fx.Graph, ctx: RewriteContext) -> None:
@@ -91,7 +91,7 @@ def _global_positions(graph: fx.Graph, ctx: RewriteContext) -> None:
             node.target = runtime.cp_positions
             node.kwargs = {k: v for k, v in node.kwargs.items() if k == "device"}
             node.meta["op"] = ops.op_name(node)
-            ctx.notes[node.name] = "context parallel: global positions of this rank's chunks"
+            note(node, "context parallel: global positions of this rank's chunks")
 
 
 def _shard_attention(graph: fx.Graph, ctx: RewriteContext) -> None:
@@ -109,7 +109,7 @@ def _shard_attention(graph: fx.Graph, ctx: RewriteContext) -> None:
         args = ops.call_args(node)
         qkv = (args["query"], args["key"], args["value"])
         new = _replace_call(graph, node, runtime.cp_attention, (*qkv, ctx.attention, args["scale"]))
-        ctx.notes[new.name] = f"context parallel: {ctx.attention} attention over the {ctx.cp} ranks' chunks"
+        note(new, f"context parallel: {ctx.attention} attention over the {ctx.cp} ranks' chunks")
 
 
 def _shard_loss(graph: fx.Graph, ctx: RewriteContext) -> None:
@@ -129,7 +129,7 @@ def _shard_loss(graph: fx.Graph, ctx: RewriteContext) -> None:
             raise _fail(node, "only the unweighted mean cross-entropy is split over the sequence")
         loss_args = (args["input"], args["target"], args["ignore_index"])
         loss = _replace_call(graph, node, runtime.cp_cross_entropy, loss_args)
-        ctx.notes[loss.name] = "context parallel: this rank's share of the sequence-mean loss"
+        note(loss, "context parallel: this rank's share of the sequence-mean loss")
 
 
 def _replace_call(graph: fx.Graph, node: fx.Node, target, args: tuple) -> fx.Node:

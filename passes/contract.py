@@ -41,7 +41,6 @@ class RewriteContext:
     fp8_saved: tuple[str, ...] = ()  # kept categories recomputation keeps as FP8 copies
     inputs: tuple | None = None  # the example inputs of a freshly traced graph (canonicalize's mask check)
     # written by the passes
-    notes: dict[str, str] = field(default_factory=dict)  # node name -> decision, a comment in the emitted code
     shards: dict = field(default_factory=dict)  # parameter -> tensor_parallel.ParamShard
     origin: dict[str, str] = field(default_factory=dict)  # renamed parameter -> its name in the model
     partial_grads: list[str] = field(default_factory=list)  # parameters with partial gradients over TP

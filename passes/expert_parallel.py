@@ -42,7 +42,7 @@ import torch
 from torch import fx
 
 from autoshard.ir import ops
-from autoshard.passes._graph import place
+from autoshard.passes._graph import note, place
 from autoshard.passes.contract import Refusal, RewriteContext
 from autoshard.passes.tensor_parallel import ParamShard, _localise, _param
 from autoshard.runtime import collectives, moe
@@ -271,9 +271,7 @@ def _rewrite(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
             recv = cursor = _getitem(gm, cursor, sent, 2, region.offs)
         else:
             rows = cursor = _call(gm, cursor, moe.dispatch_buffer, (rows,), inlet)
-    ctx.notes[rows.name] = (
-        f"ep={ep}, tp={tp}: this rank's experts' rows ({region.experts // ep} of {region.experts} experts)"
-    )
+    note(rows, f"ep={ep}, tp={tp}: this rank's experts' rows ({region.experts // ep} of {region.experts} experts)")
     for node in region.members:
         node.replace_input_with(inlet, rows)
         if region.offs is not None:
@@ -366,7 +364,7 @@ def expert_balance(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             "bias": bias,
             "router": _module_path(chosen.args[0]),  # where the choice is made (verification replays it)
         }
-        ctx.notes[counted.name] = "expert loads counted for balancing" + (f" (routing bias {bias})" if bias else "")
+        note(counted, "expert loads counted for balancing" + (f" (routing bias {bias})" if bias else ""))
     gm.graph.lint()
     gm.recompile()
     return gm

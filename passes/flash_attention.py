@@ -16,8 +16,8 @@ from torch import fx
 
 from autoshard import runtime
 from autoshard.ir import ops
+from autoshard.passes._graph import note, place
 from autoshard.passes._graph import op_name as _op
-from autoshard.passes._graph import place
 from autoshard.passes.contract import RewriteContext
 
 
@@ -40,7 +40,7 @@ def _fusable(node: fx.Node) -> bool:
     return args["attn_mask"] is None and args["dropout_p"] in (0, 0.0)
 
 
-def _replace_sdpa(graph: fx.Graph, node: fx.Node, notes: dict) -> bool:
+def _replace_sdpa(graph: fx.Graph, node: fx.Node) -> bool:
     if not _fusable(node):
         return False
     args = ops.call_args(node)
@@ -50,7 +50,7 @@ def _replace_sdpa(graph: fx.Graph, node: fx.Node, notes: dict) -> bool:
         new = _inherit(graph.call_function(runtime.fused_attention, (q, k, v, causal, scale)), node)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
-    notes[new.name] = f"flash attention ({'causal' if causal else 'full'}): Triton kernel on GPUs"
+    note(new, f"flash attention ({'causal' if causal else 'full'}): Triton kernel on GPUs")
     return True
 
 
@@ -59,7 +59,7 @@ def _causal_mask(mask: fx.Node) -> bool:
     return _op(mask) == "triu" and _arg(mask, 1, "diagonal", 0) == 1 and _op(mask.args[0]) in ("new_ones", "ones")
 
 
-def _replace_pattern(graph: fx.Graph, out: fx.Node, notes: dict) -> bool:
+def _replace_pattern(graph: fx.Graph, out: fx.Node) -> bool:
     """``out = probs @ v`` where probs = softmax(scores[, causal mask]) [dropout p=0]."""
     probs, v = out.args[0], out.args[1]
     if _op(probs) == "dropout":
@@ -95,7 +95,7 @@ def _replace_pattern(graph: fx.Graph, out: fx.Node, notes: dict) -> bool:
         new = _inherit(graph.call_function(runtime.fused_attention, (q, k, v, causal, scale_arg)), out)
     out.replace_all_uses_with(new)
     _erase_chain(graph, out)
-    notes[new.name] = f"flash attention ({'causal' if causal else 'full'}) in place of the written-out softmax(QK^T)V"
+    note(new, f"flash attention ({'causal' if causal else 'full'}) in place of the written-out softmax(QK^T)V")
     return True
 
 
@@ -112,15 +112,15 @@ def _erase_chain(graph: fx.Graph, node: fx.Node) -> None:
 
 
 def flash_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
-    """Rewrite ``gm`` in place; a comment per fused attention goes to ``ctx.notes``."""
+    """Rewrite ``gm`` in place; a comment per fused attention goes to its ``meta["note"]``."""
     graph = gm.graph
     for node in list(graph.nodes):
         if getattr(node, "_erased", False) or node.op != "call_function":
             continue
         if _sdpa(node):
-            _replace_sdpa(graph, node, ctx.notes)
+            _replace_sdpa(graph, node)
         elif _op(node) == "matmul":
-            _replace_pattern(graph, node, ctx.notes)
+            _replace_pattern(graph, node)
     graph.lint()
     gm.recompile()
     return gm

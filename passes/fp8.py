@@ -36,7 +36,7 @@ from torch import fx, nn
 
 from autoshard.ir import ops
 from autoshard.ir.categories import saved_category
-from autoshard.passes._graph import place
+from autoshard.passes._graph import note, place
 from autoshard.passes.contract import RewriteContext
 from autoshard.runtime import fp8 as runtime_fp8
 from autoshard.runtime import moe
@@ -134,25 +134,23 @@ def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if "experts" in kinds and node.op == "call_function" and node.target in _EXCHANGES:
             node.kwargs = {**node.kwargs, "fp8": True}
-            before = ctx.notes.get(node.name)
-            note = _EXCHANGES[node.target]
-            ctx.notes[node.name] = f"{before}; {note}" if before else note
+            note(node, _EXCHANGES[node.target])
             continue
         kind = node.meta.get("matmul_kind")
         if kind not in kinds:
             continue
-        before = ctx.notes.pop(node.name, None)
         done = _rewrite(node, gm)
         if isinstance(done, fx.Node):
-            note = f"fp8 ({kind}): {_WHAT}"
+            text = f"fp8 ({kind}): {_WHAT}"
             if _input_category(done) in ctx.fp8_saved or _experts_copy(kind, ctx):
                 done.kwargs = {**done.kwargs, "keep_fp8": True}
-                note += "; recomputation keeps x's fp8 copy, not x"
-            ctx.notes[done.name] = f"{before}; {note}" if before else note
+                text += "; recomputation keeps x's fp8 copy, not x"
+            if done is not node and "note" in node.meta:  # a module call replaced: its note moves
+                done.meta["note"] = node.meta["note"]
+            note(done, text)
             ctx.fp8_params.extend(_weights(done))
         else:
-            note = f"fp8 plan, left in the compute precision: {done}"
-            ctx.notes[node.name] = f"{before}; {note}" if before else note
+            note(node, f"fp8 plan, left in the compute precision: {done}")
             ctx.fp8_left.append(node.name)
     gm.graph.lint()
     gm.recompile()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from autoshard.passes._graph import place
+from autoshard.passes._graph import note, place
 from autoshard.passes.contract import RewriteContext
 from autoshard.runtime import norms
 
@@ -70,7 +70,7 @@ def _function_call(node: fx.Node) -> tuple | None:
 
 
 def fused_norm(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
-    """Rewrite ``gm`` in place; a comment per fused norm goes to ``ctx.notes``."""
+    """Rewrite ``gm`` in place; a comment per fused norm goes to its ``meta["note"]``."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op == "call_module":
@@ -86,7 +86,7 @@ def fused_norm(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         with graph.inserting_before(node):
             new = graph.call_function(fused, args)
         place(new, node, **node.meta)  # the same tensor as the norm it replaces (its storage, cost, TP state)
-        ctx.notes[new.name] = "fused norm: fp32 inside, keeps its input and the per-token statistics for backward"
+        note(new, "fused norm: fp32 inside, keeps its input and the per-token statistics for backward")
         node.replace_all_uses_with(new)
         graph.erase_node(node)
     graph.lint()

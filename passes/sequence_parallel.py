@@ -24,8 +24,8 @@ from torch import fx
 
 from autoshard import runtime
 from autoshard.ir import B, S, ops
+from autoshard.passes._graph import note, place
 from autoshard.passes._graph import op_name as _op
-from autoshard.passes._graph import place
 from autoshard.passes._graph import seq_dim as _seq_dim
 from autoshard.passes.contract import Refusal, RewriteContext
 
@@ -40,24 +40,21 @@ def _reduces_itself(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is runtime.vocab_parallel_embedding
 
 
-def _retarget(node: fx.Node, target, args: tuple, notes: dict[str, str]) -> None:
+def _retarget(node: fx.Node, target, args: tuple) -> None:
     """Call ``target`` at ``node`` instead, renamed after it (the code reads
     ``gather_from_sp = rt.gather_from_sp(...)``, not the ``copy_to_tp`` it replaced), and the
     note on the row matmul whose partial sums it reduces says how they are reduced now."""
-    note = notes.pop(node.name, None)
     node.target, node.args = target, args
     node.meta["op"] = ops.op_name(node)
     node._rename(target.__name__)
-    if note is not None:
-        notes[node.name] = note
     source, said = args[0], "all-reduced by reduce_from_tp"
-    if isinstance(source, fx.Node) and said in notes.get(source.name, ""):
-        notes[source.name] = notes[source.name].replace(said, f"reduce-scattered by {target.__name__}")
+    if isinstance(source, fx.Node) and said in source.meta.get("note", ""):
+        source.meta["note"] = source.meta["note"].replace(said, f"reduce-scattered by {target.__name__}")
 
 
 def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Rewrite ``gm`` (after ``tensor_parallel``) in place; adds the parameters whose gradients
-    are partial over TP to ``ctx.partial_grads`` and a comment per changed node to ``ctx.notes``."""
+    are partial over TP to ``ctx.partial_grads`` and a comment per changed node to its ``meta["note"]``."""
     if ctx.tp == 1:
         return gm
     frontier = _reduce_scatter_region_ends(gm.graph, ctx)
@@ -73,19 +70,19 @@ def _reduce_scatter_region_ends(graph: fx.Graph, ctx: RewriteContext) -> list[fx
     """Each TP region's closing all-reduce outside the embedding becomes a reduce-scatter onto
     the sequence slices (of the rows of flattened tokens when there is no sequence dimension);
     returns those nodes, where the sliced stream starts."""
-    tp, notes = ctx.tp, ctx.notes
+    tp = ctx.tp
     frontier: list[fx.Node] = []
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is runtime.reduce_from_tp and node.meta.get("region") != "pre":
             dim = _seq_dim(node)
             if dim is None and _flat_tokens(node) and ctx.seq:
-                _retarget(node, runtime.reduce_scatter_tokens, (node.args[0], ctx.seq), notes)
+                _retarget(node, runtime.reduce_scatter_tokens, (node.args[0], ctx.seq))
                 dim = 0
             elif dim is None:
                 raise _fail(node, "no sequence dimension")
             else:
-                _retarget(node, runtime.reduce_scatter_to_sp, (node.args[0], dim), notes)
-            notes[node.name] = f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices"
+                _retarget(node, runtime.reduce_scatter_to_sp, (node.args[0], dim))
+            node.meta["note"] = f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices"
             node.meta["sp_sliced_dim"], node.meta["sp_tp"] = dim, tp
             frontier.append(node)
     return frontier
@@ -110,21 +107,19 @@ def _stream_entries(graph: fx.Graph) -> set[fx.Node]:
 def _slice_entry(graph: fx.Graph, a: fx.Node, ctx: RewriteContext) -> fx.Node:
     """Hand the layers this rank's slice of the entering hidden state ``a``; returns the node
     that holds the slice."""
-    tp, notes = ctx.tp, ctx.notes
+    tp = ctx.tp
     readers = [u for u in a.users if u.meta.get("region") in ("layer", "post") and _residual_reader(u)]
     if _reduces_itself(a) and set(readers) == set(a.users):
         # the vocabulary-parallel embedding's partial sums reduce-scattered onto the slices,
         # rather than all-reduced and then cut
         a.kwargs = {**a.kwargs, "sp_dim": _seq_dim(a)}
         a.meta["sp_sliced_dim"], a.meta["sp_tp"] = _seq_dim(a), tp
-        notes[a.name] = (notes.get(a.name, "") + "; " if a.name in notes else "") + (
-            f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices"
-        )
+        note(a, f"sequence parallel: reduce-scatter the partial sums onto {tp} sequence slices")
         return a
     with graph.inserting_after(a):
         scatter = graph.call_function(runtime.scatter_to_sp, (a, _seq_dim(a)))
     place(scatter, a, tp="replicated", sp_sliced_dim=_seq_dim(a), sp_tp=tp)  # (the end of the embedding region)
-    notes[scatter.name] = f"sequence parallel: keep this rank's 1/{tp} of the sequence from here on"
+    scatter.meta["note"] = f"sequence parallel: keep this rank's 1/{tp} of the sequence from here on"
     for user in list(a.users):
         if user is not scatter and user.meta.get("region") in ("layer", "post") and _residual_reader(user):
             user.replace_input_with(a, scatter)
@@ -172,10 +167,10 @@ def _gather_at_region_start(copy: fx.Node, sliced: fx.Node, ctx: RewriteContext)
     """The ``copy_to_tp`` opening a TP region becomes an all-gather of the sequence (of the rows
     of flattened tokens when ``sliced`` has no sequence dimension)."""
     if _seq_dim(sliced) is None:  # rows of flattened (batch, sequence)
-        _retarget(copy, runtime.gather_tokens, (copy.args[0], ctx.seq), ctx.notes)
+        _retarget(copy, runtime.gather_tokens, (copy.args[0], ctx.seq))
     else:
-        _retarget(copy, runtime.gather_from_sp, (copy.args[0], _seq_dim(sliced)), ctx.notes)
-    ctx.notes[copy.name] = "sequence parallel: all-gather the sequence before the column matmuls"
+        _retarget(copy, runtime.gather_from_sp, (copy.args[0], _seq_dim(sliced)))
+    copy.meta["note"] = "sequence parallel: all-gather the sequence before the column matmuls"
 
 
 def _partial_parameters(

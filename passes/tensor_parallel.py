@@ -35,8 +35,8 @@ from torch import fx, nn
 from autoshard import runtime
 from autoshard.errors import AutoshardError
 from autoshard.ir import ops
+from autoshard.passes._graph import note, place
 from autoshard.passes._graph import op_name as _op_name
-from autoshard.passes._graph import place
 from autoshard.passes.contract import Refusal, RewriteContext
 from autoshard.passes.pipeline_split import tied_parameters
 from autoshard.runtime.stages import slice_full
@@ -654,7 +654,7 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Rewrite ``gm`` (captured and analysed: ``node.meta`` has ``shape``, ``op``, ``tp_role``)
     into the graph every rank of a ``ctx.tp``-way group runs. Modules are replaced by local-shaped
     ones on the meta device; ``ctx.shards`` says how to cut each parameter (``slice_parameter``),
-    ``ctx.origin`` the model's name of each renamed one, ``ctx.notes`` each decision."""
+    ``ctx.origin`` the model's name of each renamed one, ``meta["note"]`` each decision."""
     if ctx.tp == 1:
         return gm
     nodes = list(gm.graph.nodes)  # as traced: the steps below insert and erase nodes
@@ -717,7 +717,7 @@ def _split_columns(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -
         if lin.bias is not None:
             ctx.shards[lin.bias] = ParamShard(0, layout.factors, layout.index, layout.parts)
         role = "vocabulary-parallel head" if node.meta.get("tp_role") == "vocab" else "column-parallel"
-        ctx.notes[node.name] = f"tp={tp}: {role}, out_features {lin.out_f} -> {lin.out_f // tp}"
+        note(node, f"tp={tp}: {role}, out_features {lin.out_f} -> {lin.out_f // tp}")
     # replicated tensors read inside a region: f on them too, so their gradients are summed
     for x, readers in prop.entering.items():
         if x.op == "get_attr":  # a parameter (a per-head norm's weight): f where each reader is
@@ -769,9 +769,10 @@ def _split_rows(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> N
             with graph.inserting_after(b):
                 add = place(graph.call_function(operator.add, (g, b)), node, tp="replicated")
             _redirect(g, add)
-        ctx.notes[node.name] = (
+        note(
+            node,
             f"tp={tp}: row-parallel, in_features {lin.in_f} -> {lin.in_f // tp}, "
-            "partial sums all-reduced by reduce_from_tp"
+            "partial sums all-reduced by reduce_from_tp",
         )
 
 
@@ -809,7 +810,7 @@ def _split_embeddings(gm: fx.GraphModule, ctx: RewriteContext, nodes: list[fx.No
             node.replace_all_uses_with(emb)
             graph.erase_node(node)
             ctx.shards[weight_name] = ParamShard(0, (rows,), 0)
-            ctx.notes[emb.name] = f"tp={tp}: vocabulary-parallel embedding, rows {rows} -> {rows // tp}"
+            note(emb, f"tp={tp}: vocabulary-parallel embedding, rows {rows} -> {rows // tp}")
 
 
 def _split_losses(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> None:
@@ -820,7 +821,7 @@ def _split_losses(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) ->
             raise _fail(node, "only cross-entropy over logits split along the vocabulary is supported")
         if node.target is runtime.cp_cross_entropy:
             node.args = (*node.args[:3], True)  # vocabulary-parallel and context-parallel at once
-            ctx.notes[node.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
+            note(node, f"tp={tp}: vocabulary-parallel cross-entropy over the split logits")
             continue
         args = ops.call_args(node)
         if args["weight"] is not None or args["label_smoothing"]:
@@ -833,7 +834,7 @@ def _split_losses(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) ->
             place(ce, node, tp="replicated")
         node.replace_all_uses_with(ce)
         graph.erase_node(node)
-        ctx.notes[ce.name] = f"tp={tp}: vocabulary-parallel cross-entropy over the split logits"
+        note(ce, f"tp={tp}: vocabulary-parallel cross-entropy over the split logits")
 
 
 def _split_region_parameters(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> None:
@@ -848,7 +849,7 @@ def _split_region_parameters(gm: fx.GraphModule, ctx: RewriteContext, prop: _Pro
         shape[s.dim] //= ctx.tp
         _localise(gm, node.target, tuple(shape))
         ctx.shards[node.target] = ParamShard(s.dim, s.factors, s.index, s.parts)
-        ctx.notes[node.name] = f"tp={ctx.tp}: this rank's {shape[s.dim]} of the split features"
+        note(node, f"tp={ctx.tp}: this rank's {shape[s.dim]} of the split features")
 
 
 def _complete_partial_sums(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> None:
@@ -867,7 +868,7 @@ def _complete_partial_sums(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propa
         _redirect(node, total)
         if last is not total:
             _redirect(total, last)
-        ctx.notes[node.name] = f"tp={tp}: a {kind} over the split features, this rank's part; all-reduced after"
+        note(node, f"tp={tp}: a {kind} over the split features, this rank's part; all-reduced after")
 
 
 def full_weights_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:

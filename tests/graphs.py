@@ -6,6 +6,11 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 
+def notes(gm: fx.GraphModule) -> dict[str, str]:
+    """The passes' decisions recorded on ``gm``'s nodes (``meta["note"]``), by node name."""
+    return {n.name: n.meta["note"] for n in gm.graph.nodes if "note" in n.meta}
+
+
 def listing(graph: fx.Graph) -> list[tuple]:
     """``(op, target, args, kwargs)`` of each node, in order, with the nodes an argument refers to
     written as their position: two graphs with equal listings are the same program."""

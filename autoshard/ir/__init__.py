@@ -70,6 +70,7 @@ KEYS: dict[str, Key] = {
         Key("matmul_kind", "analysis", "on weighted matmuls: one of MATMUL_KINDS (what the FP8 choice is made per)"),
         Key("cost", "analysis", "ir.ops.NodeCost: forward FLOPs and bytes moved, symbolic in b, s"),
         # passes
+        Key("note", "passes", "the decisions behind the node, '; '-joined: the comment above its line in the program"),
         Key("sp_sliced_dim", "sequence_parallel", "the dimension a sequence-parallel node's output is sliced along"),
         Key("sp_tp", "sequence_parallel", "how many slices that dimension is cut into (the TP degree)"),
     )

@@ -15,7 +15,7 @@ from autoshard.passes.activation_checkpoint import activation_checkpoint, layers
 from autoshard.runtime.checkpoint import Checkpoint
 
 from conftest import EXAMPLES
-from graphs import TinyLM, expected_loss, listing, loss, tokens
+from graphs import TinyLM, expected_loss, listing, loss, notes, tokens
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -58,7 +58,7 @@ def test_each_layer_becomes_one_checkpoint_of_exactly_its_nodes():
         ("layer", 0, "checkpoint"),
         ("layer", 1, "checkpoint"),
     ]
-    assert ctx.notes == {
+    assert notes(gm) == {
         n.name: f"layer {i} under activation checkpointing: recompute activation, attention"
         for i, n in enumerate(calls)
     }

@@ -12,6 +12,7 @@ from autoshard.passes.contract import RewriteContext
 from autoshard.passes.flash_attention import flash_attention, no_fusable_sdpa_left
 
 from conftest import EXAMPLES
+from graphs import notes
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -30,7 +31,7 @@ def _check(name, expected_before):
     assert _ops(gm).count(expected_before) == 2  # Before: one per layer
     ctx = RewriteContext()
     gm = flash_attention(gm, ctx)
-    assert len(ctx.notes) == 2
+    assert len(notes(gm)) == 2
     fused = [n for n in gm.graph.nodes if n.target is runtime.fused_attention]
     assert len(fused) == 2 and all(n.args[3] is True for n in fused)  # Expected: causal fused calls
     assert expected_before not in _ops(gm)

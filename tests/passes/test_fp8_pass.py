@@ -18,6 +18,7 @@ from autoshard.passes.fp8 import fp8, fp8_calls_only
 from autoshard.verify import _fp8_matmuls
 
 from conftest import EXAMPLES
+from graphs import notes
 
 sys.path.insert(0, str(EXAMPLES))
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +64,7 @@ def test_the_rewritten_graph_equals_the_fp8_reference_on_the_users_model(name):
     assert fp8_calls_only(gm, ctx) is None and not ctx.fp8_left
     calls = [n for n in gm.graph.nodes if n.target in FP8_CALLS]
     assert len(calls) == sum(len(v) for k, v in _kinds(gm).items() if k in ctx.fp8)
-    assert all("e4m3" in ctx.notes[n.name] for n in calls)
+    assert all("e4m3" in n.meta["note"] for n in calls)
     untouched = [n for n in gm.graph.nodes if n.meta.get("matmul_kind") in ("head", "router")]
     assert untouched and not [n for n in untouched if n.target in FP8_CALLS]  # kept high precision
     tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
@@ -119,7 +120,7 @@ def test_recomputation_keeps_fp8_copies_where_only_fp8_matmuls_read_a_category()
     kept = {n.name for n in gm.graph.nodes if n.target in FP8_CALLS and n.kwargs.get("keep_fp8")}
     reads_norm = {n.name for n in gm.graph.nodes if n.target in FP8_CALLS and n.args[0].meta.get("op_class") == "norm"}
     assert kept == reads_norm and len(kept) == 5 * 2  # q, k, v, gate, up in each of 2 layers
-    assert all("keeps x's fp8 copy" in ctx.notes[k] for k in kept)
+    assert all("keeps x's fp8 copy" in notes(gm)[k] for k in kept)
 
 
 def _compile(out: Path, model: str, *args: str) -> subprocess.CompletedProcess:

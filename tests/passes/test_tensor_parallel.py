@@ -15,6 +15,7 @@ from autoshard.passes.contract import Refusal, RewriteContext
 from autoshard.passes.tensor_parallel import ParamShard, load_local, slice_parameter, tensor_parallel
 
 from conftest import EXAMPLES
+from graphs import notes
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -53,7 +54,7 @@ def test_llama_tp2_graph_has_megatron_collectives_and_local_shapes():
     views = {n.name: n.args[1:] for n in gm.graph.nodes if n.op == "call_method" and n.target in ("view", "reshape")}
     assert views["view"][2:] == (2, 16) and views["view_1"][2:] == (1, 16)  # heads constants rewritten
     assert views["reshape"][2:] == (32,)
-    assert "column-parallel, out_features 64 -> 32" in ctx.notes["model_layers_0_attn_wq"]
+    assert "column-parallel, out_features 64 -> 32" in notes(gm)["model_layers_0_attn_wq"]
 
 
 def test_gpt_fused_qkv_is_split_by_heads_not_by_q_k_v():
