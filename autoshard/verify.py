@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from autoshard import rebuild
 from autoshard.capture import causal_lm_loss
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
+from autoshard.ir.program import Program, Routing
 from autoshard.runtime import fp8, moe
 from autoshard.runtime.program import global_batch
 from autoshard.runtime.rebuild import Recipe
@@ -36,12 +38,12 @@ ADAM_EPS = 1e-6
 BALANCE_GAMMA = 1e-3  # MoE routing-bias step (the program's default, passed to it explicitly)
 
 
-def _read_program(out: Path) -> tuple[Plan, dict]:
+def _read_program(out: Path) -> tuple[Plan, Program]:
     if not out.is_dir():
         raise AutoshardError(f"{out} is not a directory; run autoshard compile ... -o {out} first")
     if not (out / "train.py").exists() or not (out / "program.json").exists():
         raise AutoshardError(f"{out} has no train.py; compile without --plan-only to emit the program")
-    return Plan.load(out / "plan.json"), json.loads((out / "program.json").read_text())
+    return Plan.load(out / "plan.json"), Program.load(out / "program.json", error=AutoshardError)
 
 
 def run_distributed(
@@ -78,12 +80,12 @@ def run_distributed(
 
 
 def run_reference(
-    plan: Plan, program: dict, steps: int, seed: int, optim: dict | None = None, with_fp8: bool = True
+    plan: Plan, program: Program, steps: int, seed: int, optim: dict | None = None, with_fp8: bool = True
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-device model's losses and final parameters, its matmuls in FP8 where the
     program's are (``with_fp8`` False: all in fp32)."""
 
-    recipe = Recipe.from_dict(program["rebuild"])
+    recipe = Recipe.from_dict(program.rebuild)
     torch.manual_seed(seed)
     model = rebuild.build(recipe, device="cpu").float()
     model.train()
@@ -92,12 +94,12 @@ def run_reference(
     losses = []
     schedule = _schedule(steps, optim or {})
     max_norm = (optim or {}).get("max_grad_norm")
-    routing = program.get("routing") or {}
-    biases = {k: model.get_buffer(_in_model(e["bias"])) for k, e in routing.items() if e.get("bias")}
-    fp8_params = (program.get("fp8") or {}).get("params") or [] if with_fp8 else []
+    routing = program.routing
+    biases = {k: model.get_buffer(_in_model(e.bias)) for k, e in routing.items() if e.bias}
+    fp8_params = program.fp8.params if with_fp8 else ()
     with _counting_loads(model, routing), _fp8_matmuls(model, fp8_params):
         for step in range(steps):
-            tokens = global_batch(step, plan.global_batch, plan.seq_len, program["vocab"], seed)
+            tokens = global_batch(step, plan.global_batch, plan.seq_len, program.vocab, seed)
             adamw.zero_grad(set_to_none=True)
             for group in adamw.param_groups:
                 group["lr"] = learning_rate(schedule, step)
@@ -131,17 +133,17 @@ def _in_model(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _counting_loads(model: torch.nn.Module, routing: dict):
+def _counting_loads(model: torch.nn.Module, routing: dict[str, Routing]):
     """Count each MoE layer's expert loads in the single-device model as the program's
     ``rt.moe_record_load`` does: the top-k over that layer's experts made inside its router
-    module (``routing``'s ``router``) is its choice."""
+    module (``Routing.router``) is its choice."""
     if not routing:
         yield
         return
     current: list[str] = []
     hooks = []
     for key, entry in routing.items():
-        module = model.get_submodule(_in_model(entry["router"]))
+        module = model.get_submodule(_in_model(entry.router))
         hooks.append(module.register_forward_pre_hook(lambda m, a, key=key: current.append(key) and None))
         hooks.append(module.register_forward_hook(lambda m, a, o: current.pop() and None))
 
@@ -150,8 +152,8 @@ def _counting_loads(model: torch.nn.Module, routing: dict):
             out = func(*args, **(kwargs or {}))
             if func in (torch.topk, torch.Tensor.topk) and current:
                 entry = routing[current[-1]]
-                if args[0].size(-1) == entry["experts"] and out[1].size(-1) == entry["top_k"]:
-                    moe.record_load(out[1], entry["experts"], current[-1])
+                if args[0].size(-1) == entry.experts and out[1].size(-1) == entry.top_k:
+                    moe.record_load(out[1], entry.experts, current[-1])
             return out
 
     try:
@@ -163,7 +165,7 @@ def _counting_loads(model: torch.nn.Module, routing: dict):
 
 
 @contextlib.contextmanager
-def _fp8_matmuls(model: torch.nn.Module, names: list[str]):
+def _fp8_matmuls(model: torch.nn.Module, names: Sequence[str]):
     """Run the single-device model's matmuls by the weights ``names`` (the program's FP8 ones) in
     FP8, with the program's own ``autoshard.runtime.fp8`` functions: the same math, so the two
     differ only where the program's layout cuts a scaling group differently (a TP slice of a
@@ -268,7 +270,7 @@ def verify(
     out = Path(out)
     optim = {k: v for k, v in (optim or {}).items() if v is not None}
     plan, program = _read_program(out)
-    fp8 = (program.get("fp8") or {}).get("kinds") or []
+    fp8 = list(program.fp8.kinds)
     if tolerance is None:
         tolerance = FP8_TOLERANCE if fp8 else TOLERANCE
     param_tolerance = max(tolerance, 2 * LR * steps) if fp8 else tolerance
