@@ -405,74 +405,89 @@ _LAZY_HOOKS = (
 
 def _stage_class():
     """``PipelineStage`` whose receive buffers are made when their receive is posted and let go
-    once read. torch makes one per micro-batch, for the activation and for its gradient, when the
-    pipeline starts, and keeps them all for the run: chunks x micro-batches x 2 boundary tensors
-    on every rank (tens of GB at LLaMA-3 405B's 64 micro-batches). Made on demand, a received
-    activation lives while its micro-batch is in flight (autograd keeps it for the backward, as
-    the layers' saved inputs), a received gradient until its backward has used it. On a torch
-    whose stages lack these hooks, torch's own stage."""
+    once read (``_ReceiveOnDemand``), and whose backward runs as the plan counts it
+    (``_PlannedBackward``). On a torch whose stages lack these hooks, torch's own stage."""
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining._utils import _make_tensor_from_meta
 
     if not all(hasattr(PipelineStage, name) for name in _LAZY_HOOKS):
         return PipelineStage
 
-    class Stage(PipelineStage):
-        def _release(self, table) -> None:
-            for infos in table.values():
-                for info in infos:
-                    if not info.is_root_arg:
-                        info.buffer = None
-
-        def _make(self, infos) -> None:
-            for info in infos:
-                if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
-                    info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
-
-        def _prepare_forward_infra(self, *args, **kwargs):
-            out = super()._prepare_forward_infra(*args, **kwargs)
-            self._release(self.args_recv_info)
-            return out
-
-        def _prepare_backward_infra(self, *args, **kwargs):
-            out = super()._prepare_backward_infra(*args, **kwargs)
-            self._release(self.grad_recv_info)
-            return out
-
-        def get_fwd_recv_ops(self, fwd_chunk_id: int):
-            self._make(self.args_recv_info[fwd_chunk_id])
-            return super().get_fwd_recv_ops(fwd_chunk_id)
-
-        def get_bwd_recv_ops(self, bwd_chunk_id: int):
-            if self.has_backward and not self.is_last:
-                self._make(self.grad_recv_info[bwd_chunk_id])
-            return super().get_bwd_recv_ops(bwd_chunk_id)
-
-        def _retrieve_recv_activations(self, fwd_chunk_id: int):
-            out = super()._retrieve_recv_activations(fwd_chunk_id)
-            self._release({0: self.args_recv_info[fwd_chunk_id]})
-            return out
-
-        def _retrieve_recv_grads(self, bwd_chunk_id: int):
-            out = super()._retrieve_recv_grads(bwd_chunk_id)
-            self._release({0: self.grad_recv_info[bwd_chunk_id]})
-            return out
-
-        def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, *args, **kwargs):
-            if full_backward:
-                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
-            with phase.input_gradients_only():  # the weight pass gathers what it needs later
-                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
-
-        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-            zero = getattr(self.submod, "autoshard_zero", None)
-            if zero is None and backward_type == "weight":
-                return weight_pass(self.submod.parameters(), bwd_kwargs["param_groups"]), None
-            if zero is None:
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-            return _fsdp_backward(self.submod, zero, backward_type, bwd_kwargs)
+    class Stage(_ReceiveOnDemand, _PlannedBackward, PipelineStage):
+        pass
 
     return Stage
+
+
+class _ReceiveOnDemand:
+    """A ``PipelineStage`` mixin: torch makes one receive buffer per micro-batch, for the
+    activation and for its gradient, when the pipeline starts, and keeps them all for the run:
+    chunks x micro-batches x 2 boundary tensors on every rank (tens of GB at LLaMA-3 405B's 64
+    micro-batches). Made on demand, a received activation lives while its micro-batch is in
+    flight (autograd keeps it for the backward, as the layers' saved inputs), a received
+    gradient until its backward has used it."""
+
+    def _release(self, table) -> None:
+        for infos in table.values():
+            for info in infos:
+                if not info.is_root_arg:
+                    info.buffer = None
+
+    def _make(self, infos) -> None:
+        from torch.distributed.pipelining._utils import _make_tensor_from_meta
+
+        for info in infos:
+            if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        out = super()._prepare_forward_infra(*args, **kwargs)
+        self._release(self.args_recv_info)
+        return out
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        out = super()._prepare_backward_infra(*args, **kwargs)
+        self._release(self.grad_recv_info)
+        return out
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        self._make(self.args_recv_info[fwd_chunk_id])
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        if self.has_backward and not self.is_last:
+            self._make(self.grad_recv_info[bwd_chunk_id])
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def _retrieve_recv_activations(self, fwd_chunk_id: int):
+        out = super()._retrieve_recv_activations(fwd_chunk_id)
+        self._release({0: self.args_recv_info[fwd_chunk_id]})
+        return out
+
+    def _retrieve_recv_grads(self, bwd_chunk_id: int):
+        out = super()._retrieve_recv_grads(bwd_chunk_id)
+        self._release({0: self.grad_recv_info[bwd_chunk_id]})
+        return out
+
+
+class _PlannedBackward:
+    """A ``PipelineStage`` mixin: a split backward's input pass computes input gradients only
+    (the weight pass gathers what it needs later), the weight pass shares one recomputation per
+    checkpointed layer (``weight_pass``), and an FSDP chunk reduces and lets go layer by layer
+    (``_fsdp_backward``)."""
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, *args, **kwargs):
+        if full_backward:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
+        with phase.input_gradients_only():
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        zero = getattr(self.submod, "autoshard_zero", None)
+        if zero is None and backward_type == "weight":
+            return weight_pass(self.submod.parameters(), bwd_kwargs["param_groups"]), None
+        if zero is None:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        return _fsdp_backward(self.submod, zero, backward_type, bwd_kwargs)
 
 
 def _fsdp_backward(submod, zero: int, backward_type: str, bwd_kwargs: dict):
