@@ -283,14 +283,51 @@ def verify(
         high = run_reference(plan, program, steps, seed, optim, with_fp8=False)[0] if fp8 else None
         params = assemble(work / "params")
         apart_name, apart = copies_apart(work / "params")
-    rows = []
-    for step, (a, b) in enumerate(zip(distributed, reference)):
-        rows.append({"step": step, "distributed": a, "single_device": b, "rel_diff": abs(a - b) / max(abs(b), 1e-12)})
-    # Parameters are compared absolutely: AdamW divides each gradient by its own running size, so
-    # an element whose gradient is as small as eps (1e-8) turns a 1e-7 relative difference in the
-    # gradient into a visible one in its update; the absolute difference stays bounded by lr.
+    rows = _loss_rows(distributed, reference)
+    params_apart = _parameters_apart(params, ref_params)
+    ok = (
+        len(rows) == steps
+        and all(r["rel_diff"] <= tolerance for r in rows)
+        and params_apart["max_param_abs_diff"] <= param_tolerance
+        and apart <= tolerance
+        and not [m for m in params_apart["missing_params"] if ref_params[m].is_floating_point()]
+    )
+    return {
+        "plan": plan.mesh.product_form() + f", ZeRO-{plan.zero_stage}, {plan.schedule}",
+        "steps": rows,
+        **params_apart,
+        "max_copy_abs_diff": apart,
+        "max_copy_name": apart_name,
+        "tolerance": tolerance,
+        "param_tolerance": param_tolerance,
+        "fp8": fp8,
+        # FP8's own effect: the FP8 reference's losses against the same model in fp32
+        "fp8_gap": max(_relative(a, b) for a, b in zip(reference, high)) if high else None,
+        "ok": ok,
+    }
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _loss_rows(distributed: list[float], reference: list[float]) -> list[dict]:
+    """One row per step: the program's loss, the single-device model's, their relative difference."""
+    return [
+        {"step": step, "distributed": a, "single_device": b, "rel_diff": _relative(a, b)}
+        for step, (a, b) in enumerate(zip(distributed, reference))
+    ]
+
+
+def _parameters_apart(params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor]) -> dict:
+    """How far the program's final parameters lie from the single-device model's: the largest
+    difference, absolute (and relative to that tensor's largest entry), which parameter, and the
+    names the program never saved.
+
+    Parameters are compared absolutely: AdamW divides each gradient by its own running size, so
+    an element whose gradient is as small as eps (1e-8) turns a 1e-7 relative difference in the
+    gradient into a visible one in its update; the absolute difference stays bounded by lr."""
     worst_name, worst, worst_rel = None, 0.0, 0.0
-    missing = sorted(set(ref_params) - set(params))
     for name, ref in ref_params.items():
         if name not in params or not ref.is_floating_point():
             continue
@@ -298,28 +335,11 @@ def verify(
         worst_rel = max(worst_rel, diff / max(ref.abs().max().item(), 1e-12))
         if diff >= worst:
             worst_name, worst = name, diff
-    ok = (
-        len(rows) == steps
-        and all(r["rel_diff"] <= tolerance for r in rows)
-        and worst <= param_tolerance
-        and apart <= tolerance
-        and not [m for m in missing if ref_params[m].is_floating_point()]
-    )
     return {
-        "plan": plan.mesh.product_form() + f", ZeRO-{plan.zero_stage}, {plan.schedule}",
-        "steps": rows,
         "max_param_abs_diff": worst,
         "max_param_rel_diff": worst_rel,
         "max_param_name": worst_name,
-        "missing_params": missing,
-        "max_copy_abs_diff": apart,
-        "max_copy_name": apart_name,
-        "tolerance": tolerance,
-        "param_tolerance": param_tolerance,
-        "fp8": fp8,
-        # FP8's own effect: the FP8 reference's losses against the same model in fp32
-        "fp8_gap": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(reference, high)) if high else None,
-        "ok": ok,
+        "missing_params": sorted(set(ref_params) - set(params)),
     }
 
 
