@@ -175,7 +175,7 @@ def build_chunks(
     full_state=None,
     seed: int = 0,
     weights=None,
-    tied: tuple[Tied, ...] = (),
+    tied: Sequence[Tied] = (),
 ) -> list[nn.Module]:
     """This rank's pipeline chunks, built on meta and filled (``stages.materialise``): from
     ``full_state``, from a checkpoint's ``weights`` (``weights.open_weights``; ``tied`` the
@@ -958,7 +958,7 @@ def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int, data: P
 
 
 def save_parameters(
-    path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids: list[int], tied: tuple[Tied, ...] = ()
+    path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids: list[int], tied: Sequence[Tied] = ()
 ) -> None:
     """This rank's parameters, named as in the single-device model, with how each was split; a
     tied parameter under each of its names (``tied``: the program's ties), and the copies a
