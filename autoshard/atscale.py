@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 from autoshard.cost_models.comm import wire_bytes
 from autoshard.errors import AutoshardError
-from autoshard.ir.plan import GRID_AXES
+from autoshard.ir.plan import GRID_AXES, Mesh, Plan
 from autoshard.ir.schedules import schedule
 from autoshard.runtime import attention, fp8, groups, trainer  # noqa: F401 (attention and fp8 register the autoshard ops)
 from autoshard.runtime import program as rt
@@ -431,32 +431,32 @@ class Measured:
 # one rank
 
 
-def coordinates(plan: dict, rank: int) -> dict[str, int]:
-    """The rank's place on each mesh axis (``plan.mesh.order`` lists them innermost first)."""
+def coordinates(mesh: Mesh, rank: int) -> dict[str, int]:
+    """The rank's place on each mesh axis (``mesh.order`` lists them innermost first)."""
     out, stride = {}, 1
-    for axis in plan["mesh"]["order"]:
-        size = plan["mesh"][axis]
+    for axis in mesh.order:
+        size = getattr(mesh, axis)
         out[axis] = (rank // stride) % size
         stride *= size
     return out
 
 
-def rank_at(plan: dict, **coords: int) -> int:
+def rank_at(mesh: Mesh, **coords: int) -> int:
     """The global rank at these mesh coordinates (0 on every axis not given)."""
     rank, stride = 0, 1
-    for axis in plan["mesh"]["order"]:
+    for axis in mesh.order:
         rank += coords.get(axis, 0) * stride
-        stride *= plan["mesh"][axis]
+        stride *= getattr(mesh, axis)
     return rank
 
 
-def _dimension(plan: dict, members: list[int]) -> str:
+def _dimension(mesh: Mesh, members: list[int]) -> str:
     """The mesh dimension a process group spans, from which coordinates vary among its ranks:
     ``tp``, ``cp``, ``pp``, ``dp`` (dp x cp too: ZeRO and FSDP shard over both, and the cost model
     counts that traffic as data parallelism's), else ``mixed``. A group of every rank is named
     by its coordinates too (ZeRO's dp x cp group is the world where nothing else splits it); the
     default group is ``world`` where its ranks vary in several dimensions (``group_names``)."""
-    varying = {a for a in GRID_AXES if len({coordinates(plan, r)[a] for r in members}) > 1}
+    varying = {a for a in GRID_AXES if len({coordinates(mesh, r)[a] for r in members}) > 1}
     if len(varying) == 1:
         return varying.pop()
     if varying == {"dp", "cp"}:
@@ -464,7 +464,7 @@ def _dimension(plan: dict, members: list[int]) -> str:
     return "mixed" if varying else "self"
 
 
-def group_names(plan: dict) -> dict[str, str]:
+def group_names(mesh: Mesh) -> dict[str, str]:
     """Process group name -> the mesh dimension its traffic is counted under, for every group
     this process has made: the program's named groups as ``runtime.groups`` holds them (the
     expert-parallel group is ``ep``; the expert-data-parallel and routing groups are data
@@ -474,9 +474,9 @@ def group_names(plan: dict) -> dict[str, str]:
 
     names = {}
     for pg in list(c10d_py._world.pg_names):
-        names[pg.group_name] = _dimension(plan, dist.get_process_group_ranks(pg))
+        names[pg.group_name] = _dimension(mesh, dist.get_process_group_ranks(pg))
     if dist.group.WORLD is not None:  # a mesh dimension spanning every rank reuses it
-        label = _dimension(plan, list(range(plan["gpus"])))
+        label = _dimension(mesh, list(range(mesh.gpus)))
         names[dist.group.WORLD.group_name] = "world" if label in ("mixed", "self") else label
     labels = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "ep": "ep", "edp": "dp", "route": "dp"}
     for axis, label in labels.items():
@@ -505,10 +505,10 @@ def measure(out, rank: int, compute: str = "bf16") -> Measured:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     out = Path(out)
-    plan, program = rt.read_json(out / "plan.json"), rt.read_json(out / "program.json")
-    os.environ["WORLD_SIZE"] = str(plan["gpus"])
+    plan, program = rt.read_program(out)
+    os.environ["WORLD_SIZE"] = str(plan.gpus)
     start = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan["gpus"])
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.gpus)
     try:
         args = trainer.parse_args(["--steps", "1", "--compute-dtype", compute, "--no-compile"])  # eager, as counted
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -516,12 +516,12 @@ def measure(out, rank: int, compute: str = "bf16") -> Measured:
             make_optimizer_states(tr.optim)  # a step after the first: the states exist
             memory = MemoryCounter()
             memory.hold(tr.stages, _optimizers(tr.optim))
-            comm = CommCounter(group_names(plan))
+            comm = CommCounter(group_names(plan.mesh))
             flops = FlopCounter(display=False, custom_mapping=flop_formulas())
             with memory, flops, comm:
                 tr.step(0)
             memory.release()
-        result = Measured(rank, coordinates(plan, rank))
+        result = Measured(rank, coordinates(plan.mesh, rank))
         result.peak_bytes = memory.peak
         result.memory_bytes = dict(memory.at_peak)
         result.activations_by_op = {
@@ -595,7 +595,7 @@ MEMORY_ROWS = (  # (row, predicted part, measured parts)
 )
 
 
-def compare(plan: dict, promised: dict, measured: Measured, bounds: Bounds) -> list[Row]:
+def compare(promised: dict, measured: Measured, bounds: Bounds) -> list[Row]:
     """The rows of one rank: peak memory (checked) and its parts, FLOPs (checked), and each mesh
     dimension's wire bytes (checked) with its collectives' bytes handed over."""
     pm, mm = promised["memory_bytes"], measured.memory_bytes
@@ -618,15 +618,15 @@ def compare(plan: dict, promised: dict, measured: Measured, bounds: Bounds) -> l
     return rows
 
 
-def chosen_ranks(plan: dict, spec: str) -> dict[int, list[str]]:
+def chosen_ranks(plan: Plan, spec: str) -> dict[int, list[str]]:
     """Global rank -> why it was chosen, from ``first,last,busiest`` and/or rank numbers: the
     rank holding the first chunk, the one holding the last (with the loss), and the one the
     plan says needs the most memory (each at TP, CP and DP coordinate 0)."""
 
-    pp = plan["mesh"]["pp"]
-    sched = schedule(plan["schedule"])
-    chunks = pp * plan["virtual_stages"]
-    ranks = plan["predicted"].get("ranks") or []
+    pp = plan.mesh.pp
+    sched = schedule(plan.schedule)
+    chunks = pp * plan.virtual_stages
+    ranks = plan.predicted.ranks
     named = {
         "first": sched.chunk_rank(0, pp),
         "last": sched.chunk_rank(chunks - 1, pp),
@@ -635,12 +635,12 @@ def chosen_ranks(plan: dict, spec: str) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for word in (w.strip() for w in spec.split(",") if w.strip()):
         if word in named:
-            out.setdefault(rank_at(plan, pp=named[word]), []).append(word)
-        elif word.isdigit() and int(word) < plan["gpus"]:
+            out.setdefault(rank_at(plan.mesh, pp=named[word]), []).append(word)
+        elif word.isdigit() and int(word) < plan.gpus:
             out.setdefault(int(word), []).append("asked")
         else:
             raise AutoshardError(
-                f"--ranks {spec}: {word!r} is not first, last, busiest or a rank below {plan['gpus']}; "
+                f"--ranks {spec}: {word!r} is not first, last, busiest or a rank below {plan.gpus}; "
                 "e.g. --ranks first,last,busiest or --ranks 0,17"
             )
     return out
@@ -754,9 +754,8 @@ def verify_at_scale(
     from pathlib import Path
 
     out = Path(out)
-    plan_obj, _ = _read_program(out)
-    plan = plan_obj.to_dict()
-    promised = plan["predicted"].get("ranks")
+    plan, _ = _read_program(out)
+    promised = plan.predicted.ranks
     if not promised:
         raise AutoshardError(f"{out / 'plan.json'} has no per-rank predictions; recompile it with this autoshard")
     chosen = chosen_ranks(plan, ranks)
@@ -781,13 +780,12 @@ def verify_at_scale(
     reports = []
     for rank, why in chosen.items():
         m = done[rank]
-        rows = compare(plan, promised[m.coords["pp"]], m, bounds)
+        rows = compare(promised[m.coords["pp"]], m, bounds)
         floor = lambda row: bounds.comm_floor_bytes if "bytes" in row.what else 0.0  # noqa: E731
         reports.append(RankReport(rank, m.coords, why, rows, m, all(row.ok(floor(row)) for row in rows)))
-    p = plan_obj
     line = (
-        f"{p.mesh.product_form()}, ZeRO-{p.zero_stage}, {p.schedule} (v={p.virtual_stages}), "
-        f"{p.microbatches} micro-batches of {p.microbatch_size}"
+        f"{plan.mesh.product_form()}, ZeRO-{plan.zero_stage}, {plan.schedule} (v={plan.virtual_stages}), "
+        f"{plan.microbatches} micro-batches of {plan.microbatch_size}"
     )
     return AtScaleReport(str(out), line, bounds, reports)
 

@@ -9,7 +9,6 @@ a failure never leaves a half-written ``out/``.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
+from autoshard.ir.program import Chunk, Fp8, Loss, Program, Routing, Tied
 from autoshard.ir.schedules import schedule
 from autoshard.report import plan_markdown
 from autoshard.stagecode import program_sources
@@ -61,29 +61,26 @@ def program_files(plan: Plan, rewritten, captured, rebuild) -> dict[str, str]:
     for c in range(n):
         rank = schedule(plan.schedule).chunk_rank(c, plan.mesh.pp)
         docs.append(f"Pipeline chunk {c} of {n} (pipeline rank {rank}): {_chunk_parts(split, c)}.")
-        chunks.append({"file": f"stage{c}.py", "class": f"Chunk{c}", "layers": list(split.layers[c]), "rank": rank})
+        chunks.append(Chunk(f"stage{c}.py", f"Chunk{c}", tuple(split.layers[c]), rank))
     inits = _stage_inits(captured, rewritten.origin)
     files = program_sources(split.chunks, split.loss, docs, rewritten, inits)
     vocab = plan.model.get("vocab")
     if not vocab:
         raise AutoshardError("the model's vocabulary size is unknown, so no synthetic data can be drawn")
-    program = {
-        "plan_sha256": hashlib.sha256((plan.to_json() + "\n").encode()).hexdigest(),
-        "rebuild": rebuild.to_dict(),
-        "vocab": vocab,
-        "chunks": chunks,
-        "loss": {"file": "loss.py", "class": "Loss"},
-        "target": split.target,
-        "tied": split.tied,  # parameters held by several chunks or names: one parameter, gradients summed
-        "routing": rewritten.routing,  # MoE layer -> experts, top_k, routing bias (balanced after each step)
-        # the matmul kinds in FP8 and the single-device model's weights they multiply by (what
-        # ``autoshard verify`` runs in FP8 in its single-device reference)
-        "fp8": {"kinds": list(rewritten.fp8), "params": _fp8_params(rewritten)},
-        # the single-device state dict's names (``autoshard export`` writes exactly these)
-        "state_dict_keys": [f"model.{k}" for k in captured.model.state_dict()],
-        "peak_flops": _peak_flops(plan),  # per GPU at the plan's compute precision: the step log's MFU
-    }
-    files["program.json"] = json.dumps(program, indent=2) + "\n"
+    program = Program(
+        plan_sha256=hashlib.sha256((plan.to_json() + "\n").encode()).hexdigest(),
+        rebuild=rebuild.to_dict(),
+        vocab=vocab,
+        chunks=tuple(chunks),
+        loss=Loss("loss.py", "Loss"),
+        target=split.target,
+        tied=tuple(Tied(tuple(t["names"]), tuple(t["chunks"])) for t in split.tied),
+        routing={k: Routing(r["experts"], r["top_k"], r["bias"], r["router"]) for k, r in rewritten.routing.items()},
+        fp8=Fp8(tuple(rewritten.fp8), tuple(_fp8_params(rewritten))),
+        state_dict_keys=tuple(f"model.{k}" for k in captured.model.state_dict()),
+        peak_flops=_peak_flops(plan),
+    )
+    files["program.json"] = program.to_json()
     files["train.py"] = train_launcher(plan)
     return files
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from autoshard.capture import causal_lm_loss
 from autoshard.errors import AutoshardError
 from autoshard.ir import ops
 from autoshard.ir.plan import Plan
+from autoshard.ir.program import Program, Routing
 from autoshard.runtime import fp8, moe
 from autoshard.runtime.program import global_batch
 from autoshard.runtime.rebuild import Recipe
@@ -37,12 +39,12 @@ ADAM_EPS = 1e-6
 BALANCE_GAMMA = 1e-3  # MoE routing-bias step (the program's default, passed to it explicitly)
 
 
-def _read_program(out: Path) -> tuple[Plan, dict]:
+def _read_program(out: Path) -> tuple[Plan, Program]:
     if not out.is_dir():
         raise AutoshardError(f"{out} is not a directory; run autoshard compile ... -o {out} first")
     if not (out / "train.py").exists() or not (out / "program.json").exists():
         raise AutoshardError(f"{out} has no train.py; compile without --plan-only to emit the program")
-    return Plan.load(out / "plan.json"), json.loads((out / "program.json").read_text())
+    return Plan.load(out / "plan.json"), Program.load(out / "program.json", error=AutoshardError)
 
 
 def run_distributed(
@@ -79,12 +81,12 @@ def run_distributed(
 
 
 def run_reference(
-    plan: Plan, program: dict, steps: int, seed: int, optim: dict | None = None, with_fp8: bool = True
+    plan: Plan, program: Program, steps: int, seed: int, optim: dict | None = None, with_fp8: bool = True
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-device model's losses and final parameters, its matmuls in FP8 where the
     program's are (``with_fp8`` False: all in fp32)."""
 
-    recipe = Recipe.from_dict(program["rebuild"])
+    recipe = Recipe.from_dict(program.rebuild)
     torch.manual_seed(seed)
     model = rebuild.build(recipe, device="cpu").float()
     model.train()
@@ -93,12 +95,12 @@ def run_reference(
     losses = []
     schedule = _schedule(steps, optim or {})
     max_norm = (optim or {}).get("max_grad_norm")
-    routing = program.get("routing") or {}
-    biases = {k: model.get_buffer(_in_model(e["bias"])) for k, e in routing.items() if e.get("bias")}
-    fp8_params = (program.get("fp8") or {}).get("params") or [] if with_fp8 else []
+    routing = program.routing
+    biases = {k: model.get_buffer(_in_model(e.bias)) for k, e in routing.items() if e.bias}
+    fp8_params = program.fp8.params if with_fp8 else ()
     with _counting_loads(model, routing), _fp8_matmuls(model, fp8_params):
         for step in range(steps):
-            tokens = global_batch(step, plan.global_batch, plan.seq_len, program["vocab"], seed)
+            tokens = global_batch(step, plan.global_batch, plan.seq_len, program.vocab, seed)
             adamw.zero_grad(set_to_none=True)
             for group in adamw.param_groups:
                 group["lr"] = learning_rate(schedule, step)
@@ -132,17 +134,17 @@ def _in_model(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _counting_loads(model: torch.nn.Module, routing: dict):
+def _counting_loads(model: torch.nn.Module, routing: dict[str, Routing]):
     """Count each MoE layer's expert loads in the single-device model as the program's
     ``rt.moe_record_load`` does: the top-k over that layer's experts made inside its router
-    module (``routing``'s ``router``) is its choice."""
+    module (``Routing.router``) is its choice."""
     if not routing:
         yield
         return
     current: list[str] = []
     hooks = []
     for key, entry in routing.items():
-        module = model.get_submodule(_in_model(entry["router"]))
+        module = model.get_submodule(_in_model(entry.router))
         hooks.append(module.register_forward_pre_hook(lambda m, a, key=key: current.append(key) and None))
         hooks.append(module.register_forward_hook(lambda m, a, o: current.pop() and None))
 
@@ -151,8 +153,8 @@ def _counting_loads(model: torch.nn.Module, routing: dict):
             out = func(*args, **(kwargs or {}))
             if func in (torch.topk, torch.Tensor.topk) and current:
                 entry = routing[current[-1]]
-                if args[0].size(-1) == entry["experts"] and out[1].size(-1) == entry["top_k"]:
-                    moe.record_load(out[1], entry["experts"], current[-1])
+                if args[0].size(-1) == entry.experts and out[1].size(-1) == entry.top_k:
+                    moe.record_load(out[1], entry.experts, current[-1])
             return out
 
     try:
@@ -164,7 +166,7 @@ def _counting_loads(model: torch.nn.Module, routing: dict):
 
 
 @contextlib.contextmanager
-def _fp8_matmuls(model: torch.nn.Module, names: list[str]):
+def _fp8_matmuls(model: torch.nn.Module, names: Sequence[str]):
     """Run the single-device model's matmuls by the weights ``names`` (the program's FP8 ones) in
     FP8, with the program's own ``autoshard.runtime.fp8`` functions: the same math, so the two
     differ only where the program's layout cuts a scaling group differently (a TP slice of a
@@ -267,7 +269,7 @@ def verify(
     out = Path(out)
     optim = {k: v for k, v in (optim or {}).items() if v is not None}
     plan, program = _read_program(out)
-    fp8 = (program.get("fp8") or {}).get("kinds") or []
+    fp8 = list(program.fp8.kinds)
     if tolerance is None:
         tolerance = FP8_TOLERANCE if fp8 else TOLERANCE
     param_tolerance = max(tolerance, 2 * LR * steps) if fp8 else tolerance
@@ -280,14 +282,51 @@ def verify(
         high = run_reference(plan, program, steps, seed, optim, with_fp8=False)[0] if fp8 else None
         params = assemble(work / "params")
         apart_name, apart = copies_apart(work / "params")
-    rows = []
-    for step, (a, b) in enumerate(zip(distributed, reference)):
-        rows.append({"step": step, "distributed": a, "single_device": b, "rel_diff": abs(a - b) / max(abs(b), 1e-12)})
-    # Parameters are compared absolutely: AdamW divides each gradient by its own running size, so
-    # an element whose gradient is as small as eps (1e-8) turns a 1e-7 relative difference in the
-    # gradient into a visible one in its update; the absolute difference stays bounded by lr.
+    rows = _loss_rows(distributed, reference)
+    params_apart = _parameters_apart(params, ref_params)
+    ok = (
+        len(rows) == steps
+        and all(r["rel_diff"] <= tolerance for r in rows)
+        and params_apart["max_param_abs_diff"] <= param_tolerance
+        and apart <= tolerance
+        and not [m for m in params_apart["missing_params"] if ref_params[m].is_floating_point()]
+    )
+    return {
+        "plan": plan.mesh.product_form() + f", ZeRO-{plan.zero_stage}, {plan.schedule}",
+        "steps": rows,
+        **params_apart,
+        "max_copy_abs_diff": apart,
+        "max_copy_name": apart_name,
+        "tolerance": tolerance,
+        "param_tolerance": param_tolerance,
+        "fp8": fp8,
+        # FP8's own effect: the FP8 reference's losses against the same model in fp32
+        "fp8_gap": max(_relative(a, b) for a, b in zip(reference, high)) if high else None,
+        "ok": ok,
+    }
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _loss_rows(distributed: list[float], reference: list[float]) -> list[dict]:
+    """One row per step: the program's loss, the single-device model's, their relative difference."""
+    return [
+        {"step": step, "distributed": a, "single_device": b, "rel_diff": _relative(a, b)}
+        for step, (a, b) in enumerate(zip(distributed, reference))
+    ]
+
+
+def _parameters_apart(params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor]) -> dict:
+    """How far the program's final parameters lie from the single-device model's: the largest
+    difference, absolute (and relative to that tensor's largest entry), which parameter, and the
+    names the program never saved.
+
+    Parameters are compared absolutely: AdamW divides each gradient by its own running size, so
+    an element whose gradient is as small as eps (1e-8) turns a 1e-7 relative difference in the
+    gradient into a visible one in its update; the absolute difference stays bounded by lr."""
     worst_name, worst, worst_rel = None, 0.0, 0.0
-    missing = sorted(set(ref_params) - set(params))
     for name, ref in ref_params.items():
         if name not in params or not ref.is_floating_point():
             continue
@@ -295,28 +334,11 @@ def verify(
         worst_rel = max(worst_rel, diff / max(ref.abs().max().item(), 1e-12))
         if diff >= worst:
             worst_name, worst = name, diff
-    ok = (
-        len(rows) == steps
-        and all(r["rel_diff"] <= tolerance for r in rows)
-        and worst <= param_tolerance
-        and apart <= tolerance
-        and not [m for m in missing if ref_params[m].is_floating_point()]
-    )
     return {
-        "plan": plan.mesh.product_form() + f", ZeRO-{plan.zero_stage}, {plan.schedule}",
-        "steps": rows,
         "max_param_abs_diff": worst,
         "max_param_rel_diff": worst_rel,
         "max_param_name": worst_name,
-        "missing_params": missing,
-        "max_copy_abs_diff": apart,
-        "max_copy_name": apart_name,
-        "tolerance": tolerance,
-        "param_tolerance": param_tolerance,
-        "fp8": fp8,
-        # FP8's own effect: the FP8 reference's losses against the same model in fp32
-        "fp8_gap": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(reference, high)) if high else None,
-        "ok": ok,
+        "missing_params": sorted(set(ref_params) - set(params)),
     }
 
 

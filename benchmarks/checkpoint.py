@@ -34,7 +34,7 @@ def worker(out: Path, ckpt: Path, repeat: int, sync: bool) -> None:
     from autoshard.runtime import program as rt
 
     args = trainer.parse_args(["--checkpoint-dir", str(ckpt)] + (["--checkpoint-sync"] if sync else []))
-    plan, prog = rt.read_json(out / "plan.json"), rt.read_json(out / "program.json")
+    plan, prog = rt.read_program(out)
     trainer.init_process_group("gloo", 600)
     t = trainer.Trainer.build(args, out, plan, prog, torch.device("cpu"))
     for e, opt in state._optimized(t.entries, t.optim):  # the states AdamW's first step makes

@@ -15,6 +15,7 @@ import autoshard
 from autoshard import rebuild
 from autoshard.cli import main
 from autoshard.errors import AutoshardError
+from autoshard.ir.program import Program
 from autoshard.runtime.program import full_state_from_model
 from autoshard.runtime.rebuild import Recipe
 from autoshard.verify import verify
@@ -37,6 +38,11 @@ def _files(out) -> dict[str, str]:
 
 def _program(files: dict[str, str]) -> dict:
     return json.loads(files["program.json"])
+
+
+def _rebuilt_state(files: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The seeded single-device initialisation the program in ``files`` rebuilds."""
+    return full_state_from_model(Program.from_dict(_program(files)), seed=0)
 
 
 def _without_rebuild(files: dict[str, str]) -> dict[str, str]:
@@ -104,7 +110,7 @@ def test_a_meta_module_with_an_importable_builder_function(cli_gpt, tmp_path):
     }
     assert _without_rebuild(files) == _without_rebuild(cli_gpt)
     assert program.files == {k: v for k, v in files.items() if k not in ("plan.json", "plan.md")}  # the program
-    assert _same_state(full_state_from_model(_program(files), seed=0), _seeded_state(gpt.build, "tiny"))
+    assert _same_state(_rebuilt_state(files), _seeded_state(gpt.build, "tiny"))
 
 
 def test_a_transformers_model_is_rebuilt_from_its_config(qwen3, hf_zoo):
@@ -115,7 +121,7 @@ def test_a_transformers_model_is_rebuilt_from_its_config(qwen3, hf_zoo):
     assert entry["function"] == "transformers.models.qwen3.modeling_qwen3:Qwen3ForCausalLM"
     assert entry["config"]["class"] == "transformers.models.qwen3.configuration_qwen3:Qwen3Config"
     assert entry["config"]["values"]["num_hidden_layers"] == 2 and entry["args"] == []
-    assert _same_state(full_state_from_model(_program(files), seed=0), _seeded_state(hf_zoo.build, "qwen3"))
+    assert _same_state(_rebuilt_state(files), _seeded_state(hf_zoo.build, "qwen3"))
 
 
 def test_a_live_transformers_model_compiles_to_the_same_program(qwen3, hf_zoo):

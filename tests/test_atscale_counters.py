@@ -1,6 +1,8 @@
 """The counters ``verify --at-scale`` reads: memory by part, bytes per collective, FLOPs of the ops
 torch's counter does not know, and which ranks it chooses."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from autoshard import atscale
 from autoshard.cost_models.comm import wire_bytes
 from autoshard.errors import AutoshardError
+from autoshard.ir.plan import Mesh
 from autoshard.runtime import attention  # noqa: F401 (registers the flash-attention ops)
 
 
@@ -62,15 +65,15 @@ def test_comm_counter_counts_what_each_collective_hands_over(fake_world):
 
 
 def test_process_groups_are_named_by_the_coordinates_their_ranks_vary_in():
-    plan = {"gpus": 16, "mesh": {"tp": 2, "cp": 2, "pp": 2, "dp": 2, "order": ["tp", "cp", "pp", "dp"]}}
-    assert [atscale.coordinates(plan, r)["pp"] for r in (0, 4)] == [0, 1]
-    assert atscale.rank_at(plan, pp=1, dp=1) == 12
-    assert atscale._dimension(plan, [0, 1]) == "tp"
-    assert atscale._dimension(plan, [0, 2, 8, 10]) == "dp"  # dp x cp: ZeRO's group, data parallelism's traffic
-    assert atscale._dimension(plan, [0, 4]) == "pp"
-    assert atscale._dimension(plan, list(range(16))) == "mixed"  # every coordinate varies
+    mesh = Mesh(tp=2, cp=2, pp=2, dp=2, order=["tp", "cp", "pp", "dp"])
+    assert [atscale.coordinates(mesh, r)["pp"] for r in (0, 4)] == [0, 1]
+    assert atscale.rank_at(mesh, pp=1, dp=1) == 12
+    assert atscale._dimension(mesh, [0, 1]) == "tp"
+    assert atscale._dimension(mesh, [0, 2, 8, 10]) == "dp"  # dp x cp: ZeRO's group, data parallelism's traffic
+    assert atscale._dimension(mesh, [0, 4]) == "pp"
+    assert atscale._dimension(mesh, list(range(16))) == "mixed"  # every coordinate varies
     # ZeRO-3 over dp x cp with nothing else split: that group is every rank, and it is dp's
-    flat = {"gpus": 8, "mesh": {"tp": 1, "cp": 2, "pp": 1, "dp": 4, "order": ["tp", "cp", "pp", "dp"]}}
+    flat = Mesh(tp=1, cp=2, pp=1, dp=4, order=["tp", "cp", "pp", "dp"])
     assert atscale._dimension(flat, list(range(8))) == "dp"
 
 
@@ -100,13 +103,13 @@ def test_causal_pairs_match_the_mask_when_the_queries_are_the_tail_of_the_keys()
 
 def test_first_last_and_busiest_ranks_are_chosen_from_the_plan():
     ranks = [{"memory_bytes": {"total": t}} for t in (5.0, 9.0, 7.0, 6.0)]
-    plan = {
-        "gpus": 16,
-        "mesh": {"tp": 2, "cp": 1, "pp": 4, "dp": 2, "order": ["tp", "cp", "pp", "dp"]},
-        "schedule": "1f1b",
-        "virtual_stages": 1,
-        "predicted": {"ranks": ranks},
-    }
+    plan = SimpleNamespace(
+        gpus=16,
+        mesh=Mesh(tp=2, cp=1, pp=4, dp=2, order=["tp", "cp", "pp", "dp"]),
+        schedule="1f1b",
+        virtual_stages=1,
+        predicted=SimpleNamespace(ranks=ranks),
+    )  # the fields of a Plan that chosen_ranks reads
     assert atscale.chosen_ranks(plan, "first,last,busiest") == {0: ["first"], 6: ["last"], 2: ["busiest"]}
     assert atscale.chosen_ranks(plan, "3,first") == {3: ["asked"], 0: ["first"]}
     with pytest.raises(AutoshardError, match="'biggest' is not first, last, busiest or a rank below 16"):

@@ -1,13 +1,17 @@
 """The emitted program's bad inputs and failures: clear one-line errors, exit 2, never a hang."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from autoshard.cli import main
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, ProgramError
+from autoshard.ir.plan import Plan
+from autoshard.ir.program import Chunk, Fp8, Loss, Program, Routing, Tied
 from autoshard.verify import verify
 
 from conftest import EXAMPLES
@@ -87,6 +91,85 @@ def test_edited_plan_is_refused(program, tmp_path):
     (copy / "plan.json").write_text((copy / "plan.json").read_text().replace('"zero_stage": 0', '"zero_stage": 1'))
     proc = _torchrun(copy, 2)
     assert proc.returncode != 0 and "changed after the program was generated" in proc.stderr
+
+
+# -- program.json: the typed Program ----------------------------------------------------------
+
+
+def test_program_json_loads_as_the_program_and_writes_back_byte_for_byte(program):
+    loaded = Program.load(program / "program.json")
+    assert loaded.to_json() == (program / "program.json").read_text()
+    assert Program.from_dict(loaded.to_dict()) == loaded
+    plan = Plan.load(program)
+    assert [c.file for c in loaded.chunks] == [f"stage{c}.py" for c in range(plan.mesh.pp * plan.virtual_stages)]
+    assert loaded.loss == Loss("loss.py", "Loss") and loaded.plan_sha256 == _plan_digest(program)
+    assert Program.load(program) == loaded  # the directory holding it
+
+
+def _plan_digest(out) -> str:
+    import hashlib
+
+    return hashlib.sha256((out / "plan.json").read_bytes()).hexdigest()
+
+
+def test_every_kind_of_entry_round_trips():
+    made = Program(
+        plan_sha256="0" * 64,
+        rebuild={"function": "model.py:build", "args": ["tiny"], "kwargs": {}, "config": None, "loss": None},
+        vocab=256,
+        chunks=(Chunk("stage0.py", "Chunk0", (0, 2), 0), Chunk("stage1.py", "Chunk1", (2, 4), 1)),
+        loss=Loss("loss.py", "Loss"),
+        target=None,
+        tied=(Tied(("model.embed.weight", "model.head.weight"), (0, 1)),),
+        routing={
+            "model.layers.1.ffn.experts": Routing(8, 2, "model.layers.1.ffn.bias", "model.layers.1.ffn"),
+            "model.layers.3.ffn.experts": Routing(8, 2, None, "model.layers.3.ffn"),
+        },
+        fp8=Fp8(("attention",), ("model.layers.0.attn.wq.weight",)),
+        state_dict_keys=("model.embed.weight",),
+        peak_flops=None,
+    )
+    text = made.to_json()
+    assert Program.from_dict(json.loads(text)) == made
+    assert Program.from_dict(json.loads(text)).to_json() == text
+
+
+# what is damaged -> what the one line names (each also says to recompile)
+DAMAGED = {
+    "missing": (lambda p: p.pop("vocab"), "missing key vocab"),
+    "missing-nested": (lambda p: p["chunks"][1].pop("class"), "missing key chunks[1].class"),
+    "wrong-type": (lambda p: p.update(vocab="256"), 'vocab is "256", expected a positive integer'),
+    "wrong-nested": (lambda p: p["chunks"][0].update(layers=[0]), "chunks[0].layers is [0], expected [first, last]"),
+    "unknown": (lambda p: p.update(extra=1), "unknown key extra (written by another autoshard version?)"),
+    "not-an-object": (lambda p: p.update(loss=["loss.py"]), 'loss is ["loss.py"], expected an object'),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED))
+def test_a_malformed_program_json_is_one_line_naming_the_file_the_key_and_the_fix(program, tmp_path, capsys, damage):
+    spoil, expected = DAMAGED[damage]
+    data = json.loads((program / "program.json").read_text())
+    spoil(data)
+    path = tmp_path / "program.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProgramError) as e:
+        Program.load(path)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err == f"train.py: error: {path}: {expected}; recompile with autoshard compile ... -o {tmp_path}\n"
+    with pytest.raises(AutoshardError, match=re.escape(f"{path}: {expected}; recompile")):
+        Program.load(path, error=AutoshardError)  # as autoshard verify reads it
+
+
+def test_a_missing_or_unreadable_program_json_is_one_line(tmp_path, capsys):
+    with pytest.raises(ProgramError):
+        Program.load(tmp_path / "program.json")
+    assert capsys.readouterr().err == (
+        f"train.py: error: {tmp_path / 'program.json'} is missing; recompile with autoshard compile ... -o {tmp_path}\n"
+    )
+    (tmp_path / "program.json").write_text("[1, 2]")
+    with pytest.raises(AutoshardError, match="program.json: the file is not a JSON object; recompile"):
+        Program.load(tmp_path, error=AutoshardError)
 
 
 def test_a_rank_that_dies_takes_the_others_down(program, tmp_path):

@@ -6,8 +6,8 @@ the user's model file when ``--init-from-model`` asks for the single-device init
 from __future__ import annotations
 
 import functools
-import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.errors import ProgramError
+from autoshard.errors import AutoshardError, ProgramError
+from autoshard.ir.plan import Mesh, Plan
+from autoshard.ir.program import Program, Tied
 from autoshard.ir.schedules import schedule, torch_schedule
 from autoshard.runtime import data as token_data
 from autoshard.runtime import fake, groups, moe, phase
@@ -44,26 +46,30 @@ class Ranks:
     edp: int = 0  # and in its expert-data-parallel group (the ranks holding the same experts)
 
 
-def check_program(here: Path, plan: dict, program: dict) -> None:
+def read_program(here: Path) -> tuple[Plan, Program]:
+    """The plan and the program in directory ``here`` (``plan.json``, ``program.json``); a missing
+    or malformed file is the program's one-line error."""
+    try:
+        plan = Plan.load(here / "plan.json")
+    except AutoshardError as e:
+        raise ProgramError(str(e)) from None
+    return plan, Program.load(here / "program.json")
+
+
+def check_program(here: Path, plan: Plan, program: Program) -> None:
     """plan.json must be the one the stage files were generated from."""
     import hashlib
 
     digest = hashlib.sha256((here / "plan.json").read_bytes()).hexdigest()
-    if program.get("plan_sha256") not in (None, digest):
+    if program.plan_sha256 != digest:
         raise ProgramError(
             f"{here / 'plan.json'} changed after the program was generated; "
             "recompile (autoshard compile ... -o DIR) instead of editing the plan"
         )
-    try:
-        chunks = plan["mesh"]["pp"] * plan["virtual_stages"]
-        files = [c["file"] for c in program["chunks"]] + [program["loss"]["file"]]
-    except (KeyError, TypeError) as e:
-        raise ProgramError(
-            f"{here}: plan.json or program.json lacks {e} (written by another autoshard, or edited); "
-            f"recompile with autoshard compile ... -o {here}"
-        ) from None
-    if len(program["chunks"]) != chunks:
-        raise ProgramError(f"program.json has {len(program['chunks'])} pipeline chunks but the plan needs {chunks}")
+    chunks = plan.mesh.pp * plan.virtual_stages
+    files = [c.file for c in program.chunks] + [program.loss.file]
+    if len(program.chunks) != chunks:
+        raise ProgramError(f"program.json has {len(program.chunks)} pipeline chunks but the plan needs {chunks}")
     for name in dict.fromkeys(files):  # each stage file there and Python (before any process group is made)
         try:
             compile((here / name).read_text(), str(here / name), "exec")
@@ -76,23 +82,23 @@ def check_program(here: Path, plan: dict, program: dict) -> None:
             ) from None
 
 
-def check_world(plan: dict) -> int:
+def check_world(plan: Plan) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != plan["gpus"]:
+    if world != plan.gpus:
         raise ProgramError(
-            f"the plan is for {plan['gpus']} processes but WORLD_SIZE is {world}; "
-            f"run torchrun --nproc-per-node {plan['gpus']} (or recompile for {world} GPUs)"
+            f"the plan is for {plan.gpus} processes but WORLD_SIZE is {world}; "
+            f"run torchrun --nproc-per-node {plan.gpus} (or recompile for {world} GPUs)"
         )
     return world
 
 
-def build_mesh(plan: dict, device_type: str):
+def build_mesh(plan: Plan, device_type: str):
     """A device mesh whose dimensions follow the plan's axis order (innermost = consecutive ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    order = plan["mesh"]["order"]  # inside out
-    names = tuple(reversed(order))
-    shape = tuple(plan["mesh"][a] for a in names)
+    m = plan.mesh
+    names = tuple(reversed(m.order))  # the order is inside out
+    shape = tuple(getattr(m, a) for a in names)
     with fake.real():  # rank indices, also when the program runs on fake tensors
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     coords = {a: mesh.get_local_rank(a) for a in names}
@@ -103,20 +109,20 @@ def build_mesh(plan: dict, device_type: str):
         coords["pp"],
         coords["dp"],
         coords["cp"],
-        plan["mesh"]["tp"],
-        plan["mesh"]["pp"],
-        plan["mesh"]["dp"],
+        m.tp,
+        m.pp,
+        m.dp,
     )
     groups.set_groups(
-        tp=mesh["tp"].get_group() if plan["mesh"]["tp"] > 1 else None,
+        tp=mesh["tp"].get_group() if m.tp > 1 else None,
         pp=mesh["pp"].get_group(),
         dp=mesh["dp"].get_group(),
-        cp=mesh["cp"].get_group() if plan["mesh"]["cp"] > 1 else None,
+        cp=mesh["cp"].get_group() if m.cp > 1 else None,
     )
     return mesh, ranks
 
 
-def build_expert_mesh(plan: dict, device_type: str, ranks: Ranks):
+def build_expert_mesh(plan: Plan, device_type: str, ranks: Ranks):
     """The (pp, edp, ep) mesh of MoE parallel folding (``expert_mesh``); sets the ``ep``, ``edp``
     and ``route`` groups and this rank's places in them."""
     with fake.real():
@@ -131,25 +137,23 @@ def build_expert_mesh(plan: dict, device_type: str, ranks: Ranks):
     return experts
 
 
-def stage_positions(plan: dict) -> torch.Tensor:
+def stage_positions(mesh: Mesh) -> torch.Tensor:
     """The global ranks as (pp, the stage's tp x cp x dp ranks): each pipeline stage's ranks
     flattened in the mesh's order (inside out, innermost fastest), as ``build_mesh`` lays them."""
-    order = plan["mesh"]["order"]
-    names = tuple(reversed(order))  # outermost first, as init_device_mesh lays ranks out
-    grid = torch.arange(plan["gpus"]).reshape([plan["mesh"][a] for a in names])
+    names = tuple(reversed(mesh.order))  # outermost first, as init_device_mesh lays ranks out
+    grid = torch.arange(mesh.gpus).reshape([getattr(mesh, a) for a in names])
     pp = names.index("pp")
-    return grid.movedim(pp, 0).reshape(plan["mesh"]["pp"], -1)
+    return grid.movedim(pp, 0).reshape(mesh.pp, -1)
 
 
-def expert_mesh(plan: dict, device_type: str):
+def expert_mesh(plan: Plan, device_type: str):
     """MoE parallel folding: a (pp, edp, ep) device mesh over the same ranks. An expert-parallel
     group is ``ep`` consecutive ranks of a stage's tp x cp x dp ranks in mesh order; the ranks at
     the same place in every EP group of the stage hold the same experts (expert data parallelism)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ep = plan["mesh"].get("ep", 1)
-    positions = stage_positions(plan)
-    grid = positions.reshape(positions.size(0), -1, ep)
+    positions = stage_positions(plan.mesh)
+    grid = positions.reshape(positions.size(0), -1, plan.mesh.ep)
     return DeviceMesh(device_type, grid, mesh_dim_names=("pp", "edp", "ep"))
 
 
@@ -157,31 +161,28 @@ def expert_mesh(plan: dict, device_type: str):
 # pipeline chunks
 
 
-def chunks_of_rank(plan: dict, pp_rank: int) -> list[int]:
+def chunks_of_rank(plan: Plan, pp_rank: int) -> list[int]:
     """The pipeline chunks (virtual stages) pipeline rank ``pp_rank`` holds, by the plan's schedule."""
-    return schedule(plan["schedule"]).chunks_of_rank(pp_rank, plan["mesh"]["pp"], plan["virtual_stages"])
+    return schedule(plan.schedule).chunks_of_rank(pp_rank, plan.mesh.pp, plan.virtual_stages)
 
 
 def build_chunks(
     out: Path,
-    program: dict,
+    program: Program,
     chunk_ids: list[int],
     device,
     ranks: Ranks,
     full_state=None,
     seed: int = 0,
     weights=None,
-    tied: list[dict] = (),
+    tied: Sequence[Tied] = (),
 ) -> list[nn.Module]:
     """This rank's pipeline chunks, built on meta and filled (``stages.materialise``): from
-    ``full_state``, from a checkpoint's ``weights`` (``weights.open_weights``; ``tied`` as in
-    ``program.json``), or by replaying the model's initialisation."""
+    ``full_state``, from a checkpoint's ``weights`` (``weights.open_weights``; ``tied`` the
+    program's ties), or by replaying the model's initialisation."""
     modules = []
     for c in chunk_ids:
-        info = program["chunks"][c]
-        stage_file = load_stage_file(out / info["file"])
-        with fake.real(), torch.device("meta"):  # meta, not fake, also on fake tensors: materialise places it
-            module = getattr(stage_file, info["class"])()
+        stage_file, module = _load_chunk(out, program, c)
         stage_file = stage_tables(module, stage_file)
         try:
             materialise(
@@ -195,11 +196,20 @@ def build_chunks(
     return modules
 
 
-def autocast(stages: list[nn.Module], plan: dict, device, choice: str = "auto") -> str:
+def _load_chunk(out: Path, program: Program, c: int):
+    """Chunk ``c``'s stage file and the chunk built from it on the meta device (not on fake
+    tensors, also when the program runs on them: the caller places it)."""
+    chunk = program.chunks[c]
+    stage_file = load_stage_file(out / chunk.file)
+    with fake.real(), torch.device("meta"):
+        return stage_file, getattr(stage_file, chunk.class_name)()
+
+
+def autocast(stages: list[nn.Module], plan: Plan, device, choice: str = "auto") -> str:
     """Run the chunks' forward (and so their backward) in the plan's compute precision under
     ``torch.autocast`` (which keeps softmax, norms and losses in fp32). ``auto`` is the plan's
     precision on GPUs and fp32 on CPUs, where verification must be exact. Returns it."""
-    compute = plan.get("precision", {}).get("compute", "bf16")
+    compute = plan.precision.get("compute", "bf16")
     dtype = {"auto": compute if device.type == "cuda" else "fp32"}.get(choice, choice)
     if dtype == "bf16":
         for module in stages:
@@ -270,9 +280,9 @@ class MasterAdamW(torch.optim.AdamW):
                         p.copy_(m)
 
 
-def load_loss(out: Path, program: dict, device) -> nn.Module:
-    stage_file = load_stage_file(out / program["loss"]["file"])
-    return getattr(stage_file, program["loss"]["class"])().to(device)
+def load_loss(out: Path, program: Program, device) -> nn.Module:
+    stage_file = load_stage_file(out / program.loss.file)
+    return getattr(stage_file, program.loss.class_name)().to(device)
 
 
 def loss_fn(loss_module: nn.Module):
@@ -286,11 +296,11 @@ def loss_fn(loss_module: nn.Module):
     return fn
 
 
-def full_state_from_model(program: dict, seed: int) -> dict[str, torch.Tensor]:
+def full_state_from_model(program: Program, seed: int) -> dict[str, torch.Tensor]:
     """The seeded single-device initialisation, named as in the traced graph (``model.*``), of the
     model ``program.json``'s ``rebuild`` recipe builds (a model file, a builder or a transformers
     config: ``autoshard.runtime.rebuild``)."""
-    recipe = Recipe.from_dict(program["rebuild"])
+    recipe = Recipe.from_dict(program.rebuild)
     torch.manual_seed(seed)
     try:
         model = recipe.build("cpu")
@@ -302,20 +312,20 @@ def full_state_from_model(program: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def pipeline_schedule(
-    plan: dict,
+    plan: Plan,
     stages: list[nn.Module],
     ranks: Ranks,
     device,
     microbatches: int,
     loss,
     out: Path,
-    program: dict,
+    program: Program,
     compute: str = "auto",
 ):
     """``torch.distributed.pipelining`` stages and the plan's schedule over them."""
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-    pp, v = plan["mesh"]["pp"], plan["virtual_stages"]
+    pp, v = plan.mesh.pp, plan.virtual_stages
     ids = chunks_of_rank(plan, ranks.pp)
     shapes = boundaries(out, program, plan, ids, device, compute) if fake.active() else {}
     for m in stages:
@@ -326,12 +336,12 @@ def pipeline_schedule(
     ]
     for stage in pipeline:
         _uncounted_inference(stage)
-    if schedule(plan["schedule"]).split_backward:  # each layer recomputed in both halves of its backward
+    if schedule(plan.schedule).split_backward:  # each layer recomputed in both halves of its backward
         for m in stages:
             for layer in m.modules():
                 if isinstance(layer, Checkpoint):
                     layer.split_backward = True
-    cls = torch_schedule(plan["schedule"], v)
+    cls = torch_schedule(plan.schedule, v)
     made = cls(pipeline[0] if issubclass(cls, PipelineScheduleSingle) else pipeline, microbatches, loss_fn=loss)
     if shapes:
         fake.static_pipeline(made, pipeline)
@@ -395,74 +405,89 @@ _LAZY_HOOKS = (
 
 def _stage_class():
     """``PipelineStage`` whose receive buffers are made when their receive is posted and let go
-    once read. torch makes one per micro-batch, for the activation and for its gradient, when the
-    pipeline starts, and keeps them all for the run: chunks x micro-batches x 2 boundary tensors
-    on every rank (tens of GB at LLaMA-3 405B's 64 micro-batches). Made on demand, a received
-    activation lives while its micro-batch is in flight (autograd keeps it for the backward, as
-    the layers' saved inputs), a received gradient until its backward has used it. On a torch
-    whose stages lack these hooks, torch's own stage."""
+    once read (``_ReceiveOnDemand``), and whose backward runs as the plan counts it
+    (``_PlannedBackward``). On a torch whose stages lack these hooks, torch's own stage."""
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining._utils import _make_tensor_from_meta
 
     if not all(hasattr(PipelineStage, name) for name in _LAZY_HOOKS):
         return PipelineStage
 
-    class Stage(PipelineStage):
-        def _release(self, table) -> None:
-            for infos in table.values():
-                for info in infos:
-                    if not info.is_root_arg:
-                        info.buffer = None
-
-        def _make(self, infos) -> None:
-            for info in infos:
-                if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
-                    info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
-
-        def _prepare_forward_infra(self, *args, **kwargs):
-            out = super()._prepare_forward_infra(*args, **kwargs)
-            self._release(self.args_recv_info)
-            return out
-
-        def _prepare_backward_infra(self, *args, **kwargs):
-            out = super()._prepare_backward_infra(*args, **kwargs)
-            self._release(self.grad_recv_info)
-            return out
-
-        def get_fwd_recv_ops(self, fwd_chunk_id: int):
-            self._make(self.args_recv_info[fwd_chunk_id])
-            return super().get_fwd_recv_ops(fwd_chunk_id)
-
-        def get_bwd_recv_ops(self, bwd_chunk_id: int):
-            if self.has_backward and not self.is_last:
-                self._make(self.grad_recv_info[bwd_chunk_id])
-            return super().get_bwd_recv_ops(bwd_chunk_id)
-
-        def _retrieve_recv_activations(self, fwd_chunk_id: int):
-            out = super()._retrieve_recv_activations(fwd_chunk_id)
-            self._release({0: self.args_recv_info[fwd_chunk_id]})
-            return out
-
-        def _retrieve_recv_grads(self, bwd_chunk_id: int):
-            out = super()._retrieve_recv_grads(bwd_chunk_id)
-            self._release({0: self.grad_recv_info[bwd_chunk_id]})
-            return out
-
-        def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, *args, **kwargs):
-            if full_backward:
-                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
-            with phase.input_gradients_only():  # the weight pass gathers what it needs later
-                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
-
-        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-            zero = getattr(self.submod, "autoshard_zero", None)
-            if zero is None and backward_type == "weight":
-                return weight_pass(self.submod.parameters(), bwd_kwargs["param_groups"]), None
-            if zero is None:
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-            return _fsdp_backward(self.submod, zero, backward_type, bwd_kwargs)
+    class Stage(_ReceiveOnDemand, _PlannedBackward, PipelineStage):
+        pass
 
     return Stage
+
+
+class _ReceiveOnDemand:
+    """A ``PipelineStage`` mixin: torch makes one receive buffer per micro-batch, for the
+    activation and for its gradient, when the pipeline starts, and keeps them all for the run:
+    chunks x micro-batches x 2 boundary tensors on every rank (tens of GB at LLaMA-3 405B's 64
+    micro-batches). Made on demand, a received activation lives while its micro-batch is in
+    flight (autograd keeps it for the backward, as the layers' saved inputs), a received
+    gradient until its backward has used it."""
+
+    def _release(self, table) -> None:
+        for infos in table.values():
+            for info in infos:
+                if not info.is_root_arg:
+                    info.buffer = None
+
+    def _make(self, infos) -> None:
+        from torch.distributed.pipelining._utils import _make_tensor_from_meta
+
+        for info in infos:
+            if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        out = super()._prepare_forward_infra(*args, **kwargs)
+        self._release(self.args_recv_info)
+        return out
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        out = super()._prepare_backward_infra(*args, **kwargs)
+        self._release(self.grad_recv_info)
+        return out
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        self._make(self.args_recv_info[fwd_chunk_id])
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        if self.has_backward and not self.is_last:
+            self._make(self.grad_recv_info[bwd_chunk_id])
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def _retrieve_recv_activations(self, fwd_chunk_id: int):
+        out = super()._retrieve_recv_activations(fwd_chunk_id)
+        self._release({0: self.args_recv_info[fwd_chunk_id]})
+        return out
+
+    def _retrieve_recv_grads(self, bwd_chunk_id: int):
+        out = super()._retrieve_recv_grads(bwd_chunk_id)
+        self._release({0: self.grad_recv_info[bwd_chunk_id]})
+        return out
+
+
+class _PlannedBackward:
+    """A ``PipelineStage`` mixin: a split backward's input pass computes input gradients only
+    (the weight pass gathers what it needs later), the weight pass shares one recomputation per
+    checkpointed layer (``weight_pass``), and an FSDP chunk reduces and lets go layer by layer
+    (``_fsdp_backward``)."""
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, *args, **kwargs):
+        if full_backward:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
+        with phase.input_gradients_only():
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        zero = getattr(self.submod, "autoshard_zero", None)
+        if zero is None and backward_type == "weight":
+            return weight_pass(self.submod.parameters(), bwd_kwargs["param_groups"]), None
+        if zero is None:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        return _fsdp_backward(self.submod, zero, backward_type, bwd_kwargs)
 
 
 def _fsdp_backward(submod, zero: int, backward_type: str, bwd_kwargs: dict):
@@ -532,20 +557,17 @@ def _drop_stray_gather(group) -> None:
     group._all_gather_result = None
 
 
-def boundaries(out: Path, program: dict, plan: dict, chunk_ids: list[int], device, compute: str) -> dict[int, tuple]:
+def boundaries(out: Path, program: Program, plan: Plan, chunk_ids: list[int], device, compute: str) -> dict[int, tuple]:
     """Chunk -> (example inputs, example outputs) of one micro-batch, for each of ``chunk_ids``:
     what its neighbours would tell it when the pipeline starts, found by running every chunk up
     to the last of them forward, with gradients as the pipeline's own inference does (an output
     made from no parameter, such as the rotary tables, carries none), on fake tensors of this rank's shapes. Only
     a program running on fake tensors needs it (its neighbours have no fake twin to answer)."""
-    x = (torch.zeros(plan["microbatch_size"], plan["seq_len"], dtype=torch.long, device=device),)
+    x = (torch.zeros(plan.microbatch_size, plan.seq_len, dtype=torch.long, device=device),)
     out_shapes = {}
     with torch.enable_grad(), moe.uncounted():  # as torch's inference before a step: which outputs carry gradients
         for c in range(max(chunk_ids) + 1):
-            info = program["chunks"][c]
-            stage_file = load_stage_file(out / info["file"])
-            with fake.real(), torch.device("meta"):
-                module = getattr(stage_file, info["class"])()
+            _, module = _load_chunk(out, program, c)
             module.to_empty(device=device)
             lower_parameters(list(module.parameters()), autocast([module], plan, device, compute))
             y = module(*x)
@@ -676,15 +698,15 @@ def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         offset += g.numel()
 
 
-def shards_dense(plan: dict) -> bool:
+def shards_dense(plan: Plan) -> bool:
     """Whether FSDP2 shards the dense parameters (ZeRO-2/3 over more than one dp x cp rank)."""
-    return plan["zero_stage"] >= 2 and plan["mesh"]["dp"] * plan["mesh"]["cp"] > 1
+    return plan.zero_stage >= 2 and plan.mesh.dp * plan.mesh.cp > 1
 
 
-def zero_mesh(plan: dict, mesh):
+def zero_mesh(plan: Plan, mesh):
     """The ranks ZeRO shards over: data parallel x context parallel, as the planner counts memory
     (the CP ranks of a replica hold the same parameters). A 1-D mesh."""
-    if plan["mesh"]["cp"] == 1:
+    if plan.mesh.cp == 1:
         return mesh["dp"]
     return _flatten(mesh, ("dp", "cp"), "dp_cp")
 
@@ -696,7 +718,7 @@ def _flatten(mesh, dims: tuple[str, ...], name: str):
 
 
 def shard_data_parallel(
-    stages: list[nn.Module], plan: dict, mesh, experts: list[nn.Parameter] = (), dtype: str = "fp32"
+    stages: list[nn.Module], plan: Plan, mesh, experts: list[nn.Parameter] = (), dtype: str = "fp32"
 ) -> bool:
     """ZeRO-2/3: FSDP2 ``fully_shard`` over the dp x cp ranks, one unit per layer of each chunk
     (``layer_units``) and the chunk's own unit for the rest (ZeRO-3 frees a layer's gathered
@@ -710,7 +732,7 @@ def shard_data_parallel(
     expert weights as tensors of the chunk, not through a module of their own). At ``dtype``
     bf16 the shards stay fp32 (the masters) and are gathered in bf16, the gradients reduced in
     fp32."""
-    zero, dp = plan["zero_stage"], plan["mesh"]["dp"]
+    zero, dp = plan.zero_stage, plan.mesh.dp
     if not shards_dense(plan):
         return False
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -858,28 +880,28 @@ class Tie:
         return [module.get_parameter(name) for module, name in self.held]
 
 
-def tied_parameters(plan: dict, program: dict, mesh, stages: list[nn.Module], chunk_ids: list[int]) -> list[Tie]:
-    """This rank's :class:`Tie` of each parameter ``program.json`` records as tied (``tied``: its
-    names and the chunks holding it), after making the names of one chunk one parameter. Every
+def tied_parameters(plan: Plan, program: Program, mesh, stages: list[nn.Module], chunk_ids: list[int]) -> list[Tie]:
+    """This rank's :class:`Tie` of each parameter the program records as tied (``Program.tied``:
+    its names and the chunks holding it), after making the names of one chunk one parameter. Every
     rank calls it: the groups of the pipeline ranks holding a copy are made collectively, one per
     replica (same tp, cp and dp coordinates), as Megatron's embedding group. The copies start
     equal: each chunk fills its copy from the same full tensor (``--init-from-model``) or by the
     same seeded initialisation (the stage files name one parameter once)."""
-    sched, pp = schedule(plan["schedule"]), plan["mesh"]["pp"]
+    sched, pp = schedule(plan.schedule), plan.mesh.pp
     pp_dim = list(mesh.mesh_dim_names).index("pp")
     with fake.real():
         replicas = mesh.mesh.movedim(pp_dim, -1).reshape(-1, pp).tolist()  # each row: one replica's pp ranks
     me = dist.get_rank()
     made: dict[tuple[int, ...], object] = {}
     ties = []
-    for entry in program.get("tied", []):
-        holding = tuple(sorted({sched.chunk_rank(c, pp) for c in entry["chunks"]}))
+    for entry in program.tied:
+        holding = tuple(sorted({sched.chunk_rank(c, pp) for c in entry.chunks}))
         if len(holding) > 1 and holding not in made:
             made[holding] = _replica_groups(replicas, holding, me)
-        chunks = [module for module, c in zip(stages, chunk_ids) if c in entry["chunks"]]
-        held = [(module, name) for module in chunks if (name := _one_parameter(module, entry["names"]))]
+        chunks = [module for module, c in zip(stages, chunk_ids) if c in entry.chunks]
+        held = [(module, name) for module in chunks if (name := _one_parameter(module, entry.names))]
         if held:
-            ties.append(Tie(entry["names"], held, made.get(holding)))
+            ties.append(Tie(list(entry.names), held, made.get(holding)))
     return ties
 
 
@@ -895,7 +917,7 @@ def _replica_groups(replicas: list[list[int]], holding: tuple[int, ...], me: int
     return mine
 
 
-def _one_parameter(module: nn.Module, names: list[str]) -> str | None:
+def _one_parameter(module: nn.Module, names: Sequence[str]) -> str | None:
     """The name under which ``module`` holds the parameter named ``names`` (None if it does not);
     where it holds several of them separately (a stage file emits a tied module's weight once per
     module), the first one is registered under the others."""
@@ -936,10 +958,10 @@ def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int, data: P
 
 
 def save_parameters(
-    path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids: list[int], tied: list[dict] = ()
+    path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids: list[int], tied: Sequence[Tied] = ()
 ) -> None:
     """This rank's parameters, named as in the single-device model, with how each was split; a
-    tied parameter under each of its names (``tied`` as in ``program.json``), and the copies a
+    tied parameter under each of its names (``tied``: the program's ties), and the copies a
     second chunk of this rank holds under ``copies`` (verification checks that they agree).
     Every rank takes part (FSDP gathers its shards); the first data-parallel replica writes, and
     for stacked expert weights the first rank holding them; routing biases are saved with them."""
@@ -961,25 +983,11 @@ def save_parameters(
             else:
                 out[source] = value
     for entry in tied:
-        held = next((n for n in entry["names"] if n in out), None)
-        for name in entry["names"] if held else ():
+        held = next((n for n in entry.names if n in out), None)
+        for name in entry.names if held else ():
             out.setdefault(name, out[held])
     if not out:
         return
     path.mkdir(parents=True, exist_ok=True)
     saved = {"tp_rank": ranks.tp, "tp": ranks.tp_size, "ep_rank": ranks.ep, "params": out, "copies": copies}
     torch.save(saved, path / f"rank{ranks.rank}.pt")
-
-
-def read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ProgramError(f"{path} is missing; recompile with autoshard compile ... -o {path.parent}") from None
-    except (OSError, ValueError) as e:
-        raise ProgramError(
-            f"{path} is not readable JSON ({e}); recompile with autoshard compile ... -o {path.parent}"
-        ) from None
-    if not isinstance(value, dict):
-        raise ProgramError(f"{path} holds no JSON object; recompile with autoshard compile ... -o {path.parent}")
-    return value

@@ -16,12 +16,15 @@ import math
 import sys
 import types
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from autoshard.ir.program import Tied
 
 if TYPE_CHECKING:
     from autoshard.runtime.weights import Weights
@@ -233,14 +236,14 @@ def materialise(
     ep_rank: int = 0,
     ep: int = 1,
     weights: Weights | None = None,
-    tied: list[dict] = (),
+    tied: Sequence[Tied] = (),
 ) -> nn.Module:
     """Allocate ``stage``'s local parameters and buffers on ``device`` and fill them: from
     ``full_state`` (sliced), from ``weights`` (a ``weights.Weights``: the blocks of this rank's
     piece read from the checkpoint and cast to the parameter's dtype; a buffer the checkpoint
     lacks, such as a non-persistent rotary table, replayed), or by replaying the model's own
-    initialisation (``INIT``). ``tied`` (``program.json``'s entries) lets a parameter be read under
-    a name tied to it. A piece is this rank's along the group its ``SHARDS`` entry names: TP
+    initialisation (``INIT``). ``tied`` (the program's ties, ``Program.tied``) lets a parameter be
+    read under a name tied to it. A piece is this rank's along the group its ``SHARDS`` entry names: TP
     (``tp_rank`` of ``tp``), or EP (``ep_rank`` of ``ep``) for stacked expert weights."""
     stage_file = stage_tables(stage, stage_file)
     if weights is not None:
@@ -270,7 +273,7 @@ def materialise(
     return stage
 
 
-def _check_weights(stage: nn.Module, stage_file, weights: Weights, tied: list[dict], tp: int, ep: int) -> None:
+def _check_weights(stage: nn.Module, stage_file, weights: Weights, tied: Sequence[Tied], tp: int, ep: int) -> None:
     """Before anything is read: every parameter of ``stage`` is in the checkpoint (buffers may
     be replayed), at the full shape the program was compiled for."""
     shards, origin = stage_file.SHARDS, stage_file.ORIGIN

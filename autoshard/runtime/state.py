@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from autoshard.ir.program import Tied
 from autoshard.runtime import fake
 from autoshard.runtime.stages import Block, full_shape, piece_axis, piece_blocks, restrict_rows
 
@@ -147,15 +149,15 @@ class Entry:
         return None if g is None else local_of(g)
 
 
-def entries(stages: list[nn.Module], chunk_ids: list[int], ranks, tied: list[dict]) -> list[Entry]:
+def entries(stages: list[nn.Module], chunk_ids: list[int], ranks, tied: Sequence[Tied]) -> list[Entry]:
     """This rank's parameters and routing-bias buffers, each once (a parameter two chunks of this
     rank share is listed once), in full-tensor coordinates. A tied parameter's copies are one key
     (its first name) and count on the first chunk holding it only."""
     canonical, first_chunk = {}, {}
     for entry in tied:
-        for name in entry["names"]:
-            canonical[name] = entry["names"][0]
-            first_chunk[name] = min(entry["chunks"])
+        for name in entry.names:
+            canonical[name] = entry.names[0]
+            first_chunk[name] = min(entry.chunks)
     out, seen = [], set()
     for module, c in zip(stages, chunk_ids):
         sf = module.stage_file

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.errors import ProgramError
-from autoshard.ir.plan import AXES
+from autoshard.ir.plan import Plan
+from autoshard.ir.program import Program
 from autoshard.runtime import collectives, data, durable, fake, fp8, groups, moe, state
 from autoshard.runtime import program as rt
 from autoshard.runtime.weights import open_weights
@@ -145,7 +146,7 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     check_args(args)
     Fault.from_env()  # a malformed AUTOSHARD_FAULT is said before anything starts
     check_paths(args)
-    plan, program = rt.read_json(out / "plan.json"), rt.read_json(out / "program.json")
+    plan, program = rt.read_program(out)
     rt.check_program(out, plan, program)
     rt.check_world(plan)
     cuda = torch.cuda.is_available()
@@ -289,12 +290,12 @@ def learning_rate(args: argparse.Namespace, step: int) -> float:
     return args.min_lr + (args.lr - args.min_lr) * shape
 
 
-def train(args: argparse.Namespace, out: Path, plan: dict, program: dict, device: torch.device) -> None:
+def train(args: argparse.Namespace, out: Path, plan: Plan, program: Program, device: torch.device) -> None:
     trainer = Trainer.build(args, out, plan, program, device)
     log = StepLog.of(args.log, plan, program, args.grad_accum)
     run = Run()
     if args.data is not None:  # every id in the vocabulary, enough data: said before any step
-        for note in data.check(args.data, plan["global_batch"], plan["seq_len"], program["vocab"],
+        for note in data.check(args.data, plan.global_batch, plan.seq_len, program.vocab,
                                args.steps * args.grad_accum):  # fmt: skip
             log.event({"event": "data", "note": note})
             if dist.get_rank() == 0:
@@ -357,9 +358,7 @@ def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ck
         for t in ckpt.timings:
             log.event({"event": "checkpoint", **t})
     if args.save_params:
-        rt.save_parameters(
-            args.save_params, trainer.stages, trainer.ranks, trainer.chunk_ids, trainer.program.get("tied", [])
-        )
+        rt.save_parameters(args.save_params, trainer.stages, trainer.ranks, trainer.chunk_ids, trainer.program.tied)
 
 
 def _agreed(path: Path | None) -> Path | None:
@@ -594,10 +593,10 @@ class StepLog:
         self.tty = sys.stderr.isatty()
 
     @classmethod
-    def of(cls, path: Path | None, plan: dict, program: dict, accum: int) -> StepLog:
-        peak = program.get("peak_flops")
-        flops = plan.get("model", {}).get("training_flops_per_token")
-        return cls(path, plan["global_batch"] * plan["seq_len"] * accum, flops, peak * plan["gpus"] if peak else None)
+    def of(cls, path: Path | None, plan: Plan, program: Program, accum: int) -> StepLog:
+        peak = program.peak_flops
+        flops = plan.model.get("training_flops_per_token")
+        return cls(path, plan.global_batch * plan.seq_len * accum, flops, peak * plan.gpus if peak else None)
 
     def step(self, step: int, stats: dict, norm: float, lr: float, extra: dict) -> None:
         seconds = stats["slowest_s"]
@@ -645,8 +644,8 @@ class Trainer:
     """This rank's part of the plan, ready to step."""
 
     args: argparse.Namespace
-    plan: dict
-    program: dict
+    plan: Plan
+    program: Program
     device: torch.device
     ranks: rt.Ranks
     chunk_ids: list[int]  # the pipeline chunks this rank holds
@@ -669,19 +668,19 @@ class Trainer:
     @property
     def microbatches(self) -> int:
         """Micro-batches per optimizer step: the plan's, times the global batches accumulated."""
-        return self.plan["microbatches"] * self.args.grad_accum
+        return self.plan.microbatches * self.args.grad_accum
 
     @classmethod
-    def build(cls, args: argparse.Namespace, out: Path, plan: dict, program: dict, device: torch.device) -> Trainer:
+    def build(cls, args: argparse.Namespace, out: Path, plan: Plan, program: Program, device: torch.device) -> Trainer:
         # 1. the device mesh: tp innermost (NVLink), then the plan's order outwards
         moe.set_capacity_factor(args.capacity_factor)
         # a balance loss's gradient is scaled as one micro-batch's loss is before its backward:
         # by 1/micro-batches here without a pipeline, by the schedule after it with one
-        microbatches = plan["microbatches"] * args.grad_accum
-        scale = 1.0 if plan["mesh"]["pp"] > 1 else 1.0 / microbatches
+        microbatches = plan.microbatches * args.grad_accum
+        scale = 1.0 if plan.mesh.pp > 1 else 1.0 / microbatches
         moe.set_aux_loss(args.aux_loss, args.aux_alpha, scale)
         mesh, ranks = rt.build_mesh(plan, device.type)
-        if program.get("routing"):  # MoE layers: the expert-parallel and expert-data-parallel groups
+        if program.routing:  # MoE layers: the expert-parallel and expert-data-parallel groups
             rt.build_expert_mesh(plan, device.type, ranks)
         # 2. this rank's pipeline chunks, built on meta and filled with only its own shards
         chunk_ids = rt.chunks_of_rank(plan, ranks.pp)
@@ -689,7 +688,7 @@ class Trainer:
         if args.init_from is not None:
             weights = open_weights(args.init_from)
             stages = rt.build_chunks(
-                out, program, chunk_ids, device, ranks, None, args.seed, weights=weights, tied=program.get("tied", [])
+                out, program, chunk_ids, device, ranks, None, args.seed, weights=weights, tied=program.tied
             )
         else:
             stages = rt.build_chunks(out, program, chunk_ids, device, ranks, full, args.seed)
@@ -707,15 +706,15 @@ class Trainer:
         fsdp = rt.shard_data_parallel(stages, plan, mesh, experts, dtype)
         params = [p for m in stages for p in m.parameters()]
         zero_group = rt.zero_mesh(plan, mesh).get_group()  # ZeRO shards over dp x cp, as planned
-        optim = rt.optimizer(params, plan["zero_stage"], zero_group, args.lr, args.weight_decay, args.adam_eps, experts)
+        optim = rt.optimizer(params, plan.zero_stage, zero_group, args.lr, args.weight_decay, args.adam_eps, experts)
         # 4. the plan's pipeline schedule (torch.distributed.pipelining) over the chunks
         schedule = None
-        if plan["mesh"]["pp"] > 1:
+        if plan.mesh.pp > 1:
             schedule = rt.pipeline_schedule(
                 plan, stages, ranks, device, microbatches, loss, out, program, args.compute_dtype
             )
         biases = rt.routing_biases(stages)
-        held = state.entries(stages, chunk_ids, ranks, program.get("tied", []))
+        held = state.entries(stages, chunk_ids, ranks, program.tied)
         state.use_stepped(held, optim)  # bf16 masters, ZeRO-1's rows: what checkpoints and the norm count
         return cls(
             args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule,
@@ -738,7 +737,7 @@ class Trainer:
     @property
     def last(self) -> bool:
         """This rank holds the last chunk (it computes the loss)."""
-        return self.plan["mesh"]["pp"] * self.plan["virtual_stages"] - 1 in self.chunk_ids
+        return self.plan.mesh.pp * self.plan.virtual_stages - 1 in self.chunk_ids
 
     @property
     def reports(self) -> bool:
@@ -750,14 +749,14 @@ class Trainer:
         """This data-parallel rank's rows of the global batches at data positions ``position`` to
         ``position + grad_accum``, one after the other."""
         plan, args = self.plan, self.args
-        rows = plan["microbatches"] * plan["microbatch_size"]  # sequences per data-parallel rank per batch
+        rows = plan.microbatches * plan.microbatch_size  # sequences per data-parallel rank per batch
         first = self.ranks.dp * rows
         batches = [
             data.batch_rows(
                 index,
-                plan["global_batch"],
-                plan["seq_len"],
-                self.program["vocab"],
+                plan.global_batch,
+                plan.seq_len,
+                self.program.vocab,
                 args.seed,
                 args.data,
                 first,
@@ -783,13 +782,13 @@ class Trainer:
             self.schedule.step(tokens, **kwargs) if self.first else self.schedule.step(**kwargs)
         else:
             m = self.microbatches
-            for mb in tokens.split(self.plan["microbatch_size"]):
+            for mb in tokens.split(self.plan.microbatch_size):
                 value = self.loss(self.stages[0](mb), mb)
                 (value / m).backward()
                 losses.append(value.detach())
         PROGRESS.mark(step, 1)
         rt.sum_partial_gradients(self.stages)  # sequence parallel: norms saw 1/tp of the tokens
-        dp = self.plan["mesh"]["dp"]
+        dp = self.plan.mesh.dp
         if not self.fsdp:  # (FSDP reduces over dp x cp itself, in backward)
             # one parameter: its copies' gradients add up (Megatron's embedding group), before the
             # data-parallel reduction, which under ZeRO-1 reduces rows onto their ranks only
@@ -809,15 +808,15 @@ class Trainer:
             fault(step)
         if not math.isfinite(norm) and not fake.active():  # (all-reduced: every rank skips) the caller decides
             self.optim.zero_grad(set_to_none=True)
-            return (mean_loss(losses, self.plan["mesh"]["dp"]) if self.last else None), norm
+            return (mean_loss(losses, dp) if self.last else None), norm
         PROGRESS.mark(step, 2)
         self.optim.step()
         fp8.new_step()  # the weights changed: their FP8 copies are made again next step
-        if self.program.get("routing"):  # MoE: routing biases nudged toward balance, loads for the log
+        if self.program.routing:  # MoE: routing biases nudged toward balance, loads for the log
             self.loads = moe.update_biases(self.biases, self.args.balance_gamma)
             if self.args.capacity_factor is not None:
                 self.dropped = dropped_everywhere()
-        return (mean_loss(losses, self.plan["mesh"]["dp"]) if self.last else None), norm
+        return (mean_loss(losses, dp) if self.last else None), norm
 
     def set_lr(self, lr: float) -> None:
         for o in getattr(self.optim, "parts", [self.optim]):
@@ -852,16 +851,16 @@ class Trainer:
         args, plan = self.args, self.plan
         meta = {
             "format": state.FORMAT, "step": run.step, "position": run.position,
-            "samples": run.position * plan["global_batch"], "window": run.window, "skipped": run.skipped,
+            "samples": run.position * plan.global_batch, "window": run.window, "skipped": run.skipped,
             "rollbacks": run.rollbacks,
-            "seed": args.seed, "global_batch": plan["global_batch"], "seq_len": plan["seq_len"],
+            "seed": args.seed, "global_batch": plan.global_batch, "seq_len": plan.seq_len,
             "grad_accum": args.grad_accum,
             "lr": {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr,
                    "steps": args.steps},
-            "plan_sha256": self.program.get("plan_sha256"), "gpus": plan["gpus"], "model": plan["model"].get("name"),
-            "mesh": {k: plan["mesh"][k] for k in AXES}, "zero_stage": plan["zero_stage"],
-            "tied": [e["names"] for e in self.program.get("tied", [])],
-            "state_dict_keys": self.program.get("state_dict_keys"),
+            "plan_sha256": self.program.plan_sha256, "gpus": plan.gpus, "model": plan.model.get("name"),
+            "mesh": plan.mesh.degrees(), "zero_stage": plan.zero_stage,
+            "tied": [list(e.names) for e in self.program.tied],
+            "state_dict_keys": list(self.program.state_dict_keys),
             "time": time.time(),
         }  # fmt: skip
         return out, meta
@@ -896,7 +895,7 @@ class Trainer:
             raise ProgramError(f"checkpoint {path}: format {meta.get('format')}, this program reads {state.FORMAT}")
         saved = self._check_compatible(path, meta)
         passes = state.load_targets(self.entries, self.optim, saved)
-        same_plan = meta.get("plan_sha256") == self.program.get("plan_sha256") and meta["gpus"] == self.plan["gpus"]
+        same_plan = meta.get("plan_sha256") == self.program.plan_sha256 and meta["gpus"] == self.plan.gpus
         rng_key = f"rng/{dist.get_rank()}"
         if same_plan:
             passes[0][rng_key] = io.BytesIO()
@@ -908,12 +907,12 @@ class Trainer:
             buf.seek(0)
             state.set_rng_state(torch.load(buf, weights_only=False))
         samples = meta["samples"]
-        if samples % self.plan["global_batch"]:
+        if samples % self.plan.global_batch:
             raise ProgramError(
                 f"checkpoint {path} read {samples} sequences, not a whole number of this plan's global batches "
-                f"of {self.plan['global_batch']}; recompile with a global batch that divides it"
+                f"of {self.plan.global_batch}; recompile with a global batch that divides it"
             )
-        return Run(meta["step"], samples // self.plan["global_batch"], list(meta.get("window", [])),
+        return Run(meta["step"], samples // self.plan.global_batch, list(meta.get("window", [])),
                    list(meta.get("skipped", [])), rollbacks=list(meta.get("rollbacks", [])))  # fmt: skip
 
 
@@ -928,12 +927,12 @@ def lr_flags_changed(saved: dict | None, args: argparse.Namespace) -> dict:
     return {flags.get(k, k): (saved[k], v) for k, v in now.items() if saved and k in saved and saved[k] != v}
 
 
-def data_flags_changed(meta: dict | None, args: argparse.Namespace, plan: dict) -> dict:
+def data_flags_changed(meta: dict | None, args: argparse.Namespace, plan: Plan) -> dict:
     """What decides the batches (``--seed``, ``--data``, the sequence length) where it differs
     from the run that wrote a checkpoint: name -> (then, now)."""
     if not meta:
         return {}
-    now = {"--seed": args.seed, "sequence length": plan["seq_len"]}
+    now = {"--seed": args.seed, "sequence length": plan.seq_len}
     then = {"--seed": meta.get("seed"), "sequence length": meta.get("seq_len")}
     return {k: (then[k], v) for k, v in now.items() if then[k] is not None and then[k] != v}
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import pickle
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from autoshard.errors import ProgramError
+from autoshard.ir.program import Tied
 from autoshard.runtime.stages import Block
 
 # what a directory may hold, in the order they are looked for (transformers' file names)
@@ -120,11 +122,11 @@ class Weights:
             piece[target] = value
         return piece
 
-    def find(self, source: str, tied: list[dict] = ()) -> str | None:
+    def find(self, source: str, tied: Sequence[Tied] = ()) -> str | None:
         """The name in the checkpoint of a stage's ``source`` (``model.<key>``), or of a name
-        ``tied`` (``program.json``'s entries) to it: transformers saves a tied output head once,
-        under the embedding's name. None if the checkpoint holds neither."""
-        equivalent = [n for entry in tied if source in entry["names"] for n in entry["names"] if n != source]
+        ``tied`` (the program's ties, ``Program.tied``) to it: transformers saves a tied output
+        head once, under the embedding's name. None if the checkpoint holds neither."""
+        equivalent = [n for entry in tied if source in entry.names for n in entry.names if n != source]
         for name in (source, *equivalent):
             key = name.removeprefix("model.")
             if key in self._files:

@@ -58,8 +58,7 @@ def test_expert_groups_sit_where_the_program_builds_them(tp, pp, cp, ep, dp, ord
     groups (``runtime.program.stage_positions``: EP = ep consecutive positions) span."""
     c = Candidate(tp, pp, cp, ep, dp, 1, (), "flash", frozenset(), order=order)
     where = placements(c, order, H100)
-    mesh = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp": dp, "order": list(order)}
-    ranks = stage_positions({"mesh": mesh, "gpus": tp * pp * cp * dp})[0].tolist()
+    ranks = stage_positions(Mesh(tp, pp, cp, ep, dp, list(order)))[0].tolist()
     d = H100.nvlink_domain
     got = lambda w: (w.size, w.per_domain, w.domains)  # noqa: E731
     assert got(where["ep"]) == _layout(ranks[:ep], d)

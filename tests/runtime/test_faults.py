@@ -220,6 +220,7 @@ def test_init_from_refuses_weights_that_are_not_finite_floating_point(tmp_path, 
 
 BROKEN = {  # what is broken -> what the one line says
     "program.json": "is not readable JSON",
+    "program-key": "program.json: missing key vocab; recompile",
     "stage": "is not valid Python",
     "fault": "AUTOSHARD_FAULT",
     "lr": "--lr must be a finite number",
@@ -238,6 +239,8 @@ def test_a_broken_program_directory_flag_or_fault_is_one_line_before_any_process
     env, args = {}, []
     if damage == "program.json":
         (out / "program.json").write_text("{not json")
+    elif damage == "program-key":
+        (out / "program.json").write_text((out / "program.json").read_text().replace('"vocab"', '"vocabulary"'))
     elif damage == "stage":
         next(out.glob("stage*.py")).write_text("x = (\n")
     elif damage == "fault":

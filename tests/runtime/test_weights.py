@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from autoshard.ir.program import Tied
 from autoshard.runtime import program as rt
 from autoshard.runtime import weights as weights_module
 from autoshard.runtime.stages import materialise, piece_blocks, put_buffer, put_parameter, slice_full
@@ -176,7 +177,7 @@ STAGE_FILE = SimpleNamespace(
     INIT={"model.rotary.inv_freq": [("arange.start_step", 1, 4, 1, {"dtype": "torch.float32"})]},
     __file__="stage7.py",
 )
-TIED = [{"names": ["model.embed.weight", "model.lm_head.weight"], "chunks": [0, 1]}]
+TIED = (Tied(("model.embed.weight", "model.lm_head.weight"), (0, 1)),)
 
 
 def test_a_tied_head_absent_from_the_file_is_read_as_the_embedding(tmp_path):
@@ -318,12 +319,12 @@ def _build_from_weights(rank: int, world: int, cases: list) -> list[dict]:
     ZeRO-3 sharded by FSDP: what each (chunk, traced name) holds."""
     results = []
     for out, checkpoint in cases:
-        plan, program = rt.read_json(out / "plan.json"), rt.read_json(out / "program.json")
+        plan, program = rt.read_program(out)
         mesh, ranks = rt.build_mesh(plan, "cpu")
         chunk_ids = rt.chunks_of_rank(plan, ranks.pp)
         weights = open_weights(checkpoint)
         stages = rt.build_chunks(
-            out, program, chunk_ids, torch.device("cpu"), ranks, weights=weights, tied=program["tied"]
+            out, program, chunk_ids, torch.device("cpu"), ranks, weights=weights, tied=program.tied
         )
         tensors, specs = {}, {}
         for c, module in zip(chunk_ids, stages):
@@ -369,7 +370,7 @@ def test_a_checkpoint_missing_parameters_stops_the_program_with_one_line(cases, 
     state = _file_tensors(checkpoint)
     del state["embed.weight"]
     save_file(state, tmp_path / "partial.safetensors")
-    plan, program = rt.read_json(out / "plan.json"), rt.read_json(out / "program.json")
+    plan, program = rt.read_program(out)
     ranks = rt.Ranks(4, 0, 0, 0, 0, 0, 2, 2, 1)
     weights = open_weights(tmp_path / "partial.safetensors")
     with pytest.raises(SystemExit) as e:
