@@ -14,11 +14,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from torch import fx
+
 from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
 from autoshard.ir.program import Chunk, Fp8, Loss, Program, Routing, Tied
 from autoshard.ir.schedules import schedule
+from autoshard.passes.contract import Decisions, decisions
 from autoshard.report import plan_markdown
 from autoshard.stagecode import program_sources
 
@@ -50,20 +53,22 @@ def write_plan(plan: Plan, out: str | Path, comparison: str | None = None, extra
 # the training program
 
 
-def program_files(plan: Plan, rewritten, captured, rebuild) -> dict[str, str]:
+def program_files(plan: Plan, rewritten: fx.GraphModule, captured, rebuild) -> dict[str, str]:
     """Stage files, the loss, ``program.json`` and ``train.py`` for ``plan`` (file name -> text),
-    from what the passes made of ``captured`` (``rewritten``, their ``RewriteContext``: the
-    chunks, and per node what they decided); ``program.json`` records ``rebuild``
-    (``autoshard.runtime.rebuild.Recipe``), how the program rebuilds the single-device model."""
-    split = rewritten.split
+    from the graph the passes made of ``captured`` (``rewritten``: what they decided is on its
+    nodes' ``meta`` and in ``passes.decisions(rewritten)``, the chunks included); ``program.json``
+    records ``rebuild`` (``autoshard.runtime.rebuild.Recipe``), how the program rebuilds the
+    single-device model."""
+    done = decisions(rewritten)
+    split = done.split
     n = len(split.chunks)
     docs, chunks = [], []
     for c in range(n):
         rank = schedule(plan.schedule).chunk_rank(c, plan.mesh.pp)
         docs.append(f"Pipeline chunk {c} of {n} (pipeline rank {rank}): {_chunk_parts(split, c)}.")
         chunks.append(Chunk(f"stage{c}.py", f"Chunk{c}", tuple(split.layers[c]), rank))
-    inits = _stage_inits(captured, rewritten.origin)
-    files = program_sources(split.chunks, split.loss, docs, rewritten, inits)
+    inits = _stage_inits(captured, done.origin)
+    files = program_sources(split.chunks, split.loss, docs, done, inits)
     vocab = plan.model.get("vocab")
     if not vocab:
         raise AutoshardError("the model's vocabulary size is unknown, so no synthetic data can be drawn")
@@ -75,8 +80,8 @@ def program_files(plan: Plan, rewritten, captured, rebuild) -> dict[str, str]:
         loss=Loss("loss.py", "Loss"),
         target=split.target,
         tied=tuple(Tied(tuple(t["names"]), tuple(t["chunks"])) for t in split.tied),
-        routing={k: Routing(r["experts"], r["top_k"], r["bias"], r["router"]) for k, r in rewritten.routing.items()},
-        fp8=Fp8(tuple(rewritten.fp8), tuple(_fp8_params(rewritten))),
+        routing={k: Routing(r["experts"], r["top_k"], r["bias"], r["router"]) for k, r in done.routing.items()},
+        fp8=Fp8(tuple(plan.precision.get("fp8_matmuls") or ()), tuple(_fp8_params(done))),
         state_dict_keys=tuple(f"model.{k}" for k in captured.model.state_dict()),
         peak_flops=_peak_flops(plan),
     )
@@ -134,11 +139,11 @@ def _peak_flops(plan: Plan) -> float | None:
         return None
 
 
-def _fp8_params(rewritten) -> list[str]:
+def _fp8_params(done: Decisions) -> list[str]:
     """The model's names of the weights the FP8 pass put under FP8 matmuls (through the renames)."""
     out = set()
-    for name in rewritten.fp8_params:
-        source = rewritten.origin.get(name, name)
+    for name in done.fp8_params:
+        source = done.origin.get(name, name)
         out.update(source if isinstance(source, (list, tuple)) else [source])
     return sorted(out)
 

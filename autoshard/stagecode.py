@@ -54,10 +54,10 @@ class Source:
     globals: dict[str, object] = field(default_factory=dict)
 
 
-def program_sources(chunks: list[fx.GraphModule], loss: fx.GraphModule, docs: list[str], rewritten, inits) -> dict:
+def program_sources(chunks: list[fx.GraphModule], loss: fx.GraphModule, docs: list[str], done, inits) -> dict:
     """``stageN.py`` for each chunk (``docs[N]`` its docstring's first line), ``layers.py`` (where
     there are layers) and ``loss.py``: file name -> text."""
-    tables = [chunk_tables(gm, rewritten, inits) for gm in chunks]
+    tables = [chunk_tables(gm, done, inits) for gm in chunks]
     layers = [layercode.chunk_layers(gm) for gm in chunks]
     bodies = {id(layer): _layer_source(layer) for found in layers for layer in found}
     kinds = layercode.group([x for found in layers for x in found], lambda x: _key(bodies[id(x)], x))
@@ -364,20 +364,19 @@ def _attr(module: nn.Module, target: str):
 # tables
 
 
-def chunk_tables(gm: fx.GraphModule, rewritten, inits: dict | None) -> dict[str, dict | list]:
-    """The tables of chunk ``gm`` (or its checkpointed layers), by full name."""
+def chunk_tables(gm: fx.GraphModule, done, inits: dict | None) -> dict[str, dict | list]:
+    """The tables of chunk ``gm`` (or its checkpointed layers), by full name, from what the passes
+    decided about the parameters (``done``: ``passes.decisions`` of the rewritten graph)."""
     graphs = [gm, *(m.fn for m in gm.modules() if isinstance(m, Checkpoint))]
     names = {k for g in graphs for k, _ in [*g.named_parameters(), *g.named_buffers()]}
-    origin = rewritten.origin
-    routed = {k for k in rewritten.routing if any(_routed_here(k, g) for g in graphs)}
+    origin = done.origin
+    routed = {k for k in done.routing if any(_routed_here(k, g) for g in graphs)}
     return {
-        "SHARDS": {
-            k: _shard_entry(v) for k, v in sorted(rewritten.shards.items()) if k in names or k in origin.values()
-        },
+        "SHARDS": {k: _shard_entry(v) for k, v in sorted(done.shards.items()) if k in names or k in origin.values()},
         "ORIGIN": {k: v for k, v in sorted(origin.items()) if k in names},
-        "PARTIAL_GRADS": [k for k in sorted(rewritten.partial_grads) if k in names],
-        "EXPERTS": [k for k in sorted(rewritten.expert_params) if k in names],
-        "ROUTING": {k: v for k, v in sorted(rewritten.routing.items()) if k in routed},
+        "PARTIAL_GRADS": [k for k in sorted(done.partial_grads) if k in names],
+        "EXPERTS": [k for k in sorted(done.expert_params) if k in names],
+        "ROUTING": {k: v for k, v in sorted(done.routing.items()) if k in routed},
         "INIT": _init_entries(sorted(names), inits),
     }
 

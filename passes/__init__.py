@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torch import fx
+
 from autoshard.errors import AutoshardError
 from autoshard.ir.capabilities import refusals
 from autoshard.passes.activation_checkpoint import activation_checkpoint, layers_wrapped
 from autoshard.passes.canonicalize import canonicalize_pass, no_tracer_residue
 from autoshard.passes.context_parallel import context_parallel, no_full_sequence_attention_left
-from autoshard.passes.contract import Dump, Observer, Pass, RewriteContext, run_passes
+from autoshard.passes.contract import Decisions, Dump, Observer, Pass, RewriteContext, decisions, run_passes
 from autoshard.passes.expert_parallel import expert_balance, expert_parallel, no_experts_left_whole
 from autoshard.passes.flash_attention import flash_attention, no_fusable_sdpa_left
 from autoshard.passes.fp8 import fp8, fp8_calls_only
@@ -108,7 +110,7 @@ PASSES: list[Pass] = [
         fp8,
         lambda ctx: bool(ctx.fp8),
         requires=_PLACED,
-        writes=("note",),
+        writes=("note", "fp8_left"),
         ensures=(fp8_calls_only,),
         summary="matmuls of the plan's FP8 kinds -> rt.fp8_linear / fp8_matmul / fp8_grouped_mm (blockwise E4M3)",
     ),
@@ -126,7 +128,7 @@ PASSES: list[Pass] = [
         pipeline_split,
         lambda ctx: True,
         requires=("region", "layer"),
-        writes=(),  # leaves gm as it is: the chunks and the loss go to ctx.split
+        writes=(),  # leaves the nodes as they are: the chunks and the loss go to decisions(gm).split
         ensures=(chunks_chained,),
         summary="one sub-graph per pipeline chunk, and the loss",
     ),
@@ -138,12 +140,12 @@ def canonical(gm, inputs: tuple | None, observe: Observer | None = None):
     return run_passes(_phase("capture"), gm, RewriteContext(inputs=inputs), observe)
 
 
-def apply(captured, plan, observe: Observer | None = None) -> RewriteContext:
+def apply(captured, plan, observe: Observer | None = None) -> fx.GraphModule:
     """Rewrite ``captured.graph_module`` (captured and analysed) as ``plan`` says, running the plan
-    passes of ``PASSES`` in order (``observe``: see ``contract.run_passes``); the context returned
-    holds the pipeline chunks (``split``) and what the passes decided for the emitter. Features of
-    the plan that no pass implements yet are refused here with the reason rather than silently
-    dropped."""
+    passes of ``PASSES`` in order (``observe``: see ``contract.run_passes``), and return it: each
+    node's ``meta`` says what the passes decided about it, ``decisions(gm)`` what they decided
+    about the parameters and the pipeline chunks. Features of the plan that no pass implements
+    yet are refused here with the reason rather than silently dropped."""
 
     reasons = refusals(plan)
     if reasons:
@@ -151,8 +153,7 @@ def apply(captured, plan, observe: Observer | None = None) -> RewriteContext:
     ctx = RewriteContext.from_plan(plan)
     if isinstance(observe, Dump):
         observe.restart()
-    run_passes(_phase("plan"), captured.graph_module, ctx, observe)
-    return ctx
+    return run_passes(_phase("plan"), captured.graph_module, ctx, observe)
 
 
 def dump_to(folder) -> Dump:
@@ -164,4 +165,4 @@ def _phase(phase: str) -> list[Pass]:
     return [p for p in PASSES if p.phase == phase]
 
 
-__all__ = ["PASSES", "Pass", "RewriteContext", "apply", "canonical", "dump_to", "run_passes"]
+__all__ = ["PASSES", "Decisions", "Pass", "RewriteContext", "apply", "canonical", "decisions", "dump_to", "run_passes"]

@@ -134,10 +134,10 @@ def _shard_loss(graph: fx.Graph, ctx: RewriteContext) -> None:
 
 def _replace_call(graph: fx.Graph, node: fx.Node, target, args: tuple) -> fx.Node:
     """Call ``target`` on ``args`` in place of ``node``, which is erased; the new node keeps its
-    metadata but the op's own (``op``, ``op_class``)."""
+    metadata but the op's own (``op``, ``op_class``) and the note on the call it replaces."""
     with graph.inserting_after(node):
         new = graph.call_function(target, args)
-    place(new, node, **{k: v for k, v in node.meta.items() if k not in ("op", "op_class")})
+    place(new, node, **{k: v for k, v in node.meta.items() if k not in ("op", "op_class", "note")})
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new

@@ -25,9 +25,10 @@ from autoshard.errors import AutoshardError
 _COMPUTING = ("call_function", "call_method", "call_module")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewriteContext:
-    """The plan's decisions the passes read, and what they write for the emitter."""
+    """The plan's decisions the passes read (read only: what the passes decide goes on the graph,
+    on its nodes' ``meta`` and in :func:`decisions`)."""
 
     tp: int = 1
     cp: int = 1
@@ -40,15 +41,6 @@ class RewriteContext:
     fp8: tuple[str, ...] = ()  # the matmul kinds in FP8 (autoshard.ir.FP8_KINDS)
     fp8_saved: tuple[str, ...] = ()  # kept categories recomputation keeps as FP8 copies
     inputs: tuple | None = None  # the example inputs of a freshly traced graph (canonicalize's mask check)
-    # written by the passes
-    shards: dict = field(default_factory=dict)  # parameter -> tensor_parallel.ParamShard
-    origin: dict[str, str] = field(default_factory=dict)  # renamed parameter -> its name in the model
-    partial_grads: list[str] = field(default_factory=list)  # parameters with partial gradients over TP
-    split: object = None  # pipeline_split.SplitProgram, once the pipeline split has run
-    expert_params: list[str] = field(default_factory=list)  # stacked expert weights (gradients over EDP)
-    routing: dict = field(default_factory=dict)  # MoE layer -> {"experts", "top_k", "bias"} for balancing
-    fp8_params: list[str] = field(default_factory=list)  # weights whose matmuls run in FP8
-    fp8_left: list[str] = field(default_factory=list)  # matmuls of FP8 kinds left as they were (a note says why)
 
     @classmethod
     def from_plan(cls, plan) -> RewriteContext:
@@ -66,6 +58,27 @@ class RewriteContext:
             fp8=tuple(plan.precision.get("fp8_matmuls") or ()),
             fp8_saved=tuple(plan.precision.get("fp8_saved") or ()),
         )
+
+
+@dataclass
+class Decisions:
+    """What the passes decide beyond the nodes: facts about parameters, which are attributes of
+    the graph module (read by ``get_attr`` nodes, by module calls, or by both) rather than nodes,
+    and the pipeline split. They live on the rewritten graph module, ``gm.meta["decisions"]``
+    (:func:`decisions`), so the emitter reads the graph and nothing else."""
+
+    shards: dict = field(default_factory=dict)  # parameter -> tensor_parallel.ParamShard (axis tp or ep)
+    origin: dict[str, str] = field(default_factory=dict)  # renamed parameter -> its name in the model
+    partial_grads: list[str] = field(default_factory=list)  # parameters with partial gradients over TP
+    expert_params: list[str] = field(default_factory=list)  # stacked expert weights (gradients over EDP)
+    routing: dict = field(default_factory=dict)  # MoE layer -> {"experts", "top_k", "bias", "router"}
+    fp8_params: list[str] = field(default_factory=list)  # weights whose matmuls run in FP8
+    split: object = None  # pipeline_split.SplitProgram: the chunks and the loss, once the split has run
+
+
+def decisions(gm: fx.GraphModule) -> Decisions:
+    """The :class:`Decisions` recorded on ``gm`` (empty until a pass records one)."""
+    return gm.meta.setdefault("decisions", Decisions())
 
 
 GraphCheck = Callable[[fx.GraphModule, RewriteContext], "str | None"]
@@ -204,10 +217,11 @@ class Dump:
 
     def __call__(self, p: Pass, when: str, gm: fx.GraphModule, ctx: RewriteContext) -> None:
         text = f"# {p.name}: {p.summary}\n# {when} the pass\n{gm.code}"
-        if when == "after" and ctx.split is not None:
+        split = decisions(gm).split
+        if when == "after" and split is not None:
             parts = [
-                *(f"# chunk {c}\n{chunk.code}" for c, chunk in enumerate(ctx.split.chunks)),
-                f"# loss\n{ctx.split.loss.code}",
+                *(f"# chunk {c}\n{chunk.code}" for c, chunk in enumerate(split.chunks)),
+                f"# loss\n{split.loss.code}",
             ]
             text += "\n".join(parts)
         (self.folder / f"{self.order.index(p.name):02d}_{p.name}.{when}.py").write_text(text)

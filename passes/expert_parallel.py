@@ -14,8 +14,8 @@ enters the region is dispatched, what leaves it is combined:
 * ``buffer``: a fixed-capacity ``(E, C, H)`` buffer (GShard): ``rt.moe_dispatch_buffer`` sends
   each rank its experts' slots, ``rt.moe_combine_buffer`` returns them.
 
-The region's stacked weights keep this rank's ``E/ep`` experts (``ctx.shards`` with axis ``ep``);
-their gradients are summed over the expert-data-parallel ranks (``ctx.expert_params``).
+The region's stacked weights keep this rank's ``E/ep`` experts (``decisions(gm).shards`` with axis ``ep``);
+their gradients are summed over the expert-data-parallel ranks (``decisions(gm).expert_params``).
 
 With tensor parallelism the routed tokens are the same on every TP rank (sequence parallelism
 does not reach the router), so each TP rank takes its share of every expert's rows before the
@@ -43,7 +43,7 @@ from torch import fx
 
 from autoshard.ir import ops
 from autoshard.passes._graph import note, place
-from autoshard.passes.contract import Refusal, RewriteContext
+from autoshard.passes.contract import Refusal, RewriteContext, decisions
 from autoshard.passes.tensor_parallel import ParamShard, _localise, _param
 from autoshard.runtime import collectives, moe
 
@@ -230,8 +230,8 @@ def expert_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             raise _fail(region, f"EP{ctx.ep} does not divide its {region.experts} experts", region.experts, ctx.ep)
         _rewrite(gm, region, ctx)
         for target in region.weights:
-            if target not in ctx.expert_params:
-                ctx.expert_params.append(target)
+            if target not in decisions(gm).expert_params:
+                decisions(gm).expert_params.append(target)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -306,13 +306,13 @@ def _combine(gm, leaving: fx.Node, region: Region, ctx: RewriteContext, offs, re
 
 
 def _localise_weights(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
-    """This rank's ``E/ep`` experts of each stacked weight (axis ``ep`` of ``ctx.shards``)."""
+    """This rank's ``E/ep`` experts of each stacked weight (axis ``ep`` of ``decisions(gm).shards``)."""
     if ctx.ep == 1:
         return
     local = region.experts // ctx.ep
     for target in region.weights:
         _localise(gm, target, (local, *_param(gm, target).shape[1:]))
-        ctx.shards[target] = ParamShard(0, (region.experts,), 0, axis="ep")
+        decisions(gm).shards[target] = ParamShard(0, (region.experts,), 0, axis="ep")
     for node in gm.graph.nodes:  # the weights' views: E -> E/ep in the recorded shapes
         if ops.is_weight(node) and _weight_target(node) in region.weights:
             shape = node.meta.get("shape")
@@ -324,8 +324,8 @@ def no_experts_left_whole(gm: fx.GraphModule, ctx: RewriteContext) -> str | None
     """After the pass: every stacked expert weight holds ``E/ep`` experts."""
     if ctx.ep == 1:
         return None
-    for target in ctx.expert_params:
-        spec = ctx.shards.get(target)
+    for target in decisions(gm).expert_params:
+        spec = decisions(gm).shards.get(target)
         if spec is None or getattr(spec, "axis", "tp") != "ep":
             return f"expert weight {target} is not split over the EP ranks"
     return None
@@ -337,7 +337,7 @@ def no_experts_left_whole(gm: fx.GraphModule, ctx: RewriteContext) -> str | None
 
 def expert_balance(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Count each MoE layer's expert loads in forward and record its routing bias, if it has one
-    (``ctx.routing``: layer key -> {"experts", "bias"}), for the program's balancing step."""
+    (``decisions(gm).routing``: layer key -> {"experts", "bias"}), for the program's balancing step."""
     for region in find_regions(gm):
         chosen = _selection(region)
         if chosen is None:  # the loads of a routing this pass does not read are not logged
@@ -358,7 +358,7 @@ def expert_balance(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             for u in [u for u in region.inlet.users if u is not attached]:
                 u.replace_input_with(region.inlet, attached)
         bias = _routing_bias(gm, chosen, region.experts)
-        ctx.routing[key] = {
+        decisions(gm).routing[key] = {
             "experts": region.experts,
             "top_k": _top_k(chosen),
             "bias": bias,

@@ -37,7 +37,7 @@ from torch import fx, nn
 from autoshard.ir import ops
 from autoshard.ir.categories import saved_category
 from autoshard.passes._graph import note, place
-from autoshard.passes.contract import RewriteContext
+from autoshard.passes.contract import RewriteContext, decisions
 from autoshard.runtime import fp8 as runtime_fp8
 from autoshard.runtime import moe
 
@@ -148,10 +148,10 @@ def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             if done is not node and "note" in node.meta:  # a module call replaced: its note moves
                 done.meta["note"] = node.meta["note"]
             note(done, text)
-            ctx.fp8_params.extend(_weights(done))
+            decisions(gm).fp8_params.extend(_weights(done))
         else:
             note(node, f"fp8 plan, left in the compute precision: {done}")
-            ctx.fp8_left.append(node.name)
+            node.meta["fp8_left"] = done
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -192,7 +192,7 @@ def fp8_calls_only(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
     """No weighted matmul of an FP8 kind is left in the compute precision unexplained."""
     kinds = set(ctx.fp8)
     for node in gm.graph.nodes:
-        if node.meta.get("matmul_kind") in kinds and node.target not in _FP8_CALLS and node.name not in ctx.fp8_left:
+        if node.meta.get("matmul_kind") in kinds and node.target not in _FP8_CALLS and "fp8_left" not in node.meta:
             return f"{node.name} ({node.meta['matmul_kind']}) is still a compute-precision matmul"
     return None
 

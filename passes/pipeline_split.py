@@ -16,7 +16,7 @@ holding it, from which the program sums the copies' gradients (Megatron's embedd
 
 Requires the canonical graph (``autoshard.passes.canonicalize``: no export guards, no device
 constants) with ``region`` and ``layer`` on every node, and reads ``ctx.stage_layers``. Leaves
-``gm`` as it is and sets ``ctx.split`` to the :class:`SplitProgram`.
+``gm`` as it is and sets ``decisions(gm).split`` to the :class:`SplitProgram`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import fx
 from autoshard import runtime
 from autoshard.errors import AutoshardError
 from autoshard.passes._graph import in_model as _in_model
-from autoshard.passes.contract import RewriteContext
+from autoshard.passes.contract import RewriteContext, decisions
 
 LOSS = -1
 
@@ -162,8 +162,8 @@ def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, 
 
 def pipeline_split(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Split ``gm`` into the chunks ``ctx.stage_layers`` gives (one chunk holding every layer when
-    it is empty) and the loss; sets ``ctx.split`` and returns ``gm`` unchanged."""
-    ctx.split = split_program(gm, list(ctx.stage_layers) or [_num_layers(gm)])
+    it is empty) and the loss; sets ``decisions(gm).split`` and returns ``gm`` unchanged."""
+    decisions(gm).split = split_program(gm, list(ctx.stage_layers) or [_num_layers(gm)])
     return gm
 
 
@@ -171,9 +171,9 @@ def chunks_chained(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
     """``ensures`` of the pass: one chunk per entry of ``stage_layers``, each holding only its
     layers, each reading exactly what the chunk before it hands on, and the loss reading what the
     last one hands on. Returns what is wrong, or None."""
-    split = ctx.split
+    split = decisions(gm).split
     if not isinstance(split, SplitProgram):
-        return f"ctx.split is {type(split).__name__}, not a SplitProgram"
+        return f"decisions(gm).split is {type(split).__name__}, not a SplitProgram"
     want = list(ctx.stage_layers) or [_num_layers(gm)]
     if len(split.chunks) != len(want):
         return f"{len(split.chunks)} chunks for stage_layers {want}"

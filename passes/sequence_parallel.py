@@ -8,7 +8,7 @@ becomes ``reduce_scatter_to_sp``; each ``copy_to_tp`` at the start of one become
 ``size`` of the sequence dimension read there is multiplied back to the full length, so the model's
 code keeps seeing the length it was written for. The parameters used in that stretch (norm
 weights, biases added after a row matmul) see only this rank's tokens, so their gradients are
-partial sums: ``ctx.partial_grads`` lists them for the runtime to all-reduce over the TP group.
+partial sums: ``decisions(gm).partial_grads`` lists them for the runtime to all-reduce over the TP group.
 
 What is per-token is each op's ``sp`` rule in the op table (``autoshard.ir.ops.RULES``):
 pointwise ops, reductions over features, norms (module or function), slices that keep everything;
@@ -27,7 +27,7 @@ from autoshard.ir import B, S, ops
 from autoshard.passes._graph import note, place
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import seq_dim as _seq_dim
-from autoshard.passes.contract import Refusal, RewriteContext
+from autoshard.passes.contract import Refusal, RewriteContext, decisions
 
 
 def _fail(node: fx.Node, why: str) -> Refusal:
@@ -54,7 +54,7 @@ def _retarget(node: fx.Node, target, args: tuple) -> None:
 
 def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Rewrite ``gm`` (after ``tensor_parallel``) in place; adds the parameters whose gradients
-    are partial over TP to ``ctx.partial_grads`` and a comment per changed node to its ``meta["note"]``."""
+    are partial over TP to ``decisions(gm).partial_grads`` and a comment per changed node to its ``meta["note"]``."""
     if ctx.tp == 1:
         return gm
     frontier = _reduce_scatter_region_ends(gm.graph, ctx)
@@ -62,7 +62,7 @@ def sequence_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule
     partial = _follow_slices(gm, ctx, frontier)
     gm.graph.lint()
     gm.recompile()
-    ctx.partial_grads.extend(sorted(partial))
+    decisions(gm).partial_grads.extend(sorted(partial))
     return gm
 
 

@@ -19,7 +19,7 @@ How a split passes through each op is the op's row in ``autoshard.ir.ops.RULES``
 ``tp`` field): one transfer rule per kind (``_TRANSFER``), the same rows the planner's sharding
 analysis reads. Where no rule applies the pass raises ``Refusal(axis="tp")`` naming the op's line.
 
-The result is the same code for every TP rank; ``ctx.shards`` says how each parameter is sliced,
+The result is the same code for every TP rank; ``decisions(gm).shards`` says how each parameter is sliced,
 and ``slice_parameter`` cuts rank r's piece out of a full tensor.
 """
 
@@ -37,7 +37,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ir import ops
 from autoshard.passes._graph import note, place
 from autoshard.passes._graph import op_name as _op_name
-from autoshard.passes.contract import Refusal, RewriteContext
+from autoshard.passes.contract import Refusal, RewriteContext, decisions
 from autoshard.passes.pipeline_split import tied_parameters
 from autoshard.runtime.stages import slice_full
 
@@ -653,8 +653,8 @@ def _perm(node: fx.Node) -> list[int]:
 def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Rewrite ``gm`` (captured and analysed: ``node.meta`` has ``shape``, ``op``, ``tp_role``)
     into the graph every rank of a ``ctx.tp``-way group runs. Modules are replaced by local-shaped
-    ones on the meta device; ``ctx.shards`` says how to cut each parameter (``slice_parameter``),
-    ``ctx.origin`` the model's name of each renamed one, ``meta["note"]`` each decision."""
+    ones on the meta device; ``decisions(gm).shards`` says how to cut each parameter (``slice_parameter``),
+    ``decisions(gm).origin`` the model's name of each renamed one, ``meta["note"]`` each decision."""
     if ctx.tp == 1:
         return gm
     nodes = list(gm.graph.nodes)  # as traced: the steps below insert and erase nodes
@@ -666,8 +666,8 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     _split_losses(gm, ctx, prop)
     _complete_partial_sums(gm, ctx, prop)
     _split_region_parameters(gm, ctx, prop)
-    ctx.partial_grads.extend(sorted(prop.module_partials))
-    _tie_shards(gm, ctx.shards)
+    decisions(gm).partial_grads.extend(sorted(prop.module_partials))
+    _tie_shards(gm, decisions(gm).shards)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -713,9 +713,9 @@ def _split_columns(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -
             _localise(gm, lin.weight, lin.local(0, tp))
             if lin.bias:
                 _localise(gm, lin.bias, (lin.out_f // tp,))
-        ctx.shards[lin.weight] = lin.spec(0, layout)
+        decisions(gm).shards[lin.weight] = lin.spec(0, layout)
         if lin.bias is not None:
-            ctx.shards[lin.bias] = ParamShard(0, layout.factors, layout.index, layout.parts)
+            decisions(gm).shards[lin.bias] = ParamShard(0, layout.factors, layout.index, layout.parts)
         role = "vocabulary-parallel head" if node.meta.get("tp_role") == "vocab" else "column-parallel"
         note(node, f"tp={tp}: {role}, out_features {lin.out_f} -> {lin.out_f // tp}")
     # replicated tensors read inside a region: f on them too, so their gradients are summed
@@ -740,7 +740,7 @@ def _split_rows(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> N
         lin = _linear(gm, node, tp)
         if layout.size != lin.in_f:
             raise _fail(node, f"its input features {layout.size} are not the weight's {lin.in_f}", tp)
-        ctx.shards[lin.weight] = lin.spec(1, layout)
+        decisions(gm).shards[lin.weight] = lin.spec(1, layout)
         bias_name = None
         if lin.module:
             module = gm.get_submodule(node.target)
@@ -748,7 +748,7 @@ def _split_rows(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> N
             if module.bias is not None:
                 bias_name = f"{node.target}_bias".replace(".", "_")
                 gm.register_parameter(bias_name, module.bias)
-                ctx.origin[bias_name] = f"{node.target}.bias"
+                decisions(gm).origin[bias_name] = f"{node.target}.bias"
         else:
             _localise(gm, lin.weight, lin.local(1, tp))
             if lin.bias is not None and lin.stored_in_out:  # addmm(bias, x, w) -> mm(x, w)
@@ -792,7 +792,7 @@ def _split_embeddings(gm: fx.GraphModule, ctx: RewriteContext, nodes: list[fx.No
                 padding = None if padding is None or padding < 0 else padding
             else:
                 raise _fail(node, "an embedding whose table is not a parameter")
-            tied = ctx.shards.get(weight_name)  # the vocabulary head's weight too: already this rank's rows
+            tied = decisions(gm).shards.get(weight_name)  # the vocabulary head's weight too: already this rank's rows
             if tied is not None:
                 rows = math.prod(tied.factors)
             if rows % tp:
@@ -809,7 +809,7 @@ def _split_embeddings(gm: fx.GraphModule, ctx: RewriteContext, nodes: list[fx.No
                 place(emb, node, tp="replicated")
             node.replace_all_uses_with(emb)
             graph.erase_node(node)
-            ctx.shards[weight_name] = ParamShard(0, (rows,), 0)
+            decisions(gm).shards[weight_name] = ParamShard(0, (rows,), 0)
             note(emb, f"tp={tp}: vocabulary-parallel embedding, rows {rows} -> {rows // tp}")
 
 
@@ -848,7 +848,7 @@ def _split_region_parameters(gm: fx.GraphModule, ctx: RewriteContext, prop: _Pro
         shape = list(_param(gm, node.target).shape)
         shape[s.dim] //= ctx.tp
         _localise(gm, node.target, tuple(shape))
-        ctx.shards[node.target] = ParamShard(s.dim, s.factors, s.index, s.parts)
+        decisions(gm).shards[node.target] = ParamShard(s.dim, s.factors, s.index, s.parts)
         note(node, f"tp={ctx.tp}: this rank's {shape[s.dim]} of the split features")
 
 
@@ -877,7 +877,7 @@ def full_weights_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
         if node.meta.get("tp_role") not in ("column", "row", "vocab") or node.meta.get("op_class") != "matmul":
             continue
         lin = _linear(gm, node, ctx.tp)
-        spec = ctx.shards.get(lin.weight)
+        spec = decisions(gm).shards.get(lin.weight)
         local = _param(gm, lin.weight).shape
         if spec is None or local[spec.dim] * ctx.tp != math.prod(spec.factors):
             return f"{node.name} keeps the full weight {lin.weight} {tuple(local)}"
@@ -894,11 +894,11 @@ def load_local(gm: fx.GraphModule, ctx: RewriteContext, full: dict[str, torch.Te
         if id(t) in by_id:  # a tied parameter: the same local tensor under each name
             local[name] = by_id[id(t)]
             continue
-        source = ctx.origin.get(name, name)
+        source = decisions(gm).origin.get(name, name)
         if source not in full:
             raise AutoshardError(f"no value for parameter {source}; the state does not match the model")
         value = full[source]
-        spec = ctx.shards.get(source)
+        spec = decisions(gm).shards.get(source)
         value = slice_parameter(value, spec, rank, ctx.tp) if spec is not None else value.clone()
         if tuple(value.shape) != tuple(t.shape):
             raise AutoshardError(f"{source}: local shape {tuple(value.shape)} but the graph expects {tuple(t.shape)}")

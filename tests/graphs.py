@@ -11,6 +11,11 @@ def notes(gm: fx.GraphModule) -> dict[str, str]:
     return {n.name: n.meta["note"] for n in gm.graph.nodes if "note" in n.meta}
 
 
+def fp8_left(gm: fx.GraphModule) -> list[str]:
+    """The matmuls of an FP8 kind the FP8 pass left in the compute precision (``meta["fp8_left"]``)."""
+    return [n.name for n in gm.graph.nodes if "fp8_left" in n.meta]
+
+
 def listing(graph: fx.Graph) -> list[tuple]:
     """``(op, target, args, kwargs)`` of each node, in order, with the nodes an argument refers to
     written as their position: two graphs with equal listings are the same program."""

@@ -22,6 +22,7 @@ from torch import nn
 from autoshard.capture import capture, causal_lm_loss
 from autoshard.cli import main
 from autoshard.passes import RewriteContext
+from autoshard.passes.contract import decisions
 from autoshard.passes.pipeline_split import pipeline_split
 from autoshard.runtime.program import _one_parameter
 from autoshard.verify import verify
@@ -63,13 +64,13 @@ def test_each_chunk_reading_a_tied_parameter_holds_it_and_the_tie_is_recorded():
     gm = capture(model, (_tokens(),), loss=causal_lm_loss).graph_module
     ctx = RewriteContext(stage_layers=(1, 1))
     pipeline_split(gm, ctx)
-    first, last = ctx.split.chunks
-    assert ctx.split.boundaries[0] == ["add"]  # the hidden state crosses, the parameter does not
+    first, last = decisions(gm).split.chunks
+    assert decisions(gm).split.boundaries[0] == ["add"]  # the hidden state crosses, the parameter does not
     weight = gm.get_parameter("model.embed.weight")
     assert any(p is weight for p in first.parameters()) and any(p is weight for p in last.parameters())
-    assert ctx.split.tied == [{"names": ["model.embed.weight"], "chunks": [0, 1]}]
+    assert decisions(gm).split.tied == [{"names": ["model.embed.weight"], "chunks": [0, 1]}]
     x = _tokens()
-    assert torch.allclose(_run(ctx.split, x), causal_lm_loss(model(x), x))
+    assert torch.allclose(_run(decisions(gm).split, x), causal_lm_loss(model(x), x))
 
 
 def test_a_parameter_tied_under_two_module_names_is_recorded_with_both():
@@ -81,11 +82,10 @@ def test_a_parameter_tied_under_two_module_names_is_recorded_with_both():
     gm = capture(model, (x,)).graph_module
     ctx = RewriteContext(stage_layers=(1, 1))
     pipeline_split(gm, ctx)
-    assert ctx.split.tied == [{"names": ["model.embed.weight", "model.head.weight"], "chunks": [0, 1]}]
-    assert torch.allclose(_run(ctx.split, x), causal_lm_loss(model(x), x))
-    one = RewriteContext()
-    pipeline_split(gm, one)
-    assert one.split.tied == [{"names": ["model.embed.weight", "model.head.weight"], "chunks": [0]}]
+    assert decisions(gm).split.tied == [{"names": ["model.embed.weight", "model.head.weight"], "chunks": [0, 1]}]
+    assert torch.allclose(_run(decisions(gm).split, x), causal_lm_loss(model(x), x))
+    pipeline_split(gm, RewriteContext())
+    assert decisions(gm).split.tied == [{"names": ["model.embed.weight", "model.head.weight"], "chunks": [0]}]
 
 
 def test_one_chunk_holding_a_tie_under_two_names_holds_one_parameter():

@@ -70,9 +70,18 @@ KEYS: dict[str, Key] = {
         Key("matmul_kind", "analysis", "on weighted matmuls: one of MATMUL_KINDS (what the FP8 choice is made per)"),
         Key("cost", "analysis", "ir.ops.NodeCost: forward FLOPs and bytes moved, symbolic in b, s"),
         # passes
+        Key("fp8_left", "fp8", "on a matmul of an FP8 kind left in the compute precision: why (its note says so)"),
         Key("note", "passes", "the decisions behind the node, '; '-joined: the comment above its line in the program"),
         Key("sp_sliced_dim", "sequence_parallel", "the dimension a sequence-parallel node's output is sliced along"),
         Key("sp_tp", "sequence_parallel", "how many slices that dimension is cut into (the TP degree)"),
+    )
+}
+
+# keys of a graph module's own ``meta`` (``GraphModule.meta``), not its nodes'
+GRAPH_KEYS: dict[str, Key] = {
+    k.name: k
+    for k in (
+        Key("decisions", "passes", "passes.contract.Decisions: parameter shards, renames, gradient groups, the split"),
     )
 }
 

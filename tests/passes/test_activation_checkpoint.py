@@ -12,6 +12,7 @@ from autoshard.capture import capture
 from autoshard.cost_models.analyze import analyze
 from autoshard.passes import PASSES, RewriteContext, run_passes
 from autoshard.passes.activation_checkpoint import activation_checkpoint, layers_wrapped
+from autoshard.passes.contract import decisions
 from autoshard.runtime.checkpoint import Checkpoint
 
 from conftest import EXAMPLES
@@ -102,7 +103,7 @@ def test_a_parameter_only_its_layer_reads_moves_into_the_layer_graph():
     ctx = RewriteContext(recompute=("activation",), stage_layers=(1, 1))
     run_passes([p for p in PASSES if p.name in ("activation_checkpoint", "pipeline_split")], gm, ctx)
     assert not [n for n in gm.graph.nodes if n.op == "get_attr"]
-    for i, chunk in enumerate(ctx.split.chunks):
+    for i, chunk in enumerate(decisions(gm).split.chunks):
         layer = chunk.get_submodule(f"checkpoint_{i}").fn
         assert [n.target for n in layer.graph.nodes if n.op == "get_attr"] == [f"model.layers.{i}.scale"]
         assert not [n for n in chunk.graph.nodes if n.op == "get_attr"]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autoshard.capture import capture, capture_file
-from autoshard.passes.contract import Refusal, RewriteContext
+from autoshard.passes.contract import Refusal, RewriteContext, decisions
 from autoshard.runtime import collectives, moe
 
 ep_pass = importlib.import_module("autoshard.passes.expert_parallel")
@@ -70,8 +70,8 @@ def test_the_rewrite_dispatches_once_and_combines_once_per_layer(example):
     assert len(_calls(gm, moe.dispatch_buffer)) == 2 and len(_calls(gm, moe.combine_buffer)) == 2
     w1 = gm.get_parameter("model.layers.1.ffn.experts.w1")
     assert tuple(w1.shape) == (4, 64, 32)  # this rank's 4 of 8 experts
-    assert ctx.shards["model.layers.1.ffn.experts.w1"].axis == "ep"
-    assert len(ctx.expert_params) == 6
+    assert decisions(gm).shards["model.layers.1.ffn.experts.w1"].axis == "ep"
+    assert len(decisions(gm).expert_params) == 6
     # the bmm of each expert's rows reads the dispatched buffer, not the whole one
     for bmm in [n for n in gm.graph.nodes if n.meta.get("op_class") == "experts"]:
         assert bmm.args[0].target in (moe.dispatch_buffer, operator.mul), bmm.format_node()
@@ -101,15 +101,15 @@ def test_the_routing_bias_is_the_buffer_that_only_steers_the_choice(example, mix
     import copy
 
     ctx = RewriteContext()
-    ep_pass.expert_balance(copy.deepcopy(example), ctx)
-    assert {k: v["bias"] for k, v in ctx.routing.items()} == {
+    gm = ep_pass.expert_balance(copy.deepcopy(example), ctx)
+    assert {k: v["bias"] for k, v in decisions(gm).routing.items()} == {
         f"model.layers.{i}.ffn.experts": f"model.layers.{i}.ffn.expert_bias" for i in (1, 2)
     }
-    assert all(v["top_k"] == 2 and v["experts"] == 8 for v in ctx.routing.values())
+    assert all(v["top_k"] == 2 and v["experts"] == 8 for v in decisions(gm).routing.values())
     ctx = RewriteContext()
     gm = copy.deepcopy(mixtral)
     ep_pass.expert_balance(gm, ctx)
-    assert [v["bias"] for v in ctx.routing.values()] == [None, None]  # Mixtral routes without a bias
+    assert [v["bias"] for v in decisions(gm).routing.values()] == [None, None]  # Mixtral routes without a bias
     # the optional balance loss reads the router's softmax and its choice, on the routed rows
     attached = _calls(gm, moe.balance_loss)
     assert [a.args[1].meta["op"] for a in attached] == ["softmax", "softmax"]

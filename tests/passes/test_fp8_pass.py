@@ -13,12 +13,12 @@ import torch
 from autoshard import runtime
 from autoshard.capture import capture, causal_lm_loss
 from autoshard.cost_models.analyze import FP8_SAVED_BYTES, analyze
-from autoshard.passes.contract import RewriteContext
+from autoshard.passes.contract import RewriteContext, decisions
 from autoshard.passes.fp8 import fp8, fp8_calls_only
 from autoshard.verify import _fp8_matmuls
 
 from conftest import EXAMPLES
-from graphs import notes
+from graphs import fp8_left, notes
 
 sys.path.insert(0, str(EXAMPLES))
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def test_the_rewritten_graph_equals_the_fp8_reference_on_the_users_model(name):
     model, gm = _captured(name)
     ctx = RewriteContext(fp8=("attention", "experts", "mlp"))
     gm = fp8(gm, ctx)
-    assert fp8_calls_only(gm, ctx) is None and not ctx.fp8_left
+    assert fp8_calls_only(gm, ctx) is None and not fp8_left(gm)
     calls = [n for n in gm.graph.nodes if n.target in FP8_CALLS]
     assert len(calls) == sum(len(v) for k, v in _kinds(gm).items() if k in ctx.fp8)
     assert all("e4m3" in n.meta["note"] for n in calls)
@@ -74,7 +74,7 @@ def test_the_rewritten_graph_equals_the_fp8_reference_on_the_users_model(name):
     grads = {k: p.grad.clone() for k, p in gm.named_parameters()}
     model.zero_grad(set_to_none=True)
     runtime.fp8.new_step()
-    with _fp8_matmuls(model, ctx.fp8_params):
+    with _fp8_matmuls(model, decisions(gm).fp8_params):
         want = causal_lm_loss(model(tokens), tokens)
         want.backward()
     assert torch.equal(got, want)  # the same math, the same order: exactly
@@ -190,14 +190,14 @@ def test_torch_mm_by_a_weight_runs_in_fp8_as_verify_runs_it():
     assert len(mms) == 2 and {n.meta.get("matmul_kind") for n in mms} == {"mlp"}
     ctx = RewriteContext(fp8=("mlp",))
     gm = fp8(gm, ctx)
-    assert fp8_calls_only(gm, ctx) is None and not ctx.fp8_left
+    assert fp8_calls_only(gm, ctx) is None and not fp8_left(gm)
     assert [n.target for n in mms] == [runtime.fp8_matmul] * 2
-    assert sorted(ctx.fp8_params) == ["model.down", "model.up"]
+    assert sorted(decisions(gm).fp8_params) == ["model.down", "model.up"]
     runtime.fp8.new_step()
     got = gm(tokens)
     model.zero_grad(set_to_none=True)
     runtime.fp8.new_step()
-    with _fp8_matmuls(model, ctx.fp8_params):
+    with _fp8_matmuls(model, decisions(gm).fp8_params):
         want = causal_lm_loss(model(tokens), tokens)
     assert torch.equal(got, want)
     assert not torch.equal(got, causal_lm_loss(model(tokens), tokens))  # FP8 changed the numbers

@@ -11,13 +11,13 @@ from spec import LM, assert_same_program, before, program
 from test_expert_parallel_spec import MoE
 from torch import nn
 
-from autoshard.passes.contract import RewriteContext
+from autoshard.passes.contract import RewriteContext, decisions
 from autoshard.passes.expert_parallel import expert_parallel
 from autoshard.passes.fp8 import fp8
 from autoshard.runtime.fp8 import fp8_addmm, fp8_linear, fp8_matmul
 from autoshard.runtime.moe import combine_buffer, dispatch_buffer
 
-from graphs import loss
+from graphs import fp8_left, loss
 
 
 class Attention(nn.Module):
@@ -98,7 +98,7 @@ def test_the_matmuls_of_the_plans_kinds_become_fp8_calls_and_no_others(kinds, me
     ctx = RewriteContext(fp8=kinds)
     gm = fp8(before(model()), ctx)
     assert_same_program(gm, program(Rank(kinds)), meta=meta)
-    assert not ctx.fp8_left
+    assert not fp8_left(gm)
 
 
 def test_under_recomputation_the_call_reading_a_kept_category_keeps_its_fp8_copy():
@@ -135,4 +135,4 @@ def test_expert_gemms_and_their_exchanges_go_fp8_and_the_router_stays():
         program(ExpertsRank()),
         meta={"fp8_matmul": {"matmul_kind": "experts"}, "model_layers_0_router": {"matmul_kind": "router"}},
     )
-    assert ctx.fp8_params == ["model.layers.0.up", "model.layers.0.down"]
+    assert decisions(gm).fp8_params == ["model.layers.0.up", "model.layers.0.down"]

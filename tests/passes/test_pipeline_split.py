@@ -13,6 +13,7 @@ from autoshard.capture import capture, causal_lm_loss
 from autoshard.cost_models.analyze import analyze
 from autoshard.errors import AutoshardError
 from autoshard.passes import PASSES, RewriteContext, run_passes
+from autoshard.passes.contract import decisions
 from autoshard.passes.pipeline_split import SplitProgram, chunks_chained, pipeline_split
 
 from conftest import EXAMPLES
@@ -52,7 +53,7 @@ def test_two_stages_of_two_layers():
     ctx = RewriteContext(stage_layers=(2, 2))
     assert pipeline_split(gm, ctx) is gm
     assert listing(gm.graph) == before
-    split = ctx.split
+    split = decisions(gm).split
     first, second, loss_graph = _expected_chunks()
     assert [listing(c.graph) for c in split.chunks] == [listing(first), listing(second)]
     assert listing(split.loss.graph) == listing(loss_graph)
@@ -66,8 +67,8 @@ def test_no_stage_layers_is_one_chunk_of_every_layer():
     _, gm = _tiny(2)
     ctx = RewriteContext()
     pipeline_split(gm, ctx)
-    assert len(ctx.split.chunks) == 1 and ctx.split.layers == [(0, 2)]
-    calls = [n.target for n in ctx.split.chunks[0].graph.nodes if n.op == "call_module"]
+    assert len(decisions(gm).split.chunks) == 1 and decisions(gm).split.layers == [(0, 2)]
+    calls = [n.target for n in decisions(gm).split.chunks[0].graph.nodes if n.op == "call_module"]
     assert calls == ["model.embed", "model.layers.0.lin", "model.layers.1.lin", "model.head"]
 
 
@@ -75,8 +76,8 @@ def test_a_later_chunk_reads_the_device_off_its_own_input():
     model, gm = _tiny(2, device=torch.device("meta"))  # canonicalize: zeros(device=tokens.device)
     ctx = RewriteContext(stage_layers=(1, 1))
     pipeline_split(gm, ctx)
-    first, second = ctx.split.chunks
-    assert ctx.split.boundaries[0] == ["add_1"]  # only the hidden state crosses, not the device
+    first, second = decisions(gm).split.chunks
+    assert decisions(gm).split.boundaries[0] == ["add_1"]  # only the hidden state crosses, not the device
     for chunk, reads in ((first, "tokens"), (second, "add_1")):
         (device,) = [n for n in chunk.graph.nodes if n.target is getattr]
         assert device.args == (next(iter(chunk.graph.nodes)), "device")
@@ -85,7 +86,7 @@ def test_a_later_chunk_reads_the_device_off_its_own_input():
     for block in model.layers:
         block.device = None
     x = tokens()
-    assert torch.allclose(ctx.split.loss(second(first(x)), x), loss(model(x), x))
+    assert torch.allclose(decisions(gm).split.loss(second(first(x)), x), loss(model(x), x))
 
 
 def test_the_ensured_fact_holds_after_the_pass():
@@ -95,13 +96,10 @@ def test_the_ensured_fact_holds_after_the_pass():
     ctx = RewriteContext(stage_layers=(2, 2))
     run_passes([split_pass], gm, ctx)  # checks requires, writes and ensures
     assert chunks_chained(gm, ctx) is None
-    assert chunks_chained(gm, RewriteContext(stage_layers=(1, 1, 2), split=ctx.split)) == (
-        "2 chunks for stage_layers [1, 1, 2]"
-    )
-    swapped = SplitProgram(ctx.split.chunks[::-1], ctx.split.loss, ctx.split.boundaries, ctx.split.layers)
-    assert chunks_chained(gm, RewriteContext(stage_layers=(2, 2), split=swapped)) == (
-        "chunk 0 holds layers [2, 3], outside its [0, 2)"
-    )
+    assert chunks_chained(gm, RewriteContext(stage_layers=(1, 1, 2))) == "2 chunks for stage_layers [1, 1, 2]"
+    split = decisions(gm).split
+    split.chunks.reverse()
+    assert chunks_chained(gm, ctx) == "chunk 0 holds layers [2, 3], outside its [0, 2)"
 
 
 def _captured(name):
@@ -123,8 +121,7 @@ def _layers_in(gm):
 def test_chunks_follow_stage_layers_and_reproduce_the_loss(name):
     model, cap = _captured(name)
     ctx = RewriteContext(stage_layers=(0, 1, 1, 0))  # embedding alone, one layer each, head alone
-    pipeline_split(cap.graph_module, ctx)
-    split = ctx.split
+    split = decisions(pipeline_split(cap.graph_module, ctx)).split
     assert [_layers_in(c) for c in split.chunks] == [[], [0], [1], []]
     first = {n.target for n in split.chunks[0].graph.nodes if n.op == "call_module"}
     last = {n.target for n in split.chunks[-1].graph.nodes if n.op == "call_module"}
@@ -181,7 +178,7 @@ def test_arithmetic_on_input_sizes_is_recomputed_not_handed_on():
     ctx = RewriteContext(stage_layers=(1, 1))
     pipeline_split(gm, ctx)
     assert chunks_chained(gm, ctx) is None
-    _hands_on_tensors_and_trains_as(model, ctx.split)
+    _hands_on_tensors_and_trains_as(model, decisions(gm).split)
 
 
 class _RowsInLayer(torch.nn.Module):
@@ -217,4 +214,4 @@ def test_arithmetic_on_input_sizes_inside_a_checkpointed_layer_is_not_handed_on(
     gm = cap.graph_module
     ctx = RewriteContext(stage_layers=(1, 1), recompute=("attention",))
     gm = run_passes([p for p in PASSES if p.name in ("activation_checkpoint", "pipeline_split")], gm, ctx)
-    _hands_on_tensors_and_trains_as(model, ctx.split)
+    _hands_on_tensors_and_trains_as(model, decisions(gm).split)

@@ -12,7 +12,7 @@ from torch import nn
 from autoshard import runtime
 from autoshard.capture import capture
 from autoshard.cost_models.analyze import analyze
-from autoshard.passes.contract import Refusal, RewriteContext
+from autoshard.passes.contract import Refusal, RewriteContext, decisions
 from autoshard.passes.sequence_parallel import sequence_parallel
 from autoshard.passes.tensor_parallel import tensor_parallel
 
@@ -33,7 +33,7 @@ def test_llama_tp2_sp_rewrites_collectives_and_lists_partial_norm_gradients():
     analyze(cap)
     ctx = RewriteContext(tp=2, sequence_parallel=True)
     gm = sequence_parallel(tensor_parallel(cap.graph_module, ctx), ctx)
-    partial = ctx.partial_grads
+    partial = decisions(gm).partial_grads
     # Expected: no all-reduce left, one reduce-scatter per row matmul, one all-gather per TP
     # region (4 in the layers + the head), and the vocabulary-parallel embedding reduce-scattering
     # its partial sums onto the sequence slices itself (Megatron's; no all-reduce, then a cut)
@@ -126,7 +126,7 @@ def test_tp_regions_gather_and_reduce_scatter_the_sequence(norm):
     weights = ["model.layers.0.norm.w", "model.layers.1.norm.w"]
     if norm is nn.RMSNorm:
         weights = [w.replace(".w", ".weight") for w in weights]
-    assert ctx.partial_grads == weights  # the norm's weight sees this rank's tokens only
+    assert decisions(gm).partial_grads == weights  # the norm's weight sees this rank's tokens only
 
 
 def test_an_op_across_the_sequence_is_refused():

@@ -11,7 +11,7 @@ from autoshard import runtime
 from autoshard.capture import capture, causal_lm_loss
 from autoshard.cost_models.analyze import analyze
 from autoshard.ir import B, S, ops
-from autoshard.passes.contract import Refusal, RewriteContext
+from autoshard.passes.contract import Refusal, RewriteContext, decisions
 from autoshard.passes.tensor_parallel import ParamShard, load_local, slice_parameter, tensor_parallel
 
 from conftest import EXAMPLES
@@ -59,7 +59,7 @@ def test_llama_tp2_graph_has_megatron_collectives_and_local_shapes():
 
 def test_gpt_fused_qkv_is_split_by_heads_not_by_q_k_v():
     _, gm, ctx = _sharded("gpt", 2)
-    spec = ctx.shards["model.layers.0.attn.qkv.weight"]
+    spec = decisions(gm).shards["model.layers.0.attn.qkv.weight"]
     assert spec == ParamShard(0, (3, 4, 16), 1)  # (q|k|v, heads, head_dim): split the heads
     full = torch.arange(192.0).unsqueeze(1)
     rows = slice_parameter(full, spec, 1, 2).squeeze(1)
@@ -94,9 +94,9 @@ def _tp_worker(rank, world, name):
     loss.backward()
     worst = 0.0
     for local_name, p in gm.named_parameters():
-        source = ctx.origin.get(local_name, local_name)
+        source = decisions(gm).origin.get(local_name, local_name)
         g = grads[source]
-        spec = ctx.shards.get(source)
+        spec = decisions(gm).shards.get(source)
         g = slice_parameter(g, spec, rank, world) if spec else g
         worst = max(worst, (p.grad - g).abs().max().item() / (g.abs().max().item() + 1e-12))
     runtime.set_groups(tp=None)
@@ -166,8 +166,8 @@ def test_two_linear_mlp_becomes_copy_column_gelu_row_reduce():
         ("linear", 32, 64),
         ("reduce_from_tp",),
     ]
-    assert ctx.shards["model.mlp.fc1.weight"] == ParamShard(0, (64,), 0)
-    assert ctx.shards["model.mlp.fc2.weight"] == ParamShard(1, (64,), 0)
+    assert decisions(gm).shards["model.mlp.fc1.weight"] == ParamShard(0, (64,), 0)
+    assert decisions(gm).shards["model.mlp.fc2.weight"] == ParamShard(1, (64,), 0)
     inserted = [n for n in gm.graph.nodes if n.target in (runtime.copy_to_tp, runtime.reduce_from_tp)]
     assert all(n.meta["op_class"] == "other" and n.meta["shape"] is not None for n in inserted)
 
@@ -257,8 +257,8 @@ def test_every_transfer_rule_carries_a_split(zoo, kind):
 
 def test_fused_qkv_split_takes_each_parts_heads(zoo):
     gm, ctx, _ = zoo
-    assert ctx.shards["model.qkv.weight"] == ParamShard(0, (3, 32), 1)  # q|k|v, each split in 2
-    assert ctx.shards["model.up.weight"] == ParamShard(0, (2, 32), 1)  # chunk(2): a and g each split
+    assert decisions(gm).shards["model.qkv.weight"] == ParamShard(0, (3, 32), 1)  # q|k|v, each split in 2
+    assert decisions(gm).shards["model.up.weight"] == ParamShard(0, (2, 32), 1)  # chunk(2): a and g each split
     (split,) = [n for n in gm.graph.nodes if n.meta.get("op") == "split"]
     assert split.args[1] == 16  # split(32) of the full features -> split(16) of this rank's
 
@@ -297,9 +297,9 @@ def _zoo_worker(rank, world):
     loss.backward()
     worst = 0.0
     for name, p in gm.named_parameters():
-        source = ctx.origin.get(name, name)
+        source = decisions(gm).origin.get(name, name)
         g = dict(model.named_parameters())[source.removeprefix("model.")].grad
-        spec = ctx.shards.get(source)
+        spec = decisions(gm).shards.get(source)
         g = slice_parameter(g, spec, rank, world) if spec else g
         worst = max(worst, (p.grad - g).abs().max().item() / (g.abs().max().item() + 1e-12))
     runtime.set_groups(tp=None)
@@ -332,7 +332,7 @@ def _gpt2_worker(rank, world):
     analyze(cap)
     ctx = RewriteContext(tp=world)
     gm = tensor_parallel(cap.graph_module, ctx)
-    assert ctx.shards["model.transformer.h.0.attn.c_attn.weight"] == ParamShard(1, (3, 64), 1)  # q|k|v heads
+    assert decisions(gm).shards["model.transformer.h.0.attn.c_attn.weight"] == ParamShard(1, (3, 64), 1)  # q|k|v heads
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     reference = causal_lm_loss(model(tokens).logits, tokens)
     reference.backward()
@@ -342,8 +342,8 @@ def _gpt2_worker(rank, world):
     grads = {f"model.{k}": p.grad for k, p in model.named_parameters()}
     worst = 0.0
     for name, p in gm.named_parameters():
-        source = ctx.origin.get(name, name)
-        spec = ctx.shards.get(source)
+        source = decisions(gm).origin.get(name, name)
+        spec = decisions(gm).shards.get(source)
         g = slice_parameter(grads[source], spec, rank, world) if spec else grads[source]
         worst = max(worst, (p.grad - g).abs().max().item() / (g.abs().max().item() + 1e-12))
     runtime.set_groups(tp=None)
@@ -398,9 +398,9 @@ def test_hf_mla_keys_values_and_queries_carry_the_same_local_heads():
     gm = tensor_parallel(cap.graph_module, ctx)
     assert not [n for n in gm.graph.nodes if n.meta.get("op") in ("copy_", "new_empty")]  # one cat instead
     # kv_b_proj's rows are (heads, k_nope | v): split by heads, as q_b_proj's (heads, nope | rope)
-    assert ctx.shards["model.model.layers.0.self_attn.kv_b_proj.weight"] == ParamShard(0, (4, 32), 0)
-    assert ctx.shards["model.model.layers.0.self_attn.q_b_proj.weight"] == ParamShard(0, (4, 24), 0)
-    assert "model.model.layers.0.self_attn.kv_a_proj_with_mqa.weight" not in ctx.shards  # low rank: whole
+    assert decisions(gm).shards["model.model.layers.0.self_attn.kv_b_proj.weight"] == ParamShard(0, (4, 32), 0)
+    assert decisions(gm).shards["model.model.layers.0.self_attn.q_b_proj.weight"] == ParamShard(0, (4, 24), 0)
+    assert "model.model.layers.0.self_attn.kv_a_proj_with_mqa.weight" not in decisions(gm).shards  # low rank: whole
     state = [*model.named_parameters(), *model.named_buffers()]  # the rope's frequencies are not persistent
     load_local(gm, ctx, {f"model.{k}": v.detach() for k, v in state}, 0)
     seen = {}

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from spec import LM, assert_same_program, before, program
 from torch import nn
 
-from autoshard.passes.contract import RewriteContext
+from autoshard.passes.contract import RewriteContext, decisions
 from autoshard.passes.tensor_parallel import ParamShard, tensor_parallel
 from autoshard.runtime.collectives import (
     copy_to_tp,
@@ -108,8 +108,8 @@ def test_an_mlp_is_a_column_row_pair_between_copy_and_reduce():
             "reduce_from_tp": {"tp": "replicated"},
         },
     )
-    assert ctx.shards["model.layers.0.fc1.weight"] == ParamShard(0, (64,), 0)  # rows: out_features
-    assert ctx.shards["model.layers.0.fc2.weight"] == ParamShard(1, (64,), 0)  # columns: in_features
+    assert decisions(gm).shards["model.layers.0.fc1.weight"] == ParamShard(0, (64,), 0)  # rows: out_features
+    assert decisions(gm).shards["model.layers.0.fc2.weight"] == ParamShard(1, (64,), 0)  # columns: in_features
 
 
 class AttentionRank(nn.Module):
@@ -135,9 +135,9 @@ def test_attention_is_split_by_heads_and_the_view_constants_are_local():
     gm, ctx = rewrite(LM(Attention()))
     assert_same_program(gm, program(AttentionRank()), meta={**VOCAB_META, "copy_to_tp": {"tp": "replicated"}})
     # q's rows are (heads, head_dim): rank r takes whole heads, and o's columns the same ones
-    assert ctx.shards["model.layers.0.q.weight"] == ParamShard(0, (4, 8), 0)
-    assert ctx.shards["model.layers.0.k.weight"] == ParamShard(0, (2, 8), 0)
-    assert ctx.shards["model.layers.0.o.weight"] == ParamShard(1, (4, 8), 0)
+    assert decisions(gm).shards["model.layers.0.q.weight"] == ParamShard(0, (4, 8), 0)
+    assert decisions(gm).shards["model.layers.0.k.weight"] == ParamShard(0, (2, 8), 0)
+    assert decisions(gm).shards["model.layers.0.o.weight"] == ParamShard(1, (4, 8), 0)
 
 
 class VocabRank(nn.Module):
@@ -155,7 +155,8 @@ class VocabRank(nn.Module):
 def test_the_embedding_head_and_loss_are_vocabulary_parallel():
     gm, ctx = rewrite(LM())
     assert_same_program(gm, program(VocabRank()), meta=VOCAB_META)
-    assert ctx.shards["model.embed.weight"] == ctx.shards["model.head.weight"] == ParamShard(0, (64,), 0)
+    shards = decisions(gm).shards
+    assert shards["model.embed.weight"] == shards["model.head.weight"] == ParamShard(0, (64,), 0)
 
 
 class LowRankRank(nn.Module):
@@ -180,4 +181,5 @@ def test_a_projection_normalised_over_all_its_features_and_the_norms_are_left_wh
         program(LowRankRank()),
         meta={**VOCAB_META, "model_layers_0_low": {"tp_role": "replicated", "tp": "replicated"}},
     )
-    assert "model.layers.0.low.weight" not in ctx.shards and "model.layers.0.norm.w" not in ctx.shards
+    shards = decisions(gm).shards
+    assert "model.layers.0.low.weight" not in shards and "model.layers.0.norm.w" not in shards
