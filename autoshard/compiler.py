@@ -143,6 +143,7 @@ def compile_plan(
         if comparison:
             plan.notes.append(comparison)
         if plan_only:
+            _dry_run(plan, captured)
             return Compiled(plan, result, None, comparison)
         left_out = _left_out(problem)
         if left_out:
@@ -162,6 +163,19 @@ def compile_plan(
         f"the rewrite passes refused {MAX_ROUNDS} plans in a row ({'; '.join(problem.exclusion_reasons)}); "
         "pin a plan with --force, or use --plan-only"
     )
+
+
+def _dry_run(plan: Plan, captured: Captured) -> None:
+    """For ``--plan-only``: run the rewrite passes on a copy of the graph for ``plan`` (emitting
+    nothing) and record in ``plan.not_emitted`` what they refuse, so that the plan says whether
+    ``compile`` would emit it or search on. A plan the emitter's limits already keep out is not
+    rewritten."""
+    if plan.not_emitted:
+        return
+    try:
+        passes.apply(_fresh(captured), plan)
+    except Refusal as refusal:
+        plan.not_emitted.append(f"the rewrite passes refuse it for this model: {refusal}")
 
 
 def _hardware(hardware, memory_headroom: float | None = None):

@@ -30,7 +30,7 @@ from torch import fx
 from autoshard import runtime
 from autoshard.errors import AutoshardError
 from autoshard.passes._graph import in_model as _in_model
-from autoshard.passes.contract import RewriteContext, decisions
+from autoshard.passes.contract import Refusal, RewriteContext, decisions
 
 LOSS = -1
 
@@ -45,6 +45,12 @@ class SplitProgram:
     # each parameter with several names or several holding chunks: {"names": the name the chunks
     # hold first, then the model's other names for it; "chunks": the chunks holding a copy}
     tied: list[dict] = field(default_factory=list)
+
+
+def _refuse(why: str) -> Refusal:
+    """What the model does that no pipeline split can carry: every pipeline degree above 1 is
+    refused, so the search plans without pipelining instead of failing."""
+    return Refusal(f"pipeline parallelism cannot split this model: {why}; plan with --force pp=1", axis="pp")
 
 
 def _input_size(node: fx.Node) -> bool:
@@ -242,9 +248,9 @@ def _check_reads_go_forward(nodes: list[fx.Node], chunk: dict[fx.Node, int], met
                 continue
             a, b = chunk[arg], chunk[node]
             if b == LOSS and a not in (LOSS, n - 1):
-                raise AutoshardError(f"the loss reads {arg.name} from pipeline chunk {a}, not the last one")
+                raise _refuse(f"the loss reads {arg.name} from pipeline chunk {a}, not the last one")
             if a != LOSS and b != LOSS and a > b:
-                raise AutoshardError(f"{node.name} in chunk {b} reads {arg.name} from the later chunk {a}")
+                raise _refuse(f"{node.name} in chunk {b} reads {arg.name} from the later chunk {a}")
 
 
 def _handed_on(nodes: list[fx.Node], chunk: dict[fx.Node, int], n: int) -> list[list[fx.Node]]:
@@ -277,10 +283,8 @@ def _loss_inputs(placeholders: list[fx.Node], chunk: dict[fx.Node, int]) -> list
 
     loss_inputs = [p for p in placeholders if read_by_loss(p)]
     if len(loss_inputs) > 1:
-        raise AutoshardError(
-            f"the loss reads {len(loss_inputs)} model inputs ({', '.join(p.name for p in loss_inputs)}); "
-            "the pipeline hands it one target"
-        )
+        names = ", ".join(p.name for p in loss_inputs)
+        raise _refuse(f"the loss reads {len(loss_inputs)} model inputs ({names}); the pipeline hands it one target")
     return loss_inputs
 
 
@@ -334,7 +338,7 @@ def _device_from_inputs(graph: fx.Graph, env: dict, read: fx.Node, name: str) ->
     inputs are on that device."""
     first = next((node for node in env.values() if node.op == "placeholder"), None)
     if first is None:
-        raise AutoshardError(f"{name} creates a tensor on the device of {read.args[0].name} and has no input")
+        raise _refuse(f"{name} creates a tensor on the device of {read.args[0].name} and has no input")
     return graph.call_function(getattr, (first, "device"))
 
 
@@ -356,10 +360,7 @@ def _size_from_inputs(graph: fx.Graph, env: dict, size: fx.Node, name: str) -> f
                 if best is None or (best[2] and not sliced):
                     best = (node, d, sliced, original.meta.get("sp_tp", 1))
     if best is None:
-        raise AutoshardError(
-            f"{name} reads the size of model input {size.args[0].name}, which only the first pipeline chunk has; "
-            "plan with --force pp=1 for this model"
-        )
+        raise _refuse(f"{name} reads the size of model input {size.args[0].name}, which only the first chunk has")
     node, d, sliced, tp = best
 
     out = graph.call_function(runtime.size_of, (node, d))

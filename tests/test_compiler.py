@@ -2,12 +2,14 @@
 and --plan-only keeps the whole space and says what would not be emitted."""
 
 import copy
+from pathlib import Path
 
 import pytest
 
 from autoshard import planner, rebuild
 from autoshard.compiler import compile_plan
 from autoshard.cost_models import hardware
+from autoshard.errors import AutoshardError
 from autoshard.ir import capabilities
 from autoshard.ir.plan import Plan
 from autoshard.passes.contract import Refusal
@@ -191,3 +193,23 @@ def test_compile_file_runs_the_whole_pipeline_with_canonicalisation_as_its_first
     ran = [n.split(".")[0].split("_", 1)[1] for n in names[::2]]
     assert ran == sorted(ran, key=order.index) and "tensor_parallel" in ran
     assert compiled.plan.mesh.tp == 2 and "train.py" in compiled.files
+
+
+FLAT = str(Path(__file__).parent / "models" / "flat_rows.py")
+
+
+def test_a_model_no_pipeline_split_can_carry_is_a_refusal_of_pp_not_an_error(tmp_path):
+    """A later chunk that reads the batch size off the token ids (which only the first chunk has)
+    refuses every pipeline degree: pinned, the user reads why and what to pin; unpinned, the
+    search leaves PP out and says so when nothing else fits; --plan-only records it as not
+    emitted."""
+    from autoshard.compiler import compile_file
+
+    run = dict(hardware="cpu", gpus=2, seq_len=32, global_batch=4)
+    with pytest.raises(Refusal, match="pipeline parallelism cannot split this model: .* only the first chunk has") as e:
+        compile_file(FLAT, None, **run, pins=planner.parse_force("pp=2"))
+    assert e.value.axis == "pp" and e.value.exclusion() == "*" and "--force pp=1" in str(e.value)
+    with pytest.raises(AutoshardError, match="every mesh left is one the rewrite passes refused .*pipeline"):
+        compile_file(FLAT, None, **run, pins=planner.parse_force("tp=1,cp=1,dp=1"))
+    whole = compile_file(FLAT, None, **run, pins=planner.parse_force("tp=1,cp=1,dp=1"), plan_only=True).plan
+    assert whole.mesh.pp == 2 and any("pipeline parallelism cannot split" in r for r in whole.not_emitted)

@@ -278,6 +278,12 @@ def _no_mesh(problem: Problem) -> str:
     pins = problem.forced
     mesh_pins = {k: pins[k] for k in AXES if k in pins}
     shown = ",".join(f"{k}={v}" for k, v in mesh_pins.items())
+    if problem.excluded and meshes(replace(problem, excluded={})):
+        pinned = f"--force {shown}: " if shown else ""
+        return (
+            f"{pinned}every mesh left is one the rewrite passes refused for this model "
+            f"({'; '.join(problem.exclusion_reasons)})"
+        )
     grid = [k for k in ("tp", "pp", "cp", "dp") if k in mesh_pins]
     product = math.prod(mesh_pins[k] for k in grid)
     if problem.gpus % product or (len(grid) == 4 and product != problem.gpus):
