@@ -42,6 +42,9 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
       export recorded with the capture's device reads the device of the first model input
       instead, from one ``getattr(input, "device")`` node after the placeholders, so the graph
       runs wherever its inputs are;
+    - with ``inputs``: no copy of a model input to the dtype, layout and device it already has
+      (``input_ids.to(device)``): its readers read the input (:func:`input_copies`), so the loss
+      reads the model's input whatever copies the model makes of it;
     - with ``inputs``: every ``scaled_dot_product_attention`` whose mask tensor is causal at the
       inputs' sizes is ``is_causal=True`` without the mask, and the nodes that only built the
       mask are gone (:func:`causal_masks`); a mask that is not causal stays, and the attention
@@ -69,6 +72,7 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
     changed = _tracer_checks(gm)
     changed |= _inputs_device(gm.graph)
     if inputs is not None:
+        changed |= input_copies(gm, inputs)
         changed |= causal_masks(gm, inputs)
     changed |= grouped_keys(gm)
     changed |= rms_norms(gm)
@@ -627,6 +631,46 @@ def grouped_gemms(gm: fx.GraphModule) -> bool:
         node.target, node.args, node.kwargs = moe.grouped_mm, (args[0], args[1], offs), {}
         changed = True
     return changed
+
+
+_TO = ("to", "_to_copy")
+_SAME = {"non_blocking", "copy", "memory_format", "dtype", "layout", "device"}
+
+
+def input_copies(gm: fx.GraphModule, inputs: tuple) -> bool:
+    """Drop each ``to`` / ``_to_copy`` of a model input that asks for what the input already is
+    (its dtype, strided, the device of a model input, no forced copy); whether any was found."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = False
+    for node, example in zip(placeholders, inputs):
+        if not isinstance(example, torch.Tensor):
+            continue
+        for user in list(node.users):
+            if ops.op_name(user) in _TO and user.args[0] is node and _asks_nothing(user, example, placeholders):
+                user.replace_all_uses_with(node)
+                gm.graph.erase_node(user)
+                found = True
+    return found
+
+
+def _asks_nothing(to: fx.Node, example: torch.Tensor, placeholders: list[fx.Node]) -> bool:
+    """``to``'s arguments after the tensor name only what ``example`` already is."""
+
+    def same(value) -> bool:
+        if isinstance(value, fx.Node):  # the device of a model input (all inputs share one)
+            return value.op == "call_function" and value.target is getattr and value.args[0] in placeholders
+        if isinstance(value, torch.dtype):
+            return value == example.dtype
+        if isinstance(value, torch.device):
+            return value == example.device
+        if isinstance(value, torch.layout):
+            return value == torch.strided
+        if isinstance(value, torch.memory_format):
+            return value == torch.preserve_format
+        return value is None or value is False
+
+    kwargs_ok = all(k == "non_blocking" or (k in _SAME and same(v)) for k, v in to.kwargs.items())
+    return kwargs_ok and all(same(a) for a in to.args[1:])
 
 
 def float_histograms(gm: fx.GraphModule) -> bool:

@@ -1,6 +1,6 @@
 """transformers' mixture-of-experts decoders, as one autoshard model file.
 
-``--config deepseek_v3 | mixtral | qwen3_moe`` are tiny configs (CPU tests); a suffix picks the
+``--config deepseek_v3 | mixtral | qwen3_moe | llama4`` are tiny configs (CPU tests); a suffix picks the
 experts implementation transformers runs them with (``-eager``: a loop over expert ids,
 ``-batched``: per-token gathered weights; none: its default, grouped GEMMs). ``deepseek_v3-671b``
 and ``mixtral-8x22b`` are the published configurations (planning only, on the meta device).
@@ -23,6 +23,11 @@ ARCHITECTURES = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
         _TINY, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4,
         num_experts_per_tok=2)),
+    # Llama 4's text model: batched experts, a shared expert, complex-number rotary embeddings, and
+    # its input moved with input_ids.to(device), which the loss must see through
+    "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(
+        _TINY, intermediate_size_mlp=128, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=1, attn_temperature_tuning=False, use_qk_norm=True)),
     # DeepSeek-V3 (arXiv 2412.19437, its config.json) and Mixtral 8x22B (its config.json)
     "deepseek_v3-671b": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -67,6 +72,7 @@ MODELS = {
     "deepseek_v3": ("tests/models/hf_moe.py", "deepseek_v3"),
     "mixtral": ("tests/models/hf_moe.py", "mixtral"),
     "qwen3_moe": ("tests/models/hf_moe.py", "qwen3_moe"),
+    "llama4": ("tests/models/hf_moe.py", "llama4"),
 }
 LAYOUTS = {
     "ep2": (2, "ep=2,dp=2"),
@@ -95,4 +101,5 @@ CI_SUBSET = [
     ("mixtral", "ep2-zero1"),
     ("deepseek_v3 (example)", "ep2-pp2-dualpipev-recompute"),
     ("deepseek_v3", "ep2-recompute"),
+    ("llama4", "ep2-pp2"),  # the loss reads the token ids through the model's own .to(device)
 ]

@@ -330,3 +330,19 @@ def test_what_is_not_an_rms_norm_or_is_over_a_projections_features_stays_written
     gm = _norm_graph(**miss)
     before = listing(gm.graph)
     assert listing(canonicalize(gm).graph) == before
+
+
+def test_a_copy_of_a_model_input_to_what_it_already_is_goes():
+    """``input_ids.to(device)`` (as Llama 4 writes it) reads the input itself afterwards, so the loss
+    and every pipeline chunk read the model's input; a copy that changes the dtype stays."""
+    g = fx.Graph()
+    ids = g.placeholder("ids")
+    device = g.call_function(getattr, (ids, "device"))
+    same = g.call_function(torch.ops.aten.to.dtype_layout, (ids,), {"dtype": torch.long, "device": device})
+    other = g.call_function(torch.ops.aten.to.dtype, (ids, torch.float32))
+    g.output((same, other))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert canonicalize(gm, (torch.zeros(2, 4, dtype=torch.long),)) is gm
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert out.args[0][0] is ids and out.args[0][1] is other
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"].count(torch.ops.aten.to.dtype) == 1
