@@ -213,20 +213,57 @@ def _erase_unused(graph: fx.Graph, roots: list[fx.Node]) -> None:
 
 def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple]) -> str | None:
     """None when ``mask`` is causal at ``sizes`` (placeholder -> traced shape); else what it is,
-    as a phrase for a refusal ("sliding-window attention (window 4096)")."""
+    as a phrase for a refusal ("sliding-window attention (window 4096)").
+
+    Where the mask at the traced sizes is too large to build (a long context), it is judged at
+    shorter sequences instead (:func:`_shorter`): long enough that every integer the mask's
+    computation uses (a window, a chunk size) shows its effect, and at two lengths that differ,
+    so that a pattern at one length alone does not pass."""
     closure = _closure(mask)
     why = _not_from_positions(gm, closure)
     if why is not None:
         return why
     order = [n for n in gm.graph.nodes if n in closure]
     try:
-        _evaluate(gm, order, sizes, torch.device("meta"))  # sizes only: refuses what is too large first
+        try:
+            _evaluate(gm, order, sizes, torch.device("meta"))  # sizes only: refuses what is too large first
+        except _TooLarge:
+            return _judged_shorter(gm, order, sizes)
         value = _evaluate(gm, order, sizes, torch.device("cpu"))
     except _TooLarge as e:
         return f"a mask tensor too large to check at the traced sizes ({e})"
     except Exception as e:  # an op that cannot run on sizes alone
         return f"a mask tensor that cannot be evaluated from the sizes ({type(e).__name__})"
     return _causal_verdict(value)
+
+
+def _judged_shorter(gm: fx.GraphModule, order: list[fx.Node], sizes: dict[fx.Node, tuple]) -> str | None:
+    """The verdict on a mask too large at the traced sizes, from the two shorter lengths of
+    :func:`_shorter`: causal when causal at both, else what it is at the first."""
+    seq = max((s[-1] for s in sizes.values() if s), default=0)
+    for length in _shorter(order, seq):
+        short = {p: tuple(length if d == seq else d for d in shape) for p, shape in sizes.items()}
+        verdict = _causal_verdict(_evaluate(gm, order, short, torch.device("cpu")))
+        if verdict is not None:
+            return verdict
+    return None
+
+
+def _shorter(order: list[fx.Node], seq: int) -> tuple[int, int]:
+    """Two sequence lengths under ``seq`` at which a mask made by ``order`` shows what it is at
+    ``seq``: above twice the largest integer below ``seq`` its ops use (a sliding window of 4096
+    is seen as one at 8194 tokens), and 37 apart (an odd step: a pattern of one length fails
+    the other). Raises ``_TooLarge`` where those lengths are as long as the traced one."""
+    scales = [
+        a
+        for n in order
+        for a in (*n.args, *n.kwargs.values())
+        if isinstance(a, int) and not isinstance(a, bool) and 1 < abs(a) < seq
+    ]
+    first = max(64, 2 * max((abs(a) for a in scales), default=0) + 2)
+    if first + 37 >= seq:
+        raise _TooLarge(f"its integers need {first} tokens of the {seq} traced")
+    return first, first + 37
 
 
 def _closure(node: fx.Node) -> set[fx.Node]:
@@ -646,7 +683,12 @@ def input_copies(gm: fx.GraphModule, inputs: tuple) -> bool:
         if not isinstance(example, torch.Tensor):
             continue
         for user in list(node.users):
-            if ops.op_name(user) in _TO and user.args[0] is node and _asks_nothing(user, example, placeholders):
+            if (
+                user.op != "call_module"
+                and ops.op_name(user) in _TO
+                and user.args[0] is node
+                and _asks_nothing(user, example, placeholders)
+            ):
                 user.replace_all_uses_with(node)
                 gm.graph.erase_node(user)
                 found = True

@@ -154,6 +154,25 @@ def _canonical(model, seq: int = 6, *inputs):
     return canonicalize(gm, inputs), inputs
 
 
+def test_a_mask_too_large_at_the_traced_length_is_judged_at_two_shorter_ones(monkeypatch):
+    """A long context: the mask is built at two shorter lengths, long enough for its integers (a
+    window) to show, and is causal only where it is causal at both; where its integers need as
+    many tokens as were traced, it stays, saying so."""
+    from autoshard.passes import canonicalize as module
+
+    monkeypatch.setattr(module, "MASK_LIMIT", 1 << 16)  # bytes: a 2 x 400 x 400 boolean mask is larger
+    gm, inputs = _canonical(MaskedAttention(), seq=400)
+    assert _attention(gm)[0].kwargs == {"is_causal": True}
+    model = MaskedAttention(window=20)
+    gm, inputs = _canonical(model, seq=400)
+    assert _attention(gm)[0].meta["mask"] == "sliding-window attention (window 20)"
+    assert torch.allclose(gm(*inputs), loss(model(*inputs), inputs[0]), atol=1e-6)
+    gm, _ = _canonical(MaskedAttention(window=300), seq=400)
+    assert _attention(gm)[0].meta["mask"] == (
+        "a mask tensor too large to check at the traced sizes (its integers need 602 tokens of the 400 traced)"
+    )
+
+
 @pytest.mark.parametrize("additive", [False, True], ids=["boolean", "additive"])
 def test_a_causal_mask_becomes_is_causal_and_its_nodes_go(additive):
     torch.manual_seed(0)
