@@ -86,8 +86,10 @@ def _global_positions(graph: fx.Graph, ctx: RewriteContext) -> None:
             shape = node.meta.get("shape")
             if not (isinstance(shape, (tuple, list)) and len(shape) == 1 and shape[0] == S):
                 continue
-            if len(node.args) != 1:
-                raise _fail(node, "arange over the sequence with a start or step")
+            start, step = (node.args[0], node.args[2] if len(node.args) > 2 else 1) if len(node.args) > 1 else (0, 1)
+            if start != 0 or step != 1 or "start" in node.kwargs or "step" in node.kwargs:
+                raise _fail(node, "arange over the sequence with a start other than 0 or a step other than 1")
+            node.args = node.args[1:2] if len(node.args) > 1 else node.args
             node.target = runtime.cp_positions
             node.kwargs = {k: v for k, v in node.kwargs.items() if k == "device"}
             node.meta["op"] = ops.op_name(node)

@@ -48,8 +48,9 @@ class Tiny(torch.nn.Module):
     """Causal attention by ``is_causal``, or by a mask tensor: causal (``window=None``) or a
     sliding window of ``window`` positions."""
 
-    def __init__(self, masked: bool = False, window: int | None = None):
+    def __init__(self, masked: bool = False, window: int | None = None, start: int | None = None):
         super().__init__()
+        self.start = start  # positions as arange(start, start + s) rather than arange(s)
         self.embed = torch.nn.Embedding(64, 32)
         self.qkv = torch.nn.Linear(32, 96, bias=False)
         self.head = torch.nn.Linear(32, 64, bias=False)
@@ -57,7 +58,7 @@ class Tiny(torch.nn.Module):
 
     def forward(self, tokens):
         b, s = tokens.size(0), tokens.size(1)
-        positions = torch.arange(s)
+        positions = torch.arange(s) if self.start is None else torch.arange(self.start, self.start + s)
         x = self.embed(tokens) + positions[:, None].float()
         q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4).unbind(0)
         mask = None
@@ -87,6 +88,20 @@ def test_tokens_positions_attention_and_loss_become_the_cp_calls():
     (loss,) = [n for n in gm.graph.nodes if n.target is runtime.cp_cross_entropy]
     assert loss.meta["op_class"] == "loss" and loss.args[2] == -100
     assert no_full_sequence_attention_left(gm, ctx) is None
+
+
+def test_positions_written_as_arange_from_0_are_sharded_and_from_1_refused():
+    model = Tiny(start=0)
+    cap = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
+    analyze(cap)
+    gm = context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
+    assert _calls(gm) == ["cp_shard", "cp_positions", "cp_attention", "cp_shard", "cp_cross_entropy"]
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(gm(tokens), causal_lm_loss(model(tokens), tokens), atol=1e-6)
+    cap = capture(Tiny(start=1), (torch.zeros(2, 8, dtype=torch.long),))
+    analyze(cap)
+    with pytest.raises(Refusal, match="arange over the sequence with a start other than 0"):
+        context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
 
 
 def test_a_causal_mask_tensor_is_sharded_as_causal_attention():
