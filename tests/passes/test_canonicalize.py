@@ -235,21 +235,31 @@ def test_a_mask_too_large_to_evaluate_stays(monkeypatch):
     ("config", "extra", "mask"),
     [
         ("LlamaConfig", {}, None),
+        ("Qwen3Config", {"head_dim": 16}, None),
         ("MistralConfig", {"sliding_window": 16}, "sliding-window attention (window 16)"),
         ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 256}, None),  # wider than the 32 traced
     ],
-    ids=["llama", "mistral-window-16", "gemma3-window-256"],
+    ids=["llama", "qwen3", "mistral-window-16", "gemma3-window-256"],
 )
-def test_transformers_masks_and_grouped_keys(config, extra, mask):
+@pytest.mark.parametrize("long", [False, True], ids=["checked-whole", "too-large-whole"])
+def test_transformers_masks_and_grouped_keys(config, extra, mask, long, monkeypatch):
     """transformers builds its causal mask from positions (and sliding layers' windows); capture
     at 32 tokens sees causal attention where the mask is causal at 32 tokens, and the keys and
-    values repeat_kv copied per query head as the grouped heads they are."""
+    values repeat_kv copied per query head as the grouped heads they are. ``long``: at 512 tokens,
+    with masks of that length too large to build (as at 131K), the verdicts are the same (Gemma 3's
+    window narrowed to 48 so that it shows within 512)."""
     transformers = pytest.importorskip("transformers")
+    if long:
+        from autoshard.passes import canonicalize as module
+
+        monkeypatch.setattr(module, "MASK_LIMIT", 1 << 18)  # bytes: a 2 x 512 x 512 mask is larger
+        if config.startswith("Gemma3"):
+            extra, mask = {**extra, "sliding_window": 48}, "sliding-window attention (window 48)"
     torch.manual_seed(0)
     model = getattr(transformers, config.replace("Config", "ForCausalLM").replace("TextForCausalLM", "ForCausalLM"))(
         getattr(transformers, config)(**TINY_DECODER, **extra)
     )
-    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 128, (2, 512 if long else 32), generator=torch.Generator().manual_seed(0))
     cap = capture(model, (ids,))
     attention = [n for n in cap.graph_module.graph.nodes if n.meta["op"] == "scaled_dot_product_attention"]
     assert len(attention) == 2
