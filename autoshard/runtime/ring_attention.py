@@ -10,8 +10,9 @@ their log-sum-exp. Backward runs the ring again with the block's dK/dV travellin
 arrive back at their owner after ``cp`` steps. ``allgather_attention`` is the variant LLaMA-3 used:
 all-gather K and V, attend locally, reduce-scatter their gradients.
 
-Both take q (batch, heads, local_seq, dim) and k, v (batch, kv_heads, local_seq, dim) in this
-layout and return the output in it. The per-block math is plain PyTorch (exact in fp32 on CPU);
+Both take q, k (batch, heads or kv_heads, local_seq, dim) and v (batch, kv_heads, local_seq,
+v_dim) in this layout and return the output (batch, heads, local_seq, v_dim) in it; ``v_dim`` may
+differ from ``dim`` (multi-head latent attention). The per-block math is plain PyTorch (exact in fp32 on CPU);
 on GPUs (and on fake tensors, which stand for the GPU program) the Triton flash kernel takes its
 place, so no score matrix is ever materialised there.
 """
@@ -139,8 +140,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale, kernel):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         heads = q.size(1)
-        b, _, s2, d = q.shape
-        out = [q.new_zeros(b, heads, s2 // 2, d, dtype=torch.float32) for _ in range(2)]
+        b, _, s2, _ = q.shape
+        dv = v.size(-1)  # the output's head size is the values' (MLA's differs from the keys')
+        out = [q.new_zeros(b, heads, s2 // 2, dv, dtype=torch.float32) for _ in range(2)]
         lse = [q.new_full((b, heads, s2 // 2), float("-inf"), dtype=torch.float32) for _ in range(2)]
         block = [k.contiguous(), v.contiguous()]
         for step in range(cp):

@@ -1,5 +1,6 @@
 """Context-parallel attention on gloo against full attention: ring and all-gather-KV, causal and
-not, GQA, cp=2 and cp=4, forward and backward."""
+not, GQA, a value head size other than the query/key one (MLA), cp=2 and cp=4, forward and
+backward."""
 
 import pytest
 import torch
@@ -13,15 +14,15 @@ def _reference(q, k, v, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def _worker(rank, world, variant, causal, kernel=False):
+def _worker(rank, world, variant, causal, kernel=False, dv=16):
     import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(0)
     b, h, kvh, s, d = 2, 4, 2, 8 * world, 16
     q = torch.randn(b, h, s, d, generator=gen, requires_grad=True)
     k = torch.randn(b, kvh, s, d, generator=gen, requires_grad=True)
-    v = torch.randn(b, kvh, s, d, generator=gen, requires_grad=True)
-    w = torch.randn(b, h, s, d, generator=gen)
+    v = torch.randn(b, kvh, s, dv, generator=gen, requires_grad=True)
+    w = torch.randn(b, h, s, dv, generator=gen)
     ref = _reference(q, k, v, causal)
     (ref * w).sum().backward()
     local = [shard_sequence(t.detach(), world, rank).requires_grad_() for t in (q, k, v)]
@@ -43,6 +44,17 @@ def test_context_parallel_attention_matches_full_attention(cp, variant, causal):
     from distributed import run
 
     for errs in run(_worker, cp, variant, causal, timeout=120):
+        for name, err in errs.items():
+            assert err < 1e-5, (name, err)
+
+
+@pytest.mark.parametrize("variant", ["ring", "allgather"])
+def test_value_head_size_may_differ_from_the_query_key_one(variant):
+    """Multi-head latent attention (DeepSeek-V2/V3): values of head size 24 against queries and keys
+    of 16, as at DeepSeek-V3's tiny config; the output and dV take the values' size."""
+    from distributed import run
+
+    for errs in run(_worker, 2, variant, True, False, 24, timeout=120):
         for name, err in errs.items():
             assert err < 1e-5, (name, err)
 
