@@ -10,11 +10,12 @@ their log-sum-exp. Backward runs the ring again with the block's dK/dV travellin
 arrive back at their owner after ``cp`` steps. ``allgather_attention`` is the variant LLaMA-3 used:
 all-gather K and V, attend locally, reduce-scatter their gradients.
 
-Both take q, k (batch, heads or kv_heads, local_seq, dim) and v (batch, kv_heads, local_seq,
-v_dim) in this layout and return the output (batch, heads, local_seq, v_dim) in it; ``v_dim`` may
-differ from ``dim`` (multi-head latent attention). The per-block math is plain PyTorch (exact in fp32 on CPU);
-on GPUs (and on fake tensors, which stand for the GPU program) the Triton flash kernel takes its
-place, so no score matrix is ever materialised there.
+Both take q (batch, heads, local_seq, dim), k (batch, kv_heads, local_seq, dim) and v (batch,
+kv_heads, local_seq, v_dim) in this layout and return the output (batch, heads, local_seq, v_dim)
+in it; ``v_dim`` may differ from ``dim`` (multi-head latent attention). The per-block math is
+plain PyTorch (exact in fp32 on CPU); on GPUs (and on fake tensors, which stand for the GPU
+program) the Triton flash kernel takes its place where it is built for the head sizes
+(``attention.kernel_runs``), so no score matrix is materialised there.
 """
 
 from __future__ import annotations

@@ -48,25 +48,27 @@ def test_context_parallel_attention_matches_full_attention(cp, variant, causal):
             assert err < 1e-5, (name, err)
 
 
+@pytest.mark.parametrize("dv", [8, 24])
 @pytest.mark.parametrize("variant", ["ring", "allgather"])
-def test_value_head_size_may_differ_from_the_query_key_one(variant):
-    """Multi-head latent attention (DeepSeek-V2/V3): values of head size 24 against queries and keys
-    of 16, as at DeepSeek-V3's tiny config; the output and dV take the values' size."""
+def test_value_head_size_may_differ_from_the_query_key_one(variant, dv):
+    """Multi-head latent attention (DeepSeek-V2/V3): values of another head size than queries and
+    keys (16 here; 128 against 192 at DeepSeek-V3's full size): the output and dV take the values'."""
     from distributed import run
 
-    for errs in run(_worker, 2, variant, True, False, 24, timeout=120):
+    for errs in run(_worker, 2, variant, True, False, dv, timeout=120):
         for name, err in errs.items():
             assert err < 1e-5, (name, err)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_ring_attention_with_the_triton_kernel_per_block(causal):
+@pytest.mark.parametrize("causal,dv", [(True, 16), (False, 16), (True, 32)])
+def test_ring_attention_with_the_triton_kernel_per_block(causal, dv):
     """The GPU path (each block through autoshard's Triton kernel, the ring backward through its
-    backward kernels with the global LSE), run under TRITON_INTERPRET=1 on gloo."""
+    backward kernels with the global LSE), run under TRITON_INTERPRET=1 on gloo; values' heads of
+    the keys' size and of another."""
     pytest.importorskip("triton")
     from distributed import run
 
-    for errs in run(_worker, 2, "ring", causal, True, timeout=180):
+    for errs in run(_worker, 2, "ring", causal, True, dv, timeout=180):
         for name, err in errs.items():
             assert err < 1e-5, (name, err)
 
