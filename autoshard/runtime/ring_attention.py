@@ -243,13 +243,16 @@ def allgather_attention(q, k, v, group=None, causal: bool = True, scale: float |
         return torch.cat(outs, dim=2)
     heads = q.size(1)
     k_full, v_full = _expand_kv(k_full, heads), _expand_kv(v_full, heads)
-    s = torch.matmul(q, k_full.transpose(-2, -1)) * scale
+    mask = None
     if causal:
         n = q.size(2) // 2
         positions = torch.arange(q.size(2) * cp, device=q.device)
         mine = torch.cat([positions[c * n : (c + 1) * n] for c in _chunks(rank, cp)])
-        s = s.masked_fill(positions[None, :] > mine[:, None], float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v_full)
+        mask = positions[None, :] <= mine[:, None]
+    # torch's attention with the layout's mask, not the written-out softmax: on a GPU its
+    # memory-efficient kernel takes head sizes the Triton one does not (MLA's) without keeping
+    # the scores for backward
+    return torch.nn.functional.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, scale=scale)
 
 
 def _local(q, k, v, causal, scale):
