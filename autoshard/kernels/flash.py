@@ -4,9 +4,10 @@ attention), any sequence length (masked tails), fp32 accumulation.
 
 Inputs are shaped like ``scaled_dot_product_attention``'s: q (batch, heads, seq_q, dim), k (batch,
 kv_heads, seq_k, dim), v (batch, kv_heads, seq_k, v_dim), heads a multiple of kv_heads; the output
-is (batch, heads, seq_q, v_dim). Both head sizes must be one of ``KERNEL_HEAD_DIMS``: a tile's extent
-(``tl.arange``) must be a power of two, so other sizes (MLA's 192 for queries and keys) would need
-a padded, masked head dimension, which these kernels do not have. Every loaded tile is upcast to fp32
+is (batch, heads, seq_q, v_dim). Each head size must be one of ``KERNEL_HEAD_DIMS``: a tile's
+extent (``tl.arange``) must be a power of two, so other sizes (MLA's 192 for queries and keys)
+would need a padded, masked head dimension, which these kernels do not have; the runtime runs
+PyTorch's attention there (``attention.kernel_runs``). Every loaded tile is upcast to fp32
 before arithmetic (the Triton interpreter that runs the tests on CPU does bf16 arithmetic on the
 raw bits; README.md beside this file); outputs take the input dtype. The log-sum-exp is returned
 in natural-log units (what ring attention merges).

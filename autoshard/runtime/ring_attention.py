@@ -196,7 +196,7 @@ def ring_attention(
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     if group is None or dist.get_world_size(group) == 1:
         return _local(q, k, v, causal, scale)
-    if kernel is None:
+    if kernel is None:  # off for head sizes the kernel has no tile for (MLA's): the per-block math
         kernel = kernel_runs(q, k, v)
     if kernel:
         q, k, v = autocast_inputs(q, k, v)
