@@ -85,15 +85,21 @@ def flash_attention(q, k, v, causal: bool = True, scale: float | None = None) ->
 
 
 def kernel_runs(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> bool:
-    """Whether attention over these tensors runs the Triton kernel: on CUDA, with a head dimension
-    it is built for and values shaped like the keys. On fake tensors, which stand for the GPU
-    program, always: where the head dimensions are not the kernel's (MLA's 192 for queries and
-    keys, 128 for values) the GPU program runs torch's fused attention, which keeps what the
-    kernel keeps (the output and the log-sum-exp); a CPU's would be the unfused math, holding
-    the scores (8.6 GB per layer and micro-batch at DeepSeek-V3's 128 heads and 4K tokens)."""
+    """Whether attention over these tensors runs the Triton kernel: on CUDA, with query/key and
+    value head sizes it is built for (each in ``KERNEL_HEAD_DIMS``; they may differ) and values
+    shaped like the keys otherwise. Other head sizes (MLA's 192 for queries and keys; the tiny
+    DeepSeek-V3's 24) are not powers of two, which a Triton tile's extent must be: there
+    ``fused_attention`` runs torch's fused attention and context parallelism its PyTorch math
+    (the ring one block's scores at a time, dropped after the block). On fake tensors, which
+    stand for the GPU program, always: where the head dimensions are not the kernel's the GPU
+    program runs torch's fused attention, which keeps what the kernel keeps (the output and the
+    log-sum-exp); a CPU's would be the unfused math, holding the scores (8.6 GB per layer and
+    micro-batch at DeepSeek-V3's 128 heads and 4K tokens)."""
     if fake.is_fake(q):
         return True
-    if q.size(-1) not in KERNEL_HEAD_DIMS or (k is not None and v is not None and k.shape != v.shape):
+    if q.size(-1) not in KERNEL_HEAD_DIMS:
+        return False
+    if v is not None and (v.size(-1) not in KERNEL_HEAD_DIMS or (k is not None and k.shape[:-1] != v.shape[:-1])):
         return False
     if not q.is_cuda:
         return False

@@ -10,10 +10,12 @@ their log-sum-exp. Backward runs the ring again with the block's dK/dV travellin
 arrive back at their owner after ``cp`` steps. ``allgather_attention`` is the variant LLaMA-3 used:
 all-gather K and V, attend locally, reduce-scatter their gradients.
 
-Both take q (batch, heads, local_seq, dim) and k, v (batch, kv_heads, local_seq, dim) in this
-layout and return the output in it. The per-block math is plain PyTorch (exact in fp32 on CPU);
-on GPUs (and on fake tensors, which stand for the GPU program) the Triton flash kernel takes its
-place, so no score matrix is ever materialised there.
+Both take q (batch, heads, local_seq, dim), k (batch, kv_heads, local_seq, dim) and v (batch,
+kv_heads, local_seq, v_dim) in this layout and return the output (batch, heads, local_seq, v_dim)
+in it; ``v_dim`` may differ from ``dim`` (multi-head latent attention). The per-block math is
+plain PyTorch (exact in fp32 on CPU); on GPUs (and on fake tensors, which stand for the GPU
+program) the Triton flash kernel takes its place where it is built for the head sizes
+(``attention.kernel_runs``), so no score matrix is materialised there.
 """
 
 from __future__ import annotations
@@ -139,8 +141,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale, kernel):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         heads = q.size(1)
-        b, _, s2, d = q.shape
-        out = [q.new_zeros(b, heads, s2 // 2, d, dtype=torch.float32) for _ in range(2)]
+        b, _, s2, _ = q.shape
+        dv = v.size(-1)  # the output's head size is the values' (MLA's differs from the keys')
+        out = [q.new_zeros(b, heads, s2 // 2, dv, dtype=torch.float32) for _ in range(2)]
         lse = [q.new_full((b, heads, s2 // 2), float("-inf"), dtype=torch.float32) for _ in range(2)]
         block = [k.contiguous(), v.contiguous()]
         for step in range(cp):
@@ -193,7 +196,7 @@ def ring_attention(
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     if group is None or dist.get_world_size(group) == 1:
         return _local(q, k, v, causal, scale)
-    if kernel is None:
+    if kernel is None:  # off for head sizes the kernel has no tile for (MLA's): the per-block math
         kernel = kernel_runs(q, k, v)
     if kernel:
         q, k, v = autocast_inputs(q, k, v)
@@ -240,13 +243,16 @@ def allgather_attention(q, k, v, group=None, causal: bool = True, scale: float |
         return torch.cat(outs, dim=2)
     heads = q.size(1)
     k_full, v_full = _expand_kv(k_full, heads), _expand_kv(v_full, heads)
-    s = torch.matmul(q, k_full.transpose(-2, -1)) * scale
+    mask = None
     if causal:
         n = q.size(2) // 2
         positions = torch.arange(q.size(2) * cp, device=q.device)
         mine = torch.cat([positions[c * n : (c + 1) * n] for c in _chunks(rank, cp)])
-        s = s.masked_fill(positions[None, :] > mine[:, None], float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v_full)
+        mask = positions[None, :] <= mine[:, None]
+    # torch's attention with the layout's mask, not the written-out softmax: on a GPU its
+    # memory-efficient kernel takes head sizes the Triton one does not (MLA's) without keeping
+    # the scores for backward
+    return torch.nn.functional.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, scale=scale)
 
 
 def _local(q, k, v, causal, scale):

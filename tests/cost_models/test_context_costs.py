@@ -39,3 +39,17 @@ def test_a_checkpointed_layer_gathers_kv_twice_and_keeps_none(layers):
     assert costs.gathered_kv_kept(block, 1, tp, cp, "allgather-kv", frozenset({"activation"})) == 0
     assert costs.gathered_kv_kept(block, 1, tp, cp, "ring", frozenset()) == 0
     assert costs.gathered_kv_kept(block, 1, tp, 1, "flash", frozenset()) == 0
+
+
+def test_mla_prices_queries_keys_and_values_at_their_own_head_sizes():
+    """DeepSeek-V3's latent attention at ``tiny``: 4 heads, queries and keys of 24 (16 + 8 rotary),
+    values of 16. The attention's FLOPs (QK^T over 24, PV over 16) and the K/V that context
+    parallelism moves each use their own head size."""
+    seq, heads, qk, v = 64, 4, 24, 16
+    analysed = captured("deepseek_v3", "tiny", seq)[1]
+    for block in analysed.blocks:
+        assert block.eval("kv_elems", 1, seq) == seq * heads * (qk + v)
+        assert block.eval("flops_attention", 1, seq) == 2 * heads * seq * seq * (qk + v) / 2  # causal: half
+    costs = LayerCosts(analysed, seq, H100, True)
+    kv_bytes = 2 * seq / 2 * heads * (qk + v)  # bf16, one CP2 rank's half of the sequence
+    assert _cp(costs.payload(0, 1, 1, 2, 1, "ring", ()))["send"] == pytest.approx((4 * 2 - 2) * kv_bytes)

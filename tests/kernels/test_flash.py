@@ -22,18 +22,21 @@ def _reference(q, k, v, causal):
 
 
 @pytest.mark.parametrize(
-    "b,h,kvh,s,d,causal",
+    "b,h,kvh,s,d,dv,causal",
     [
-        (1, 2, 2, 128, 32, True),  # block multiple
-        (1, 2, 2, 96, 32, False),  # ragged tail, non-causal
-        (2, 4, 2, 70, 64, True),  # GQA, ragged, head dim 64
-        (1, 4, 1, 33, 32, True),  # multi-query, one partial block
-        (1, 2, 2, 64, 128, True),  # head dim 128
+        (1, 2, 2, 128, 32, 32, True),  # block multiple
+        (1, 2, 2, 96, 32, 32, False),  # ragged tail, non-causal
+        (2, 4, 2, 70, 64, 64, True),  # GQA, ragged, head dim 64
+        (1, 4, 1, 33, 32, 32, True),  # multi-query, one partial block
+        (1, 2, 2, 64, 128, 128, True),  # head dim 128
+        (2, 4, 2, 70, 32, 16, True),  # values' head smaller than the keys' (MLA), GQA, ragged
+        (1, 2, 2, 96, 16, 128, False),  # values' head larger, with the smaller blocks of 128
     ],
 )
-def test_fp32_forward_and_backward_match_pytorch(b, h, kvh, s, d, causal):
+def test_fp32_forward_and_backward_match_pytorch(b, h, kvh, s, d, dv, causal):
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, n, s, d, generator=gen).to(DEVICE).requires_grad_() for n in (h, kvh, kvh))
+    q, k = (torch.randn(b, n, s, d, generator=gen).to(DEVICE).requires_grad_() for n in (h, kvh))
+    v = torch.randn(b, kvh, s, dv, generator=gen).to(DEVICE).requires_grad_()
     out, lse = flash_attention_with_lse(q, k, v, causal=causal)
     ref, ref_lse = _reference(q, k, v, causal)
     tol = 1e-5 if DEVICE == "cpu" else 2e-3  # GPU fp32 dots run in tf32
@@ -65,6 +68,22 @@ def test_bad_shapes_are_refused():
     k = torch.randn(1, 2, 16, 32, device=DEVICE)
     with pytest.raises(ValueError, match="heads 3 vs kv heads 2"):
         flash_attention(q, k, k)
+    q, v = torch.randn(1, 2, 16, 32, device=DEVICE), torch.randn(1, 2, 16, 24, device=DEVICE)
+    with pytest.raises(ValueError, match="head dims 32 and 24"):
+        flash_attention(q, k, v)
+
+
+def test_head_sizes_that_are_not_a_tile_fall_back_to_pytorch():
+    """MLA's value head (24 at DeepSeek-V3's tiny config, 192 for its queries and keys at full
+    size) is no power of two, so no Triton tile spans it: CUDA tensors of such sizes take
+    PyTorch's attention (``kernel_runs`` is false whatever the device)."""
+    from autoshard.runtime.attention import kernel_runs
+
+    q, k = torch.randn(1, 2, 16, 32, device=DEVICE), torch.randn(1, 2, 16, 32, device=DEVICE)
+    assert not kernel_runs(q, k, torch.randn(1, 2, 16, 24, device=DEVICE))
+    mla = torch.randn(1, 2, 16, 24, device=DEVICE)
+    assert not kernel_runs(mla, mla, torch.randn(1, 2, 16, 16, device=DEVICE))
+    assert kernel_runs(q, k, torch.randn(1, 2, 16, 16, device=DEVICE)) == (DEVICE == "cuda")
 
 
 def test_gpu_benchmark_script_runs_its_interpreter_check():

@@ -1,5 +1,6 @@
 """Context-parallel attention on gloo against full attention: ring and all-gather-KV, causal and
-not, GQA, cp=2 and cp=4, forward and backward."""
+not, GQA, a value head size other than the query/key one (MLA), cp=2 and cp=4, forward and
+backward."""
 
 import pytest
 import torch
@@ -13,15 +14,15 @@ def _reference(q, k, v, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def _worker(rank, world, variant, causal, kernel=False):
+def _worker(rank, world, variant, causal, kernel=False, dv=16):
     import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(0)
     b, h, kvh, s, d = 2, 4, 2, 8 * world, 16
     q = torch.randn(b, h, s, d, generator=gen, requires_grad=True)
     k = torch.randn(b, kvh, s, d, generator=gen, requires_grad=True)
-    v = torch.randn(b, kvh, s, d, generator=gen, requires_grad=True)
-    w = torch.randn(b, h, s, d, generator=gen)
+    v = torch.randn(b, kvh, s, dv, generator=gen, requires_grad=True)
+    w = torch.randn(b, h, s, dv, generator=gen)
     ref = _reference(q, k, v, causal)
     (ref * w).sum().backward()
     local = [shard_sequence(t.detach(), world, rank).requires_grad_() for t in (q, k, v)]
@@ -47,14 +48,27 @@ def test_context_parallel_attention_matches_full_attention(cp, variant, causal):
             assert err < 1e-5, (name, err)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_ring_attention_with_the_triton_kernel_per_block(causal):
+@pytest.mark.parametrize("dv", [8, 24])
+@pytest.mark.parametrize("variant", ["ring", "allgather"])
+def test_value_head_size_may_differ_from_the_query_key_one(variant, dv):
+    """Multi-head latent attention (DeepSeek-V2/V3): values of another head size than queries and
+    keys (16 here; 128 against 192 at DeepSeek-V3's full size): the output and dV take the values'."""
+    from distributed import run
+
+    for errs in run(_worker, 2, variant, True, False, dv, timeout=120):
+        for name, err in errs.items():
+            assert err < 1e-5, (name, err)
+
+
+@pytest.mark.parametrize("causal,dv", [(True, 16), (False, 16), (True, 32)])
+def test_ring_attention_with_the_triton_kernel_per_block(causal, dv):
     """The GPU path (each block through autoshard's Triton kernel, the ring backward through its
-    backward kernels with the global LSE), run under TRITON_INTERPRET=1 on gloo."""
+    backward kernels with the global LSE), run under TRITON_INTERPRET=1 on gloo; values' heads of
+    the keys' size and of another."""
     pytest.importorskip("triton")
     from distributed import run
 
-    for errs in run(_worker, 2, "ring", causal, True, timeout=180):
+    for errs in run(_worker, 2, "ring", causal, True, dv, timeout=180):
         for name, err in errs.items():
             assert err < 1e-5, (name, err)
 
