@@ -362,12 +362,16 @@ class _HandOn(torch.autograd.Function):
 
 
 def _hand_on_copies(module: nn.Module) -> None:
-    """Make ``module`` (a pipeline chunk) hand on its inputs as tensors of their own. A chunk
-    passes some inputs on unchanged (the rotary tables a model computes once, in the first
-    chunk), and torch's split backward detaches the chunk's outputs in place after its input
-    pass: the chunk's inputs themselves, which its checkpointed layers recompute from in the
-    weight pass, then without gradients, saving fewer tensors than the forward did
-    (``CheckpointError`` at Mixtral 8x22B under zero-bubble). An alias costs no memory."""
+    """Make ``module`` (a pipeline chunk) hand on its outputs as the pipeline sends them:
+    contiguous, and its inputs as tensors of their own. gloo sends and receives only contiguous
+    tensors, and the neighbour's receive buffer takes the strides of the output it stands for:
+    GPT-J's chunk hands on its rotary sin and cos as views of one table, split along its last
+    dimension (a contiguous output is handed on as it is). A chunk passes some inputs on
+    unchanged (the rotary tables a model computes once, in the first chunk), and torch's split
+    backward detaches the chunk's outputs in place after its input pass: the chunk's inputs
+    themselves, which its checkpointed layers recompute from in the weight pass, then without
+    gradients, saving fewer tensors than the forward did (``CheckpointError`` at Mixtral 8x22B
+    under zero-bubble). An alias costs no memory."""
     forward = module.forward
 
     def run(*args, **kwargs):
@@ -375,7 +379,10 @@ def _hand_on_copies(module: nn.Module) -> None:
         given = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
 
         def own(t):
-            return _HandOn.apply(t) if isinstance(t, torch.Tensor) and id(t) in given and t.requires_grad else t
+            if not isinstance(t, torch.Tensor):
+                return t
+            t = t.contiguous()
+            return _HandOn.apply(t) if id(t) in given and t.requires_grad else t
 
         return tuple(own(t) for t in out) if isinstance(out, tuple) else own(out)
 
@@ -404,18 +411,29 @@ _LAZY_HOOKS = (
 
 
 def _stage_class():
-    """``PipelineStage`` whose receive buffers are made when their receive is posted and let go
-    once read (``_ReceiveOnDemand``), and whose backward runs as the plan counts it
-    (``_PlannedBackward``). On a torch whose stages lack these hooks, torch's own stage."""
+    """``PipelineStage`` that sends its gradients contiguous (``_ContiguousGradients``), whose
+    receive buffers are made when their receive is posted and let go once read
+    (``_ReceiveOnDemand``), and whose backward runs as the plan counts it (``_PlannedBackward``).
+    On a torch whose stages lack the hooks of the last two, torch's own stage with the first."""
     from torch.distributed.pipelining import PipelineStage
 
-    if not all(hasattr(PipelineStage, name) for name in _LAZY_HOOKS):
-        return PipelineStage
+    lazy = all(hasattr(PipelineStage, name) for name in _LAZY_HOOKS)
+    mixins = (_ReceiveOnDemand, _PlannedBackward) if lazy else ()
+    return type("Stage", (_ContiguousGradients, *mixins, PipelineStage), {})
 
-    class Stage(_ReceiveOnDemand, _PlannedBackward, PipelineStage):
-        pass
 
-    return Stage
+class _ContiguousGradients:
+    """A ``PipelineStage`` mixin: the gradients a stage sends back are contiguous, as the
+    activations it received were (``_hand_on_copies``) and as the neighbour's receive buffer is,
+    made from their shapes and strides; gloo and NCCL send contiguous tensors only. A split
+    backward's input pass takes them from ``torch.autograd.grad``, which returns a gradient in the
+    strides its last op left (a transposed matmul's). A contiguous one is sent as it is."""
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        for op in ops:
+            op.tensor = op.tensor.contiguous()
+        return ops
 
 
 class _ReceiveOnDemand:
@@ -569,6 +587,7 @@ def boundaries(out: Path, program: Program, plan: Plan, chunk_ids: list[int], de
         for c in range(max(chunk_ids) + 1):
             _, module = _load_chunk(out, program, c)
             module.to_empty(device=device)
+            _hand_on_copies(module)
             lower_parameters(list(module.parameters()), autocast([module], plan, device, compute))
             y = module(*x)
             # as the real run hands them on: what is made from the parameters carries gradients
