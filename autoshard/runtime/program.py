@@ -24,6 +24,7 @@ from autoshard.runtime import fake, groups, moe, phase
 from autoshard.runtime.checkpoint import Checkpoint
 from autoshard.runtime.rebuild import Recipe
 from autoshard.runtime.stages import load_stage_file, materialise, put_parameter, stage_tables
+from autoshard.runtime.state import kept
 from autoshard.runtime.zero import BUCKET_BYTES, ShardedAdamW
 
 # ---------------------------------------------------------------------------------------------
@@ -192,8 +193,21 @@ def build_chunks(
         except ValueError as e:
             raise ProgramError(str(e)) from None
         module.stage_file = stage_file
+        _persistent_as_in_model(module, stage_file.ORIGIN, program.state_dict_keys)
         modules.append(module)
     return modules
+
+
+def _persistent_as_in_model(chunk: nn.Module, origin: dict[str, str], keys: Sequence[str]) -> None:
+    """Register the buffers of ``chunk`` that the single-device state dict lacks (``keys``:
+    ``Program.state_dict_keys``) as non-persistent, as the model does (a rotary table made at
+    every start) or as the program made them (a constant of the traced graph): the program keeps
+    the others, the model's persistent buffers (``kept``)."""
+    keys = set(keys)
+    for name, buffer in list(chunk.named_buffers()):
+        if origin.get(name, name) not in keys:
+            owner, _, leaf = name.rpartition(".")
+            chunk.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
 
 
 def _load_chunk(out: Path, program: Program, c: int):
@@ -979,19 +993,18 @@ def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int, data: P
 def save_parameters(
     path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids: list[int], tied: Sequence[Tied] = ()
 ) -> None:
-    """This rank's parameters, named as in the single-device model, with how each was split; a
-    tied parameter under each of its names (``tied``: the program's ties), and the copies a
-    second chunk of this rank holds under ``copies`` (verification checks that they agree).
-    Every rank takes part (FSDP gathers its shards); the first data-parallel replica writes, and
-    for stacked expert weights the first rank holding them; routing biases are saved with them."""
+    """What this rank keeps (``kept``: parameters, persistent buffers, routing biases), named
+    as in the single-device model, with how each was split; a tied parameter under each of its
+    names (``tied``: the program's ties), and the copies a second chunk of this rank holds under
+    ``copies`` (verification checks that they agree). Every rank takes part (FSDP gathers its
+    shards); the first data-parallel replica writes, and for stacked expert weights the first
+    rank holding them."""
     out, copies = {}, []
     first_replica = ranks.dp == 0 and ranks.cp == 0
     for module, c in zip(stages, chunk_ids):
         shards, origin = module.stage_file.SHARDS, module.stage_file.ORIGIN
         experts = set(module.stage_file.EXPERTS)
-        biases = {e["bias"] for e in module.stage_file.ROUTING.values() if e.get("bias")}
-        state = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n in biases)]
-        for name, p in state:
+        for name, p in kept(module):
             full = p.full_tensor() if hasattr(p, "full_tensor") else p  # collective under FSDP: every rank
             if not (ranks.edp == 0 if name in experts else first_replica):
                 continue  # expert weights: the first of the ranks holding them writes; the rest: the first replica
