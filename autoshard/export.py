@@ -3,7 +3,8 @@
 A checkpoint (``autoshard.runtime.state``) holds every tensor in the single-device model's
 coordinates, whatever plan wrote it, so exporting is reading each full tensor whole on one
 process (DCP without a process group) and writing it under the model's names: a tied
-parameter under each of its names, routing biases with the parameters.
+parameter under each of its names, persistent buffers (a causal mask kept as a buffer, routing
+biases) with the parameters.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def single_device_state(checkpoint: str | Path, dtype: str = "fp32") -> tuple[dict[str, torch.Tensor], Path, list]:
     """The single-device state dict a checkpoint holds (names without the traced ``model.``
-    prefix), the checkpoint it read, and the state-dict names it does not hold (buffers that
-    are not training state)."""
+    prefix), the checkpoint it read, and the state-dict names it does not hold (a buffer the
+    program never reads, or one a checkpoint written before programs kept buffers lacks)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 

@@ -1,6 +1,7 @@
 """``autoshard verify OUT``: run the emitted program on CPU processes (gloo, fp32) from the seeded
 single-device initialisation, run the original model on one device with the same data and
-optimizer, and compare the losses step by step and the parameters at the end."""
+optimizer, and compare the losses step by step and, at the end, the state dict: the parameters and
+the persistent buffers (a causal mask the model keeps as a buffer), as the program saves them."""
 
 from __future__ import annotations
 
@@ -222,7 +223,8 @@ def _saved(params_dir: Path) -> tuple[dict[str, dict[int, list[torch.Tensor]]], 
 
 
 def assemble(params_dir: Path) -> dict[str, torch.Tensor]:
-    """Whole parameters from the ranks' saved pieces (TP slices put back together)."""
+    """Whole parameters and persistent buffers from the ranks' saved pieces (TP slices put back
+    together)."""
 
     pieces, specs = _saved(params_dir)
     whole = {}
@@ -319,9 +321,9 @@ def _loss_rows(distributed: list[float], reference: list[float]) -> list[dict]:
 
 
 def _parameters_apart(params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor]) -> dict:
-    """How far the program's final parameters lie from the single-device model's: the largest
-    difference, absolute (and relative to that tensor's largest entry), which parameter, and the
-    names the program never saved.
+    """How far the program's final parameters and persistent buffers (``params``) lie from the
+    single-device model's state dict (``ref_params``): the largest difference, absolute (and
+    relative to that tensor's largest entry), which tensor, and the names the program never saved.
 
     Parameters are compared absolutely: AdamW divides each gradient by its own running size, so
     an element whose gradient is as small as eps (1e-8) turns a 1e-7 relative difference in the
@@ -367,7 +369,7 @@ def format_report(result: dict) -> str:
             f"{result['max_copy_abs_diff']:.2e} ({result['max_copy_name']})"
         )
     if result["missing_params"]:
-        lines.append(f"parameters the program never saved: {', '.join(result['missing_params'])}")
+        lines.append(f"state-dict tensors the program never saved: {', '.join(result['missing_params'])}")
     if result.get("fp8_gap") is not None:
         lines.append(
             f"FP8's own effect, for information: the FP8 single-device losses differ from fp32 ones by up to "

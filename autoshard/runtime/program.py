@@ -24,6 +24,7 @@ from autoshard.runtime import fake, groups, moe, phase
 from autoshard.runtime.checkpoint import Checkpoint
 from autoshard.runtime.rebuild import Recipe
 from autoshard.runtime.stages import load_stage_file, materialise, put_parameter, stage_tables
+from autoshard.runtime.state import kept
 from autoshard.runtime.zero import BUCKET_BYTES, ShardedAdamW
 
 # ---------------------------------------------------------------------------------------------
@@ -192,8 +193,21 @@ def build_chunks(
         except ValueError as e:
             raise ProgramError(str(e)) from None
         module.stage_file = stage_file
+        _persistent_as_in_model(module, stage_file.ORIGIN, program.state_dict_keys)
         modules.append(module)
     return modules
+
+
+def _persistent_as_in_model(chunk: nn.Module, origin: dict[str, str], keys: Sequence[str]) -> None:
+    """Register the buffers of ``chunk`` that the single-device state dict lacks (``keys``:
+    ``Program.state_dict_keys``) as non-persistent, as the model does (a rotary table made at
+    every start) or as the program made them (a constant of the traced graph): the program keeps
+    the others, the model's persistent buffers (``kept``)."""
+    keys = set(keys)
+    for name, buffer in list(chunk.named_buffers()):
+        if origin.get(name, name) not in keys:
+            owner, _, leaf = name.rpartition(".")
+            chunk.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
 
 
 def _load_chunk(out: Path, program: Program, c: int):
@@ -362,12 +376,16 @@ class _HandOn(torch.autograd.Function):
 
 
 def _hand_on_copies(module: nn.Module) -> None:
-    """Make ``module`` (a pipeline chunk) hand on its inputs as tensors of their own. A chunk
-    passes some inputs on unchanged (the rotary tables a model computes once, in the first
-    chunk), and torch's split backward detaches the chunk's outputs in place after its input
-    pass: the chunk's inputs themselves, which its checkpointed layers recompute from in the
-    weight pass, then without gradients, saving fewer tensors than the forward did
-    (``CheckpointError`` at Mixtral 8x22B under zero-bubble). An alias costs no memory."""
+    """Make ``module`` (a pipeline chunk) hand on its outputs as the pipeline sends them:
+    contiguous, and its inputs as tensors of their own. gloo sends and receives only contiguous
+    tensors, and the neighbour's receive buffer takes the strides of the output it stands for:
+    GPT-J's chunk hands on its rotary sin and cos as views of one table, split along its last
+    dimension (a contiguous output is handed on as it is). A chunk passes some inputs on
+    unchanged (the rotary tables a model computes once, in the first chunk), and torch's split
+    backward detaches the chunk's outputs in place after its input pass: the chunk's inputs
+    themselves, which its checkpointed layers recompute from in the weight pass, then without
+    gradients, saving fewer tensors than the forward did (``CheckpointError`` at Mixtral 8x22B
+    under zero-bubble). An alias costs no memory."""
     forward = module.forward
 
     def run(*args, **kwargs):
@@ -375,7 +393,10 @@ def _hand_on_copies(module: nn.Module) -> None:
         given = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
 
         def own(t):
-            return _HandOn.apply(t) if isinstance(t, torch.Tensor) and id(t) in given and t.requires_grad else t
+            if not isinstance(t, torch.Tensor):
+                return t
+            t = t.contiguous()
+            return _HandOn.apply(t) if id(t) in given and t.requires_grad else t
 
         return tuple(own(t) for t in out) if isinstance(out, tuple) else own(out)
 
@@ -404,18 +425,29 @@ _LAZY_HOOKS = (
 
 
 def _stage_class():
-    """``PipelineStage`` whose receive buffers are made when their receive is posted and let go
-    once read (``_ReceiveOnDemand``), and whose backward runs as the plan counts it
-    (``_PlannedBackward``). On a torch whose stages lack these hooks, torch's own stage."""
+    """``PipelineStage`` that sends its gradients contiguous (``_ContiguousGradients``), whose
+    receive buffers are made when their receive is posted and let go once read
+    (``_ReceiveOnDemand``), and whose backward runs as the plan counts it (``_PlannedBackward``).
+    On a torch whose stages lack the hooks of the last two, torch's own stage with the first."""
     from torch.distributed.pipelining import PipelineStage
 
-    if not all(hasattr(PipelineStage, name) for name in _LAZY_HOOKS):
-        return PipelineStage
+    lazy = all(hasattr(PipelineStage, name) for name in _LAZY_HOOKS)
+    mixins = (_ReceiveOnDemand, _PlannedBackward) if lazy else ()
+    return type("Stage", (_ContiguousGradients, *mixins, PipelineStage), {})
 
-    class Stage(_ReceiveOnDemand, _PlannedBackward, PipelineStage):
-        pass
 
-    return Stage
+class _ContiguousGradients:
+    """A ``PipelineStage`` mixin: the gradients a stage sends back are contiguous, as the
+    activations it received were (``_hand_on_copies``) and as the neighbour's receive buffer is,
+    made from their shapes and strides; gloo and NCCL send contiguous tensors only. A split
+    backward's input pass takes them from ``torch.autograd.grad``, which returns a gradient in the
+    strides its last op left (a transposed matmul's). A contiguous one is sent as it is."""
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        for op in ops:
+            op.tensor = op.tensor.contiguous()
+        return ops
 
 
 class _ReceiveOnDemand:
@@ -569,6 +601,7 @@ def boundaries(out: Path, program: Program, plan: Plan, chunk_ids: list[int], de
         for c in range(max(chunk_ids) + 1):
             _, module = _load_chunk(out, program, c)
             module.to_empty(device=device)
+            _hand_on_copies(module)
             lower_parameters(list(module.parameters()), autocast([module], plan, device, compute))
             y = module(*x)
             # as the real run hands them on: what is made from the parameters carries gradients
@@ -960,19 +993,18 @@ def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int, data: P
 def save_parameters(
     path: Path, stages: list[nn.Module], ranks: Ranks, chunk_ids: list[int], tied: Sequence[Tied] = ()
 ) -> None:
-    """This rank's parameters, named as in the single-device model, with how each was split; a
-    tied parameter under each of its names (``tied``: the program's ties), and the copies a
-    second chunk of this rank holds under ``copies`` (verification checks that they agree).
-    Every rank takes part (FSDP gathers its shards); the first data-parallel replica writes, and
-    for stacked expert weights the first rank holding them; routing biases are saved with them."""
+    """What this rank keeps (``kept``: parameters, persistent buffers, routing biases), named
+    as in the single-device model, with how each was split; a tied parameter under each of its
+    names (``tied``: the program's ties), and the copies a second chunk of this rank holds under
+    ``copies`` (verification checks that they agree). Every rank takes part (FSDP gathers its
+    shards); the first data-parallel replica writes, and for stacked expert weights the first
+    rank holding them."""
     out, copies = {}, []
     first_replica = ranks.dp == 0 and ranks.cp == 0
     for module, c in zip(stages, chunk_ids):
         shards, origin = module.stage_file.SHARDS, module.stage_file.ORIGIN
         experts = set(module.stage_file.EXPERTS)
-        biases = {e["bias"] for e in module.stage_file.ROUTING.values() if e.get("bias")}
-        state = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n in biases)]
-        for name, p in state:
+        for name, p in kept(module):
             full = p.full_tensor() if hasattr(p, "full_tensor") else p  # collective under FSDP: every rank
             if not (ranks.edp == 0 if name in experts else first_replica):
                 continue  # expert weights: the first of the ranks holding them writes; the rest: the first replica

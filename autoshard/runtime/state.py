@@ -149,10 +149,27 @@ class Entry:
         return None if g is None else local_of(g)
 
 
+def kept(chunk: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a program keeps of pipeline chunk ``chunk`` (saves for verification, checkpoints,
+    exports), by the chunk's names: its parameters, the buffers the single-device model's state
+    dict has (those ``program.build_chunks`` leaves persistent, as the model does: a causal mask
+    held as a buffer, not a rotary table made again at every start) and MoE routing biases (the
+    stage file's ``ROUTING``: trained state, whatever the model registers them as)."""
+    biases = {e["bias"] for e in getattr(chunk.stage_file, "ROUTING", {}).values() if e.get("bias")}
+    buffers = [(n, b) for n, b in chunk.named_buffers() if n in biases or _persistent(chunk, n)]
+    return [*chunk.named_parameters(), *buffers]
+
+
+def _persistent(chunk: nn.Module, name: str) -> bool:
+    """Whether buffer ``name`` of ``chunk`` is in its state dict (torch asks no hooks this way)."""
+    owner, _, leaf = name.rpartition(".")
+    return leaf not in chunk.get_submodule(owner)._non_persistent_buffers_set
+
+
 def entries(stages: list[nn.Module], chunk_ids: list[int], ranks, tied: Sequence[Tied]) -> list[Entry]:
-    """This rank's parameters and routing-bias buffers, each once (a parameter two chunks of this
-    rank share is listed once), in full-tensor coordinates. A tied parameter's copies are one key
-    (its first name) and count on the first chunk holding it only."""
+    """What this rank keeps (``kept``: parameters, persistent buffers, routing biases), each once
+    (a parameter two chunks of this rank share is listed once), in full-tensor coordinates. A tied
+    parameter's copies are one key (its first name) and count on the first chunk holding it only."""
     canonical, first_chunk = {}, {}
     for entry in tied:
         for name in entry.names:
@@ -163,9 +180,7 @@ def entries(stages: list[nn.Module], chunk_ids: list[int], ranks, tied: Sequence
         sf = module.stage_file
         shards, origin = sf.SHARDS, sf.ORIGIN
         experts = set(getattr(sf, "EXPERTS", ()))
-        biases = {e["bias"] for e in getattr(sf, "ROUTING", {}).values() if e.get("bias")}
-        tensors = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n in biases)]
-        for name, p in tensors:
+        for name, p in kept(module):
             if id(p) in seen:
                 continue
             seen.add(id(p))
@@ -355,7 +370,7 @@ def load_targets(items: list[Entry], optim, saved: dict) -> list[dict]:
 
 
 def model_state(items: list[Entry], copy: bool, save: bool | None = None) -> dict:
-    """Parameters and routing biases in DCP form (``model/<name>``): to save (the counted ones:
+    """What the program keeps (``kept``) in DCP form (``model/<name>``): to save (the counted ones:
     copies for a background write, views for one inside the step, ``copy=False, save=True``),
     or views of every one to load into."""
     save = copy if save is None else save

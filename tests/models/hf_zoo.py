@@ -27,6 +27,8 @@ ARCHITECTURES = {
     "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(_DECODER, rotary_pct=0.25)),
     "olmo": ("OlmoForCausalLM", "OlmoConfig", _DECODER),
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", _DECODER),
+    "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                                   n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
 }  # fmt: skip
 CONFIGS = {name: spec[2] for name, spec in ARCHITECTURES.items()}
 
