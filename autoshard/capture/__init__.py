@@ -26,7 +26,7 @@ from torch import fx, nn
 
 from autoshard import modelfile, passes
 from autoshard.capture import dtypes, shapes, structure
-from autoshard.capture.init import Init, record_build
+from autoshard.capture.init import Init, lifted, record_build
 from autoshard.capture.structure import LayerKind
 from autoshard.capture.trace import BATCH_HINT, TrainingForward, causal_lm_loss, trace
 
@@ -81,11 +81,14 @@ def capture(
     observe=None,
 ) -> Captured:
     """Trace ``model`` (live or on meta) with ``inputs`` (default: token ids of shape (2, seq));
-    ``inits``, from ``init.record_build``, say how the model initialises its tensors; ``observe``
-    (``passes.contract.Observer``) sees the graph before and after canonicalisation."""
+        ``inits``, from ``init.record_build``, say how the model initialises its tensors (the constants
+    lifted from its forward take their captured values); ``observe``
+        (``passes.contract.Observer``) sees the graph before and after canonicalisation."""
     if inputs is None:
         inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
     gm, tracer, names = trace(model, inputs, loss, source)
+    if inits is not None:
+        inits = {**_traced_names(inits), **_lifted(gm, model)}
     if tracer == "export":
         _follow_bf16(gm, model, inputs, loss, source)
     gm = passes.canonical(gm, inputs, observe)
@@ -112,7 +115,7 @@ def capture(
         input_names=names,
         source=source,
         layer_nodes=layer_nodes,
-        inits=None if inits is None else _traced_names(inits),
+        inits=inits,
         notes=notes,
     )
 
@@ -133,6 +136,15 @@ def _follow_bf16(gm, model: nn.Module, inputs: tuple, loss, source: str | None) 
         return
     if tracer == "export":
         dtypes.follow(gm, low)
+
+
+def _lifted(gm: fx.GraphModule, model: nn.Module) -> dict[str, Init]:
+    """The initialisations of the buffers the traced graph holds and ``model`` does not: the
+    constants lifted from its forward (``trace.lifted_as_buffers``), each its captured value."""
+    prefix = structure._WRAPPER_PREFIX
+    held = {f"{prefix}{k}" for k, _ in model.named_parameters(remove_duplicate=False)}
+    held |= {f"{prefix}{k}" for k, _ in model.named_buffers(remove_duplicate=False)}
+    return {k: lifted(v) for k, v in gm.named_buffers() if k not in held}
 
 
 def _traced_names(inits: dict[str, Init]) -> dict[str, Init]:
