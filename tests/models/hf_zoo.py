@@ -27,6 +27,10 @@ ARCHITECTURES = {
     "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(_DECODER, rotary_pct=0.25)),
     "olmo": ("OlmoForCausalLM", "OlmoConfig", _DECODER),
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", _DECODER),
+    "falcon": ("FalconForCausalLM", "FalconConfig", dict(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                                       num_attention_heads=4, new_decoder_architecture=False,
+                                                       multi_query=True, ffn_hidden_size=128,
+                                                       max_position_embeddings=256)),
 }  # fmt: skip
 CONFIGS = {name: spec[2] for name, spec in ARCHITECTURES.items()}
 
