@@ -11,11 +11,20 @@ Which ops a shard crosses is the op table's ``tp`` field (``autoshard.ir.ops.RUL
 exactly the ops for which the tensor-parallel pass implements a transfer rule, so the planner
 never prices a split the pass then refuses for want of a rule.
 
+A column whose output is viewed into heads and split into parts, some of one head (multi-query
+attention's key and value in a fused QKV projection, Falcon's), keeps those parts whole on every
+TP rank, as Megatron replicates key/value heads fewer than the TP degree (``passes.tensor_parallel``
+does): :func:`single_heads` says which features those are, and the nodes that carry them to
+attention stay ``replicated``.
+
 Writes ``node.meta["tp"]`` (``replicated`` | ``sharded`` | ``partial``) and, on weighted matmuls
 and embeddings, ``node.meta["tp_role"]`` (``column`` | ``row`` | ``vocab`` | ``replicated``).
 """
 
 from __future__ import annotations
+
+import math
+import operator
 
 from torch import fx
 
@@ -138,6 +147,46 @@ def _pair(n: fx.Node, gm: fx.GraphModule, crossing: bool = False) -> None:
     n.meta["tp"] = "sharded"
     for m in region:
         m.meta["tp"] = "sharded"
+    _, parts = single_heads(n)
+    for m in _until_attention(parts, region):
+        m.meta["tp"] = "replicated"
+
+
+def single_heads(column: fx.Node) -> tuple[int, list[fx.Node]]:
+    """The output features of ``column`` that every TP rank computes whole, and the nodes that
+    take them out of its output: the parts of one head of an unequal split of the column's
+    output viewed into heads (Falcon's ``fused_qkv.view(b, s, -1, d).split([heads, 1, 1], -2)``).
+    (0, []) for any other column."""
+    node = column
+    while True:
+        users = [u for u in node.users if not _metadata_query(u)]
+        r = ops.rule_of(users[0]) if len(users) == 1 else None
+        if r is None or r.tp != "view":
+            break
+        node = users[0]
+    split = users[0] if r is not None and r.tp == "split" else None
+    shape = node.meta.get("shape") or ()
+    if split is None or node is column or len(split.args) < 2 or not isinstance(split.args[1], (list, tuple)):
+        return 0, []
+    sizes = [int(x) for x in split.args[1]]
+    dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % len(shape)
+    if dim == len(shape) - 1 or len(set(sizes)) == 1 or 1 not in sizes:
+        return 0, []
+    inner = math.prod(int(x) for x in shape[dim + 1 :])
+    parts = [u for u in split.users if u.target is operator.getitem and sizes[u.args[1]] == 1]
+    return inner * sizes.count(1), parts
+
+
+def _until_attention(starts: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
+    """``starts`` and the region's nodes they reach before attention."""
+    out, frontier = set(), list(starts)
+    while frontier:
+        n = frontier.pop()
+        if n in out or (ops.rule_of(n) is not None and ops.rule_of(n).tp == "attention"):
+            continue
+        out.add(n)
+        frontier.extend(u for u in n.users if u in region)
+    return out
 
 
 def _metadata_query(node: fx.Node) -> bool:

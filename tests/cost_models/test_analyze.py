@@ -160,3 +160,47 @@ def test_facts_of_repeated_keys_a_narrow_rotary_table_and_addmm_projections():
     assert (facts["heads"], facts["kv_heads"], facts["hidden"]) == ([4], [2], 32)  # not 4 kv heads, not 4 wide
     (qkv,) = [g for g in cost.blocks[0].gemms]
     assert (qkv.n, qkv.k) == (64, 32)  # addmm(bias, x, w): contracts x's 32, not the bias's 64
+
+
+class _MultiQueryLayer(torch.nn.Module):
+    """Multi-query attention through a fused projection, as Falcon writes it: 4 query heads and
+    one key and value head of 8 features, split off the output viewed into heads."""
+
+    def __init__(self, hidden=32, heads=4):
+        super().__init__()
+        self.heads, self.dim = heads, hidden // heads
+        self.qkv = torch.nn.Linear(hidden, (heads + 2) * self.dim, bias=False)
+        self.dense = torch.nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x, rotary):  # the decoder's rotary table, unused
+        b, s = x.size(0), x.size(1)
+        q, k, v = self.qkv(x).view(b, s, -1, self.dim).split([self.heads, 1, 1], dim=2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        return x + self.dense(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_one_key_value_head_of_a_fused_projection_costs_whole_on_every_tp_rank():
+    """What the tensor-parallel pass does with it: the projection's weight whole on every rank, its
+    query rows split, its key and value head computed whole; the cost model says the same."""
+    from autoshard.capture import capture
+    from autoshard.cost_models.analyze import analyze
+    from autoshard.passes.contract import RewriteContext
+    from autoshard.passes.tensor_parallel import tensor_parallel
+
+    model = _Decoder()
+    model.layers = torch.nn.ModuleList(_MultiQueryLayer() for _ in range(2))
+    cap = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
+    cost = analyze(cap)
+    assert cost.facts["kv_heads"] == [1] and 1 not in cost.facts["tp_dims"]  # no bound on TP
+    blk = cost.blocks[0]
+    qkv = [(g.n, g.role) for g in blk.gemms if g.k == 32 and g.role != "row"]
+    assert qkv == [(32, "column"), (16, "replicated")]  # the key and value head not divided
+    assert blk.params - blk.params_tp == 48 * 32  # the projection's weight stays whole
+    ms = {ir.B: 2, ir.S: 8}
+    qkv_flops = 2 * 16 * 48 * 32
+    assert blk.matmul[2].subs(ms) == qkv_flops * 16 // 48  # done whole: the key and value head
+    gm = tensor_parallel(cap.graph_module, RewriteContext(tp=2))
+    (rows,) = [n.meta["shape"][0] for n in gm.graph.nodes if n.target is torch.cat and n.meta.get("layer") == 0]
+    assert rows == 32 // 2 + 16  # the program's rows of the weight, as the gemms say
