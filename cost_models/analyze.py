@@ -615,7 +615,7 @@ def _gemms(n: fx.Node, gm: fx.GraphModule) -> list[Gemm]:
     whole = sharding.single_heads(n)[0] if g.role == "column" else 0
     if not whole:
         return [g]
-    return [replace(g, n=g.n - whole), replace(g, n=whole, role="replicated")]
+    return [*([replace(g, n=g.n - whole)] if whole < g.n else []), replace(g, n=whole, role="replicated")]
 
 
 def _gemm(n: fx.Node, gm: fx.GraphModule) -> Gemm | None:

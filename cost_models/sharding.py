@@ -23,7 +23,6 @@ and embeddings, ``node.meta["tp_role"]`` (``column`` | ``row`` | ``vocab`` | ``r
 
 from __future__ import annotations
 
-import math
 import operator
 
 from torch import fx
@@ -147,34 +146,57 @@ def _pair(n: fx.Node, gm: fx.GraphModule, crossing: bool = False) -> None:
     n.meta["tp"] = "sharded"
     for m in region:
         m.meta["tp"] = "sharded"
-    _, parts = single_heads(n)
+    whole, parts = single_heads(n)
     for m in _until_attention(parts, region):
         m.meta["tp"] = "replicated"
+    if whole and whole == n.meta["shape"][-1]:  # a key/value projection of one head
+        n.meta["tp"] = "replicated"
 
 
 def single_heads(column: fx.Node) -> tuple[int, list[fx.Node]]:
     """The output features of ``column`` that every TP rank computes whole, and the nodes that
     take them out of its output: the parts of one head of an unequal split of the column's
-    output viewed into heads (Falcon's ``fused_qkv.view(b, s, -1, d).split([heads, 1, 1], -2)``).
-    (0, []) for any other column."""
-    node = column
+    output viewed into heads (Falcon's ``fused_qkv.view(b, s, -1, d).split([heads, 1, 1], -2)``),
+    or all of them where the output viewed as one head only reaches attention (a multi-query key
+    or value projection, ``k_proj(x).view(b, s, 1, d)``). (0, []) for any other column."""
+    node = viewed = column
     while True:
         users = [u for u in node.users if not _metadata_query(u)]
         r = ops.rule_of(users[0]) if len(users) == 1 else None
-        if r is None or r.tp != "view":
+        if r is None or r.tp not in ("view", "transpose", "permute"):
             break
         node = users[0]
+        viewed = node if r.tp == "view" else viewed
     split = users[0] if r is not None and r.tp == "split" else None
+    shape = viewed.meta.get("shape") or ()
+    if split is None and viewed is not column and len(shape) > 2 and shape[-2] == 1 and _reaches_attention(viewed):
+        return int(column.meta["shape"][-1]), [viewed]
     shape = node.meta.get("shape") or ()
     if split is None or node is column or len(split.args) < 2 or not isinstance(split.args[1], (list, tuple)):
         return 0, []
     sizes = [int(x) for x in split.args[1]]
+    features = int(column.meta["shape"][-1])
     dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % len(shape)
-    if dim == len(shape) - 1 or len(set(sizes)) == 1 or 1 not in sizes:
-        return 0, []
-    inner = math.prod(int(x) for x in shape[dim + 1 :])
+    if len(set(sizes)) == 1 or 1 not in sizes or int(shape[dim]) != sum(sizes) or features == sum(sizes):
+        return 0, []  # not a split of heads (of more than one feature each)
+    inner = features // sum(sizes)
     parts = [u for u in split.users if u.target is operator.getitem and sizes[u.args[1]] == 1]
     return inner * sizes.count(1), parts
+
+
+def _reaches_attention(node: fx.Node) -> bool:
+    """Every path from ``node`` ends in attention (through ops other than matmuls and losses)."""
+    seen, frontier = set(), [node]
+    while frontier:
+        for u in frontier.pop().users:
+            r = ops.rule_of(u)
+            if u in seen or _metadata_query(u) or (r is not None and r.tp == "attention"):
+                continue
+            if not _transparent(u) or u.op == "output":
+                return False
+            seen.add(u)
+            frontier.append(u)
+    return True
 
 
 def _until_attention(starts: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:

@@ -261,8 +261,19 @@ class _Propagator:
             self.module_partials.update(f"{node.target}.{n}" for n, p in module.named_parameters() if p.requires_grad)
         return self.pointwise(node, src, s)
 
-    def view(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+    def view(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard | None:
+        """A column's whole output viewed as one head that only attention reads (multi-query
+        attention's key or value projection) is not split: every rank keeps it whole (None)."""
         src_shape, dst_shape = _shape(src), _shape(node)
+        if (
+            self.root[src] is src
+            and len(dst_shape) == len(src_shape) + 1
+            and _num(dst_shape[-2]) == 1
+            and _num(dst_shape[-1]) == _num(src_shape[-1])
+            and _only_attention_reads(node)
+        ):
+            self.whole_heads_of[src] = ((1,), _num(src_shape[-1]))
+            return None
         for gi, gj in _groups(src_shape, dst_shape):
             if s.dim not in gi:
                 continue
@@ -604,6 +615,21 @@ class _Propagator:
         return None
 
 
+def _only_attention_reads(node: fx.Node) -> bool:
+    """Every path from ``node`` ends in attention (through ops other than matmuls and losses)."""
+    seen, frontier = set(), [node]
+    while frontier:
+        for u in frontier.pop().users:
+            r = ops.rule_of(u)
+            if u in seen or (r is not None and (r.metadata in ("size", "attr") or r.tp == "attention")):
+                continue
+            if r is None or r.tp in (None, *ops.TP_REGION_ENDS) or u.op == "output":
+                return False
+            seen.add(u)
+            frontier.append(u)
+    return True
+
+
 # ops.TP_RULES kind -> the rule that carries a shard through it ("linear" and "loss" end a region)
 _TRANSFER = {
     "pointwise": _Propagator.pointwise,
@@ -768,6 +794,10 @@ def _keep_whole_heads(gm: fx.GraphModule, tp: int, node: fx.Node, lin: _Lin, par
     rank, and the graph cuts out this rank's rows (1/tp of every larger part, all of each one-head
     part) before the product. Each rank's gradient of them is then partial over TP (its own query
     rows, and the shared heads as its own query heads read them): ``partial_grads`` sums it."""
+    if parts == (1,):  # a projection of one head: its output whole, as its weight
+        decisions(gm).partial_grads.extend(n for n in (lin.weight, lin.bias) if n is not None)
+        note(node, f"tp={tp}: one key/value head, whole on every rank, its gradients summed over TP")
+        return
     if lin.stored_in_out:
         raise _fail(node, "a fused projection with one-head parts whose weight is stored (in, out)", tp)
     graph, rows = gm.graph, [p * inner for p in parts]
@@ -960,6 +990,8 @@ def full_weights_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
         if node.meta.get("tp_role") == "column" and _cut_in_graph(node):
             continue  # kept whole, this rank's rows cut in the graph (``_keep_whole_heads``)
         lin = _linear(gm, node, ctx.tp)
+        if lin.weight in decisions(gm).partial_grads:
+            continue  # one key/value head, kept whole (``_keep_whole_heads``)
         spec = decisions(gm).shards.get(lin.weight)
         local = _param(gm, lin.weight).shape
         if spec is None or local[spec.dim] * ctx.tp != math.prod(spec.factors):

@@ -200,6 +200,17 @@ def test_a_single_key_value_head_of_a_fused_projection_is_kept_whole_on_every_ra
     assert decisions(gm).shards["model.layers.0.o.weight"] == ParamShard(1, (4, 8), 0)  # whole query heads
 
 
+def test_a_single_key_value_head_projection_is_kept_whole_on_every_rank():
+    """Multi-query attention with its own key and value projections: rank 0 runs the program of
+    grouped-query attention split in two (2 query heads, one key/value head), but the key and
+    value weights are whole, not halved, and their gradients are summed over the ranks."""
+    gm, ctx = rewrite(LM(Attention(kv_heads=1)))
+    assert_same_program(gm, program(AttentionRank()), meta={**VOCAB_META, "copy_to_tp": {"tp": "replicated"}})
+    whole = ["model.layers.0.k.weight", "model.layers.0.v.weight"]
+    assert not set(whole) & set(decisions(gm).shards)
+    assert decisions(gm).partial_grads == whole
+
+
 class VocabRank(nn.Module):
     def __init__(self):
         super().__init__()
