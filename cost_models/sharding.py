@@ -169,7 +169,7 @@ def single_heads(column: fx.Node) -> tuple[int, list[fx.Node]]:
         viewed = node if r.tp == "view" else viewed
     split = users[0] if r is not None and r.tp == "split" else None
     shape = viewed.meta.get("shape") or ()
-    if split is None and viewed is not column and len(shape) > 2 and shape[-2] == 1 and _reaches_attention(viewed):
+    if split is None and viewed is not column and len(shape) > 2 and shape[-2] == 1 and reaches_attention(viewed):
         return int(column.meta["shape"][-1]), [viewed]
     shape = node.meta.get("shape") or ()
     if split is None or node is column or len(split.args) < 2 or not isinstance(split.args[1], (list, tuple)):
@@ -184,7 +184,7 @@ def single_heads(column: fx.Node) -> tuple[int, list[fx.Node]]:
     return inner * sizes.count(1), parts
 
 
-def _reaches_attention(node: fx.Node) -> bool:
+def reaches_attention(node: fx.Node) -> bool:
     """Every path from ``node`` ends in attention (through ops other than matmuls and losses)."""
     seen, frontier = set(), [node]
     while frontier:

@@ -33,6 +33,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import runtime
+from autoshard.cost_models.sharding import reaches_attention
 from autoshard.errors import AutoshardError
 from autoshard.ir import ops
 from autoshard.passes._graph import note, place
@@ -270,7 +271,7 @@ class _Propagator:
             and len(dst_shape) == len(src_shape) + 1
             and _num(dst_shape[-2]) == 1
             and _num(dst_shape[-1]) == _num(src_shape[-1])
-            and _only_attention_reads(node)
+            and reaches_attention(node)
         ):
             self.whole_heads_of[src] = ((1,), _num(src_shape[-1]))
             return None
@@ -613,21 +614,6 @@ class _Propagator:
         except Refusal as e:
             return str(e).split(": ", 1)[-1].rsplit(";", 1)[0]
         return None
-
-
-def _only_attention_reads(node: fx.Node) -> bool:
-    """Every path from ``node`` ends in attention (through ops other than matmuls and losses)."""
-    seen, frontier = set(), [node]
-    while frontier:
-        for u in frontier.pop().users:
-            r = ops.rule_of(u)
-            if u in seen or (r is not None and (r.metadata in ("size", "attr") or r.tp == "attention")):
-                continue
-            if r is None or r.tp in (None, *ops.TP_REGION_ENDS) or u.op == "output":
-                return False
-            seen.add(u)
-            frontier.append(u)
-    return True
 
 
 # ops.TP_RULES kind -> the rule that carries a shard through it ("linear" and "loss" end a region)
