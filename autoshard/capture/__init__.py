@@ -3,7 +3,8 @@
 The steps, one module each, in the order :func:`capture` runs them:
 
 1. ``trace``: the training forward (model, then loss) as an fx graph, by ``torch.fx.symbolic_trace``
-   or, where that fails, ``torch.export``;
+   or, where that fails, ``torch.export``; a constant the forward makes (a list index, a
+   ``torch.tensor`` of data) is a non-persistent buffer holding its value;
 2. ``autoshard.passes.canonical``: the first pass, canonicalisation, makes one form of the graph
    whichever tracer produced it (no export guards or metadata asserts, no device constants); the
    cost model reads that form, so it runs here rather than with the plan's passes;

@@ -219,7 +219,7 @@ def lifted_as_buffers(gm: fx.GraphModule, wrapper: nn.Module, values: dict) -> f
     held = {k for k, _ in wrapper.named_parameters(remove_duplicate=False)}
     held |= {k for k, _ in wrapper.named_buffers(remove_duplicate=False)}
     for n in gm.graph.nodes:
-        if n.op != "get_attr" or n.target in held:
+        if n.op != "get_attr" or n.target in held or _model_attribute(wrapper, n.target):
             continue
         path, _, leaf = n.target.rpartition(".")
         owner = gm.get_submodule(path)
@@ -237,6 +237,15 @@ def lifted_as_buffers(gm: fx.GraphModule, wrapper: nn.Module, values: dict) -> f
         delattr(owner, leaf)
         owner.register_buffer(leaf, value.detach().cpu().clone(), persistent=False)
     return gm
+
+
+def _model_attribute(wrapper: nn.Module, target: str) -> bool:
+    """Whether the model holds a tensor at ``target`` (a plain attribute, neither parameter nor
+    buffer): the model's own, not a constant of its forward."""
+    obj = wrapper
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return isinstance(obj, torch.Tensor)
 
 
 def _symbolic_trace(wrapper: nn.Module) -> fx.GraphModule:
