@@ -366,7 +366,9 @@ def _facts(gm: fx.GraphModule, layers: list[BlockCost], blocks: list[BlockCost])
         "heads": sorted(heads),
         "kv_heads": sorted(kv_heads),
         "experts": max(expert_counts) if expert_counts else 0,
-        "tp_dims": sorted(tp_dims | heads | kv_heads),
+        # one key/value head (multi-query attention) is kept whole on every TP rank
+        # (``passes.tensor_parallel``), so it bounds no TP degree
+        "tp_dims": sorted(tp_dims | heads | (kv_heads - {1})),
         "hidden": _hidden(layers[0] if layers else blocks[0]),
         "vocab": vocab,
     }
@@ -454,7 +456,7 @@ def _block(
     inside = set(nodes)
     work = _work(nodes)
     params, params_tp, params_experts = _parameter_counts(nodes, gm, counted)
-    gemms = _grouped_experts([g for n in nodes if (g := _gemm(n, gm)) is not None])
+    gemms = _grouped_experts([g for n in nodes for g in _gemms(n, gm)])
     pointwise, pointwise_tp = _pointwise_bytes(nodes, gm)
     saved = _saved_tensors(nodes, inside, gm)
     outputs = [n for n in nodes if n.meta.get("shape") is not None and any(u not in inside for u in n.users)]
@@ -495,7 +497,7 @@ def _work(nodes: list[fx.Node]) -> dict[str, sympy.Expr | dict[str, sympy.Expr]]
         by_class[n.meta["op_class"]] = by_class.get(n.meta["op_class"], zero) + cost.flops
         bytes_by_class[n.meta["op_class"]] = bytes_by_class.get(n.meta["op_class"], zero) + cost.bytes_moved
         if sharding.splits_work(n):
-            flops_tp += cost.flops
+            flops_tp += cost.flops * _tp_share(n)
         if n.meta["op_class"] == "experts":
             flops_experts += cost.flops
         if n.meta["op_class"] == "attention":
@@ -591,6 +593,29 @@ def _root_parameter(node: fx.Node, gm: fx.GraphModule) -> bool:
     while node.op != "get_attr":
         node = node.args[0]
     return bool(_parameters_read(node, gm))
+
+
+def _tp_share(n: fx.Node) -> sympy.Rational:
+    """The share of ``n``'s work TP divides, where it splits work at all: all of it, but for a
+    column whose one-head parts every rank computes whole (``sharding.single_heads``)."""
+    whole, _ = sharding.single_heads(n) if n.meta.get("tp_role") == "column" else (0, [])
+    if not whole:
+        return sympy.Integer(1)
+    features = int(n.meta["shape"][-1])
+    return sympy.Rational(features - whole, features)
+
+
+def _gemms(n: fx.Node, gm: fx.GraphModule) -> list[Gemm]:
+    """``n``'s weighted product as :class:`Gemm` s: a column whose one-head parts every TP rank
+    computes whole (``sharding.single_heads``) is two, the column of the rest and those parts,
+    replicated; others are one (none for a node that is no weighted product)."""
+    g = _gemm(n, gm)
+    if g is None:
+        return []
+    whole = sharding.single_heads(n)[0] if g.role == "column" else 0
+    if not whole:
+        return [g]
+    return [*([replace(g, n=g.n - whole)] if whole < g.n else []), replace(g, n=whole, role="replicated")]
 
 
 def _gemm(n: fx.Node, gm: fx.GraphModule) -> Gemm | None:
@@ -705,7 +730,9 @@ def _weight_users(param: fx.Node) -> list[fx.Node]:
 
 def _param_tp_sharded(node: fx.Node, pname: str) -> bool:
     role = node.meta.get("tp_role")
-    if role in ("column", "vocab"):
+    if role == "column":  # but one whose one-head parts every rank keeps: its weight stays whole
+        return not sharding.single_heads(node)[0]
+    if role == "vocab":
         return True
     return role == "row" and pname != "bias"
 
@@ -882,8 +909,13 @@ def _matmul_parts(nodes) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
             continue
         if n.meta.get("op_class") == "attention":
             i = 0
-        elif sharding.splits_work(n) or n.meta.get("op_class") == "experts":
+        elif n.meta.get("op_class") == "experts":
             i = 1
+        elif sharding.splits_work(n):
+            share = _tp_share(n)
+            parts[1] += n.meta["cost"].flops * share
+            parts[2] += n.meta["cost"].flops * (1 - share)
+            continue
         else:
             i = 2
         parts[i] += n.meta["cost"].flops

@@ -11,11 +11,19 @@ Which ops a shard crosses is the op table's ``tp`` field (``autoshard.ir.ops.RUL
 exactly the ops for which the tensor-parallel pass implements a transfer rule, so the planner
 never prices a split the pass then refuses for want of a rule.
 
+A column whose output is viewed into heads and split into parts, some of one head (multi-query
+attention's key and value in a fused QKV projection, Falcon's), keeps those parts whole on every
+TP rank, as Megatron replicates key/value heads fewer than the TP degree (``passes.tensor_parallel``
+does): :func:`single_heads` says which features those are, and the nodes that carry them to
+attention stay ``replicated``.
+
 Writes ``node.meta["tp"]`` (``replicated`` | ``sharded`` | ``partial``) and, on weighted matmuls
 and embeddings, ``node.meta["tp_role"]`` (``column`` | ``row`` | ``vocab`` | ``replicated``).
 """
 
 from __future__ import annotations
+
+import operator
 
 from torch import fx
 
@@ -138,6 +146,69 @@ def _pair(n: fx.Node, gm: fx.GraphModule, crossing: bool = False) -> None:
     n.meta["tp"] = "sharded"
     for m in region:
         m.meta["tp"] = "sharded"
+    whole, parts = single_heads(n)
+    for m in _until_attention(parts, region):
+        m.meta["tp"] = "replicated"
+    if whole and whole == n.meta["shape"][-1]:  # a key/value projection of one head
+        n.meta["tp"] = "replicated"
+
+
+def single_heads(column: fx.Node) -> tuple[int, list[fx.Node]]:
+    """The output features of ``column`` that every TP rank computes whole, and the nodes that
+    take them out of its output: the parts of one head of an unequal split of the column's
+    output viewed into heads (Falcon's ``fused_qkv.view(b, s, -1, d).split([heads, 1, 1], -2)``),
+    or all of them where the output viewed as one head only reaches attention (a multi-query key
+    or value projection, ``k_proj(x).view(b, s, 1, d)``). (0, []) for any other column."""
+    node = viewed = column
+    while True:
+        users = [u for u in node.users if not _metadata_query(u)]
+        r = ops.rule_of(users[0]) if len(users) == 1 else None
+        if r is None or r.tp not in ("view", "transpose", "permute"):
+            break
+        node = users[0]
+        viewed = node if r.tp == "view" else viewed
+    split = users[0] if r is not None and r.tp == "split" else None
+    shape = viewed.meta.get("shape") or ()
+    if split is None and viewed is not column and len(shape) > 2 and shape[-2] == 1 and reaches_attention(viewed):
+        return int(column.meta["shape"][-1]), [viewed]
+    shape = node.meta.get("shape") or ()
+    if split is None or node is column or len(split.args) < 2 or not isinstance(split.args[1], (list, tuple)):
+        return 0, []
+    sizes = [int(x) for x in split.args[1]]
+    features = int(column.meta["shape"][-1])
+    dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % len(shape)
+    if len(set(sizes)) == 1 or 1 not in sizes or int(shape[dim]) != sum(sizes) or features == sum(sizes):
+        return 0, []  # not a split of heads (of more than one feature each)
+    inner = features // sum(sizes)
+    parts = [u for u in split.users if u.target is operator.getitem and sizes[u.args[1]] == 1]
+    return inner * sizes.count(1), parts
+
+
+def reaches_attention(node: fx.Node) -> bool:
+    """Every path from ``node`` ends in attention (through ops other than matmuls and losses)."""
+    seen, frontier = set(), [node]
+    while frontier:
+        for u in frontier.pop().users:
+            r = ops.rule_of(u)
+            if u in seen or _metadata_query(u) or (r is not None and r.tp == "attention"):
+                continue
+            if not _transparent(u) or u.op == "output":
+                return False
+            seen.add(u)
+            frontier.append(u)
+    return True
+
+
+def _until_attention(starts: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
+    """``starts`` and the region's nodes they reach before attention."""
+    out, frontier = set(), list(starts)
+    while frontier:
+        n = frontier.pop()
+        if n in out or (ops.rule_of(n) is not None and ops.rule_of(n).tp == "attention"):
+            continue
+        out.add(n)
+        frontier.extend(u for u in n.users if u in region)
+    return out
 
 
 def _metadata_query(node: fx.Node) -> bool:

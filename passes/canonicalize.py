@@ -58,6 +58,9 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None, values: Values
       heads by views (transformers' ``repeat_kv``: unsqueeze, expand, reshape) reads them
       unrepeated with ``enable_gqa=True`` (:func:`grouped_keys`), so the cost model, context
       parallelism and tensor parallelism see the model's own key/value heads;
+    - every product of an activation by a transposed 2-D parameter (``x @ w.T``, Falcon's
+      ``FalconLinear``) is one ``linear(x, w)`` (:func:`weight_products`), the form tensor
+      parallelism splits;
     - every RMS norm written out op by op is one ``rms_norm(x, [d], weight, eps)`` node
       (:func:`rms_norms`), but for one over a projection's output features;
     - every grouped GEMM over rows grouped by expert (``torch._grouped_mm``, transformers'
@@ -81,6 +84,7 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None, values: Values
         changed |= causal_masks(gm, inputs, values)
         causal_fills(gm, inputs, values)  # (marks only: the code is unchanged)
     changed |= grouped_keys(gm)
+    changed |= weight_products(gm)
     changed |= rms_norms(gm)
     changed |= assembled_cats(gm)
     changed |= grouped_gemms(gm)
@@ -482,6 +486,51 @@ def _whole_slices(node):
 
 
 _END = 9223372036854775807  # the end export writes for an open slice
+
+
+# ---------------------------------------------------------------------------------------------
+# Products by a transposed parameter become linear
+
+_TRANSPOSES = {"t", "numpy_T", "transpose", "permute"}
+
+
+def weight_products(gm: fx.GraphModule) -> bool:
+    """Make every ``matmul(x, w.T)`` of a 2-D parameter ``w`` transposed by a node nothing else
+    reads one ``linear(x, w)``: the same product, in the form the analysis and the passes read
+    as a linear layer. Whether any changed."""
+    graph, changed = gm.graph, False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or ops.op_name(node) != "matmul" or len(node.args) != 2 or node.kwargs:
+            continue
+        x, wt = node.args
+        if not _transposed_parameter(gm, wt):
+            continue
+        aten = isinstance(node.target, torch._ops.OpOverload)
+        with graph.inserting_before(node):
+            linear = graph.call_function(
+                torch.ops.aten.linear.default if aten else torch.nn.functional.linear, (x, wt.args[0])
+            )
+        linear.meta = dict(node.meta)
+        node.replace_all_uses_with(linear)
+        _erase_unused(graph, [node])
+        changed = True
+    return changed
+
+
+def _transposed_parameter(gm: fx.GraphModule, node) -> bool:
+    """``w.T`` (``t``, ``numpy_T``, ``transpose(w, 0, 1)``, ``permute(w, [1, 0])``) of a 2-D
+    parameter ``w``, read by one node."""
+    if not isinstance(node, fx.Node) or ops.op_name(node) not in _TRANSPOSES or len(node.users) != 1:
+        return False
+    w = node.args[0] if node.args else None
+    if not isinstance(w, fx.Node) or w.op != "get_attr":
+        return False
+    owner, _, leaf = w.target.rpartition(".")
+    value = getattr(gm.get_submodule(owner), leaf, None)
+    if not isinstance(value, torch.nn.Parameter) or value.dim() != 2:
+        return False
+    rest = [d % 2 if isinstance(d, int) else d for d in node.args[1:]]
+    return rest in ([], [0, 1], [1, 0], [[1, 0]], [(1, 0)])
 
 
 # ---------------------------------------------------------------------------------------------

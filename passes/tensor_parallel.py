@@ -33,6 +33,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import runtime
+from autoshard.cost_models.sharding import reaches_attention
 from autoshard.errors import AutoshardError
 from autoshard.ir import ops
 from autoshard.passes._graph import note, place
@@ -157,6 +158,9 @@ class _Propagator:
         self.module_partials: set[str] = set()  # parameters of norm modules run per head
         self.params: dict[fx.Node, Shard] = {}  # a parameter read whole in a region -> its split
         self.partial_sums: dict[fx.Node, str] = {}  # a sum or mean over the split dimension -> which
+        # a column whose parts of one head stay whole on every rank (multi-query attention's key
+        # and value in a fused projection) -> (its parts in heads, features per head)
+        self.whole_heads_of: dict[fx.Node, tuple[tuple[int, ...], int]] = {}
 
     def fail(self, node: fx.Node, why: str, divides: int | None = None) -> Refusal:
         return _fail(node, why, self.tp if divides else None, divides)
@@ -258,8 +262,19 @@ class _Propagator:
             self.module_partials.update(f"{node.target}.{n}" for n, p in module.named_parameters() if p.requires_grad)
         return self.pointwise(node, src, s)
 
-    def view(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+    def view(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard | None:
+        """A column's whole output viewed as one head that only attention reads (multi-query
+        attention's key or value projection) is not split: every rank keeps it whole (None)."""
         src_shape, dst_shape = _shape(src), _shape(node)
+        if (
+            self.root[src] is src
+            and len(dst_shape) == len(src_shape) + 1
+            and _num(dst_shape[-2]) == 1
+            and _num(dst_shape[-1]) == _num(src_shape[-1])
+            and reaches_attention(node)
+        ):
+            self.whole_heads_of[src] = ((1,), _num(src_shape[-1]))
+            return None
         for gi, gj in _groups(src_shape, dst_shape):
             if s.dim not in gi:
                 continue
@@ -362,7 +377,9 @@ class _Propagator:
         size = _num(_shape(src)[s.dim])
         if s.parts:
             return s.parts
-        if len(s.factors) != 1 or self.layout[root].factors != s.factors or self.layout[root].parts:
+        layout = self.layout[root]
+        heads = layout.factors != s.factors and self._heads_of(layout, s)
+        if len(s.factors) != 1 or layout.parts or (layout.factors != s.factors and not heads):
             raise self.fail(node, "slices an already structured split dimension")
         cuts = {0, size}
         for u in src.users:
@@ -373,14 +390,31 @@ class _Propagator:
                 cuts.update(sum(sizes[:k]) for k in range(len(sizes) + 1))
         bounds = sorted(cuts)
         parts = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-        if any(p % self.tp for p in parts):
+        whole = heads and 1 in parts and all(p % self.tp == 0 for p in parts if p != 1)
+        if any(p % self.tp for p in parts) and not whole:
             raise self.fail(
                 node, f"parts {parts} of the split dimension do not divide by tp={self.tp}", divides=math.gcd(*parts)
             )
-        layout = self.layout[root]
+        if heads:  # parts of heads: the weight's rows are those parts of whole heads
+            inner = layout.size // size
+            self.layout[root] = self.shard[root] = Shard(layout.dim, (layout.size,), 0, tuple(p * inner for p in parts))
+            if whole:
+                self.whole_heads_of[root] = (parts, inner)
+            self.shard[src] = Shard(s.dim, s.factors, s.index, parts)
+            return parts
         self.layout[root] = Shard(layout.dim, layout.factors, layout.index, parts)
         self._refit(root, layout.factors, layout.index, parts)
         return parts
+
+    def _heads_of(self, layout: Shard, s: Shard) -> bool:
+        """``s`` splits whole heads of a column whose features ``layout`` describes: its one factor
+        is the layout's first (heads, then each head's features), or the plain features viewed so."""
+        plain = len(layout.factors) == 1 and not layout.parts
+        return len(s.factors) == 1 and layout.size % s.size == 0 and (plain or layout.factors[0] == s.size)
+
+    def local_units(self, part: int) -> int:
+        """This rank's share of a part of ``part`` heads: 1/tp of it, or one whole head every rank keeps."""
+        return 1 if part == 1 else part // self.tp
 
     def select(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
         d = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs["dim"], len(_shape(src)))
@@ -406,8 +440,10 @@ class _Propagator:
             sizes = [_num(shape[d]) for shape in shapes]
             if list(whole) != sizes:
                 raise self.fail(node, "splits the split dimension unlike its other slices")
-            self.sizes[node] = (1, [x // self.tp for x in sizes])
-            return tuple(Shard(d, (x,), 0) for x in sizes)
+            kept = self.root[src] in self.whole_heads_of
+            self.sizes[node] = (1, [self.local_units(x) if kept else x // self.tp for x in sizes])
+            # a head every rank keeps whole is not split: attention reads it as one key/value head
+            return tuple(None if kept and x == 1 else Shard(d, (x,), 0) for x in sizes)
         n, c = len(shapes), parts.pop()
         if c % self.tp:
             raise self.fail(node, f"parts of {c} along the split dimension do not divide by tp={self.tp}", divides=c)
@@ -688,7 +724,8 @@ def _rewrite_view_sizes(prop: _Propagator, tp: int) -> None:
     """Views and splits: rewrite the constant of the split dimension to its local size."""
     for node, s in prop.shard.items():
         if _op_name(node) in ("view", "reshape", "expand") and node.op in ("call_method", "call_function"):
-            _rewrite_sizes(node, s, tp)
+            whole = s.parts and prop.root[node] in prop.whole_heads_of
+            _rewrite_sizes(node, s, tp, sum(map(prop.local_units, s.parts)) if whole else None)
     for node, (i, value) in prop.sizes.items():
         node.args = (*node.args[:i], value, *node.args[i + 1 :])
     for node, args in prop.rewrites.items():
@@ -706,6 +743,9 @@ def _split_columns(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -
             with graph.inserting_after(x):
                 f_of[x] = place(graph.call_function(runtime.copy_to_tp, (x,)), node, x, tp="replicated")
         node.replace_input_with(x, f_of[x])
+        if node in prop.whole_heads_of:
+            _keep_whole_heads(gm, tp, node, lin, *prop.whole_heads_of[node])
+            continue
         if lin.module:
             local = nn.Linear(lin.in_f, lin.out_f // tp, bias=lin.bias is not None, device="meta")
             _swap(gm, node.target, local)
@@ -731,6 +771,63 @@ def _split_columns(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -
                 f_of[x] = place(graph.call_function(runtime.copy_to_tp, (x,)), x, tp="replicated")
         for reader in readers:
             reader.replace_input_with(x, f_of[x])
+
+
+def _keep_whole_heads(gm: fx.GraphModule, tp: int, node: fx.Node, lin: _Lin, parts: tuple, inner: int) -> None:
+    """A column whose parts of one head (multi-query attention's key and value in a fused
+    projection, ``parts`` in heads of ``inner`` features) every rank keeps whole, as Megatron
+    replicates key/value heads fewer than the TP degree: its weight and bias stay whole on every
+    rank, and the graph cuts out this rank's rows (1/tp of every larger part, all of each one-head
+    part) before the product. Each rank's gradient of them is then partial over TP (its own query
+    rows, and the shared heads as its own query heads read them): ``partial_grads`` sums it."""
+    if parts == (1,):  # a projection of one head: its output whole, as its weight
+        decisions(gm).partial_grads.extend(n for n in (lin.weight, lin.bias) if n is not None)
+        note(node, f"tp={tp}: one key/value head, whole on every rank, its gradients summed over TP")
+        return
+    if lin.stored_in_out:
+        raise _fail(node, "a fused projection with one-head parts whose weight is stored (in, out)", tp)
+    graph, rows = gm.graph, [p * inner for p in parts]
+    with graph.inserting_before(node):
+        rank = place(graph.call_function(runtime.tp_rank, ()), node, shape=None, dtype=None, requires_grad=False)
+    if lin.module:  # F.linear on its parameters, which the graph then cuts
+        reads = []
+        for name in (lin.weight, lin.bias):
+            if name is not None:
+                with graph.inserting_before(node):
+                    shape = tuple(_param(gm, name).shape)
+                    reads.append(place(graph.get_attr(name), node, shape=shape, tp="replicated", requires_grad=True))
+        node.op, node.target, node.args = "call_function", torch.nn.functional.linear, (node.args[0], *reads)
+        node.meta["op"] = ops.op_name(node)
+    for i, name in ((1, lin.weight), (2, lin.bias)):
+        if name is None:
+            continue
+        full, pieces, start = node.args[i], [], 0
+        shape = tuple(_param(gm, name).shape)
+        for width in rows:
+            with graph.inserting_before(node):
+                if width == inner:  # one head: all of it
+                    at = start
+                else:
+                    offset = graph.call_function(operator.mul, (rank, width // tp))
+                    at = graph.call_function(operator.add, (offset, start))
+                    for n in (offset, at):
+                        place(n, node, shape=None, dtype=None, requires_grad=False)
+                local = width if width == inner else width // tp
+                piece = graph.call_function(torch.narrow, (full, 0, at, local))
+                place(piece, node, full, shape=(local, *shape[1:]), tp="replicated")
+            pieces.append(piece)
+            start += width
+        with graph.inserting_before(node):
+            mine = graph.call_function(torch.cat, (pieces, 0))
+            place(mine, node, full, shape=(sum(p.meta["shape"][0] for p in pieces), *shape[1:]), tp="replicated")
+        node.replace_input_with(full, mine)
+        decisions(gm).partial_grads.append(name)
+    kept = ", ".join(str(w) for w in rows if w == inner)
+    note(
+        node,
+        f"tp={tp}: column-parallel, out_features {lin.out_f} -> {sum(w if w == inner else w // tp for w in rows)}, "
+        f"one-head parts ({kept} rows) whole on every rank, their gradients summed over TP",
+    )
 
 
 def _split_rows(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -> None:
@@ -876,12 +973,22 @@ def full_weights_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
     for node in gm.graph.nodes:
         if node.meta.get("tp_role") not in ("column", "row", "vocab") or node.meta.get("op_class") != "matmul":
             continue
+        if node.meta.get("tp_role") == "column" and _cut_in_graph(node):
+            continue  # kept whole, this rank's rows cut in the graph (``_keep_whole_heads``)
         lin = _linear(gm, node, ctx.tp)
+        if lin.weight in decisions(gm).partial_grads:
+            continue  # one key/value head, kept whole (``_keep_whole_heads``)
         spec = decisions(gm).shards.get(lin.weight)
         local = _param(gm, lin.weight).shape
         if spec is None or local[spec.dim] * ctx.tp != math.prod(spec.factors):
             return f"{node.name} keeps the full weight {lin.weight} {tuple(local)}"
     return None
+
+
+def _cut_in_graph(node: fx.Node) -> bool:
+    """A linear whose weight is this rank's rows of a parameter, cut in the graph."""
+    w = node.args[1] if node.op == "call_function" and len(node.args) > 1 else None
+    return isinstance(w, fx.Node) and w.target is torch.cat and all(p.target is torch.narrow for p in w.args[0])
 
 
 def load_local(gm: fx.GraphModule, ctx: RewriteContext, full: dict[str, torch.Tensor], rank: int) -> None:
@@ -999,7 +1106,8 @@ def _swap(gm: fx.GraphModule, target: str, module: nn.Module) -> None:
     setattr(gm.get_submodule(parent) if parent else gm, name, module)
 
 
-def _rewrite_sizes(node: fx.Node, s: Shard, tp: int) -> None:
+def _rewrite_sizes(node: fx.Node, s: Shard, tp: int, local: int | None = None) -> None:
+    """The split dimension's constant size in a view, as this rank's (``local``, default 1/tp)."""
     args = list(node.args)
     packed = len(args) == 2 and isinstance(args[1], (tuple, list))
     sizes = list(args[1]) if packed else args[1:]
@@ -1009,7 +1117,7 @@ def _rewrite_sizes(node: fx.Node, s: Shard, tp: int) -> None:
     if isinstance(value, int):
         if value == -1:
             return
-        sizes[s.dim] = value // tp
+        sizes[s.dim] = value // tp if local is None else local
     elif isinstance(value, fx.Node) and not _local_size(value):
         raise _fail(node, "the split dimension's size is computed, not a constant; write it as a constant")
     node.args = (args[0], type(args[1])(sizes)) if packed else (args[0], *sizes)

@@ -594,3 +594,59 @@ def test_the_bf16_trace_lowers_a_model_in_place_and_puts_it_back():
         assert model.lm_head.weight is model.model.embed_tokens.weight  # still one parameter
     assert all(model.get_parameter(name) is p for name, p in params.items())  # the same objects back
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# Constants lifted from the forward
+
+
+def test_a_constant_of_the_forward_becomes_a_buffer_holding_its_value(monkeypatch):
+    """torch.export lifts a list index (Falcon's ``fused_qkv[..., [-2], :]``) and ``new_tensor``
+    data into constants, which on the meta device hold no values: capture makes each a
+    non-persistent buffer holding its value, which every rank takes, whatever else initialises
+    the model (which holds no such tensor)."""
+    import sys
+    import types
+
+    from autoshard.capture import record_build
+    from autoshard.runtime.stages import materialise, put_buffer
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 16)
+
+        def forward(self, x):
+            picked = self.proj(x).view(x.size(0), x.size(1), 4, 4)[..., [-2], :].flatten(-2)
+            return x + picked.repeat(1, 1, 2) * x.new_tensor([0.5])
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 8)
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(3))
+            self.head = torch.nn.Linear(8, 16)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    trace_module = sys.modules["autoshard.capture.trace"]
+    monkeypatch.setattr(trace_module, "_symbolic_trace", lambda wrapper: (_ for _ in ()).throw(TypeError("no fx")))
+    model, inits = record_build(Model)
+    cap = capture(model, seq=16, inits=inits)
+    assert cap.tracer == "export"
+    gm = cap.graph_module
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    held = {f"model.{k}" for k, _ in [*model.named_parameters(), *model.named_buffers()]}
+    lifted = {k: v for k, v in gm.named_buffers() if k in read - held}
+    assert sorted(v.tolist() for v in lifted.values()) == [[-2]] * 3 + [[0.5]] * 3
+    assert not set(lifted) & set(gm.state_dict())  # non-persistent: no checkpoint holds them
+    for name, value in lifted.items():  # the program's initialisation, where the model has none
+        stage = torch.nn.Module()
+        put_buffer(stage, name, torch.empty(value.shape, dtype=value.dtype, device="meta"))
+        tables = {"SHARDS": {}, "ORIGIN": {}, "INIT": {name: cap.inits[name].steps}, "__file__": "stage0.py"}
+        materialise(stage, types.SimpleNamespace(**tables), torch.device("cpu"), 0, 1, full_state={})
+        assert torch.equal(stage.get_buffer(name), value)

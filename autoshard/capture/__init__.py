@@ -3,7 +3,8 @@
 The steps, one module each, in the order :func:`capture` runs them:
 
 1. ``trace``: the training forward (model, then loss) as an fx graph, by ``torch.fx.symbolic_trace``
-   or, where that fails, ``torch.export``;
+   or, where that fails, ``torch.export``; a constant the forward makes (a list index, a
+   ``torch.tensor`` of data) is a non-persistent buffer holding its value;
 2. ``autoshard.passes.canonical``: the first pass, canonicalisation, makes one form of the graph
    whichever tracer produced it (no export guards or metadata asserts, no device constants); the
    cost model reads that form, so it runs here rather than with the plan's passes;
@@ -26,7 +27,7 @@ from torch import fx, nn
 
 from autoshard import modelfile, passes
 from autoshard.capture import dtypes, shapes, structure
-from autoshard.capture.init import Init, record_build
+from autoshard.capture.init import Init, lifted, record_build
 from autoshard.capture.structure import LayerKind
 from autoshard.capture.trace import BATCH_HINT, TrainingForward, causal_lm_loss, trace
 from autoshard.runtime.stages import replay
@@ -82,15 +83,17 @@ def capture(
     observe=None,
 ) -> Captured:
     """Trace ``model`` (live or on meta) with ``inputs`` (default: token ids of shape (2, seq));
-    ``inits``, from ``init.record_build``, say how the model initialises its tensors; ``observe``
-    (``passes.contract.Observer``) sees the graph before and after canonicalisation."""
+        ``inits``, from ``init.record_build``, say how the model initialises its tensors (the constants
+    lifted from its forward take their captured values); ``observe``
+        (``passes.contract.Observer``) sees the graph before and after canonicalisation."""
     if inputs is None:
         inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
     gm, tracer, names = trace(model, inputs, loss, source)
+    if inits is not None:
+        inits = {**_traced_names(inits), **_lifted(gm, model)}
     if tracer == "export":
         _follow_bf16(gm, model, inputs, loss, source)
-    traced_inits = None if inits is None else _traced_names(inits)
-    gm = passes.canonical(gm, inputs, observe, _recorded_values(traced_inits, gm))
+    gm = passes.canonical(gm, inputs, observe, _recorded_values(inits, gm))
     # what nothing reads (a mask built for a kind of layer the model has none of, as Gemma3's
     # global-attention mask with only sliding layers) would be run, and sharded, for nothing
     if gm.graph.eliminate_dead_code():
@@ -114,7 +117,7 @@ def capture(
         input_names=names,
         source=source,
         layer_nodes=layer_nodes,
-        inits=traced_inits,
+        inits=inits,
         notes=notes,
     )
 
@@ -163,6 +166,15 @@ def _meta_buffer(gm: fx.GraphModule, name: str) -> torch.Tensor | None:
         return gm.get_buffer(name)
     except AttributeError:
         return None
+
+
+def _lifted(gm: fx.GraphModule, model: nn.Module) -> dict[str, Init]:
+    """The initialisations of the buffers the traced graph holds and ``model`` does not: the
+    constants lifted from its forward (``trace.lifted_as_buffers``), each its captured value."""
+    prefix = structure._WRAPPER_PREFIX
+    held = {f"{prefix}{k}" for k, _ in model.named_parameters(remove_duplicate=False)}
+    held |= {f"{prefix}{k}" for k, _ in model.named_buffers(remove_duplicate=False)}
+    return {k: lifted(v) for k, v in gm.named_buffers() if k not in held}
 
 
 def _traced_names(inits: dict[str, Init]) -> dict[str, Init]:

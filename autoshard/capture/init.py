@@ -27,12 +27,13 @@ is meta ("no point in trying to run inits"), so after the build the recorder cal
 (``initialize_weights`` applying ``_init_weights``); its flags make a second run a no-op.
 
 A program (``Init.steps``) is a list of steps ``(op, *args[, kwargs])``: ``op`` an aten overload
-(``"uniform_"``, ``"mul_.Scalar"``), a skipped-on-meta ``"nn.init.<name>"`` or ``"tensor"`` (a
-constant); ``"%k"`` is step k's result (``"%k.i"`` its i-th output), ``"torch.float32"`` a dtype;
-the last step's result is the value. Only the steps the final value depends on are kept (a write
-overwritten later is dropped). Where every step is element-wise on tensors of the parameter's
-shape, that shape is written ``"shape"``: the program then runs directly at a shard's shape;
-otherwise it builds the full tensor, which the program cuts into shards.
+(``"uniform_"``, ``"mul_.Scalar"``), a skipped-on-meta ``"nn.init.<name>"``, ``"tensor"`` (a
+constant) or ``"lifted"`` (the value of a constant torch.export lifted from the forward, which the
+model does not hold: :func:`lifted`); ``"%k"`` is step k's result (``"%k.i"`` its i-th output),
+``"torch.float32"`` a dtype; the last step's result is the value. Only the steps the final value
+depends on are kept (a write overwritten later is dropped). Where every step is element-wise on
+tensors of the parameter's shape, that shape is written ``"shape"``: the program then runs directly
+at a shard's shape; otherwise it builds the full tensor, which the program cuts into shards.
 """
 
 from __future__ import annotations
@@ -112,6 +113,16 @@ class Init:
                 "set its value with torch ops on tensors the builder makes"
             )
         return self.steps
+
+
+def lifted(value: torch.Tensor) -> Init:
+    """How a constant lifted from the forward (``trace.lifted_as_buffers``) is initialised: its
+    value as captured, one ``"lifted"`` step, which every rank takes whatever else initialises the
+    model's own tensors (the model, or a checkpoint of it, holds no such tensor)."""
+    if value.numel() > _MAX_CONSTANT:
+        size = f"{value.numel()} elements, over the {_MAX_CONSTANT} a stage file holds"
+        return Init([], f"it is a constant of the forward of {size}")
+    return Init([("lifted", value.tolist(), {"dtype": str(value.dtype)})])
 
 
 def record_build(fn: Callable[..., nn.Module], *args, **kwargs) -> tuple[nn.Module, dict[str, Init]]:

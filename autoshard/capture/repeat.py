@@ -363,13 +363,21 @@ class _Expansion:
             try:
                 value = operator.attrgetter(n.target)(self.gm)
             except AttributeError:
-                value = operator.attrgetter(n.target)(self.wrapper)
+                value = self._held(n.target)
             if isinstance(value, torch.Tensor):
                 if id(value) in seen:
                     raise NotRepeated(f"{n.target} is shared with another attribute")
                 seen.add(id(value))
             root[n.target] = value
         return root
+
+    def _held(self, target: str):
+        """The model's attribute ``target``; a copied layer's constant that torch.export lifted
+        from its template's forward (``trace``) is not one, and may differ between layers."""
+        try:
+            return operator.attrgetter(target)(self.wrapper)
+        except AttributeError:
+            raise NotRepeated(f"{target} is a constant of a layer's forward, not of the model") from None
 
     def _map(self, a: fx.Node, region, env, copies, outputs, layer: int | None = None) -> fx.Node:
         """The node of the full graph that stands for ``a`` read in ``region`` (a traced layer,

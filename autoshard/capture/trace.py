@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.overrides import TorchFunctionMode
 
 from autoshard import modelfile
 from autoshard.capture import repeat
@@ -89,15 +90,18 @@ def trace(model: nn.Module, inputs: tuple, loss=None, source: str | None = None)
     kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
     wrapper = TrainingForward.wrap(model, names, loss, kwargs)
     wrapper.train()
+    made = _ForwardConstants()
     with _quiet():
         try:
-            return _symbolic_trace(wrapper), "symbolic_trace", names
+            gm, tracer = _symbolic_trace(wrapper), "symbolic_trace"
         except Exception as fx_error:
             try:
-                return _export(wrapper, inputs, model), "export", names
+                with made:
+                    gm, tracer = _export(wrapper, inputs, model), "export"
             except Exception as export_error:
                 message = _data_dependent_loop(export_error, model) or _trace_failure(fx_error, export_error, source)
                 raise AutoshardError(message) from export_error
+    return lifted_as_buffers(gm, wrapper, made.values), tracer, names
 
 
 @contextlib.contextmanager
@@ -163,6 +167,85 @@ class _Tracer(fx.Tracer):
         if frame is not None:
             node.meta["source"] = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
         return node
+
+
+class _ForwardConstants(TorchFunctionMode):
+    """The values of the tensors the forward makes from Python data (``torch.tensor(data)``,
+    ``x.new_tensor(data)``, a list index as Falcon's ``fused_qkv[..., [-2], :]``), by identity:
+    torch.export lifts them into the graph as constants, which on the meta device hold no values.
+    A list index is made a tensor here, as indexing would make it, so that its value is kept."""
+
+    _FACTORIES = {torch.tensor, torch.as_tensor, torch.Tensor.new_tensor}
+    _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+
+    def __init__(self):
+        super().__init__()
+        self.values: dict[int, tuple[torch.Tensor, list]] = {}  # id -> (tensor, the data it was made of)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._INDEXING and len(args) >= 2 and isinstance(args[0], torch.Tensor):
+            args = (args[0], self._index(args[0], args[1]), *args[2:])
+        out = func(*args, **kwargs)
+        if func in self._FACTORIES and isinstance(out, torch.Tensor):
+            data = args[1] if func is torch.Tensor.new_tensor else args[0] if args else kwargs.get("data")
+            if _numbers(data, (bool, int, float)):
+                self.values[id(out)] = (out, data)  # kept alive, so that no other tensor takes its id
+        return out
+
+    def _index(self, x: torch.Tensor, index):
+        if isinstance(index, tuple):
+            return tuple(self._index(x, i) for i in index)
+        if isinstance(index, list) and index and _numbers(index, (bool, int)):
+            made = torch.tensor(index, device=x.device)
+            self.values[id(made)] = (made, index)
+            return made
+        return index
+
+
+def _numbers(value, kinds: tuple) -> bool:
+    """Whether ``value`` is a number of ``kinds`` or a (nested) list or tuple of them (no
+    tensors, no symbolic sizes: data a constant is made of)."""
+    if isinstance(value, (list, tuple)):
+        return all(_numbers(v, kinds) for v in value)
+    return type(value) in kinds
+
+
+def lifted_as_buffers(gm: fx.GraphModule, wrapper: nn.Module, values: dict) -> fx.GraphModule:
+    """``gm`` with each tensor it reads that the model does not hold (a constant torch.export
+    lifted from the forward) a non-persistent buffer holding its value on CPU: read off the
+    tensor, or where it is on the meta device made from its data in ``values``
+    (``_ForwardConstants.values``)."""
+    held = {k for k, _ in wrapper.named_parameters(remove_duplicate=False)}
+    held |= {k for k, _ in wrapper.named_buffers(remove_duplicate=False)}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or n.target in held or _model_attribute(wrapper, n.target):
+            continue
+        path, _, leaf = n.target.rpartition(".")
+        owner = gm.get_submodule(path)
+        value = getattr(owner, leaf)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.device.type == "meta":
+            if id(value) not in values:
+                raise AutoshardError(
+                    f"cannot capture the value of {n.target.removeprefix('model.')}, a tensor the model's forward "
+                    "makes on the meta device from data autoshard does not see: make it with torch.tensor(data) "
+                    "or register it as a buffer in the model's constructor"
+                )
+            value = torch.tensor(values[id(value)][1], dtype=value.dtype)
+        delattr(owner, leaf)
+        owner.register_buffer(leaf, value.detach().cpu().clone(), persistent=False)
+    return gm
+
+
+def _model_attribute(wrapper: nn.Module, target: str) -> bool:
+    """Whether the model holds a tensor at ``target`` (a plain attribute, neither parameter nor
+    buffer): the model's own, not a constant of its forward."""
+    obj = wrapper
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return isinstance(obj, torch.Tensor)
 
 
 def _symbolic_trace(wrapper: nn.Module) -> fx.GraphModule:

@@ -5,7 +5,9 @@ single-device model's initial state (``--init-from-model``: every rank builds th
 keeps its slices, for verification), from a checkpoint's weights (``autoshard.runtime.weights``:
 each rank reads only its pieces), or by replaying, per parameter and buffer, the ops the model's
 own initialisation applied to it (the stage file's ``INIT``, recorded at compile time): directly
-at the local shape where the ops are element-wise, else the one full tensor, then its slice.
+at the local shape where the ops are element-wise, else the one full tensor, then its slice. A
+constant lifted from the model's forward, which neither the model nor a checkpoint holds, always
+takes the value captured with it.
 """
 
 from __future__ import annotations
@@ -256,7 +258,9 @@ def materialise(
             spec = shards.get(source)
             rank, size = (ep_rank, ep) if piece_axis(spec) == "ep" else (tp_rank, tp)
             key = weights.find(source, tied) if weights is not None else None
-            if full_state is not None:
+            if _lifted(inits.get(name)):  # no model, nor checkpoint of it, holds a constant of its forward
+                value = initial_value(inits[name], source, tuple(t.shape), spec, rank, size, seed)
+            elif full_state is not None:
                 value = _from_state(full_state, source, spec, rank, size)
             elif key is not None:
                 value = weights.read(key, piece_blocks(weights.shape(key), spec, rank, size), tuple(t.shape), t.dtype)
@@ -346,6 +350,13 @@ def initial_value(entry, source: str, shape: tuple, spec: tuple | None, tp_rank:
     return value
 
 
+def _lifted(entry) -> bool:
+    """Whether an ``INIT`` entry is the captured value of a constant lifted from the model's
+    forward (``autoshard.capture.init.lifted``: one ``"lifted"`` step)."""
+    steps = entry["steps"] if isinstance(entry, dict) else entry
+    return bool(steps) and steps[0][0] == "lifted"
+
+
 def replay(steps: list, shape: tuple, generator: torch.Generator) -> torch.Tensor:
     """Run a recorded initialisation program on CPU (``autoshard.capture.init`` writes them):
     steps ``(op, *args[, kwargs])``, ``"%k"`` step k's result, ``"shape"`` the local shape,
@@ -367,7 +378,7 @@ def replay(steps: list, shape: tuple, generator: torch.Generator) -> torch.Tenso
 
 def _replay_op(op: str):
     """The callable for a step's op, and whether it draws random numbers."""
-    if op == "tensor":
+    if op in ("tensor", "lifted"):
         return torch.tensor, False
     if op.startswith("nn.init."):
         fn = getattr(nn.init, op.removeprefix("nn.init."))

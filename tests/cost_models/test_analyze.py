@@ -160,3 +160,60 @@ def test_facts_of_repeated_keys_a_narrow_rotary_table_and_addmm_projections():
     assert (facts["heads"], facts["kv_heads"], facts["hidden"]) == ([4], [2], 32)  # not 4 kv heads, not 4 wide
     (qkv,) = [g for g in cost.blocks[0].gemms]
     assert (qkv.n, qkv.k) == (64, 32)  # addmm(bias, x, w): contracts x's 32, not the bias's 64
+
+
+class _MultiQueryLayer(torch.nn.Module):
+    """Multi-query attention, 4 query heads and one key and value head of 8 features: through a
+    fused projection, split off its output viewed into heads, as Falcon writes it, or through
+    projections of their own."""
+
+    def __init__(self, fused: bool, hidden=32, heads=4):
+        super().__init__()
+        self.fused, self.heads, self.dim = fused, heads, hidden // heads
+        if fused:
+            self.qkv = torch.nn.Linear(hidden, (heads + 2) * self.dim, bias=False)
+        else:
+            self.q = torch.nn.Linear(hidden, hidden, bias=False)
+            self.k, self.v = (torch.nn.Linear(hidden, self.dim, bias=False) for _ in range(2))
+        self.dense = torch.nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x, rotary):  # the decoder's rotary table, unused
+        b, s = x.size(0), x.size(1)
+        if self.fused:
+            q, k, v = self.qkv(x).view(b, s, -1, self.dim).split([self.heads, 1, 1], dim=2)
+        else:
+            q, k, v = (p(x).view(b, s, -1, self.dim) for p in (self.q, self.k, self.v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        return x + self.dense(out.transpose(1, 2).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "own-projections"])
+def test_one_key_value_head_costs_whole_on_every_tp_rank(fused):
+    """What the tensor-parallel pass does with it: the key and value head's weights whole on
+    every rank, and the head computed whole, the query heads split; the cost model says the same."""
+    from autoshard.capture import capture
+    from autoshard.cost_models.analyze import analyze
+    from autoshard.passes.contract import RewriteContext, decisions
+    from autoshard.passes.tensor_parallel import tensor_parallel
+
+    model = _Decoder()
+    model.layers = torch.nn.ModuleList(_MultiQueryLayer(fused) for _ in range(2))
+    cap = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
+    cost = analyze(cap)
+    assert cost.facts["kv_heads"] == [1] and 1 not in cost.facts["tp_dims"]  # no bound on TP
+    blk = cost.blocks[0]
+    projections = sorted((g.n, g.role) for g in blk.gemms if g.k == 32 and g.role != "row")
+    whole = [(16, "replicated")] if fused else [(8, "replicated")] * 2
+    assert projections == sorted([(32, "column"), *whole])  # the key and value head not divided
+    assert blk.params - blk.params_tp == (48 if fused else 16) * 32  # their weights stay whole
+    assert blk.matmul[2].subs({ir.B: 2, ir.S: 8}) == 2 * 16 * 16 * 32  # computed whole
+    gm = tensor_parallel(cap.graph_module, RewriteContext(tp=2))
+    held = {k: tuple(v.shape) for k, v in gm.named_parameters() if k.startswith("model.layers.0.")}
+    if fused:  # the program's rows of the weight, as the gemms say
+        (rows,) = [n.meta["shape"][0] for n in gm.graph.nodes if n.target is torch.cat and n.meta.get("layer") == 0]
+        assert rows == 32 // 2 + 16 and held["model.layers.0.qkv.weight"] == (48, 32)
+    else:
+        assert held["model.layers.0.q.weight"] == (16, 32) and held["model.layers.0.k.weight"] == (8, 32)
+    assert sum(n.startswith("model.layers.0.") for n in decisions(gm).partial_grads) == (1 if fused else 2)

@@ -29,6 +29,10 @@ ARCHITECTURES = {
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", _DECODER),
     "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
                                                    n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "falcon": ("FalconForCausalLM", "FalconConfig", dict(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                                       num_attention_heads=4, new_decoder_architecture=False,
+                                                       multi_query=True, ffn_hidden_size=128,
+                                                       max_position_embeddings=256)),
 }  # fmt: skip
 CONFIGS = {name: spec[2] for name, spec in ARCHITECTURES.items()}
 

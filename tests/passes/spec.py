@@ -75,6 +75,12 @@ def program(module: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(module, fx.Tracer(autowrap_functions=RUNTIME).trace(module))
 
 
+def call(like: fx.Proxy, fn, *args) -> fx.Proxy:
+    """A call of ``fn`` on no traced value (``rt.tp_rank()``), which tracing would run rather than
+    record, recorded in the program ``like`` is traced into."""
+    return like.tracer.create_proxy("call_function", fn, args, {})
+
+
 def assert_same_program(actual: fx.GraphModule, expected: fx.GraphModule, meta: dict | None = None) -> None:
     """``actual`` is ``expected``, node for node; ``meta`` maps an Expected node's name to the
     ``node.meta`` values the actual node in its place must carry."""

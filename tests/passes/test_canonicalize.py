@@ -417,3 +417,50 @@ def test_a_causal_mask_kept_in_a_buffer_built_on_meta_is_known_causal(window):
     assert len(fused) == (1 if window is None else 0)
     if window is None:  # the buffer read only by the mask goes with it
         assert not [n for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith(".bias")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Products by a transposed parameter
+
+
+def _product_graph(transpose) -> fx.GraphModule:
+    """``x @ w.T`` as torch.export gives Falcon's ``FalconLinear`` (``transpose``: how w is turned)."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    w = g.get_attr("weight")
+    g.output(g.call_function(aten.matmul.default, (x, g.call_function(*transpose(w)))))
+    root = nn.Module()
+    root.weight = nn.Parameter(torch.randn(6, 8))
+    return fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize(
+    "transpose",
+    [
+        lambda w: (aten.numpy_T.default, (w,)),
+        lambda w: (aten.t.default, (w,)),
+        lambda w: (aten.permute.default, (w, [1, 0])),
+    ],
+    ids=["numpy_T", "t", "permute"],
+)
+def test_a_product_by_a_transposed_parameter_becomes_linear(transpose):
+    before = _product_graph(transpose)
+    x = torch.randn(2, 5, 8)
+    expected = before(x)
+    gm = canonicalize(before)
+    g = fx.Graph()
+    g.output(g.call_function(aten.linear.default, (g.placeholder("x"), g.get_attr("weight"))))
+    assert listing(gm.graph) == listing(g)
+    assert torch.allclose(gm(x), expected)
+
+
+def test_a_product_by_an_activation_or_a_shared_transpose_stays():
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.get_attr("weight")
+    wt = g.call_function(aten.t.default, (w,))
+    a = g.call_function(aten.matmul.default, (x, g.call_function(aten.t.default, (x,))))  # activations
+    g.output((a, g.call_function(aten.matmul.default, (x, wt)), wt))  # w.T read twice
+    root = nn.Module()
+    root.weight = nn.Parameter(torch.randn(6, 8))
+    before = listing(g)
+    assert listing(canonicalize(fx.GraphModule(root, g)).graph) == before

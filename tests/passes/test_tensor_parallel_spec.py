@@ -4,7 +4,7 @@ written out as an ``nn.Module`` whose submodules have the local shapes."""
 
 import torch
 import torch.nn.functional as F
-from spec import LM, assert_same_program, before, program
+from spec import LM, assert_same_program, before, call, program
 from torch import nn
 
 from autoshard.passes.contract import RewriteContext, decisions
@@ -15,6 +15,7 @@ from autoshard.runtime.collectives import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
+from autoshard.runtime.groups import tp_rank
 
 from graphs import RMS
 
@@ -49,6 +50,25 @@ class Attention(nn.Module):
         k = self.k(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class MultiQuery(nn.Module):
+    """Multi-query attention through a fused projection (Falcon's): 4 query heads and one key and
+    value head of 8 features, split off the projection's output viewed into heads."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, head_dim: int = 8):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv = nn.Linear(dim, (heads + 2) * head_dim, bias=False)
+        self.o = nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s = x.size(0), x.size(1)
+        q, k, v = self.qkv(x).view(b, s, self.heads + 2, self.head_dim).split([self.heads, 1, 1], dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
         return self.o(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -138,6 +158,57 @@ def test_attention_is_split_by_heads_and_the_view_constants_are_local():
     assert decisions(gm).shards["model.layers.0.q.weight"] == ParamShard(0, (4, 8), 0)
     assert decisions(gm).shards["model.layers.0.k.weight"] == ParamShard(0, (2, 8), 0)
     assert decisions(gm).shards["model.layers.0.o.weight"] == ParamShard(1, (4, 8), 0)
+
+
+class MultiQueryRank(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = LM(MultiQuery(), vocab=32)
+        self.model.layers[0].o = nn.Linear(16, 32, bias=False)  # 2 of the 4 query heads in
+
+    def forward(self, tokens):
+        m, a = self.model, self.model.layers[0]
+        x = vocab_parallel_embedding(tokens, m.embed.weight)
+        f = copy_to_tp(x)
+        b, s = x.size(0), x.size(1)
+        rank = call(tokens, tp_rank)  # this rank, read at run time
+        w = a.qkv.weight  # whole on every rank: rows 0-31 the query heads, 32-39 the key, 40-47 the value
+        mine = torch.cat(
+            [torch.narrow(w, 0, rank * 16 + 0, 16), torch.narrow(w, 0, 32, 8), torch.narrow(w, 0, 40, 8)], 0
+        )
+        q, k, v = F.linear(f, mine).view(b, s, 4, 8).split([2, 1, 1], dim=2)  # 2 query heads, the key and value head
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        h = reduce_from_tp(a.o(out.transpose(1, 2).reshape(b, s, 16)))
+        logits = m.head(copy_to_tp(x + h))
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), tokens.flatten(), -100, "mean")
+
+
+def test_a_single_key_value_head_of_a_fused_projection_is_kept_whole_on_every_rank():
+    """Megatron's replication of key/value heads fewer than the TP degree: the fused projection's
+    weight stays whole, each rank cuts its query rows and the one key and value head out of it,
+    and its gradient, partial over the ranks, is summed (``partial_grads``)."""
+    gm, ctx = rewrite(LM(MultiQuery()))
+    assert_same_program(
+        gm,
+        program(MultiQueryRank()),
+        meta={**VOCAB_META, "linear": {"tp_role": "column", "tp": "sharded"}, "model_layers_0_o": {"tp_role": "row"}},
+    )
+    assert "model.layers.0.qkv.weight" not in decisions(gm).shards
+    assert decisions(gm).partial_grads == ["model.layers.0.qkv.weight"]
+    assert decisions(gm).shards["model.layers.0.o.weight"] == ParamShard(1, (4, 8), 0)  # whole query heads
+
+
+def test_a_single_key_value_head_projection_is_kept_whole_on_every_rank():
+    """Multi-query attention with its own key and value projections: rank 0 runs the program of
+    grouped-query attention split in two (2 query heads, one key/value head), but the key and
+    value weights are whole, not halved, and their gradients are summed over the ranks."""
+    gm, ctx = rewrite(LM(Attention(kv_heads=1)))
+    assert_same_program(gm, program(AttentionRank()), meta={**VOCAB_META, "copy_to_tp": {"tp": "replicated"}})
+    whole = ["model.layers.0.k.weight", "model.layers.0.v.weight"]
+    assert not set(whole) & set(decisions(gm).shards)
+    assert decisions(gm).partial_grads == whole
 
 
 class VocabRank(nn.Module):
