@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,7 +153,29 @@ _LIBRARY_DIRS = (
 _INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 
+def model_code(filename: str) -> bool:
+    """Code that can write a model's ops: the user's model file or a library's (such as
+    transformers' ``modeling_llama.py``), not torch's, autoshard's or generated code's."""
+    return not (filename.startswith("<") or filename.startswith(_LIBRARY_DIRS))
+
+
+def model_line(frames: Iterable[tuple[str, int]]) -> str | None:
+    """``file:line`` of the innermost frame of the model's code among ``frames`` (filename and
+    line, innermost first): the user's file or a library's modelling file (``modeling_*.py``);
+    else the innermost frame of another library's helper (an attention or experts integration
+    the model dispatches to); None where all are torch's, autoshard's or generated."""
+    helper = None
+    for filename, line in frames:
+        if not model_code(filename):
+            continue
+        name = os.path.basename(filename)
+        if name.startswith("modeling_") or not any(d in filename for d in _INSTALLED):
+            return f"{name}:{line}"
+        helper = helper or f"{name}:{line}"
+    return helper
+
+
 def _library_file(filename: str) -> bool:
     """Code of torch, autoshard (package, passes, cost models) or an installed package: not the
     user's model."""
-    return filename.startswith("<") or filename.startswith(_LIBRARY_DIRS) or any(d in filename for d in _INSTALLED)
+    return not model_code(filename) or any(d in filename for d in _INSTALLED)

@@ -15,6 +15,28 @@ def op_name(node) -> str:
     return node.meta.get("op") or target
 
 
+def describe(node: fx.Node) -> str:
+    """``node`` in words, for a message to the user: what it computes, its line in the model's
+    code and the module it came from ("the mul at modeling_cohere.py:41
+    (model.layers.0.self_attn.q_norm)"); a module call by its path, a model input or a parameter
+    by its name."""
+    if node.op == "placeholder":
+        return f"the model input {node.target}"
+    path, source = node.meta.get("module_path"), node.meta.get("source")
+    if node.op == "get_attr":  # by its name in the model (the target is the training wrapper's)
+        name = ".".join(filter(None, (path, node.target.rsplit(".", 1)[-1])))
+        return f"the {'parameter' if node.meta.get('is_param') else 'buffer'} {name}"
+    if node.op == "call_module":  # "the Linear layers.0.mlp.up_proj"
+        what, path = f"the {node.meta.get('module_type') or 'module'} {path or node.target}", ""
+    else:
+        what = f"the {op_name(node)}"
+    if source:
+        what += f" at {source}"
+    if path:
+        return f"{what} ({path})"
+    return what if in_model(node) else f"{what} in the loss"
+
+
 def seq_dim(node: fx.Node) -> int | None:
     """The dimension of the node's output that is the sequence (the symbol ``s``), if exactly one."""
     shape = node.meta.get("shape")

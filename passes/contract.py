@@ -21,6 +21,7 @@ from torch import fx
 
 from autoshard import ir
 from autoshard.errors import AutoshardError
+from autoshard.passes._graph import describe
 
 _COMPUTING = ("call_function", "call_method", "call_module")
 
@@ -113,15 +114,14 @@ class Refusal(AutoshardError):
         self.axis, self.value, self.divides = axis, value, divides
 
     @classmethod
-    def at(cls, node, refused: str, why: str, axis: str, value=None, divides: int | None = None, fix: str = ""):
-        """The refusal of ``node`` (an fx node, shown with its line in the user's model, or a
-        description of where): "``refused``: ``why``; plan with ``fix``", where ``refused`` says
-        what cannot be done with ``{node}`` standing for the node; ``fix`` is ``--force axis=1``
+    def at(
+        cls, node: fx.Node, refused: str, why: str, axis: str, value=None, divides: int | None = None, fix: str = ""
+    ):
+        """The refusal of ``node``: "``refused``: ``why``; plan with ``fix``", where ``refused``
+        says what cannot be done with ``{node}`` standing for the node in words, with its line in
+        the model's code (:func:`autoshard.passes._graph.describe`); ``fix`` is ``--force axis=1``
         unless given."""
-        if isinstance(node, fx.Node):
-            where = node.meta.get("source")
-            node = node.format_node() + (f" ({where})" if where else "")
-        message = f"{refused.format(node=node)}: {why}; plan with {fix or f'--force {axis}=1'}"
+        message = f"{refused.format(node=describe(node))}: {why}; plan with {fix or f'--force {axis}=1'}"
         return cls(message, axis=axis, value=value, divides=divides)
 
     def exclusion(self):

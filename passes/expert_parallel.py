@@ -42,7 +42,7 @@ import torch
 from torch import fx
 
 from autoshard.ir import ops
-from autoshard.passes._graph import note, place
+from autoshard.passes._graph import describe, note, place
 from autoshard.passes.contract import Refusal, RewriteContext, decisions
 from autoshard.passes.tensor_parallel import ParamShard, _localise, _param
 from autoshard.runtime import collectives, moe
@@ -76,9 +76,8 @@ def _module_path(node: fx.Node) -> str:
 
 def _fail(region_or_node, why: str, divides: int | None = None, ep: int | None = None) -> Refusal:
     """Every EP degree above 1 refused, or with ``divides`` N those that do not divide N."""
-    node = region_or_node
-    where = node.where if isinstance(node, Region) else f"{_module_path(node) or 'the model'} ({node.name})"
-    return Refusal.at(where, "expert parallelism cannot shard the experts of {node}", why, "ep", ep, divides)
+    node = region_or_node.gemms[0] if isinstance(region_or_node, Region) else region_or_node
+    return Refusal.at(node, "expert parallelism cannot shard the experts of {node}", why, "ep", ep, divides)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,7 +122,7 @@ def find_regions(gm: fx.GraphModule, ep: int | None = None) -> list[Region]:
                 continue
             raise _fail(
                 gemm,
-                f"{gemm.format_node()} is an expert product of a kind this pass does not split (it splits "
+                "it is an expert product of a kind this pass does not split (it splits "
                 "stacked (E, ., .) weights read by a grouped GEMM over rows sorted by expert, or by a batched "
                 "product over an (E, C, H) buffer)",
             )
@@ -140,7 +139,7 @@ def find_regions(gm: fx.GraphModule, ep: int | None = None) -> list[Region]:
             done |= set(loose)
             continue
         if loose:
-            raise _fail(region, f"{loose[0].name} reads the experts' rows together with other tensors")
+            raise _fail(region, f"{describe(loose[0])} reads the experts' rows together with other tensors")
         done |= set(region.gemms)
         regions.append(region)
     return regions

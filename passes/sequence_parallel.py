@@ -24,7 +24,7 @@ from torch import fx
 
 from autoshard import runtime
 from autoshard.ir import B, S, ops
-from autoshard.passes._graph import note, place
+from autoshard.passes._graph import describe, note, place
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import seq_dim as _seq_dim
 from autoshard.passes.contract import Refusal, RewriteContext, decisions
@@ -315,7 +315,7 @@ def _check_broadcast(user: fx.Node, other: fx.Node, sliced: fx.Node) -> None:
         return
     k = dim - (len(full) - len(shape))
     if 0 <= k < len(shape) and shape[k] != 1:
-        raise _fail(user, f"operand {other.name} spans the whole sequence")
+        raise _fail(user, f"its operand {describe(other)} spans the whole sequence")
 
 
 def _size_to_full(graph: fx.Graph, size: fx.Node, source: fx.Node, tp: int) -> None:

@@ -176,15 +176,11 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def _source(trace: str | None) -> str | None:
-    """``file:line`` of the innermost user frame of a recorded stack trace (torch.export's)."""
+    """``file:line`` of the innermost frame of the model's code in a recorded stack trace
+    (torch.export's, which keeps only ``forward`` frames): :func:`autoshard.modelfile.model_line`."""
     if not trace:
         return None
-    frames = _FRAME.findall(trace)
-    user = [f for f in frames if not modelfile._library_file(f[0])]
-    if not user:
-        return None
-    filename, line = user[-1]
-    return f"{filename.rsplit('/', 1)[-1]}:{line}"
+    return modelfile.model_line((f, int(line)) for f, line in reversed(_FRAME.findall(trace)))
 
 
 def layer_nodes(gm: fx.GraphModule) -> dict[int, list[fx.Node]]:

@@ -137,11 +137,12 @@ def _input_names(model: nn.Module, count: int) -> list[str]:
 
 
 class _Tracer(fx.Tracer):
-    """fx's tracer, recording on each node the innermost frame of the user's code (much cheaper
+    """fx's tracer, recording on each node the innermost frame of the model's code (much cheaper
     than ``record_stack_traces``, which formats a whole traceback per node)."""
 
     def trace(self, root, concrete_args=None):
         self._param_names: dict[int, str] | None = None
+        self._entry = sys._getframe()  # frames beyond it called the tracer: none is the model's
         return super().trace(root, concrete_args)
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
@@ -161,11 +162,9 @@ class _Tracer(fx.Tracer):
 
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)
-        frame = sys._getframe(1)
-        while frame is not None and modelfile._library_file(frame.f_code.co_filename):
-            frame = frame.f_back
-        if frame is not None:
-            node.meta["source"] = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        source = modelfile.model_line(_frames(sys._getframe(1), self._entry))
+        if source is not None:
+            node.meta["source"] = source
         return node
 
 
@@ -246,6 +245,13 @@ def _model_attribute(wrapper: nn.Module, target: str) -> bool:
     for part in target.split("."):
         obj = getattr(obj, part, None)
     return isinstance(obj, torch.Tensor)
+
+
+def _frames(frame, entry):
+    """(filename, line) of ``frame`` and its callers up to ``entry``, innermost first."""
+    while frame is not None and frame is not entry:
+        yield frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
 
 
 def _symbolic_trace(wrapper: nn.Module) -> fx.GraphModule:

@@ -59,7 +59,7 @@ KEYS: dict[str, Key] = {
         Key("module_type", "capture", "class name of that module (for messages only: no decision reads it)"),
         Key("layer", "capture", "index in the repeated layer stack, or None outside it"),
         Key("region", "capture", "'pre' (before the stack), 'layer', or 'post' (after it: head, loss)"),
-        Key("source", "capture", "'file:line' in the user's code, where the tracer recorded it"),
+        Key("source", "capture", "'file:line' of the model's code that wrote it: the user's file or a modeling_*.py"),
         Key("op", "capture", "normalised op name, the key of the op table (autoshard.ir.ops)"),
         Key("op_class", "capture", "one of OP_CLASSES, from the op table refined by graph patterns"),
         Key("causal", "capture", "on masked_fill(scores, m, -inf): m hides exactly the later positions, however built"),

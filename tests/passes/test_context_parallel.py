@@ -1,13 +1,15 @@
 """Context-parallel pass: the model reads its tokens in the CP layout, positions become global,
 causal attention becomes cp_attention, and the loss becomes this rank's share of the mean."""
 
+import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from autoshard import runtime
-from autoshard.capture import capture, causal_lm_loss
+from autoshard.capture import capture, capture_file, causal_lm_loss
 from autoshard.cost_models.analyze import analyze
 from autoshard.passes.context_parallel import context_parallel, no_full_sequence_attention_left
 from autoshard.passes.contract import Refusal, RewriteContext
@@ -125,3 +127,20 @@ def test_sliding_window_attention_is_refused_for_cp_with_its_window():
     # the model, not the degree, is the obstacle: the planner leaves out every cp above 1
     assert (e.value.axis, e.value.exclusion()) == ("cp", "*")
     assert "test_context_parallel.py:" in str(e.value)
+
+
+def test_a_refusal_in_a_transformers_model_names_the_library_line_in_words():
+    """Gemma 2 soft-caps its scores: the refusal names the op and the line of transformers'
+    modeling file that wrote it (torch.export keeps ``forward`` frames: the attention call), and
+    the module, not an fx node dump nor the training wrapper's line."""
+    transformers = pytest.importorskip("transformers")
+    cap = capture_file(str(EXAMPLES.parent / "tests" / "models" / "hf_zoo.py"), "gemma2", 16)
+    analyze(cap)
+    with pytest.raises(Refusal) as e:
+        context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
+    message = str(e.value)
+    where = re.match(r"context parallelism cannot handle the softmax at modeling_gemma2\.py:(\d+) (\S+): ", message)
+    assert where and where.group(2) == "(model.layers.0.self_attn)", message
+    modeling = Path(transformers.models.gemma2.modeling_gemma2.__file__).read_text().splitlines()
+    assert "attention_interface(" in modeling[int(where.group(1)) - 1]
+    assert "tanh" in message and "%" not in message and "call_function[" not in message

@@ -93,7 +93,9 @@ def test_tensor_parallel_ranks_share_the_routed_rows(mixtral):
 def test_experts_ep_does_not_divide_are_refused_with_the_module(mixtral):
     import copy
 
-    with pytest.raises(Refusal, match=r"model\.model\.layers\.0\.mlp\.experts: EP8 does not divide its 4 experts"):
+    # the module by its path in the model, the line of transformers' modeling file that calls it
+    where = r"modeling_mixtral\.py:\d+ \(model\.layers\.0\.mlp\.experts\): EP8 does not divide its 4 experts"
+    with pytest.raises(Refusal, match=where):
         ep_pass.expert_parallel(copy.deepcopy(mixtral), RewriteContext(ep=8))
 
 
