@@ -11,7 +11,6 @@ tracer.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 
 import torch
 from torch import fx
@@ -25,9 +24,8 @@ GUARDS = "_guards_fn"  # torch.export's submodule that checks the inputs against
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata  # export checks dtypes at run time; a no-op here
 
 
-def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None, values: Values | None = None) -> fx.GraphModule:
-    """Bring a freshly traced ``gm`` into canonical form, in place, and return it. (Long only for
-    its docstring: the contract below, one item per rewrite; the body calls one function each.)
+def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphModule:
+    """Bring a freshly traced ``gm`` into canonical form, in place, and return it.
 
     Requires: ``gm`` is a traced training forward (``autoshard.capture.trace``) with at least one
     placeholder, the model inputs first among them; ``inputs`` are the example inputs it was
@@ -47,9 +45,6 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None, values: Values
     - with ``inputs``: no copy of a model input to the dtype, layout and device it already has
       (``input_ids.to(device)``): its readers read the input (:func:`input_copies`), so the loss
       reads the model's input whatever copies the model makes of it;
-    - with ``inputs``: every ``masked_fill(scores, m, -inf)`` whose ``m`` hides exactly the later
-      positions says so, ``meta["causal"]`` (:func:`causal_fills`); with ``values``, a buffer the
-      model built on meta counts by its recorded value, in these checks and the mask checks below;
     - with ``inputs``: every ``scaled_dot_product_attention`` whose mask tensor is causal at the
       inputs' sizes is ``is_causal=True`` without the mask, and the nodes that only built the
       mask are gone (:func:`causal_masks`); a mask that is not causal stays, and the attention
@@ -81,8 +76,7 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None, values: Values
     changed |= _inputs_device(gm.graph)
     if inputs is not None:
         changed |= input_copies(gm, inputs)
-        changed |= causal_masks(gm, inputs, values)
-        causal_fills(gm, inputs, values)  # (marks only: the code is unchanged)
+        changed |= causal_masks(gm, inputs)
     changed |= grouped_keys(gm)
     changed |= weight_products(gm)
     changed |= rms_norms(gm)
@@ -98,7 +92,7 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None, values: Values
 def canonicalize_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """:func:`canonicalize` as the first entry of ``autoshard.passes.PASSES``: the example inputs
     come from the context (``RewriteContext.inputs``)."""
-    return canonicalize(gm, ctx.inputs, ctx.values)
+    return canonicalize(gm, ctx.inputs)
 
 
 def _is_tracer_check(node: fx.Node) -> bool:
@@ -159,7 +153,7 @@ _SHAPE_ATTRS = ("device", "shape", "dtype", "ndim")
 _SHAPE_METHODS = ("size", "dim")
 
 
-def causal_masks(gm: fx.GraphModule, inputs: tuple, values: Values | None = None) -> bool:
+def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
     """Make every ``scaled_dot_product_attention`` whose mask is causal at the sizes of
     ``inputs`` plain causal attention (``is_causal=True``, no mask), erasing what built the mask;
     record on the others (``meta["mask"]``) why their mask is not. Whether any changed.
@@ -183,7 +177,7 @@ def causal_masks(gm: fx.GraphModule, inputs: tuple, values: Values | None = None
         if not isinstance(mask, fx.Node) or args["is_causal"] is True:
             continue
         if mask not in verdicts:
-            verdicts[mask] = mask_verdict(gm, mask, sizes, values)
+            verdicts[mask] = mask_verdict(gm, mask, sizes)
         if verdicts[mask] is not None:
             node.meta["mask"] = verdicts[mask]
             continue
@@ -195,35 +189,6 @@ def causal_masks(gm: fx.GraphModule, inputs: tuple, values: Values | None = None
     if changed:
         _erase_unused(graph, [m for m, why in verdicts.items() if why is None])
     return changed
-
-
-def causal_fills(gm: fx.GraphModule, inputs: tuple, values: Values | None = None) -> bool:
-    """Mark each ``scores.masked_fill(m, -inf)`` whose mask ``m`` is True exactly above the
-    diagonal at the traced sizes (nanoGPT's ``bias[:, :, :T, :T] == 0`` over a buffer holding
-    ``tril(ones)``, as well as ``ones(n, n).triu(1)``): ``meta["causal"]``, which the attention
-    passes read instead of matching how the mask was written; whether any was marked."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    sizes = {p: tuple(t.shape) for p, t in zip(placeholders, inputs)}
-    marked = False
-    for node in list(gm.graph.nodes):
-        if node.op == "call_module" or ops.op_name(node) != "masked_fill" or len(node.args) != 3:
-            continue
-        _, mask, fill = node.args
-        if fill == float("-inf") and isinstance(mask, fx.Node) and _strict_upper(gm, mask, sizes, values):
-            node.meta["causal"] = True
-            marked = True
-    return marked
-
-
-def _strict_upper(gm: fx.GraphModule, mask: fx.Node, sizes: dict, values: Values | None) -> bool:
-    """Whether ``mask`` (True where masked) hides exactly the later positions: its complement is
-    a causal mask (``mask_verdict``)."""
-    with gm.graph.inserting_after(mask):
-        allowed = gm.graph.call_function(operator.invert, (mask,))
-    try:
-        return mask_verdict(gm, allowed, sizes, values) is None
-    finally:
-        gm.graph.erase_node(allowed)
 
 
 def _signature(node: fx.Node) -> str | None:
@@ -250,9 +215,7 @@ def _erase_unused(graph: fx.Graph, roots: list[fx.Node]) -> None:
         stack.extend(inputs)
 
 
-def mask_verdict(
-    gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple], values: Values | None = None
-) -> str | None:
+def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple]) -> str | None:
     """None when ``mask`` is causal at ``sizes`` (placeholder -> traced shape); else what it is,
     as a phrase for a refusal ("sliding-window attention (window 4096)").
 
@@ -261,16 +224,16 @@ def mask_verdict(
     computation uses (a window, a chunk size) shows its effect, and at two lengths that differ,
     so that a pattern at one length alone does not pass."""
     closure = _closure(mask)
-    why = _not_from_positions(gm, closure, values)
+    why = _not_from_positions(gm, closure)
     if why is not None:
         return why
     order = [n for n in gm.graph.nodes if n in closure]
     try:
         try:
-            _evaluate(gm, order, sizes, torch.device("meta"), values)  # sizes only: too large is refused first
+            _evaluate(gm, order, sizes, torch.device("meta"))  # sizes only: refuses what is too large first
         except _TooLarge:
-            return _judged_shorter(gm, order, sizes, values)
-        value = _evaluate(gm, order, sizes, torch.device("cpu"), values)
+            return _judged_shorter(gm, order, sizes)
+        value = _evaluate(gm, order, sizes, torch.device("cpu"))
     except _TooLarge as e:
         return f"a mask tensor too large to check at the traced sizes ({e})"
     except Exception as e:  # an op that cannot run on sizes alone
@@ -278,13 +241,13 @@ def mask_verdict(
     return _causal_verdict(value)
 
 
-def _judged_shorter(gm: fx.GraphModule, order: list[fx.Node], sizes: dict[fx.Node, tuple], values=None) -> str | None:
+def _judged_shorter(gm: fx.GraphModule, order: list[fx.Node], sizes: dict[fx.Node, tuple]) -> str | None:
     """The verdict on a mask too large at the traced sizes, from the two shorter lengths of
     :func:`_shorter`: causal when causal at both, else what it is at the first."""
     seq = max((s[-1] for s in sizes.values() if s), default=0)
     for length in _shorter(order, seq):
         short = {p: tuple(length if d == seq else d for d in shape) for p, shape in sizes.items()}
-        verdict = _causal_verdict(_evaluate(gm, order, short, torch.device("cpu"), values))
+        verdict = _causal_verdict(_evaluate(gm, order, short, torch.device("cpu")))
         if verdict is not None:
             return verdict
     return None
@@ -325,7 +288,7 @@ def _reads_shape_only(user: fx.Node, placeholder: fx.Node) -> bool:
     return user.op == "call_method" and user.target in _SHAPE_METHODS and user.args[0] is placeholder
 
 
-def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node], values: Values | None = None) -> str | None:
+def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node]) -> str | None:
     """Why the mask's value is not a function of sizes and constants, or None if it is."""
     params = {name for name, _ in gm.named_parameters()}
     for n in closure:
@@ -336,7 +299,7 @@ def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node], values: Value
             if n.target in params:
                 return f"a mask computed from the parameter '{n.target}'"
             value = operator.attrgetter(n.target)(gm)
-            if isinstance(value, torch.Tensor) and value.is_meta and _buffer(values, n.target, value) is None:
+            if isinstance(value, torch.Tensor) and value.is_meta:
                 return f"a mask read from the buffer '{n.target}', which has no values on the meta device"
         elif n.op == "call_module":
             return f"a mask computed by the module '{n.target}'"
@@ -347,19 +310,7 @@ class _TooLarge(Exception):
     pass
 
 
-# a buffer's value on CPU, by its name in the graph, where the model's recorded initialisation
-# gives one without randomness (capture's ``Init`` replayed); None where it does not
-Values = Callable[[str], "torch.Tensor | None"]
-
-
-def _buffer(values: Values | None, name: str, meta: torch.Tensor) -> torch.Tensor | None:
-    """The value of the meta buffer ``name`` from ``values``, if small enough to check."""
-    if values is None or meta.numel() * meta.element_size() > MASK_LIMIT:
-        return None
-    return values(name)
-
-
-def _evaluate(gm: fx.GraphModule, order: list[fx.Node], sizes: dict, device: torch.device, values=None) -> object:
+def _evaluate(gm: fx.GraphModule, order: list[fx.Node], sizes: dict, device: torch.device) -> object:
     """The value of the last node of ``order`` (a closure in graph order), run with placeholders
     as empty tensors of their traced sizes on meta and every device argument read as ``device``;
     every tensor made is checked against ``MASK_LIMIT``, and dropped once nothing needs it."""
@@ -372,10 +323,7 @@ def _evaluate(gm: fx.GraphModule, order: list[fx.Node], sizes: dict, device: tor
             env[n] = torch.empty(sizes[n], device="meta")
             continue
         if n.op == "get_attr":
-            value = operator.attrgetter(n.target)(gm)
-            if isinstance(value, torch.Tensor) and value.is_meta and device.type != "meta":
-                value = _buffer(values, n.target, value)
-            env[n] = value.to(device)
+            env[n] = operator.attrgetter(n.target)(gm).to(device)
             continue
         args = fx.map_arg(n.args, lambda a: env[a])
         kwargs = fx.map_arg(n.kwargs, lambda a: env[a])

@@ -70,8 +70,7 @@ def _replace_pattern(graph: fx.Graph, out: fx.Node) -> bool:
         return False
     scores, causal = probs.args[0], False
     if _op(scores) == "masked_fill":
-        causal_fill = scores.meta.get("causal") or _causal_mask(scores.args[1])
-        if not (causal_fill and scores.args[2] == float("-inf")) or len(scores.users) != 1:
+        if not (_causal_mask(scores.args[1]) and scores.args[2] == float("-inf")) or len(scores.users) != 1:
             return False
         scores, causal = scores.args[0], True
     scale = 1.0
@@ -105,8 +104,8 @@ def _erase_chain(graph: fx.Graph, node: fx.Node) -> None:
     stack = [node]
     while stack:
         n = stack.pop()
-        if n.users or n.op in ("placeholder", "output"):
-            continue  # (a buffer read only by the pattern, a causal mask, goes with it)
+        if n.users or n.op in ("placeholder", "get_attr", "output"):
+            continue
         inputs = list(n.all_input_nodes)
         graph.erase_node(n)
         stack.extend(inputs)

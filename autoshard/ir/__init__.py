@@ -62,7 +62,6 @@ KEYS: dict[str, Key] = {
         Key("source", "capture", "'file:line' of the model's code that wrote it: the user's file or a modeling_*.py"),
         Key("op", "capture", "normalised op name, the key of the op table (autoshard.ir.ops)"),
         Key("op_class", "capture", "one of OP_CLASSES, from the op table refined by graph patterns"),
-        Key("causal", "capture", "on masked_fill(scores, m, -inf): m hides exactly the later positions, however built"),
         Key("mask", "capture", "on attention whose mask tensor is not causal: what the mask is, for refusals"),
         Key("autoshard_logits", "capture", "on the model's output under the default loss: checked to be 3-D logits"),
         # analysis (autoshard.cost_models)
