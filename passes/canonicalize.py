@@ -25,7 +25,8 @@ _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata  # export checks dtype
 
 
 def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphModule:
-    """Bring a freshly traced ``gm`` into canonical form, in place, and return it.
+    """Bring a freshly traced ``gm`` into canonical form, in place, and return it. (Long only for
+    its docstring: the contract below, one item per rewrite; the body calls one function each.)
 
     Requires: ``gm`` is a traced training forward (``autoshard.capture.trace``) with at least one
     placeholder, the model inputs first among them; ``inputs`` are the example inputs it was

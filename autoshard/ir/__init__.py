@@ -38,6 +38,11 @@ FP8_KINDS = ("attention", "experts", "head", "mlp")  # the kinds an FP8 plan may
 FP8_DEFAULT = ("attention", "experts", "mlp")  # DeepSeek-V3's: head, router, norms and attention's core stay high
 
 
+# the head sizes the Triton attention kernels are built for (a tile is a power of two): query/key
+# and value heads may differ, each one of these; other sizes run torch's attention
+KERNEL_HEAD_DIMS = (16, 32, 64, 128)
+
+
 @dataclass(frozen=True)
 class Key:
     name: str

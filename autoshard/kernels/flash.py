@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autoshard.runtime.attention import KERNEL_HEAD_DIMS
+from autoshard.ir import KERNEL_HEAD_DIMS
 
 LOG2E = 1.4426950408889634
 

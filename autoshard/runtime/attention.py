@@ -16,9 +16,8 @@ import math
 
 import torch
 
+from autoshard.ir import KERNEL_HEAD_DIMS
 from autoshard.runtime import fake
-
-KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @torch.library.custom_op("autoshard::flash_attention", mutates_args=())
