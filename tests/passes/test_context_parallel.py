@@ -92,30 +92,34 @@ def test_tokens_positions_attention_and_loss_become_the_cp_calls():
     assert no_full_sequence_attention_left(gm, ctx) is None
 
 
-def test_positions_written_as_arange_from_0_are_sharded_and_from_1_refused():
-    model = Tiny(start=0)
+def _ring(model):
+    """``model`` captured at 8 tokens, analysed, and rewritten for ring attention over CP2."""
     cap = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
     analyze(cap)
-    gm = context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
-    assert _calls(gm) == ["cp_shard", "cp_positions", "cp_attention", "cp_shard", "cp_cross_entropy"]
+    return context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
+
+
+def _computes_the_models_loss(gm, model) -> bool:
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    assert torch.allclose(gm(tokens), causal_lm_loss(model(tokens), tokens), atol=1e-6)
-    cap = capture(Tiny(start=1), (torch.zeros(2, 8, dtype=torch.long),))
-    analyze(cap)
+    return torch.allclose(gm(tokens), causal_lm_loss(model(tokens), tokens), atol=1e-6)
+
+
+def test_positions_written_as_arange_from_0_are_sharded_and_from_1_refused():
+    model = Tiny(start=0)
+    gm = _ring(model)
+    assert _calls(gm) == ["cp_shard", "cp_positions", "cp_attention", "cp_shard", "cp_cross_entropy"]
+    assert _computes_the_models_loss(gm, model)
     with pytest.raises(Refusal, match="arange over the sequence with a start other than 0"):
-        context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
+        _ring(Tiny(start=1))
 
 
 def test_a_causal_mask_tensor_is_sharded_as_causal_attention():
     """Capture made the tril mask ``is_causal``: the pass shards it, and the rewritten graph still
     computes the masked model's loss."""
     model = Tiny(masked=True)
-    cap = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
-    analyze(cap)
-    gm = context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
+    gm = _ring(model)
     assert _calls(gm) == ["cp_shard", "cp_positions", "cp_attention", "cp_shard", "cp_cross_entropy"]
-    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    assert torch.allclose(gm(tokens), causal_lm_loss(model(tokens), tokens), atol=1e-6)
+    assert _computes_the_models_loss(gm, model)
 
 
 def test_sliding_window_attention_is_refused_for_cp_with_its_window():
