@@ -252,8 +252,8 @@ def _rewrite(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
     tp, ep = ctx.tp, ctx.ep
     inlet, offs = region.inlet, region.offs
     cursor, rows = inlet, inlet
-    share = None
-    if tp > 1:  # every TP rank holds the same tokens: each computes its share of each expert's rows
+    share, shared = None, _tp_shared(ctx)
+    if shared:  # every TP rank holds the same tokens: each computes its share of each expert's rows
         rows = cursor = _call(gm, cursor, collectives.copy_to_tp, (rows,), inlet)
         if region.kind == "grouped":
             share = cursor = _call(gm, cursor, moe.tp_share, (rows, offs), inlet)
@@ -270,7 +270,8 @@ def _rewrite(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
             recv = cursor = _getitem(gm, cursor, sent, 2, region.offs)
         else:
             rows = cursor = _call(gm, cursor, moe.dispatch_buffer, (rows,), inlet)
-    note(rows, f"ep={ep}, tp={tp}: this rank's experts' rows ({region.experts // ep} of {region.experts} experts)")
+    sp = ", sequence parallel" if tp > 1 and not shared else ""
+    note(rows, f"ep={ep}, tp={tp}{sp}: this rank's experts' rows ({region.experts // ep} of {region.experts} experts)")
     for node in region.members:
         node.replace_input_with(inlet, rows)
         if region.offs is not None:
@@ -278,6 +279,12 @@ def _rewrite(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
     _localise_weights(gm, region, ctx)
     for leaving in sorted(_exits(region), key=lambda n: list(gm.graph.nodes).index(n)):
         _combine(gm, leaving, region, ctx, offs, recv, share)
+
+
+def _tp_shared(ctx: RewriteContext) -> bool:
+    """Do the TP ranks route the same tokens, to be shared out among them? Not under sequence
+    parallelism, which hands each TP rank its slice of the tokens (or refuses)."""
+    return ctx.tp > 1 and not ctx.sequence_parallel
 
 
 def _exits(region: Region) -> list[fx.Node]:
@@ -292,7 +299,7 @@ def _combine(gm, leaving: fx.Node, region: Region, ctx: RewriteContext, offs, re
             out = cursor = _call(gm, cursor, moe.combine, (out, offs, recv), leaving)
         else:
             out = cursor = _call(gm, cursor, moe.combine_buffer, (out,), leaving)
-    if ctx.tp > 1:
+    if _tp_shared(ctx):
         if region.kind == "grouped":
             index = _getitem(gm, cursor, share, 2, None)
             cursor = index

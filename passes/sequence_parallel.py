@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import operator
 
+import networkx as nx
 from torch import fx
 
 from autoshard import runtime
@@ -28,6 +29,7 @@ from autoshard.passes._graph import describe, note, place
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import seq_dim as _seq_dim
 from autoshard.passes.contract import Refusal, RewriteContext, decisions
+from autoshard.passes.expert_parallel import find_regions
 
 
 def _fail(node: fx.Node, why: str) -> Refusal:
@@ -133,6 +135,9 @@ def _follow_slices(gm: fx.GraphModule, ctx: RewriteContext, frontier: list[fx.No
     tp, graph = ctx.tp, gm.graph
     sliced: set[fx.Node] = set(frontier)
     partial: set[str] = set()
+    island = _moe_islands(graph)
+    experts = {w for region in find_regions(gm) for w in region.weights} if island else set()
+    fulls: dict[fx.Node, fx.Node] = {}  # a size of the sliced dimension made whole -> the size read
     for user in list(graph.nodes):
         if user in sliced:
             continue
@@ -147,10 +152,18 @@ def _follow_slices(gm: fx.GraphModule, ctx: RewriteContext, frontier: list[fx.No
             continue
         row = ops.rule_of(user)
         if row is not None and row.metadata == "size":
-            _size_to_full(graph, user, node, tp)
-            continue
-        if row is not None and row.metadata == "attr":
+            full = _size_to_full(graph, user, node, tp, island)
+            if full is not None:
+                fulls[full] = user
+            if user not in island:
+                continue
+        elif row is not None and row.metadata == "attr":
             continue  # reads only the dtype, device or rank
+        if user in island:  # a MoE layer's routing and experts: they run on this rank's tokens as they are
+            partial.update(_island_parameters(gm, user, sliced) - experts)
+            sliced.add(user)
+            user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _sliced_dim(user), tp
+            continue
         if row is not None and row.sp == "view":
             if not _view_of_tokens(graph, user, node, tp, ctx.seq):
                 raise _fail(user, "a view that mixes the sequence with features")
@@ -160,6 +173,7 @@ def _follow_slices(gm: fx.GraphModule, ctx: RewriteContext, frontier: list[fx.No
             partial.update(_partial_parameters(gm, user, node, row, sliced))
         sliced.add(user)
         user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _sliced_dim(user), tp
+    _localise_island_sizes(graph, island, sliced, fulls, tp)
     return partial
 
 
@@ -225,6 +239,126 @@ def _why_not_per_token(user: fx.Node, row: ops.OpRule | None) -> str:
         "a linear layer that tensor parallelism leaves whole (not column-parallel) would carry the slice on past "
         "it, and sequence parallelism ends a slice only at a column-parallel input"
     )
+
+
+def _moe_islands(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of every MoE layer that run on this rank's tokens as they are, as on a shorter
+    sequence: from the stream the router reads (through views: its sizes and views included) to
+    the first node every path from the router passes through that holds one row per token again
+    (the combined experts' output). Routing, dispatch and combine mix tokens (sorting by expert,
+    capacity counts) but each token's result is its own, so the sliced stream passes through
+    whole; sizes read inside stay this rank's."""
+    routers = [n for n in graph.nodes if n.meta.get("op_class") == "router"]
+    if not routers:
+        return set()
+    after = _post_dominators(graph)
+    island: set[fx.Node] = set()
+    for router in routers:
+        tokens = next(a for a in router.all_input_nodes if not ops.is_weight(a))
+        entry = _stream_entry(tokens)
+        shapes = (tokens.meta.get("shape"), entry.meta.get("shape"))
+        exit_ = after.get(router)
+        while exit_ is not None and exit_.op != "output" and exit_.meta.get("shape") not in shapes:
+            exit_ = after.get(exit_)
+        if exit_ is not None and exit_.op != "output":
+            island |= (_descendants(entry) & _ancestors(exit_)) | {exit_}
+    return island
+
+
+def _post_dominators(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Each node's immediate post-dominator: the nearest node every path from it to the output takes."""
+    reverse = nx.DiGraph()
+    for node in graph.nodes:
+        reverse.add_node(node)
+        for user in node.users:
+            reverse.add_edge(user, node)
+    sink = next(n for n in reversed(graph.nodes) if n.op == "output")
+    doms = nx.immediate_dominators(reverse, sink)
+    return {n: d for n, d in doms.items() if d is not n}
+
+
+def _stream_entry(node: fx.Node) -> fx.Node:
+    """The stream tensor the router's input ``node`` is, above the views that flatten it into rows."""
+    while (row := ops.rule_of(node)) is not None and row.sp == "view" and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    found, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in found:
+            found.add(n)
+            todo.extend(n.users)
+    return found
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    found, todo = set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n not in found:
+            found.add(n)
+            todo.extend(n.all_input_nodes)
+    return found
+
+
+def _island_parameters(gm: fx.GraphModule, node: fx.Node, sliced: set[fx.Node]) -> set[str]:
+    """The trainable parameters a MoE island node applies to this rank's tokens: their gradients
+    are partial over TP (the caller leaves out the routed experts' stacked weights, whose
+    gradients expert parallelism sums over the ranks holding the same experts)."""
+    if node.op == "call_module":
+        return {f"{node.target}.{p}" for p, _ in gm.get_submodule(node.target).named_parameters()}
+    return {p for a in node.all_input_nodes if a not in sliced for p in _parameters_behind(a)}
+
+
+_SIZE_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.floordiv, operator.neg)
+
+
+def _localise_island_sizes(
+    graph: fx.Graph, island: set[fx.Node], sliced: set[fx.Node], fulls: dict[fx.Node, fx.Node], tp: int
+) -> None:
+    """What a MoE island reads from outside that was computed from sizes alone (a number of rows,
+    an ``arange`` over them) is recomputed from this rank's share of the sequence: a size of the
+    whole sequence (or of the flattened tokens) of an unsliced tensor, such as the token ids,
+    becomes ``size // tp``, one made whole by ``_size_to_full`` the size it was made from."""
+    memo: dict[fx.Node, fx.Node] = {}
+
+    def local(a: fx.Node, reader: fx.Node) -> fx.Node:
+        if a in memo:
+            return memo[a]
+        memo[a] = a
+        row = ops.rule_of(a)
+        if a in fulls:
+            memo[a] = fulls[a]
+        elif row is not None and row.metadata == "size" and a.args[0] not in sliced:
+            memo[a] = _local_size(graph, a, tp)
+        elif a.op == "call_function" and all(i.meta.get("shape") is None for i in a.all_input_nodes):
+            args = {i: local(i, reader) for i in a.all_input_nodes}
+            if any(i is not j for i, j in args.items()):
+                with graph.inserting_before(reader):  # after what it reads, before the first island reader
+                    clone = graph.node_copy(a, args.__getitem__)
+                place(clone, a, like=a)
+                memo[a] = clone
+        return memo[a]
+
+    for node in [n for n in graph.nodes if n in island]:
+        for a in node.all_input_nodes:
+            if a not in island and a not in sliced and not ops.is_weight(a):
+                node.replace_input_with(a, local(a, node))
+
+
+def _local_size(graph: fx.Graph, size: fx.Node, tp: int) -> fx.Node:
+    """``size // tp`` where ``size`` reads the sequence (or flattened tokens) of its tensor, else ``size``."""
+    tensor = size.args[0]
+    shape = tensor.meta.get("shape") if isinstance(tensor, fx.Node) else None
+    dim = size.args[1] if len(size.args) > 1 else size.kwargs.get("dim")
+    if not isinstance(shape, (tuple, list)) or not isinstance(dim, int) or shape[dim] not in (S, B * S):
+        return size
+    with graph.inserting_after(size):
+        share = graph.call_function(operator.floordiv, (size, tp))
+    return place(share, size, like=size)
 
 
 def no_tp_all_reduce_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
@@ -318,13 +452,18 @@ def _check_broadcast(user: fx.Node, other: fx.Node, sliced: fx.Node) -> None:
         raise _fail(user, f"its operand {describe(other)} spans the whole sequence")
 
 
-def _size_to_full(graph: fx.Graph, size: fx.Node, source: fx.Node, tp: int) -> None:
+def _size_to_full(
+    graph: fx.Graph, size: fx.Node, source: fx.Node, tp: int, island: set[fx.Node]
+) -> fx.Node | None:
+    """A size of the sliced dimension, made whole again for every reader outside a MoE ``island``
+    (which runs on this rank's tokens and reads their number); returns the whole size's node."""
     dim = size.args[1] if len(size.args) > 1 else size.kwargs.get("dim")
     seq = _sliced_dim(source)
     rank = len(source.meta["shape"])
     if dim is None or (dim + rank if dim < 0 else dim) != seq:
-        return
+        return None
     with graph.inserting_after(size):
         full = graph.call_function(operator.mul, (size, tp))
     place(full, size)
-    size.replace_all_uses_with(full, delete_user_cb=lambda u: u is not full)
+    size.replace_all_uses_with(full, delete_user_cb=lambda u: u is not full and u not in island)
+    return full
