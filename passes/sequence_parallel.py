@@ -29,7 +29,7 @@ from autoshard.passes._graph import describe, note, place
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import seq_dim as _seq_dim
 from autoshard.passes.contract import Refusal, RewriteContext, decisions
-from autoshard.passes.expert_parallel import find_regions
+from autoshard.passes.expert_parallel import _split_dim, find_regions
 
 
 def _fail(node: fx.Node, why: str) -> Refusal:
@@ -197,15 +197,14 @@ def _partial_parameters(
     if user.op == "call_module":
         return {f"{user.target}.{p}" for p, _ in gm.get_submodule(user.target).named_parameters()}
     found: set[str] = set()
-    if row.sp in ("pointwise", "norm"):
+    if row.sp in ("pointwise", "norm") or row.tp == "linear":
         for other in user.all_input_nodes:
             if other in stream:
                 continue
             if other.op == "get_attr":
                 found.add(other.target)
-                continue
-            _check_broadcast(user, other, sliced)
-            found.update(_parameters_behind(other))
+            elif row.tp == "linear" or not _slice_operand(gm.graph, user, other, sliced):
+                found.update(_parameters_behind(other))
     return found
 
 
@@ -218,9 +217,31 @@ def _per_token(user: fx.Node, sliced: fx.Node, row: ops.OpRule | None) -> bool:
         seq = _sliced_dim(sliced)
         dims = ops.dims_arg(user, len(sliced.meta["shape"]))
         return _sliced_dim(user) == seq and dims is not None and seq not in dims
-    if kind == "same_shape":
-        return user.meta.get("shape") == sliced.meta.get("shape")
+    if kind == "same_shape":  # a slice that keeps everything, or one of features
+        dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+        rank = len(sliced.meta["shape"])
+        same = user.meta.get("shape") == sliced.meta.get("shape")
+        return same or (isinstance(dim, int) and dim % rank != _sliced_dim(sliced) and _sliced_dim(user) is not None)
+    if row is not None and row.tp == "linear":  # one TP leaves whole: a product over each token's features
+        return user.op == "call_module" or user.args[0] is sliced
+    if row is not None and row.tp == "split":  # into groups of features
+        return _split_dim(user) != _sliced_dim(sliced)
+    if ops.op_name(user) == "cat":  # of sliced tensors, along features
+        parts, dim = user.args[0], user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+        seq = _sliced_dim(sliced)
+        rank = len(sliced.meta["shape"])
+        return dim % rank != seq and all(p.meta.get("sp_sliced_dim") == seq for p in parts)
+    if row is not None and row.tp == "getitem":  # one output of a split, or a basic index keeping the tokens
+        if isinstance(sliced.meta.get("shape"), (tuple, list)):
+            return _basic_index(user.args[1]) and _sliced_dim(user) is not None
+        return True
     return False
+
+
+def _basic_index(index) -> bool:
+    """An index of slices, integers, ``None`` and ``...`` only (no tensor picks rows)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
 
 
 def _why_not_per_token(user: fx.Node, row: ops.OpRule | None) -> str:
@@ -442,14 +463,26 @@ def _parameters_behind(node: fx.Node) -> set[str]:
     return found
 
 
-def _check_broadcast(user: fx.Node, other: fx.Node, sliced: fx.Node) -> None:
+def _slice_operand(graph: fx.Graph, user: fx.Node, other: fx.Node, sliced: fx.Node) -> bool:
+    """An operand ``other`` of the per-token op ``user`` that spans the whole sequence (a rotary
+    embedding's cos and sin over every position) is cut to this rank's slice (``scatter_to_sp``:
+    its gradient, all-gathered, is whole on every rank); returns whether it was. One that
+    broadcasts along the sequence is left as it is; any other is refused."""
     dim = _seq_dim(sliced)
     shape, full = other.meta.get("shape"), sliced.meta.get("shape")
     if dim is None or not isinstance(shape, (tuple, list)):
-        return
+        return False
     k = dim - (len(full) - len(shape))
-    if 0 <= k < len(shape) and shape[k] != 1:
-        raise _fail(user, f"its operand {describe(other)} spans the whole sequence")
+    if not 0 <= k < len(shape) or shape[k] == 1:
+        return False
+    if shape[k] != S:
+        raise _fail(user, f"its operand {describe(other)} spans the sequence in a way it cannot slice")
+    with graph.inserting_before(user):
+        scatter = graph.call_function(runtime.scatter_to_sp, (other, k))
+    place(scatter, user, like=other, tp="replicated", sp_sliced_dim=k, sp_tp=sliced.meta.get("sp_tp"))
+    note(scatter, "sequence parallel: this rank's positions of a tensor over the whole sequence")
+    user.replace_input_with(other, scatter)
+    return True
 
 
 def _size_to_full(
