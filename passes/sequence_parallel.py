@@ -331,7 +331,13 @@ def _island_parameters(gm: fx.GraphModule, node: fx.Node, sliced: set[fx.Node]) 
     gradients expert parallelism sums over the ranks holding the same experts)."""
     if node.op == "call_module":
         return {f"{node.target}.{p}" for p, _ in gm.get_submodule(node.target).named_parameters()}
-    return {p for a in node.all_input_nodes if a not in sliced for p in _parameters_behind(a)}
+    found = set()
+    for a in node.all_input_nodes:
+        while a not in sliced and a.op != "get_attr" and ops.is_weight(a):  # a view or cast of a weight
+            a = a.all_input_nodes[0]
+        if a.op == "get_attr" and a.meta.get("requires_grad"):
+            found.add(a.target)
+    return found
 
 
 _SIZE_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.floordiv, operator.neg)
