@@ -12,8 +12,18 @@ partial sums: ``decisions(gm).partial_grads`` lists them for the runtime to all-
 
 What is per-token is each op's ``sp`` rule in the op table (``autoshard.ir.ops.RULES``):
 pointwise ops, reductions over features, norms (module or function), slices that keep everything;
-ops that read only metadata are left alone (sizes of the sequence are restored). Anything else on
-the sliced stream is refused (``Refusal(axis="sp")``), naming the op's line.
+ops that read only metadata are left alone (sizes of the sequence are restored). Linear layers that tensor
+parallelism leaves whole (multi-head latent attention's down-projections) run on the slice too,
+their weights' gradients partial; an operand spanning the whole sequence (a rotary table over
+every position) is cut to this rank's positions (``scatter_to_sp``). Anything else on the sliced
+stream is refused (``Refusal(axis="sp")``), naming the op's line.
+
+A MoE layer runs on this rank's tokens as on a shorter sequence (``_moe_islands``): the router
+reads the slice, the expert-parallel pass sends the routed rows to their experts and back (no
+sequence all-gather or reduce-scatter around them, no sharing of rows among the TP ranks), and
+the sizes read inside are this rank's. The router's weight gradients are partial over TP; the
+routed experts' are summed over the ranks holding the same experts by expert parallelism. Shared
+experts are dense MLPs like any other: column- and row-parallel, gathered and reduce-scattered.
 """
 
 from __future__ import annotations
@@ -245,28 +255,17 @@ def _basic_index(index) -> bool:
 
 
 def _why_not_per_token(user: fx.Node, row: ops.OpRule | None) -> str:
-    """Why ``user`` cannot run on the slice. A linear layer left whole by tensor parallelism (a
-    router; a low-rank projection before its norm, as in multi-head latent attention) is itself
-    per token, but the slice would then go on past it, into routing (the expert-parallel pass
-    takes every TP rank's whole sequence and splits the routed rows itself) or, for attention's
-    latents, into splits of its features and a rope over the whole sequence's positions, which
-    have no sequence-parallel rules: the slice ends only where a column-parallel matmul's input is
-    gathered."""
-    if row is None or row.tp != "linear":
-        return f"{_op(user)!r} is not per-token"
-    if user.meta.get("op_class") == "router":
-        return "it is a MoE router, and expert parallelism routes the whole sequence of each TP rank"
-    return (
-        "a linear layer that tensor parallelism leaves whole (not column-parallel) would carry the slice on past "
-        "it, and sequence parallelism ends a slice only at a column-parallel input"
-    )
+    """Why ``user`` cannot run on the slice."""
+    if row is not None and row.tp == "linear":
+        return "it multiplies the slice by a tensor other than a weight"
+    return f"{_op(user)!r} is not per-token"
 
 
 def _moe_islands(graph: fx.Graph) -> set[fx.Node]:
     """The nodes of every MoE layer that run on this rank's tokens as they are, as on a shorter
     sequence: from the stream the router reads (through views: its sizes and views included) to
-    the first node every path from the router passes through that holds one row per token again
-    (the combined experts' output). Routing, dispatch and combine mix tokens (sorting by expert,
+    the first node every path from the router passes through that has the shape of that stream
+    again (the combined experts' output). Routing, dispatch and combine mix tokens (sorting by expert,
     capacity counts) but each token's result is its own, so the sliced stream passes through
     whole; sizes read inside stay this rank's."""
     routers = [n for n in graph.nodes if n.meta.get("op_class") == "router"]
@@ -338,9 +337,6 @@ def _island_parameters(gm: fx.GraphModule, node: fx.Node, sliced: set[fx.Node]) 
         if a.op == "get_attr" and a.meta.get("requires_grad"):
             found.add(a.target)
     return found
-
-
-_SIZE_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.floordiv, operator.neg)
 
 
 def _localise_island_sizes(
@@ -491,9 +487,7 @@ def _slice_operand(graph: fx.Graph, user: fx.Node, other: fx.Node, sliced: fx.No
     return True
 
 
-def _size_to_full(
-    graph: fx.Graph, size: fx.Node, source: fx.Node, tp: int, island: set[fx.Node]
-) -> fx.Node | None:
+def _size_to_full(graph: fx.Graph, size: fx.Node, source: fx.Node, tp: int, island: set[fx.Node]) -> fx.Node | None:
     """A size of the sliced dimension, made whole again for every reader outside a MoE ``island``
     (which runs on this rank's tokens and reads their number); returns the whole size's node."""
     dim = size.args[1] if len(size.args) > 1 else size.kwargs.get("dim")
