@@ -10,13 +10,14 @@ code keeps seeing the length it was written for. The parameters used in that str
 weights, biases added after a row matmul) see only this rank's tokens, so their gradients are
 partial sums: ``decisions(gm).partial_grads`` lists them for the runtime to all-reduce over the TP group.
 
-What is per-token is each op's ``sp`` rule in the op table (``autoshard.ir.ops.RULES``):
-pointwise ops, reductions over features, norms (module or function), slices that keep everything;
-ops that read only metadata are left alone (sizes of the sequence are restored). Linear layers that tensor
+What is per-token is each op's ``sp`` rule in the op table (``autoshard.ir.ops.RULES``): pointwise
+ops, reductions over features, norms (module or function), slices that keep everything; and here
+slices, splits and concatenations of features and basic indexing that keeps the tokens; ops that
+read only metadata are left alone (sizes of the sequence are restored). Linear layers that tensor
 parallelism leaves whole (multi-head latent attention's down-projections) run on the slice too,
-their weights' gradients partial; an operand spanning the whole sequence (a rotary table over
-every position) is cut to this rank's positions (``scatter_to_sp``). Anything else on the sliced
-stream is refused (``Refusal(axis="sp")``), naming the op's line.
+their weights' gradients partial; an operand spanning the whole sequence (a rotary table over every
+position) is cut to this rank's positions (``scatter_to_sp``). Anything else on the sliced stream is
+refused (``Refusal(axis="sp")``), naming the op's line.
 
 A MoE layer runs on this rank's tokens as on a shorter sequence (``_moe_islands``): the router
 reads the slice, the expert-parallel pass sends the routed rows to their experts and back (no
