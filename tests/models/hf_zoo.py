@@ -34,7 +34,21 @@ ARCHITECTURES = {
                                                        multi_query=True, ffn_hidden_size=128,
                                                        max_position_embeddings=256)),
 }  # fmt: skip
-CONFIGS = {name: spec[2] for name, spec in ARCHITECTURES.items()}
+# released models' config.json at full size, for planning and checks at scale on the meta device
+# (not in the matrix, which runs every architecture on CPU processes)
+FULL_SIZE = {
+    "qwen3-32b": ("Qwen3ForCausalLM", "Qwen3Config", dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                                                         num_hidden_layers=64, num_attention_heads=64,
+                                                         num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+                                                         max_position_embeddings=131072)),
+    "mistral-7b": ("MistralForCausalLM", "MistralConfig", dict(vocab_size=32768, hidden_size=4096,
+                                                              intermediate_size=14336, num_hidden_layers=32,
+                                                              num_attention_heads=32, num_key_value_heads=8,
+                                                              head_dim=128, rope_theta=1e6, sliding_window=None,
+                                                              max_position_embeddings=131072)),
+}  # fmt: skip
+_SPECS = {**ARCHITECTURES, **FULL_SIZE}
+CONFIGS = {name: spec[2] for name, spec in _SPECS.items()}
 
 # the architecture matrix (benchmarks/architectures.py runs all of it, tests/test_architectures.py
 # the CI subset): layout name -> (gpus, --force pins)
@@ -61,7 +75,7 @@ CI_SUBSET = [
 
 
 def build(config: str = "llama"):
-    model_class, config_class, kwargs = ARCHITECTURES[config]
+    model_class, config_class, kwargs = _SPECS[config]
     kwargs = {k: v for k, v in kwargs.items() if k != "num_key_value_heads" or config != "gpt_neox"}
     cfg = getattr(transformers, config_class)(**kwargs)
     return getattr(transformers, model_class)(cfg)
