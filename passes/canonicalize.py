@@ -15,7 +15,7 @@ import operator
 import torch
 from torch import fx
 
-from autoshard.ir import ops
+from autoshard.ir import Mask, ops
 from autoshard.runtime import moe
 
 GUARDS = "_guards_fn"  # torch.export's submodule that checks the inputs against its shape guards
@@ -168,7 +168,7 @@ def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     sizes = {p: tuple(t.shape) for p, t in zip(placeholders, inputs)}
-    verdicts: dict[fx.Node, str | None] = {}
+    verdicts: dict[fx.Node, Mask | None] = {}
     changed = False
     for node in list(graph.nodes):
         if node.op not in ("call_function", "call_method") or _signature(node) != "sdpa":
@@ -216,9 +216,9 @@ def _erase_unused(graph: fx.Graph, roots: list[fx.Node]) -> None:
         stack.extend(inputs)
 
 
-def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple]) -> str | None:
-    """None when ``mask`` is causal at ``sizes`` (placeholder -> traced shape); else what it is,
-    as a phrase for a refusal ("sliding-window attention (window 4096)").
+def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple]) -> Mask | None:
+    """None when ``mask`` is causal at ``sizes`` (placeholder -> traced shape); else what it is:
+    its kind (``ir.MASK_KINDS``) and a phrase for a refusal ("sliding-window attention (window 4096)").
 
     Where the mask at the traced sizes is too large to build (a long context), it is judged at
     shorter sequences instead (:func:`_shorter`): long enough that every integer the mask's
@@ -236,13 +236,13 @@ def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple])
             return _judged_shorter(gm, order, sizes)
         value = _evaluate(gm, order, sizes, torch.device("cpu"))
     except _TooLarge as e:
-        return f"a mask tensor too large to check at the traced sizes ({e})"
+        return Mask("other", f"a mask tensor too large to check at the traced sizes ({e})")
     except Exception as e:  # an op that cannot run on sizes alone
-        return f"a mask tensor that cannot be evaluated from the sizes ({type(e).__name__})"
+        return Mask("other", f"a mask tensor that cannot be evaluated from the sizes ({type(e).__name__})")
     return _causal_verdict(value)
 
 
-def _judged_shorter(gm: fx.GraphModule, order: list[fx.Node], sizes: dict[fx.Node, tuple]) -> str | None:
+def _judged_shorter(gm: fx.GraphModule, order: list[fx.Node], sizes: dict[fx.Node, tuple]) -> Mask | None:
     """The verdict on a mask too large at the traced sizes, from the two shorter lengths of
     :func:`_shorter`: causal when causal at both, else what it is at the first."""
     seq = max((s[-1] for s in sizes.values() if s), default=0)
@@ -289,22 +289,37 @@ def _reads_shape_only(user: fx.Node, placeholder: fx.Node) -> bool:
     return user.op == "call_method" and user.target in _SHAPE_METHODS and user.args[0] is placeholder
 
 
-def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node]) -> str | None:
-    """Why the mask's value is not a function of sizes and constants, or None if it is."""
+def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node]) -> Mask | None:
+    """What the mask is when its value is not a function of sizes and constants, or None if it is."""
     params = {name for name, _ in gm.named_parameters()}
     for n in closure:
         if n.op == "placeholder":
             if any(not _reads_shape_only(u, n) for u in n.users if u in closure):
-                return f"a mask computed from the input '{n.target}' (padding or document masking)"
+                return _from_input(n, closure)
         elif n.op == "get_attr":
             if n.target in params:
-                return f"a mask computed from the parameter '{n.target}'"
+                return Mask("other", f"a mask computed from the parameter '{n.target}'")
             value = operator.attrgetter(n.target)(gm)
             if isinstance(value, torch.Tensor) and value.is_meta:
-                return f"a mask read from the buffer '{n.target}', which has no values on the meta device"
+                return Mask(
+                    "other", f"a mask read from the buffer '{n.target}', which has no values on the meta device"
+                )
         elif n.op == "call_module":
-            return f"a mask computed by the module '{n.target}'"
+            return Mask("other", f"a mask computed by the module '{n.target}'")
     return None
+
+
+_EQUALS = ("eq", "__eq__")
+
+
+def _from_input(placeholder: fx.Node, closure: set[fx.Node]) -> Mask:
+    """A mask read from an input's values: a document mask where it compares the input with
+    itself (``ids[:, :, None] == ids[:, None, :]``: positions of one document), padding else."""
+    for n in closure:
+        operands = [a for a in n.args if isinstance(a, fx.Node)]
+        if _op(n) in _EQUALS and len(operands) == 2 and all(placeholder in _closure(a) for a in operands):
+            return Mask("document", f"document masking (a mask comparing the input '{placeholder.target}' with itself)")
+    return Mask("padding", f"a mask computed from the input '{placeholder.target}' (padding or document masking)")
 
 
 class _TooLarge(Exception):
@@ -344,11 +359,11 @@ def _evaluate(gm: fx.GraphModule, order: list[fx.Node], sizes: dict, device: tor
     return env[order[-1]]
 
 
-def _causal_verdict(value) -> str | None:
+def _causal_verdict(value) -> Mask | None:
     """None when ``value`` (a boolean mask, True where attending, or an additive one, 0 where
     attending and the dtype's lowest value or -inf elsewhere) is causal over its last two dims."""
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.is_meta:
-        return "a mask that is not a tensor of positions"
+        return Mask("other", "a mask that is not a tensor of positions")
     for d in range(value.dim() - 2):  # a broadcast (stride-0) dimension holds one value
         if value.stride(d) == 0:
             value = value.narrow(d, 0, 1)
@@ -357,24 +372,24 @@ def _causal_verdict(value) -> str | None:
     elif value.dtype.is_floating_point:
         allowed = value == 0
         if not (allowed | (value <= torch.finfo(value.dtype).min)).all():
-            return "an additive attention bias (values other than 0 and -inf)"
+            return Mask("positional_bias", "an additive attention bias computed from positions (as ALiBi's)")
     else:
-        return f"a mask of dtype {value.dtype}"
+        return Mask("other", f"a mask of dtype {value.dtype}")
     q, k = allowed.shape[-2:]
     if q != k:
-        return f"a mask of {q} queries by {k} keys"
+        return Mask("other", f"a mask of {q} queries by {k} keys")
     causal = torch.ones(q, k, dtype=torch.bool).tril()
     if torch.equal(allowed, causal.expand_as(allowed)):
         return None
     if (allowed & ~causal).any():
-        return "a mask that lets positions attend to later ones (not causal)"
+        return Mask("not_causal", "a mask that lets positions attend to later ones (not causal)")
     window = int(allowed.sum(-1).max())
     if not window:
-        return "a mask that hides every key"
+        return Mask("other", "a mask that hides every key")
     band = causal & ~torch.ones(q, k, dtype=torch.bool).tril(-window)
     if torch.equal(allowed, band.expand_as(allowed)):
-        return f"sliding-window attention (window {window})"
-    return "a mask that hides earlier positions (document masking or padding)"
+        return Mask("sliding_window", f"sliding-window attention (window {window})", window)
+    return Mask("other", "a mask that hides earlier positions (document masking or padding)")
 
 
 # ---------------------------------------------------------------------------------------------

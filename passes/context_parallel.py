@@ -12,8 +12,9 @@ Rewrites, before the tensor-parallel pass:
 * causal attention (``scaled_dot_product_attention(..., is_causal=True)`` without a mask or
   dropout; capture has already made a mask tensor that is causal into ``is_causal``, see
   ``passes.canonicalize``) becomes ``cp_attention`` (ring or all-gather-KV over the CP group);
-  a mask that is not causal is refused with what it is (``node.meta["mask"]``: a sliding window,
-  document masking);
+  so does attention whose mask is a sliding window (``node.meta["mask"]``, an ``ir.Mask``), with
+  its window, each block masked by its global positions, and the nodes that only built the mask
+  go; any other mask is refused with what it is (document masking, a positional bias);
 * the mean cross-entropy becomes ``cp_cross_entropy``: this rank's sum over the mean's global count,
   so the CP ranks' losses (and gradients) add up to the single-sequence mean.
 
@@ -28,7 +29,7 @@ import torch
 from torch import fx
 
 from autoshard import runtime
-from autoshard.ir import S, ops
+from autoshard.ir import Mask, S, ops
 from autoshard.passes._graph import in_model as _in_model
 from autoshard.passes._graph import note, place
 from autoshard.passes._graph import op_name as _op
@@ -110,8 +111,11 @@ def _shard_attention(graph: fx.Graph, ctx: RewriteContext) -> None:
             raise _fail(node, why)
         args = ops.call_args(node)
         qkv = (args["query"], args["key"], args["value"])
-        new = _replace_call(graph, node, runtime.cp_attention, (*qkv, ctx.attention, args["scale"]))
-        note(new, f"context parallel: {ctx.attention} attention over the {ctx.cp} ranks' chunks")
+        mask, window = args.get("attn_mask"), _window(node)
+        new = _replace_call(graph, node, runtime.cp_attention, (*qkv, ctx.attention, args["scale"], window))
+        _erase_builders(graph, mask)
+        within = f", window {window}" if window else ""
+        note(new, f"context parallel: {ctx.attention} attention over the {ctx.cp} ranks' chunks{within}")
 
 
 def _shard_loss(graph: fx.Graph, ctx: RewriteContext) -> None:
@@ -170,13 +174,30 @@ def _local_lengths(graph: fx.Graph, ph: fx.Node, local: fx.Node, dim: int) -> No
             user.replace_input_with(size, length)
 
 
+def _window(attention: fx.Node) -> int | None:
+    """The sliding window of attention whose mask is one (``meta["mask"]``), else None."""
+    mask = attention.meta.get("mask")
+    return mask.window if isinstance(mask, Mask) and mask.kind == "sliding_window" else None
+
+
+# what to do about each mask kind context parallelism does not shard
+_MASK_FIX = {
+    "document": "train on packed sequences without document masking",
+    "positional_bias": "use rotary positions, or no positional bias",
+    "padding": "train on packed sequences without padding",
+}
+
+
 def _not_shardable(attention: fx.Node) -> str | None:
     """Why ring / all-gather-KV attention cannot compute this attention call, or None."""
     args = ops.call_args(attention)
-    if args.get("attn_mask") is not None:
-        what = attention.meta.get("mask", "attention with a mask tensor")
-        return f"{what} is not sharded by context parallelism (only causal attention is)"
-    if not args["is_causal"]:
+    mask = attention.meta.get("mask")
+    if args.get("attn_mask") is not None and _window(attention) is None:
+        what = mask.what if isinstance(mask, Mask) else "attention with a mask tensor"
+        fix = _MASK_FIX.get(mask.kind) if isinstance(mask, Mask) else None
+        tail = f" ({fix} to shard it)" if fix else ""
+        return f"{what} is not sharded by context parallelism, only causal and sliding-window attention are{tail}"
+    if not args["is_causal"] and _window(attention) is None:
         return "attention without causality is not sharded by context parallelism (only causal attention is)"
     if args.get("dropout_p", 0.0) not in (0, 0.0):
         return f"attention with dropout (p={args['dropout_p']}) is not sharded by context parallelism"
@@ -185,6 +206,19 @@ def _not_shardable(attention: fx.Node) -> str | None:
 
 # ops between QK^T and the softmax that fused attention computes too (scale, mask, casts)
 _FUSED_SCORE_OPS = ("mul", "div", "truediv", "add", "masked_fill", *ops.CASTS)
+
+
+def _erase_builders(graph: fx.Graph, mask) -> None:
+    """Erase the mask tensor once no attention reads it, and the computations only it read;
+    buffers and inputs stay (a persistent buffer is part of the model's state, read or not)."""
+    stack = [mask] if isinstance(mask, fx.Node) else []
+    while stack:
+        n = stack.pop()
+        if n.users or n.op != "call_function" or getattr(n, "_erased", False):
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        stack.extend(inputs)
 
 
 def _unfused_why(node: fx.Node) -> str:

@@ -34,6 +34,11 @@ ARCHITECTURES = {
                                                        multi_query=True, ffn_hidden_size=128,
                                                        max_position_embeddings=256)),
 }  # fmt: skip
+# an architecture with a feature switched on that its matrix config leaves off
+VARIANTS = {
+    # a sliding window shorter than the traced sequence (32 tokens): a banded mask, not a causal one
+    "mistral-swa": ("MistralForCausalLM", "MistralConfig", dict(_DECODER, sliding_window=16)),
+}
 # released models' config.json at full size, for planning and checks at scale on the meta device
 # (not in the matrix, which runs every architecture on CPU processes)
 FULL_SIZE = {
@@ -47,7 +52,7 @@ FULL_SIZE = {
                                                               head_dim=128, rope_theta=1e6, sliding_window=None,
                                                               max_position_embeddings=131072)),
 }  # fmt: skip
-_SPECS = {**ARCHITECTURES, **FULL_SIZE}
+_SPECS = {**ARCHITECTURES, **VARIANTS, **FULL_SIZE}
 CONFIGS = {name: spec[2] for name, spec in _SPECS.items()}
 
 # the architecture matrix (benchmarks/architectures.py runs all of it, tests/test_architectures.py
@@ -61,7 +66,8 @@ LAYOUTS = {
 }
 # one case per feature that needed its own rule: per-head norms, a partial-sum norm with a padding
 # row, unequal fused-QKV slices, Conv1D rows with tied weights, tied weights across stages with
-# soft-capping, a scaled tied embedding under ZeRO, a causal mask tensor under CP, fused-QKV chunks
+# soft-capping, a scaled tied embedding under ZeRO, a causal mask tensor under CP, fused-QKV chunks,
+# a sliding window shorter than the sequence under CP
 CI_SUBSET = [
     ("qwen3", "tp2-sp"),
     ("olmo2", "tp2-sp"),
@@ -71,6 +77,7 @@ CI_SUBSET = [
     ("gemma3", "dp2"),
     ("llama", "cp2"),
     ("gpt_neox", "tp2-pp2"),
+    ("mistral-swa", "cp2"),
 ]
 
 

@@ -48,15 +48,16 @@ def test_llama_cp2_graph():
 
 class Tiny(torch.nn.Module):
     """Causal attention by ``is_causal``, or by a mask tensor: causal (``window=None``) or a
-    sliding window of ``window`` positions."""
+    sliding window of ``window`` positions, and within documents separated by token 0 where
+    ``documents``."""
 
-    def __init__(self, masked: bool = False, window: int | None = None, start: int | None = None):
+    def __init__(self, masked: bool = False, window: int | None = None, start: int | None = None, documents=False):
         super().__init__()
         self.start = start  # positions as arange(start, start + s) rather than arange(s)
         self.embed = torch.nn.Embedding(64, 32)
         self.qkv = torch.nn.Linear(32, 96, bias=False)
         self.head = torch.nn.Linear(32, 64, bias=False)
-        self.masked, self.window = masked, window
+        self.masked, self.window, self.documents = masked, window, documents
 
     def forward(self, tokens):
         b, s = tokens.size(0), tokens.size(1)
@@ -67,6 +68,9 @@ class Tiny(torch.nn.Module):
         if self.masked:
             ones = torch.ones(s, s, dtype=torch.bool)
             mask = ones.tril() & ~ones.tril(-self.window) if self.window else ones.tril()
+        if self.documents:
+            document = (tokens == 0).cumsum(-1)
+            mask = mask & (document[:, None, :, None] == document[:, None, None, :])
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.masked)
         return self.head(out.transpose(1, 2).reshape(b, s, 32))
 
@@ -122,10 +126,26 @@ def test_a_causal_mask_tensor_is_sharded_as_causal_attention():
     assert _computes_the_models_loss(gm, model)
 
 
-def test_sliding_window_attention_is_refused_for_cp_with_its_window():
-    cap = capture(Tiny(masked=True, window=4), (torch.zeros(2, 8, dtype=torch.long),))
+def test_sliding_window_attention_becomes_cp_attention_with_its_window():
+    """The band mask goes (its nodes with it) and the window travels with the call; on one
+    process the call computes the masked model's loss."""
+    model = Tiny(masked=True, window=4)
+    gm = _ring(model)
+    assert _calls(gm) == ["cp_shard", "cp_positions", "cp_attention", "cp_shard", "cp_cross_entropy"]
+    (attn,) = [n for n in gm.graph.nodes if n.target is runtime.cp_attention]
+    assert attn.args[5] == 4 and "window 4" in attn.meta["note"]
+    assert not [n for n in gm.graph.nodes if n.meta.get("op") in ("ones", "tril", "and_", "bitwise_and")]
+    assert _computes_the_models_loss(gm, model)
+
+
+def test_document_masking_is_refused_for_cp_naming_the_mask_and_the_fix():
+    cap = capture(Tiny(masked=True, documents=True), (torch.zeros(2, 8, dtype=torch.long),))
     analyze(cap)
-    match = r"sliding-window attention \(window 4\) is not sharded by context parallelism .*; plan with --force cp=1"
+    match = (
+        r"document masking \(a mask comparing the input 'tokens' with itself\) is not sharded by context "
+        r"parallelism, only causal and sliding-window attention are \(train on packed sequences without "
+        r"document masking to shard it\); plan with --force cp=1"
+    )
     with pytest.raises(Refusal, match=match) as e:
         context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
     # the model, not the degree, is the obstacle: the planner leaves out every cp above 1
