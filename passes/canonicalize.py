@@ -189,7 +189,43 @@ def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
         changed = True
     if changed:
         _erase_unused(graph, [m for m, why in verdicts.items() if why is None])
+    _score_biases(gm, sizes)
     return changed
+
+
+_SOFTMAXES = ("softmax", "_softmax")
+_SCORE_STEPS = 16  # ops between a softmax and the product of its scores: scale, casts, views, masks
+
+
+def _score_biases(gm: fx.GraphModule, sizes: dict[fx.Node, tuple]) -> None:
+    """On the softmax of written-out attention whose scores get an additive bias computed from
+    positions (Bloom's ALiBi, added by ``baddbmm``), ``meta["mask"]``: what the bias is."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or _op(node) not in _SOFTMAXES:
+            continue
+        for term in _added_to_scores(node):
+            verdict = mask_verdict(gm, term, sizes)
+            if verdict is not None and verdict.kind == "positional_bias":
+                node.meta["mask"] = verdict
+                break
+
+
+def _added_to_scores(softmax: fx.Node) -> list[fx.Node]:
+    """The tensors added to the scores a softmax normalises, back to their product: ``add``'s
+    other operand, ``baddbmm``'s input."""
+    terms, x = [], softmax.args[0]
+    for _ in range(_SCORE_STEPS):
+        if not isinstance(x, fx.Node) or not x.args:
+            break
+        row = ops.rule(_op(x))  # before capture's annotations: by the op's name
+        if _op(x) == "baddbmm":
+            terms.append(x.args[0])
+        if row is None or row.flops == "matmul":
+            break
+        if _op(x) in ("add", "sub") and len(x.args) > 1:
+            terms.append(x.args[1])
+        x = x.args[0]
+    return [t for t in terms if isinstance(t, fx.Node)]
 
 
 def _signature(node: fx.Node) -> str | None:
@@ -372,7 +408,7 @@ def _causal_verdict(value) -> Mask | None:
     elif value.dtype.is_floating_point:
         allowed = value == 0
         if not (allowed | (value <= torch.finfo(value.dtype).min)).all():
-            return Mask("positional_bias", "an additive attention bias computed from positions (as ALiBi's)")
+            return _bias_verdict(value)
     else:
         return Mask("other", f"a mask of dtype {value.dtype}")
     q, k = allowed.shape[-2:]
@@ -390,6 +426,15 @@ def _causal_verdict(value) -> Mask | None:
     if torch.equal(allowed, band.expand_as(allowed)):
         return Mask("sliding_window", f"sliding-window attention (window {window})", window)
     return Mask("other", "a mask that hides earlier positions (document masking or padding)")
+
+
+def _bias_verdict(value: torch.Tensor) -> Mask:
+    """An additive bias computed from positions: ALiBi where it grows along the keys by one step
+    per row (a slope per head)."""
+    step = value.diff(dim=-1)
+    if value.size(-1) > 2 and torch.isfinite(value).all() and torch.allclose(step, step[..., :1].expand_as(step)):
+        return Mask("positional_bias", "ALiBi (an additive bias of a slope per head times the key position)")
+    return Mask("positional_bias", "an additive attention bias computed from positions")
 
 
 # ---------------------------------------------------------------------------------------------

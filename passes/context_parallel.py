@@ -183,20 +183,25 @@ def _window(attention: fx.Node) -> int | None:
 # what to do about each mask kind context parallelism does not shard
 _MASK_FIX = {
     "document": "train on packed sequences without document masking",
-    "positional_bias": "use rotary positions, or no positional bias",
+    "positional_bias": "use rotary position embeddings instead",
     "padding": "train on packed sequences without padding",
 }
+
+
+def _mask_why(mask) -> str:
+    """Why context parallelism does not shard attention with ``mask`` (an ``ir.Mask`` or None),
+    and the fix where there is one."""
+    what = mask.what if isinstance(mask, Mask) else "attention with a mask tensor"
+    fix = _MASK_FIX.get(mask.kind) if isinstance(mask, Mask) else None
+    tail = f" ({fix} to shard it)" if fix else ""
+    return f"{what} is not sharded by context parallelism, only causal and sliding-window attention are{tail}"
 
 
 def _not_shardable(attention: fx.Node) -> str | None:
     """Why ring / all-gather-KV attention cannot compute this attention call, or None."""
     args = ops.call_args(attention)
-    mask = attention.meta.get("mask")
     if args.get("attn_mask") is not None and _window(attention) is None:
-        what = mask.what if isinstance(mask, Mask) else "attention with a mask tensor"
-        fix = _MASK_FIX.get(mask.kind) if isinstance(mask, Mask) else None
-        tail = f" ({fix} to shard it)" if fix else ""
-        return f"{what} is not sharded by context parallelism, only causal and sliding-window attention are{tail}"
+        return _mask_why(attention.meta.get("mask"))
     if not args["is_causal"] and _window(attention) is None:
         return "attention without causality is not sharded by context parallelism (only causal attention is)"
     if args.get("dropout_p", 0.0) not in (0, 0.0):
@@ -223,13 +228,16 @@ def _erase_builders(graph: fx.Graph, mask) -> None:
 
 def _unfused_why(node: fx.Node) -> str:
     """Why a sequence-mixing op is left outside attention: for the softmax of written-out
-    attention the flash-attention pass could not fuse, the ops on its scores that fused
-    attention does not compute (Gemma 2's tanh soft-capping)."""
+    attention the flash-attention pass could not fuse, the bias on its scores (``meta["mask"]``:
+    Bloom's ALiBi) or the ops on them that fused attention does not compute (Gemma 2's tanh
+    soft-capping)."""
     if node.meta.get("op_class") != "attention":
         return f"a {_op(node)} along the sequence outside attention (run the flash-attention pass first)"
+    if isinstance(node.meta.get("mask"), Mask):
+        return _mask_why(node.meta["mask"])
     extra, scores = [], node.args[0] if node.args else None
     while isinstance(scores, fx.Node) and not (ops.rule_of(scores) and ops.rule_of(scores).flops == "matmul"):
-        if _op(scores) not in _FUSED_SCORE_OPS and _op(scores) not in extra:
+        if _op(scores) not in _FUSED_SCORE_OPS and _op(scores) not in extra and not _is_view(scores):
             extra.append(_op(scores))
         scores = scores.args[0] if scores.args else None
     if not extra:
@@ -238,6 +246,11 @@ def _unfused_why(node: fx.Node) -> str:
         f"written-out attention whose scores pass through {', '.join(extra)} (as logit soft-capping does), "
         "which fused and ring attention do not compute"
     )
+
+
+def _is_view(node: fx.Node) -> bool:
+    row = ops.rule_of(node)
+    return row is not None and row.tp == "view"
 
 
 def _along_sequence(node: fx.Node) -> bool:

@@ -33,6 +33,9 @@ ARCHITECTURES = {
                                                        num_attention_heads=4, new_decoder_architecture=False,
                                                        multi_query=True, ffn_hidden_size=128,
                                                        max_position_embeddings=256)),
+    # ALiBi: an additive bias of slope_h * key position on the scores, no position embedding
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=4,
+                                                     hidden_dropout=0.0, attention_dropout=0.0)),
 }  # fmt: skip
 # an architecture with a feature switched on that its matrix config leaves off
 VARIANTS = {
@@ -67,7 +70,7 @@ LAYOUTS = {
 # one case per feature that needed its own rule: per-head norms, a partial-sum norm with a padding
 # row, unequal fused-QKV slices, Conv1D rows with tied weights, tied weights across stages with
 # soft-capping, a scaled tied embedding under ZeRO, a causal mask tensor under CP, fused-QKV chunks,
-# a sliding window shorter than the sequence under CP
+# a sliding window shorter than the sequence under CP, ALiBi (its bias recognised while captured on meta)
 CI_SUBSET = [
     ("qwen3", "tp2-sp"),
     ("olmo2", "tp2-sp"),
@@ -78,6 +81,7 @@ CI_SUBSET = [
     ("llama", "cp2"),
     ("gpt_neox", "tp2-pp2"),
     ("mistral-swa", "cp2"),
+    ("bloom", "pp2"),
 ]
 
 

@@ -220,6 +220,39 @@ def test_a_mask_comparing_document_ids_is_document_masking():
     assert torch.allclose(gm(*inputs), loss(model(*inputs), inputs[0]), atol=1e-6)
 
 
+class ALiBi(MaskedAttention):
+    """Written-out attention with ALiBi: a slope per head times the key position added to the
+    scores (by ``baddbmm``, as Bloom adds it, or by ``+``), then a causal additive mask."""
+
+    def __init__(self, baddbmm: bool):
+        super().__init__()
+        self.baddbmm = baddbmm
+
+    def forward(self, tokens):
+        b, s = tokens.size(0), tokens.size(1)
+        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        slopes = 2.0 ** -torch.arange(1, 3, device=tokens.device)
+        bias = (slopes[:, None] * torch.arange(s, device=tokens.device))[None, :, None, :].expand(b, 2, 1, s)
+        q, k, bias = q.reshape(b * 2, s, 4), k.reshape(b * 2, s, 4), bias.reshape(b * 2, 1, s)
+        if self.baddbmm:
+            scores = bias.baddbmm(q, k.transpose(1, 2), alpha=0.5)
+        else:
+            scores = torch.bmm(q, k.transpose(1, 2)) * 0.5 + bias
+        causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+        scores = scores.view(b, 2, s, s) + torch.where(causal, 0.0, torch.finfo(torch.float32).min)
+        out = torch.softmax(scores, dim=-1) @ v
+        return self.head(out.transpose(1, 2).reshape(b, s, 8))
+
+
+@pytest.mark.parametrize("baddbmm", [True, False], ids=["baddbmm", "add"])
+def test_alibi_on_written_out_scores_is_named_on_their_softmax(baddbmm):
+    inputs = (tokens(seq=6),)
+    gm = canonicalize(trace(ALiBi(baddbmm), inputs, _loss)[0], inputs)
+    (softmax,) = [n for n in gm.graph.nodes if "softmax" in str(n.target)]
+    assert softmax.meta["mask"].kind == "positional_bias"
+    assert softmax.meta["mask"].what.startswith("ALiBi")
+
+
 def test_a_mask_that_sees_later_positions_or_comes_from_a_parameter_stays():
     class Learned(MaskedAttention):
         def __init__(self):

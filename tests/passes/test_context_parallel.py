@@ -153,6 +153,25 @@ def test_document_masking_is_refused_for_cp_naming_the_mask_and_the_fix():
     assert "test_context_parallel.py:" in str(e.value)
 
 
+def test_alibi_is_refused_for_cp_naming_alibi_and_the_fix():
+    """Bloom adds ALiBi to its scores (``alibi.baddbmm(q, k)``): capture on meta (the emitted
+    program's casts in the bias's computation included) sees the bias from positions, and the
+    refusal names it, not the view on the way to the softmax."""
+    pytest.importorskip("transformers")
+    cap = capture_file(str(EXAMPLES.parent / "tests" / "models" / "hf_zoo.py"), "bloom", 32)
+    (first, *_) = [n for n in cap.graph_module.graph.nodes if n.meta.get("op") == "softmax"]
+    assert first.meta["mask"].kind == "positional_bias"
+    analyze(cap)
+    ctx = RewriteContext(cp=2, attention="ring")
+    match = (
+        r"ALiBi \(an additive bias of a slope per head times the key position\) is not sharded by context "
+        r"parallelism, only causal and sliding-window attention are \(use rotary position embeddings instead "
+        r"to shard it\); plan with --force cp=1"
+    )
+    with pytest.raises(Refusal, match=match):
+        context_parallel(flash_attention(cap.graph_module, ctx), ctx)
+
+
 def test_a_refusal_in_a_transformers_model_names_the_library_line_in_words():
     """Gemma 2 soft-caps its scores: the refusal names the op and the line of transformers'
     modeling file that wrote it (torch.export keeps ``forward`` frames: the attention call), and
