@@ -189,7 +189,7 @@ def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
         changed = True
     if changed:
         _erase_unused(graph, [m for m, why in verdicts.items() if why is None])
-    _score_biases(gm, sizes)
+    _score_masks(gm, sizes)
     return changed
 
 
@@ -197,35 +197,39 @@ _SOFTMAXES = ("softmax", "_softmax")
 _SCORE_STEPS = 16  # ops between a softmax and the product of its scores: scale, casts, views, masks
 
 
-def _score_biases(gm: fx.GraphModule, sizes: dict[fx.Node, tuple]) -> None:
-    """On the softmax of written-out attention whose scores get an additive bias computed from
-    positions (Bloom's ALiBi, added by ``baddbmm``), ``meta["mask"]``: what the bias is."""
+def _score_masks(gm: fx.GraphModule, sizes: dict[fx.Node, tuple]) -> None:
+    """On the softmax of written-out attention whose scores are masked or biased by anything but
+    a causal mask (Bloom's ALiBi, added by ``baddbmm``; nanoGPT's mask, read from a buffer),
+    ``meta["mask"]``: what that is, the first found from the softmax back."""
+    verdicts: dict[tuple[fx.Node, bool], Mask | None] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or _op(node) not in _SOFTMAXES:
             continue
-        for term in _added_to_scores(node):
-            verdict = mask_verdict(gm, term, sizes)
-            if verdict is not None and verdict.kind == "positional_bias":
-                node.meta["mask"] = verdict
+        for term in _on_scores(node):
+            if term not in verdicts:
+                verdicts[term] = mask_verdict(gm, term[0], sizes, term[1])
+            if verdicts[term] is not None:
+                node.meta["mask"] = verdicts[term]
                 break
 
 
-def _added_to_scores(softmax: fx.Node) -> list[fx.Node]:
-    """The tensors added to the scores a softmax normalises, back to their product: ``add``'s
-    other operand, ``baddbmm``'s input."""
+def _on_scores(softmax: fx.Node) -> list[tuple[fx.Node, bool]]:
+    """The masks and biases on the scores a softmax normalises, back to their product, each with
+    whether it marks the hidden positions: ``add``'s other operand and ``baddbmm``'s input
+    (False), ``masked_fill``'s mask (True)."""
     terms, x = [], softmax.args[0]
     for _ in range(_SCORE_STEPS):
         if not isinstance(x, fx.Node) or not x.args:
             break
         row = ops.rule(_op(x))  # before capture's annotations: by the op's name
         if _op(x) == "baddbmm":
-            terms.append(x.args[0])
+            terms.append((x.args[0], False))
         if row is None or row.flops == "matmul":
             break
-        if _op(x) in ("add", "sub") and len(x.args) > 1:
-            terms.append(x.args[1])
+        if _op(x) in ("add", "sub", "masked_fill") and len(x.args) > 1:
+            terms.append((x.args[1], _op(x) == "masked_fill"))
         x = x.args[0]
-    return [t for t in terms if isinstance(t, fx.Node)]
+    return [t for t in terms if isinstance(t[0], fx.Node)]
 
 
 def _signature(node: fx.Node) -> str | None:
@@ -252,9 +256,10 @@ def _erase_unused(graph: fx.Graph, roots: list[fx.Node]) -> None:
         stack.extend(inputs)
 
 
-def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple]) -> Mask | None:
+def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple], hides: bool = False) -> Mask | None:
     """None when ``mask`` is causal at ``sizes`` (placeholder -> traced shape); else what it is:
     its kind (``ir.MASK_KINDS``) and a phrase for a refusal ("sliding-window attention (window 4096)").
+    ``hides``: a boolean mask is True where positions are hidden (``masked_fill``'s), not seen.
 
     Where the mask at the traced sizes is too large to build (a long context), it is judged at
     shorter sequences instead (:func:`_shorter`): long enough that every integer the mask's
@@ -269,22 +274,22 @@ def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple])
         try:
             _evaluate(gm, order, sizes, torch.device("meta"))  # sizes only: refuses what is too large first
         except _TooLarge:
-            return _judged_shorter(gm, order, sizes)
+            return _judged_shorter(gm, order, sizes, hides)
         value = _evaluate(gm, order, sizes, torch.device("cpu"))
     except _TooLarge as e:
         return Mask("other", f"a mask tensor too large to check at the traced sizes ({e})")
     except Exception as e:  # an op that cannot run on sizes alone
         return Mask("other", f"a mask tensor that cannot be evaluated from the sizes ({type(e).__name__})")
-    return _causal_verdict(value)
+    return _causal_verdict(value, hides)
 
 
-def _judged_shorter(gm: fx.GraphModule, order: list[fx.Node], sizes: dict[fx.Node, tuple]) -> Mask | None:
+def _judged_shorter(gm: fx.GraphModule, order: list[fx.Node], sizes: dict[fx.Node, tuple], hides: bool) -> Mask | None:
     """The verdict on a mask too large at the traced sizes, from the two shorter lengths of
     :func:`_shorter`: causal when causal at both, else what it is at the first."""
     seq = max((s[-1] for s in sizes.values() if s), default=0)
     for length in _shorter(order, seq):
         short = {p: tuple(length if d == seq else d for d in shape) for p, shape in sizes.items()}
-        verdict = _causal_verdict(_evaluate(gm, order, short, torch.device("cpu")))
+        verdict = _causal_verdict(_evaluate(gm, order, short, torch.device("cpu")), hides)
         if verdict is not None:
             return verdict
     return None
@@ -338,7 +343,8 @@ def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node]) -> Mask | Non
             value = operator.attrgetter(n.target)(gm)
             if isinstance(value, torch.Tensor) and value.is_meta:
                 return Mask(
-                    "other", f"a mask read from the buffer '{n.target}', which has no values on the meta device"
+                    "buffer",
+                    f"a mask read from the buffer '{n.target}' (no values on the meta device: not known causal)",
                 )
         elif n.op == "call_module":
             return Mask("other", f"a mask computed by the module '{n.target}'")
@@ -395,7 +401,7 @@ def _evaluate(gm: fx.GraphModule, order: list[fx.Node], sizes: dict, device: tor
     return env[order[-1]]
 
 
-def _causal_verdict(value) -> Mask | None:
+def _causal_verdict(value, hides: bool = False) -> Mask | None:
     """None when ``value`` (a boolean mask, True where attending, or an additive one, 0 where
     attending and the dtype's lowest value or -inf elsewhere) is causal over its last two dims."""
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.is_meta:
@@ -404,7 +410,7 @@ def _causal_verdict(value) -> Mask | None:
         if value.stride(d) == 0:
             value = value.narrow(d, 0, 1)
     if value.dtype == torch.bool:
-        allowed = value
+        allowed = ~value if hides else value
     elif value.dtype.is_floating_point:
         allowed = value == 0
         if not (allowed | (value <= torch.finfo(value.dtype).min)).all():

@@ -185,6 +185,7 @@ _MASK_FIX = {
     "document": "train on packed sequences without document masking",
     "positional_bias": "use rotary position embeddings instead",
     "padding": "train on packed sequences without padding",
+    "buffer": "build the mask in forward from positions, or call scaled_dot_product_attention(is_causal=True),",
 }
 
 

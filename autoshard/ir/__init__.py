@@ -49,6 +49,7 @@ MASK_KINDS = (
     "document",  # from the inputs' values: positions attend only within their document
     "padding",  # from the inputs' values otherwise (padding, or a document mask not recognised)
     "positional_bias",  # an additive bias computed from positions (ALiBi: slope_h * distance)
+    "buffer",  # read from a buffer that has no values while captured (on meta): not known causal
     "not_causal",  # lets positions attend to later ones
     "other",  # from a parameter or a module, not evaluable from the sizes, or of another pattern
 )

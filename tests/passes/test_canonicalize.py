@@ -244,13 +244,41 @@ class ALiBi(MaskedAttention):
         return self.head(out.transpose(1, 2).reshape(b, s, 8))
 
 
+def _softmax(model) -> fx.Node:
+    """The one softmax of ``model`` traced at 6 tokens and canonicalized (whichever tracer)."""
+    inputs = (tokens(seq=6),)
+    gm = canonicalize(trace(model, inputs, _loss)[0], inputs)
+    (softmax,) = [n for n in gm.graph.nodes if "softmax" in str(n.target)]
+    return softmax
+
+
 @pytest.mark.parametrize("baddbmm", [True, False], ids=["baddbmm", "add"])
 def test_alibi_on_written_out_scores_is_named_on_their_softmax(baddbmm):
-    inputs = (tokens(seq=6),)
-    gm = canonicalize(trace(ALiBi(baddbmm), inputs, _loss)[0], inputs)
-    (softmax,) = [n for n in gm.graph.nodes if "softmax" in str(n.target)]
+    softmax = _softmax(ALiBi(baddbmm))
     assert softmax.meta["mask"].kind == "positional_bias"
     assert softmax.meta["mask"].what.startswith("ALiBi")
+
+
+class MaskedFill(MaskedAttention):
+    """Written-out attention whose scores ``masked_fill`` hides: the later positions (causal),
+    and those ``window`` or more back where given."""
+
+    def forward(self, tokens):
+        b, s = tokens.size(0), tokens.size(1)
+        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        ones = torch.ones(s, s, dtype=torch.bool, device=tokens.device)
+        hidden = ones.triu(1) if self.window is None else ones.triu(1) | ones.tril(-self.window)
+        scores = (q @ k.transpose(-2, -1)).masked_fill(hidden, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v
+        return self.head(out.transpose(1, 2).reshape(b, s, 8))
+
+
+def test_masked_fill_hides_what_its_mask_marks():
+    """``masked_fill``'s mask marks the hidden positions: a causal one leaves the softmax
+    unmarked, a band marks it a sliding window."""
+    assert "mask" not in _softmax(MaskedFill()).meta
+    softmax = _softmax(MaskedFill(window=3))
+    assert (softmax.meta["mask"].kind, softmax.meta["mask"].window) == ("sliding_window", 3)
 
 
 def test_a_mask_that_sees_later_positions_or_comes_from_a_parameter_stays():

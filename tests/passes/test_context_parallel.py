@@ -172,6 +172,22 @@ def test_alibi_is_refused_for_cp_naming_alibi_and_the_fix():
         context_parallel(flash_attention(cap.graph_module, ctx), ctx)
 
 
+def test_a_mask_read_from_a_buffer_is_refused_for_cp_naming_the_buffer_and_the_fix():
+    """nanoGPT masks its scores with ``masked_fill`` by a ``tril`` buffer, which has no values
+    on meta: the refusal names the buffer and what to write instead, not the softmax alone."""
+    cap = capture_file(str(EXAMPLES.parent / "tests" / "models" / "nanogpt.py"), "tiny", 32)
+    analyze(cap)
+    ctx = RewriteContext(cp=2, attention="ring")
+    match = (
+        r"the softmax at nanogpt\.py:\d+ \(transformer\.h\.0\.attn\): a mask read from the buffer "
+        r"'model\.transformer\.h\.0\.attn\.bias' \(no values on the meta device: not known causal\) is not "
+        r"sharded by context parallelism, .* \(build the mask in forward from positions, or call "
+        r"scaled_dot_product_attention\(is_causal=True\), to shard it\); plan with --force cp=1"
+    )
+    with pytest.raises(Refusal, match=match):
+        context_parallel(flash_attention(cap.graph_module, ctx), ctx)
+
+
 def test_a_refusal_in_a_transformers_model_names_the_library_line_in_words():
     """Gemma 2 soft-caps its scores: the refusal names the op and the line of transformers'
     modeling file that wrote it (torch.export keeps ``forward`` frames: the attention call), and
