@@ -49,7 +49,9 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
     - with ``inputs``: every ``scaled_dot_product_attention`` whose mask tensor is causal at the
       inputs' sizes is ``is_causal=True`` without the mask, and the nodes that only built the
       mask are gone (:func:`causal_masks`); a mask that is not causal stays, and the attention
-      node's ``meta["mask"]`` says what it is, for the passes' refusals;
+      node's ``meta["mask"]`` (an ``ir.Mask``) says what it is: its kind, a phrase for the passes'
+      refusals, a sliding window's width; the softmax of written-out attention whose scores are
+      masked or biased by anything but a causal mask (ALiBi, a mask read from a buffer) says so too;
     - every ``scaled_dot_product_attention`` whose keys and values are repeated to the query
       heads by views (transformers' ``repeat_kv``: unsqueeze, expand, reshape) reads them
       unrepeated with ``enable_gqa=True`` (:func:`grouped_keys`), so the cost model, context
@@ -188,7 +190,7 @@ def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
         node.kwargs = {**rest, "is_causal": True}
         changed = True
     if changed:
-        _erase_unused(graph, [m for m, why in verdicts.items() if why is None])
+        erase_unused(graph, [m for m, why in verdicts.items() if why is None])
     _score_masks(gm, sizes)
     return changed
 
@@ -244,12 +246,14 @@ def _sdpa_args(node: fx.Node) -> dict:
     return args
 
 
-def _erase_unused(graph: fx.Graph, roots: list[fx.Node]) -> None:
-    """Erase ``roots`` and, transitively, the inputs they leave without users."""
-    stack = list(roots)
+def erase_unused(graph: fx.Graph, roots: list) -> None:
+    """Erase the nodes among ``roots`` and, transitively, the computations they leave without
+    users; inputs and reads of parameters and buffers stay (a persistent buffer is part of the
+    model's state, read or not)."""
+    stack = [r for r in roots if isinstance(r, fx.Node)]
     while stack:
         n = stack.pop()
-        if n.users or n.op in ("placeholder", "output") or getattr(n, "_erased", False):
+        if n.users or n.op not in ("call_function", "call_method") or getattr(n, "_erased", False):
             continue
         inputs = list(n.all_input_nodes)
         graph.erase_node(n)
@@ -465,7 +469,7 @@ def grouped_keys(gm: fx.GraphModule) -> bool:
         node.args = tuple({1: key, 2: value}.get(i, a) for i, a in enumerate(node.args))
         node.kwargs = {**node.kwargs, "enable_gqa": True}
         changed = True
-    _erase_unused(graph, repeats)
+    erase_unused(graph, repeats)
     return changed
 
 
@@ -527,7 +531,7 @@ def weight_products(gm: fx.GraphModule) -> bool:
             )
         linear.meta = dict(node.meta)
         node.replace_all_uses_with(linear)
-        _erase_unused(graph, [node])
+        erase_unused(graph, [node])
         changed = True
     return changed
 
@@ -579,7 +583,7 @@ def rms_norms(gm: fx.GraphModule) -> bool:
             fused = graph.call_function(_RMS_NORM, (x, [d], weight, eps))
         fused.meta = dict(tail.meta)
         tail.replace_all_uses_with(fused)
-        _erase_unused(graph, [tail])
+        erase_unused(graph, [tail])
         changed = True
     return changed
 

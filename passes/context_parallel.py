@@ -34,6 +34,7 @@ from autoshard.passes._graph import in_model as _in_model
 from autoshard.passes._graph import note, place
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import seq_dim as _seq_dim
+from autoshard.passes.canonicalize import erase_unused
 from autoshard.passes.contract import Refusal, RewriteContext
 
 
@@ -113,7 +114,7 @@ def _shard_attention(graph: fx.Graph, ctx: RewriteContext) -> None:
         qkv = (args["query"], args["key"], args["value"])
         mask, window = args.get("attn_mask"), _window(node)
         new = _replace_call(graph, node, runtime.cp_attention, (*qkv, ctx.attention, args["scale"], window))
-        _erase_builders(graph, mask)
+        erase_unused(graph, [mask])  # once no attention reads it
         within = f", window {window}" if window else ""
         note(new, f"context parallel: {ctx.attention} attention over the {ctx.cp} ranks' chunks{within}")
 
@@ -214,19 +215,6 @@ def _not_shardable(attention: fx.Node) -> str | None:
 _FUSED_SCORE_OPS = ("mul", "div", "truediv", "add", "masked_fill", *ops.CASTS)
 
 
-def _erase_builders(graph: fx.Graph, mask) -> None:
-    """Erase the mask tensor once no attention reads it, and the computations only it read;
-    buffers and inputs stay (a persistent buffer is part of the model's state, read or not)."""
-    stack = [mask] if isinstance(mask, fx.Node) else []
-    while stack:
-        n = stack.pop()
-        if n.users or n.op != "call_function" or getattr(n, "_erased", False):
-            continue
-        inputs = list(n.all_input_nodes)
-        graph.erase_node(n)
-        stack.extend(inputs)
-
-
 def _unfused_why(node: fx.Node) -> str:
     """Why a sequence-mixing op is left outside attention: for the softmax of written-out
     attention the flash-attention pass could not fuse, the bias on its scores (``meta["mask"]``:
@@ -234,8 +222,14 @@ def _unfused_why(node: fx.Node) -> str:
     soft-capping)."""
     if node.meta.get("op_class") != "attention":
         return f"a {_op(node)} along the sequence outside attention (run the flash-attention pass first)"
-    if isinstance(node.meta.get("mask"), Mask):
-        return _mask_why(node.meta["mask"])
+    mask = node.meta.get("mask")
+    if isinstance(mask, Mask) and mask.kind == "sliding_window":
+        return (
+            f"written-out {mask.what}, which the flash-attention pass does not fuse (call "
+            "scaled_dot_product_attention with the mask to shard it)"
+        )
+    if isinstance(mask, Mask):
+        return _mask_why(mask)
     extra, scores = [], node.args[0] if node.args else None
     while isinstance(scores, fx.Node) and not (ops.rule_of(scores) and ops.rule_of(scores).flops == "matmul"):
         if _op(scores) not in _FUSED_SCORE_OPS and _op(scores) not in extra and not _is_view(scores):

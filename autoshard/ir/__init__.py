@@ -88,7 +88,11 @@ KEYS: dict[str, Key] = {
         Key("source", "capture", "'file:line' of the model's code that wrote it: the user's file or a modeling_*.py"),
         Key("op", "capture", "normalised op name, the key of the op table (autoshard.ir.ops)"),
         Key("op_class", "capture", "one of OP_CLASSES, from the op table refined by graph patterns"),
-        Key("mask", "capture", "on attention whose mask tensor is not causal: what it is (an ir.Mask of MASK_KINDS)"),
+        Key(
+            "mask",
+            "capture",
+            "on attention (or written-out attention's softmax) masked other than causally: an ir.Mask",
+        ),
         Key("autoshard_logits", "capture", "on the model's output under the default loss: checked to be 3-D logits"),
         # analysis (autoshard.cost_models)
         Key("tp", "analysis", "tensor-parallel state of the output: 'replicated', 'sharded' or 'partial'"),

@@ -138,6 +138,30 @@ def test_sliding_window_attention_becomes_cp_attention_with_its_window():
     assert _computes_the_models_loss(gm, model)
 
 
+class WrittenOut(Tiny):
+    """Tiny's sliding window written out: ``softmax(masked_fill(q @ k^T, outside the band)) @ v``."""
+
+    def forward(self, tokens):
+        b, s = tokens.size(0), tokens.size(1)
+        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        ones = torch.ones(s, s, dtype=torch.bool)
+        scores = (q @ k.transpose(-2, -1) / 8**0.5).masked_fill(ones.triu(1) | ones.tril(-self.window), float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v
+        return self.head(out.transpose(1, 2).reshape(b, s, 32))
+
+
+def test_a_written_out_sliding_window_is_refused_for_cp_naming_the_window():
+    cap = capture(WrittenOut(window=4), (torch.zeros(2, 8, dtype=torch.long),))
+    analyze(cap)
+    ctx = RewriteContext(cp=2, attention="ring")
+    match = (
+        r"written-out sliding-window attention \(window 4\), which the flash-attention pass does not fuse "
+        r"\(call scaled_dot_product_attention with the mask to shard it\); plan with --force cp=1"
+    )
+    with pytest.raises(Refusal, match=match):
+        context_parallel(flash_attention(cap.graph_module, ctx), ctx)
+
+
 def test_document_masking_is_refused_for_cp_naming_the_mask_and_the_fix():
     cap = capture(Tiny(masked=True, documents=True), (torch.zeros(2, 8, dtype=torch.long),))
     analyze(cap)
