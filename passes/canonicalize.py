@@ -15,7 +15,7 @@ import operator
 import torch
 from torch import fx
 
-from autoshard.ir import ops
+from autoshard.ir import Mask, ops
 from autoshard.runtime import moe
 
 GUARDS = "_guards_fn"  # torch.export's submodule that checks the inputs against its shape guards
@@ -49,7 +49,9 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
     - with ``inputs``: every ``scaled_dot_product_attention`` whose mask tensor is causal at the
       inputs' sizes is ``is_causal=True`` without the mask, and the nodes that only built the
       mask are gone (:func:`causal_masks`); a mask that is not causal stays, and the attention
-      node's ``meta["mask"]`` says what it is, for the passes' refusals;
+      node's ``meta["mask"]`` (an ``ir.Mask``) says what it is: its kind, a phrase for the passes'
+      refusals, a sliding window's width; the softmax of written-out attention whose scores are
+      masked or biased by anything but a causal mask (ALiBi, a mask read from a buffer) says so too;
     - every ``scaled_dot_product_attention`` whose keys and values are repeated to the query
       heads by views (transformers' ``repeat_kv``: unsqueeze, expand, reshape) reads them
       unrepeated with ``enable_gqa=True`` (:func:`grouped_keys`), so the cost model, context
@@ -168,7 +170,7 @@ def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     sizes = {p: tuple(t.shape) for p, t in zip(placeholders, inputs)}
-    verdicts: dict[fx.Node, str | None] = {}
+    verdicts: dict[fx.Node, Mask | None] = {}
     changed = False
     for node in list(graph.nodes):
         if node.op not in ("call_function", "call_method") or _signature(node) != "sdpa":
@@ -188,8 +190,48 @@ def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
         node.kwargs = {**rest, "is_causal": True}
         changed = True
     if changed:
-        _erase_unused(graph, [m for m, why in verdicts.items() if why is None])
+        erase_unused(graph, [m for m, why in verdicts.items() if why is None])
+    _score_masks(gm, sizes)
     return changed
+
+
+_SOFTMAXES = ("softmax", "_softmax")
+_SCORE_STEPS = 16  # ops between a softmax and the product of its scores: scale, casts, views, masks
+
+
+def _score_masks(gm: fx.GraphModule, sizes: dict[fx.Node, tuple]) -> None:
+    """On the softmax of written-out attention whose scores are masked or biased by anything but
+    a causal mask (Bloom's ALiBi, added by ``baddbmm``; nanoGPT's mask, read from a buffer),
+    ``meta["mask"]``: what that is, the first found from the softmax back."""
+    verdicts: dict[tuple[fx.Node, bool], Mask | None] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or _op(node) not in _SOFTMAXES:
+            continue
+        for term in _on_scores(node):
+            if term not in verdicts:
+                verdicts[term] = mask_verdict(gm, term[0], sizes, term[1])
+            if verdicts[term] is not None:
+                node.meta["mask"] = verdicts[term]
+                break
+
+
+def _on_scores(softmax: fx.Node) -> list[tuple[fx.Node, bool]]:
+    """The masks and biases on the scores a softmax normalises, back to their product, each with
+    whether it marks the hidden positions: ``add``'s other operand and ``baddbmm``'s input
+    (False), ``masked_fill``'s mask (True)."""
+    terms, x = [], softmax.args[0]
+    for _ in range(_SCORE_STEPS):
+        if not isinstance(x, fx.Node) or not x.args:
+            break
+        row = ops.rule(_op(x))  # before capture's annotations: by the op's name
+        if _op(x) == "baddbmm":
+            terms.append((x.args[0], False))
+        if row is None or row.flops == "matmul":
+            break
+        if _op(x) in ("add", "sub", "masked_fill") and len(x.args) > 1:
+            terms.append((x.args[1], _op(x) == "masked_fill"))
+        x = x.args[0]
+    return [t for t in terms if isinstance(t[0], fx.Node)]
 
 
 def _signature(node: fx.Node) -> str | None:
@@ -204,21 +246,24 @@ def _sdpa_args(node: fx.Node) -> dict:
     return args
 
 
-def _erase_unused(graph: fx.Graph, roots: list[fx.Node]) -> None:
-    """Erase ``roots`` and, transitively, the inputs they leave without users."""
-    stack = list(roots)
+def erase_unused(graph: fx.Graph, roots: list) -> None:
+    """Erase the nodes among ``roots`` and, transitively, the computations they leave without
+    users; inputs and reads of parameters and buffers stay (a persistent buffer is part of the
+    model's state, read or not)."""
+    stack = [r for r in roots if isinstance(r, fx.Node)]
     while stack:
         n = stack.pop()
-        if n.users or n.op in ("placeholder", "output") or getattr(n, "_erased", False):
+        if n.users or n.op not in ("call_function", "call_method") or getattr(n, "_erased", False):
             continue
         inputs = list(n.all_input_nodes)
         graph.erase_node(n)
         stack.extend(inputs)
 
 
-def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple]) -> str | None:
-    """None when ``mask`` is causal at ``sizes`` (placeholder -> traced shape); else what it is,
-    as a phrase for a refusal ("sliding-window attention (window 4096)").
+def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple], hides: bool = False) -> Mask | None:
+    """None when ``mask`` is causal at ``sizes`` (placeholder -> traced shape); else what it is:
+    its kind (``ir.MASK_KINDS``) and a phrase for a refusal ("sliding-window attention (window 4096)").
+    ``hides``: a boolean mask is True where positions are hidden (``masked_fill``'s), not seen.
 
     Where the mask at the traced sizes is too large to build (a long context), it is judged at
     shorter sequences instead (:func:`_shorter`): long enough that every integer the mask's
@@ -233,22 +278,22 @@ def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple])
         try:
             _evaluate(gm, order, sizes, torch.device("meta"))  # sizes only: refuses what is too large first
         except _TooLarge:
-            return _judged_shorter(gm, order, sizes)
+            return _judged_shorter(gm, order, sizes, hides)
         value = _evaluate(gm, order, sizes, torch.device("cpu"))
     except _TooLarge as e:
-        return f"a mask tensor too large to check at the traced sizes ({e})"
+        return Mask("other", f"a mask tensor too large to check at the traced sizes ({e})")
     except Exception as e:  # an op that cannot run on sizes alone
-        return f"a mask tensor that cannot be evaluated from the sizes ({type(e).__name__})"
-    return _causal_verdict(value)
+        return Mask("other", f"a mask tensor that cannot be evaluated from the sizes ({type(e).__name__})")
+    return _causal_verdict(value, hides)
 
 
-def _judged_shorter(gm: fx.GraphModule, order: list[fx.Node], sizes: dict[fx.Node, tuple]) -> str | None:
+def _judged_shorter(gm: fx.GraphModule, order: list[fx.Node], sizes: dict[fx.Node, tuple], hides: bool) -> Mask | None:
     """The verdict on a mask too large at the traced sizes, from the two shorter lengths of
     :func:`_shorter`: causal when causal at both, else what it is at the first."""
     seq = max((s[-1] for s in sizes.values() if s), default=0)
     for length in _shorter(order, seq):
         short = {p: tuple(length if d == seq else d for d in shape) for p, shape in sizes.items()}
-        verdict = _causal_verdict(_evaluate(gm, order, short, torch.device("cpu")))
+        verdict = _causal_verdict(_evaluate(gm, order, short, torch.device("cpu")), hides)
         if verdict is not None:
             return verdict
     return None
@@ -289,22 +334,38 @@ def _reads_shape_only(user: fx.Node, placeholder: fx.Node) -> bool:
     return user.op == "call_method" and user.target in _SHAPE_METHODS and user.args[0] is placeholder
 
 
-def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node]) -> str | None:
-    """Why the mask's value is not a function of sizes and constants, or None if it is."""
+def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node]) -> Mask | None:
+    """What the mask is when its value is not a function of sizes and constants, or None if it is."""
     params = {name for name, _ in gm.named_parameters()}
     for n in closure:
         if n.op == "placeholder":
             if any(not _reads_shape_only(u, n) for u in n.users if u in closure):
-                return f"a mask computed from the input '{n.target}' (padding or document masking)"
+                return _from_input(n, closure)
         elif n.op == "get_attr":
             if n.target in params:
-                return f"a mask computed from the parameter '{n.target}'"
+                return Mask("other", f"a mask computed from the parameter '{n.target}'")
             value = operator.attrgetter(n.target)(gm)
             if isinstance(value, torch.Tensor) and value.is_meta:
-                return f"a mask read from the buffer '{n.target}', which has no values on the meta device"
+                return Mask(
+                    "buffer",
+                    f"a mask read from the buffer '{n.target}' (no values on the meta device: not known causal)",
+                )
         elif n.op == "call_module":
-            return f"a mask computed by the module '{n.target}'"
+            return Mask("other", f"a mask computed by the module '{n.target}'")
     return None
+
+
+_EQUALS = ("eq", "__eq__")
+
+
+def _from_input(placeholder: fx.Node, closure: set[fx.Node]) -> Mask:
+    """A mask read from an input's values: a document mask where it compares the input with
+    itself (``ids[:, :, None] == ids[:, None, :]``: positions of one document), padding else."""
+    for n in closure:
+        operands = [a for a in n.args if isinstance(a, fx.Node)]
+        if _op(n) in _EQUALS and len(operands) == 2 and all(placeholder in _closure(a) for a in operands):
+            return Mask("document", f"document masking (a mask comparing the input '{placeholder.target}' with itself)")
+    return Mask("padding", f"a mask computed from the input '{placeholder.target}' (padding or document masking)")
 
 
 class _TooLarge(Exception):
@@ -344,37 +405,46 @@ def _evaluate(gm: fx.GraphModule, order: list[fx.Node], sizes: dict, device: tor
     return env[order[-1]]
 
 
-def _causal_verdict(value) -> str | None:
+def _causal_verdict(value, hides: bool = False) -> Mask | None:
     """None when ``value`` (a boolean mask, True where attending, or an additive one, 0 where
     attending and the dtype's lowest value or -inf elsewhere) is causal over its last two dims."""
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.is_meta:
-        return "a mask that is not a tensor of positions"
+        return Mask("other", "a mask that is not a tensor of positions")
     for d in range(value.dim() - 2):  # a broadcast (stride-0) dimension holds one value
         if value.stride(d) == 0:
             value = value.narrow(d, 0, 1)
     if value.dtype == torch.bool:
-        allowed = value
+        allowed = ~value if hides else value
     elif value.dtype.is_floating_point:
         allowed = value == 0
         if not (allowed | (value <= torch.finfo(value.dtype).min)).all():
-            return "an additive attention bias (values other than 0 and -inf)"
+            return _bias_verdict(value)
     else:
-        return f"a mask of dtype {value.dtype}"
+        return Mask("other", f"a mask of dtype {value.dtype}")
     q, k = allowed.shape[-2:]
     if q != k:
-        return f"a mask of {q} queries by {k} keys"
+        return Mask("other", f"a mask of {q} queries by {k} keys")
     causal = torch.ones(q, k, dtype=torch.bool).tril()
     if torch.equal(allowed, causal.expand_as(allowed)):
         return None
     if (allowed & ~causal).any():
-        return "a mask that lets positions attend to later ones (not causal)"
+        return Mask("not_causal", "a mask that lets positions attend to later ones (not causal)")
     window = int(allowed.sum(-1).max())
     if not window:
-        return "a mask that hides every key"
+        return Mask("other", "a mask that hides every key")
     band = causal & ~torch.ones(q, k, dtype=torch.bool).tril(-window)
     if torch.equal(allowed, band.expand_as(allowed)):
-        return f"sliding-window attention (window {window})"
-    return "a mask that hides earlier positions (document masking or padding)"
+        return Mask("sliding_window", f"sliding-window attention (window {window})", window)
+    return Mask("other", "a mask that hides earlier positions (document masking or padding)")
+
+
+def _bias_verdict(value: torch.Tensor) -> Mask:
+    """An additive bias computed from positions: ALiBi where it grows along the keys by one step
+    per row (a slope per head)."""
+    step = value.diff(dim=-1)
+    if value.size(-1) > 2 and torch.isfinite(value).all() and torch.allclose(step, step[..., :1].expand_as(step)):
+        return Mask("positional_bias", "ALiBi (an additive bias of a slope per head times the key position)")
+    return Mask("positional_bias", "an additive attention bias computed from positions")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,7 +469,7 @@ def grouped_keys(gm: fx.GraphModule) -> bool:
         node.args = tuple({1: key, 2: value}.get(i, a) for i, a in enumerate(node.args))
         node.kwargs = {**node.kwargs, "enable_gqa": True}
         changed = True
-    _erase_unused(graph, repeats)
+    erase_unused(graph, repeats)
     return changed
 
 
@@ -461,7 +531,7 @@ def weight_products(gm: fx.GraphModule) -> bool:
             )
         linear.meta = dict(node.meta)
         node.replace_all_uses_with(linear)
-        _erase_unused(graph, [node])
+        erase_unused(graph, [node])
         changed = True
     return changed
 
@@ -513,7 +583,7 @@ def rms_norms(gm: fx.GraphModule) -> bool:
             fused = graph.call_function(_RMS_NORM, (x, [d], weight, eps))
         fused.meta = dict(tail.meta)
         tail.replace_all_uses_with(fused)
-        _erase_unused(graph, [tail])
+        erase_unused(graph, [tail])
         changed = True
     return changed
 

@@ -12,8 +12,9 @@ Rewrites, before the tensor-parallel pass:
 * causal attention (``scaled_dot_product_attention(..., is_causal=True)`` without a mask or
   dropout; capture has already made a mask tensor that is causal into ``is_causal``, see
   ``passes.canonicalize``) becomes ``cp_attention`` (ring or all-gather-KV over the CP group);
-  a mask that is not causal is refused with what it is (``node.meta["mask"]``: a sliding window,
-  document masking);
+  so does attention whose mask is a sliding window (``node.meta["mask"]``, an ``ir.Mask``), with
+  its window, each block masked by its global positions, and the nodes that only built the mask
+  go; any other mask is refused with what it is (document masking, a positional bias);
 * the mean cross-entropy becomes ``cp_cross_entropy``: this rank's sum over the mean's global count,
   so the CP ranks' losses (and gradients) add up to the single-sequence mean.
 
@@ -28,11 +29,12 @@ import torch
 from torch import fx
 
 from autoshard import runtime
-from autoshard.ir import S, ops
+from autoshard.ir import Mask, S, ops
 from autoshard.passes._graph import in_model as _in_model
 from autoshard.passes._graph import note, place
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import seq_dim as _seq_dim
+from autoshard.passes.canonicalize import erase_unused
 from autoshard.passes.contract import Refusal, RewriteContext
 
 
@@ -110,8 +112,11 @@ def _shard_attention(graph: fx.Graph, ctx: RewriteContext) -> None:
             raise _fail(node, why)
         args = ops.call_args(node)
         qkv = (args["query"], args["key"], args["value"])
-        new = _replace_call(graph, node, runtime.cp_attention, (*qkv, ctx.attention, args["scale"]))
-        note(new, f"context parallel: {ctx.attention} attention over the {ctx.cp} ranks' chunks")
+        mask, window = args.get("attn_mask"), _window(node)
+        new = _replace_call(graph, node, runtime.cp_attention, (*qkv, ctx.attention, args["scale"], window))
+        erase_unused(graph, [mask])  # once no attention reads it
+        within = f", window {window}" if window else ""
+        note(new, f"context parallel: {ctx.attention} attention over the {ctx.cp} ranks' chunks{within}")
 
 
 def _shard_loss(graph: fx.Graph, ctx: RewriteContext) -> None:
@@ -170,13 +175,36 @@ def _local_lengths(graph: fx.Graph, ph: fx.Node, local: fx.Node, dim: int) -> No
             user.replace_input_with(size, length)
 
 
+def _window(attention: fx.Node) -> int | None:
+    """The sliding window of attention whose mask is one (``meta["mask"]``), else None."""
+    mask = attention.meta.get("mask")
+    return mask.window if isinstance(mask, Mask) and mask.kind == "sliding_window" else None
+
+
+# what to do about each mask kind context parallelism does not shard
+_MASK_FIX = {
+    "document": "train on packed sequences without document masking",
+    "positional_bias": "use rotary position embeddings instead",
+    "padding": "train on packed sequences without padding",
+    "buffer": "build the mask in forward from positions, or call scaled_dot_product_attention(is_causal=True),",
+}
+
+
+def _mask_why(mask) -> str:
+    """Why context parallelism does not shard attention with ``mask`` (an ``ir.Mask`` or None),
+    and the fix where there is one."""
+    what = mask.what if isinstance(mask, Mask) else "attention with a mask tensor"
+    fix = _MASK_FIX.get(mask.kind) if isinstance(mask, Mask) else None
+    tail = f" ({fix} to shard it)" if fix else ""
+    return f"{what} is not sharded by context parallelism, only causal and sliding-window attention are{tail}"
+
+
 def _not_shardable(attention: fx.Node) -> str | None:
     """Why ring / all-gather-KV attention cannot compute this attention call, or None."""
     args = ops.call_args(attention)
-    if args.get("attn_mask") is not None:
-        what = attention.meta.get("mask", "attention with a mask tensor")
-        return f"{what} is not sharded by context parallelism (only causal attention is)"
-    if not args["is_causal"]:
+    if args.get("attn_mask") is not None and _window(attention) is None:
+        return _mask_why(attention.meta.get("mask"))
+    if not args["is_causal"] and _window(attention) is None:
         return "attention without causality is not sharded by context parallelism (only causal attention is)"
     if args.get("dropout_p", 0.0) not in (0, 0.0):
         return f"attention with dropout (p={args['dropout_p']}) is not sharded by context parallelism"
@@ -189,13 +217,22 @@ _FUSED_SCORE_OPS = ("mul", "div", "truediv", "add", "masked_fill", *ops.CASTS)
 
 def _unfused_why(node: fx.Node) -> str:
     """Why a sequence-mixing op is left outside attention: for the softmax of written-out
-    attention the flash-attention pass could not fuse, the ops on its scores that fused
-    attention does not compute (Gemma 2's tanh soft-capping)."""
+    attention the flash-attention pass could not fuse, the bias on its scores (``meta["mask"]``:
+    Bloom's ALiBi) or the ops on them that fused attention does not compute (Gemma 2's tanh
+    soft-capping)."""
     if node.meta.get("op_class") != "attention":
         return f"a {_op(node)} along the sequence outside attention (run the flash-attention pass first)"
+    mask = node.meta.get("mask")
+    if isinstance(mask, Mask) and mask.kind == "sliding_window":
+        return (
+            f"written-out {mask.what}, which the flash-attention pass does not fuse (call "
+            "scaled_dot_product_attention with the mask to shard it)"
+        )
+    if isinstance(mask, Mask):
+        return _mask_why(mask)
     extra, scores = [], node.args[0] if node.args else None
     while isinstance(scores, fx.Node) and not (ops.rule_of(scores) and ops.rule_of(scores).flops == "matmul"):
-        if _op(scores) not in _FUSED_SCORE_OPS and _op(scores) not in extra:
+        if _op(scores) not in _FUSED_SCORE_OPS and _op(scores) not in extra and not _is_view(scores):
             extra.append(_op(scores))
         scores = scores.args[0] if scores.args else None
     if not extra:
@@ -204,6 +241,11 @@ def _unfused_why(node: fx.Node) -> str:
         f"written-out attention whose scores pass through {', '.join(extra)} (as logit soft-capping does), "
         "which fused and ring attention do not compute"
     )
+
+
+def _is_view(node: fx.Node) -> bool:
+    row = ops.rule_of(node)
+    return row is not None and row.tp == "view"
 
 
 def _along_sequence(node: fx.Node) -> bool:

@@ -43,6 +43,27 @@ FP8_DEFAULT = ("attention", "experts", "mlp")  # DeepSeek-V3's: head, router, no
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 
 
+# what an attention mask tensor that is not plainly causal is (``Mask.kind``)
+MASK_KINDS = (
+    "sliding_window",  # causal, each query sees the last ``window`` positions (its own included)
+    "document",  # from the inputs' values: positions attend only within their document
+    "padding",  # from the inputs' values otherwise (padding, or a document mask not recognised)
+    "positional_bias",  # an additive bias computed from positions (ALiBi: slope_h * distance)
+    "buffer",  # read from a buffer that has no values while captured (on meta): not known causal
+    "not_causal",  # lets positions attend to later ones
+    "other",  # from a parameter or a module, not evaluable from the sizes, or of another pattern
+)
+
+
+@dataclass(frozen=True)
+class Mask:
+    """``node.meta["mask"]`` on attention whose mask tensor stays: what the mask is."""
+
+    kind: str  # one of MASK_KINDS
+    what: str  # a phrase for refusals ("sliding-window attention (window 4096)")
+    window: int | None = None  # positions each query sees, for a sliding window
+
+
 @dataclass(frozen=True)
 class Key:
     name: str
@@ -67,7 +88,11 @@ KEYS: dict[str, Key] = {
         Key("source", "capture", "'file:line' of the model's code that wrote it: the user's file or a modeling_*.py"),
         Key("op", "capture", "normalised op name, the key of the op table (autoshard.ir.ops)"),
         Key("op_class", "capture", "one of OP_CLASSES, from the op table refined by graph patterns"),
-        Key("mask", "capture", "on attention whose mask tensor is not causal: what the mask is, for refusals"),
+        Key(
+            "mask",
+            "capture",
+            "on attention (or written-out attention's softmax) masked other than causally: an ir.Mask",
+        ),
         Key("autoshard_logits", "capture", "on the model's output under the default loss: checked to be 3-D logits"),
         # analysis (autoshard.cost_models)
         Key("tp", "analysis", "tensor-parallel state of the output: 'replicated', 'sharded' or 'partial'"),

@@ -130,7 +130,14 @@ SIGNATURES: dict[str, tuple[tuple[str, object], ...]] = {
         ("is_causal", False),
     ),
     "fused_attention": (("query", None), ("key", None), ("value", None), ("is_causal", True), ("scale", None)),
-    "cp_attention": (("query", None), ("key", None), ("value", None), ("variant", "ring"), ("scale", None)),
+    "cp_attention": (
+        ("query", None),
+        ("key", None),
+        ("value", None),
+        ("variant", "ring"),
+        ("scale", None),
+        ("window", None),
+    ),
     "cross_entropy": (
         ("input", None),
         ("target", None),

@@ -30,10 +30,11 @@ def cp_positions(local_length, device=None) -> torch.Tensor:
     return positions if cp == 1 else shard_sequence(positions, cp, rank, dim=0)
 
 
-def cp_attention(q, k, v, variant: str = "ring", scale: float | None = None) -> torch.Tensor:
-    """Causal attention of this rank's queries over every rank's keys."""
+def cp_attention(q, k, v, variant: str = "ring", scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over every rank's keys (the last ``window``
+    positions' only, for a sliding window)."""
     fn = ring_attention if variant == "ring" else allgather_attention
-    return fn(q, k, v, group=cp_group(), causal=True, scale=scale)
+    return fn(q, k, v, group=cp_group(), causal=True, scale=scale, window=window)
 
 
 def cp_cross_entropy(logits, target, ignore_index: int = -100, vocab_parallel: bool = False) -> torch.Tensor:

@@ -16,6 +16,10 @@ in it; ``v_dim`` may differ from ``dim`` (multi-head latent attention). The per-
 plain PyTorch (exact in fp32 on CPU); on GPUs (and on fake tensors, which stand for the GPU
 program) the Triton flash kernel takes its place where it is built for the head sizes
 (``attention.kernel_runs``), so no score matrix is materialised there.
+
+A sliding ``window`` (causal attention to the last ``window`` positions, the query's own
+included) masks each block by its chunks' global positions, and skips the blocks wholly outside
+the window; it runs the per-block math (the Triton kernel has no window).
 """
 
 from __future__ import annotations
@@ -58,24 +62,35 @@ def _fold_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
 
 
-def _scores(q, k, scale, qc, kc, causal):
+def _hidden(qc, kc, n, causal, window) -> bool:
+    """Does causality or the window hide every key of chunk ``kc`` (``n`` positions each) from
+    every query of chunk ``qc``?"""
+    return causal and kc > qc or window is not None and (qc - kc) * n - (n - 1) >= window
+
+
+def _scores(q, k, scale, qc, kc, causal, window=None):
     """Scores of query chunk ``qc`` against key chunk ``kc`` (global chunk indices), masked; None
-    when causality hides the whole block."""
-    if causal and kc > qc:
+    when causality or the window hides the whole block."""
+    n = q.size(-2)
+    if _hidden(qc, kc, n, causal, window):
         return None
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if causal and kc == qc:
-        n = q.size(-2)
+    if window is not None:  # distance q - k of each pair, by the chunks' global positions
+        distance = torch.arange(n, device=q.device)[:, None] - torch.arange(n, device=q.device) + (qc - kc) * n
+        s = s.masked_fill((distance < 0) | (distance >= window), float("-inf"))
+    elif causal and kc == qc:
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return s
 
 
-def _block_forward(q, k, v, scale, rank, src, cp, causal, out, lse, kernel=False):
-    """Fold the attention of the local queries over the K/V block of rank ``src`` into (out, lse)."""
+def _block_forward(q, k, v, scale, rank, src, cp, causal, out, lse, kernel=False, window=None):
+    """Fold the attention of the local queries over the K/V block of rank ``src`` into (out, lse).
+    A query whose keys the window hides all (in this block, or so far) keeps a zero output and
+    a log-sum-exp of -inf, which the merge weighs 0."""
     q_parts, k_parts, v_parts = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
     for qi, qc in enumerate(_chunks(rank, cp)):
         for ki, kc in enumerate(_chunks(src, cp)):
-            if causal and kc > qc:
+            if _hidden(qc, kc, q_parts[qi].size(2), causal, window):
                 continue
             if kernel:  # the Triton kernel (K/V heads may be fewer: it handles the groups)
                 block_out, block_lse = torch.ops.autoshard.flash_attention(
@@ -83,16 +98,23 @@ def _block_forward(q, k, v, scale, rank, src, cp, causal, out, lse, kernel=False
                 )
                 block_out = block_out.float()
             else:
-                s = _scores(q_parts[qi], _expand_kv(k_parts[ki], q.size(1)), scale, qc, kc, causal)
+                s = _scores(q_parts[qi], _expand_kv(k_parts[ki], q.size(1)), scale, qc, kc, causal, window)
                 block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.matmul(torch.exp(s - block_lse.unsqueeze(-1)), _expand_kv(v_parts[ki], q.size(1)))
+                p = torch.exp(s - _finite(block_lse).unsqueeze(-1))
+                block_out = torch.matmul(p, _expand_kv(v_parts[ki], q.size(1)))
             o, l_ = out[qi], lse[qi]
             new = torch.logaddexp(l_, block_lse)
-            out[qi] = o * torch.exp(l_ - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1)
+            ref = _finite(new).unsqueeze(-1)
+            out[qi] = o * torch.exp(l_.unsqueeze(-1) - ref) + block_out * torch.exp(block_lse.unsqueeze(-1) - ref)
             lse[qi] = new
 
 
-def _block_backward(q, k, v, do, out, lse, scale, rank, src, cp, causal, dq, dk, dv, kernel=False):
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a query with no key yet) as 0: exp(-inf - 0) weighs it 0, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _block_backward(q, k, v, do, out, lse, scale, rank, src, cp, causal, dq, dk, dv, kernel=False, window=None):
     q_parts, k_parts, v_parts = q.chunk(2, dim=2), k.chunk(2, dim=2), v.chunk(2, dim=2)
     do_parts, o_parts, lse_parts = do.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2)
     if kernel:
@@ -114,7 +136,7 @@ def _block_backward(q, k, v, do, out, lse, scale, rank, src, cp, causal, dq, dk,
     for qi, qc in enumerate(_chunks(rank, cp)):
         delta = (do_parts[qi] * o_parts[qi]).sum(-1, keepdim=True)
         for ki, kc in enumerate(_chunks(src, cp)):
-            s = _scores(q_parts[qi], k_parts[ki], scale, qc, kc, causal)
+            s = _scores(q_parts[qi], k_parts[ki], scale, qc, kc, causal, window)
             if s is None:
                 continue
             p = torch.exp(s - lse_parts[qi].unsqueeze(-1))
@@ -138,7 +160,7 @@ def _rotate(tensors: list[torch.Tensor], group) -> tuple[list, list[torch.Tensor
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, kernel):
+    def forward(ctx, q, k, v, group, causal, scale, kernel, window):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         heads = q.size(1)
         b, _, s2, _ = q.shape
@@ -149,14 +171,14 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             pending = _rotate(block, group) if step < cp - 1 else None
             src = (rank - step) % cp
-            _block_forward(q, block[0], block[1], scale, rank, src, cp, causal, out, lse, kernel)
+            _block_forward(q, block[0], block[1], scale, rank, src, cp, causal, out, lse, kernel, window)
             if pending is not None:
                 for w in pending[0]:
                     w.wait()
                 block = pending[1]
         out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)  # the output as returned: in the compute precision
-        ctx.group, ctx.causal, ctx.scale, ctx.kernel = group, causal, scale, kernel
+        ctx.group, ctx.causal, ctx.scale, ctx.kernel, ctx.window = group, causal, scale, kernel, window
         return out
 
     @staticmethod
@@ -175,7 +197,9 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             dk = [zeros(x) for x in _expand_kv(block[0], width).chunk(2, dim=2)]
             dv = [zeros(x) for x in _expand_kv(block[1], width).chunk(2, dim=2)]
-            _block_backward(q, block[0], block[1], do, out, lse, scale, rank, src, cp, causal, dq, dk, dv, kernel)
+            _block_backward(
+                q, block[0], block[1], do, out, lse, scale, rank, src, cp, causal, dq, dk, dv, kernel, ctx.window
+            )
             block[2] = block[2] + _fold_kv(torch.cat(dk, dim=2), kv_heads)
             block[3] = block[3] + _fold_kv(torch.cat(dv, dim=2), kv_heads)
             # pass the block and its gradients on; after cp steps the gradients are home (the
@@ -185,22 +209,30 @@ class _RingAttention(torch.autograd.Function):
                 w.wait()
             block = moved if step < cp - 1 else [None, None, *moved]
         dq = torch.cat(dq, dim=2).to(q.dtype)
-        return dq, block[2].to(k.dtype), block[3].to(v.dtype), None, None, None, None
+        return dq, block[2].to(k.dtype), block[3].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(
-    q, k, v, group=None, causal: bool = True, scale: float | None = None, kernel: bool | None = None
+    q,
+    k,
+    v,
+    group=None,
+    causal: bool = True,
+    scale: float | None = None,
+    kernel: bool | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of this rank's queries over the whole (CP-sharded) sequence, ring style. Each
-    block runs autoshard's Triton kernel when ``kernel`` (default: on CUDA), PyTorch math otherwise."""
+    """Attention of this rank's queries over the whole (CP-sharded) sequence, ring style, over
+    the last ``window`` positions only where given. Each block runs autoshard's Triton kernel
+    when ``kernel`` (default: on CUDA, without a window), PyTorch math otherwise."""
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     if group is None or dist.get_world_size(group) == 1:
-        return _local(q, k, v, causal, scale)
+        return _local(q, k, v, causal, scale, window)
     if kernel is None:  # off for head sizes the kernel has no tile for (MLA's): the per-block math
-        kernel = kernel_runs(q, k, v)
+        kernel = kernel_runs(q, k, v) and window is None
     if kernel:
         q, k, v = autocast_inputs(q, k, v)
-    return checkpoint.unit(_RingAttention.apply, q, k, v, group, causal, scale, kernel)
+    return checkpoint.unit(_RingAttention.apply, q, k, v, group, causal, scale, kernel, window)
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -223,16 +255,20 @@ class _GatherSeq(torch.autograd.Function):
         return out, None
 
 
-def allgather_attention(q, k, v, group=None, causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """Context parallelism by all-gathering K and V (LLaMA-3's choice for GQA, where K/V are small)."""
+def allgather_attention(
+    q, k, v, group=None, causal: bool = True, scale: float | None = None, window: int | None = None
+) -> torch.Tensor:
+    """Context parallelism by all-gathering K and V (LLaMA-3's choice for GQA, where K/V are
+    small); over the last ``window`` positions only where given (torch's attention with the mask)."""
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     if group is None or dist.get_world_size(group) == 1:
-        return _local(q, k, v, causal, scale)
+        return _local(q, k, v, causal, scale, window)
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    if kernel_runs(q, k, v):
+    kernel = kernel_runs(q, k, v) and window is None
+    if kernel:
         q, k, v = autocast_inputs(q, k, v)  # gathered at the kernel's precision
     k_full, v_full = _GatherSeq.apply(k, group), _GatherSeq.apply(v, group)
-    if kernel_runs(q, k, v):
+    if kernel:
         # the kernel per local chunk, over the keys up to that chunk's end (causal: its queries
         # are their tail), never the whole score matrix
         n = q.size(2) // 2
@@ -248,15 +284,24 @@ def allgather_attention(q, k, v, group=None, causal: bool = True, scale: float |
         n = q.size(2) // 2
         positions = torch.arange(q.size(2) * cp, device=q.device)
         mine = torch.cat([positions[c * n : (c + 1) * n] for c in _chunks(rank, cp)])
-        mask = positions[None, :] <= mine[:, None]
+        mask = _allowed(mine, positions, window)
     # torch's attention with the layout's mask, not the written-out softmax: on a GPU its
     # memory-efficient kernel takes head sizes the Triton one does not (MLA's) without keeping
     # the scores for backward
     return torch.nn.functional.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, scale=scale)
 
 
-def _local(q, k, v, causal, scale):
+def _allowed(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query sees, by global positions: the earlier ones and its own, within the window."""
+    distance = queries[:, None] - keys[None, :]
+    return (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+
+
+def _local(q, k, v, causal, scale, window=None):
     heads = q.size(1)
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, _expand_kv(k, heads), _expand_kv(v, heads), is_causal=causal, scale=scale
-    )
+    k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    if window is not None:
+        positions = torch.arange(q.size(2), device=q.device)
+        mask = _allowed(positions, positions, window)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)

@@ -73,7 +73,8 @@ def to_compute(x: torch.Tensor) -> torch.Tensor:
     statistics, rotary tables, routing weights) does in a program whose parameters are bf16 in
     one run and fp32 in another (``autoshard.capture.dtypes``)."""
     kind = x.device.type
-    return x.to(torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32)
+    autocast = kind != "meta" and torch.is_autocast_enabled(kind)  # meta (sizes only) has no autocast
+    return x.to(torch.get_autocast_dtype(kind) if autocast else torch.float32)
 
 
 def load_stage_file(path: str | Path):

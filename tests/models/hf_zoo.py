@@ -33,8 +33,30 @@ ARCHITECTURES = {
                                                        num_attention_heads=4, new_decoder_architecture=False,
                                                        multi_query=True, ffn_hidden_size=128,
                                                        max_position_embeddings=256)),
+    # ALiBi: an additive bias of slope_h * key position on the scores, no position embedding
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=4,
+                                                     hidden_dropout=0.0, attention_dropout=0.0)),
 }  # fmt: skip
-CONFIGS = {name: spec[2] for name, spec in ARCHITECTURES.items()}
+# an architecture with a feature switched on that its matrix config leaves off
+VARIANTS = {
+    # a sliding window shorter than the traced sequence (32 tokens): a banded mask, not a causal one
+    "mistral-swa": ("MistralForCausalLM", "MistralConfig", dict(_DECODER, sliding_window=16)),
+}
+# released models' config.json at full size, for planning and checks at scale on the meta device
+# (not in the matrix, which runs every architecture on CPU processes)
+FULL_SIZE = {
+    "qwen3-32b": ("Qwen3ForCausalLM", "Qwen3Config", dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                                                         num_hidden_layers=64, num_attention_heads=64,
+                                                         num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+                                                         max_position_embeddings=131072)),
+    "mistral-7b": ("MistralForCausalLM", "MistralConfig", dict(vocab_size=32768, hidden_size=4096,
+                                                              intermediate_size=14336, num_hidden_layers=32,
+                                                              num_attention_heads=32, num_key_value_heads=8,
+                                                              head_dim=128, rope_theta=1e6, sliding_window=None,
+                                                              max_position_embeddings=131072)),
+}  # fmt: skip
+_SPECS = {**ARCHITECTURES, **VARIANTS, **FULL_SIZE}
+CONFIGS = {name: spec[2] for name, spec in _SPECS.items()}
 
 # the architecture matrix (benchmarks/architectures.py runs all of it, tests/test_architectures.py
 # the CI subset): layout name -> (gpus, --force pins)
@@ -47,7 +69,8 @@ LAYOUTS = {
 }
 # one case per feature that needed its own rule: per-head norms, a partial-sum norm with a padding
 # row, unequal fused-QKV slices, Conv1D rows with tied weights, tied weights across stages with
-# soft-capping, a scaled tied embedding under ZeRO, a causal mask tensor under CP, fused-QKV chunks
+# soft-capping, a scaled tied embedding under ZeRO, a causal mask tensor under CP, fused-QKV chunks,
+# a sliding window shorter than the sequence under CP, ALiBi (its bias recognised while captured on meta)
 CI_SUBSET = [
     ("qwen3", "tp2-sp"),
     ("olmo2", "tp2-sp"),
@@ -57,11 +80,13 @@ CI_SUBSET = [
     ("gemma3", "dp2"),
     ("llama", "cp2"),
     ("gpt_neox", "tp2-pp2"),
+    ("mistral-swa", "cp2"),
+    ("bloom", "pp2"),
 ]
 
 
 def build(config: str = "llama"):
-    model_class, config_class, kwargs = ARCHITECTURES[config]
+    model_class, config_class, kwargs = _SPECS[config]
     kwargs = {k: v for k, v in kwargs.items() if k != "num_key_value_heads" or config != "gpt_neox"}
     cfg = getattr(transformers, config_class)(**kwargs)
     return getattr(transformers, model_class)(cfg)

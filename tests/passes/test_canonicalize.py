@@ -113,14 +113,15 @@ class MaskedAttention(nn.Module):
     """Attention whose mask is built from positions, as transformers builds it: key position <=
     query position (plus ``ahead``), and within ``window`` positions when one is given; ``additive`` turns it
     into 0 / lowest-float, as eager attention adds it; ``padding`` also hides the keys the
-    second input marks 0."""
+    second input marks 0 (or, with ``documents``, the keys whose document id there differs from
+    the query's)."""
 
-    def __init__(self, window: int | None = None, additive: bool = False, ahead: int = 0):
+    def __init__(self, window: int | None = None, additive: bool = False, ahead: int = 0, documents: bool = False):
         super().__init__()
         self.embed = nn.Embedding(16, 8)
         self.qkv = nn.Linear(8, 24, bias=False)
         self.head = nn.Linear(8, 16, bias=False)
-        self.window, self.additive, self.ahead = window, additive, ahead
+        self.window, self.additive, self.ahead, self.documents = window, additive, ahead, documents
 
     def forward(self, tokens, padding=None):
         b, s = tokens.size(0), tokens.size(1)
@@ -131,7 +132,9 @@ class MaskedAttention(nn.Module):
         if self.window is not None:
             mask = mask & (key > query - self.window)
         mask = mask[None, None].expand(b, 1, s, s)
-        if padding is not None:
+        if padding is not None and self.documents:
+            mask = mask & (padding[:, None, :, None] == padding[:, None, None, :])
+        elif padding is not None:
             mask = mask & padding[:, None, None, :].bool()
         if self.additive:
             mask = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
@@ -165,10 +168,10 @@ def test_a_mask_too_large_at_the_traced_length_is_judged_at_two_shorter_ones(mon
     assert _attention(gm)[0].kwargs == {"is_causal": True}
     model = MaskedAttention(window=20)
     gm, inputs = _canonical(model, seq=400)
-    assert _attention(gm)[0].meta["mask"] == "sliding-window attention (window 20)"
+    assert _attention(gm)[0].meta["mask"].what == "sliding-window attention (window 20)"
     assert torch.allclose(gm(*inputs), loss(model(*inputs), inputs[0]), atol=1e-6)
     gm, _ = _canonical(MaskedAttention(window=300), seq=400)
-    assert _attention(gm)[0].meta["mask"] == (
+    assert _attention(gm)[0].meta["mask"].what == (
         "a mask tensor too large to check at the traced sizes (its integers need 602 tokens of the 400 traced)"
     )
 
@@ -191,7 +194,8 @@ def test_a_window_wider_than_the_traced_sequence_is_causal_there_and_not_at_a_lo
     assert _attention(gm)[0].kwargs == {"is_causal": True}
     gm, inputs = _canonical(MaskedAttention(window=8), seq=12)
     (attention,) = _attention(gm)
-    assert attention.meta["mask"] == "sliding-window attention (window 8)"
+    assert attention.meta["mask"].what == "sliding-window attention (window 8)"
+    assert (attention.meta["mask"].kind, attention.meta["mask"].window) == ("sliding_window", 8)
     assert "is_causal" not in attention.kwargs and isinstance(attention.kwargs["attn_mask"], fx.Node)
 
 
@@ -200,8 +204,81 @@ def test_a_mask_read_from_an_input_is_not_causal():
     padding = torch.ones(2, 6, dtype=torch.long)  # all ones: causal on this data, not on others
     gm, inputs = _canonical(model, 6, padding)
     (attention,) = _attention(gm)
-    assert attention.meta["mask"] == "a mask computed from the input 'padding' (padding or document masking)"
+    assert attention.meta["mask"].what == "a mask computed from the input 'padding' (padding or document masking)"
+    assert attention.meta["mask"].kind == "padding"
     assert torch.allclose(gm(*inputs), loss(model(*inputs), inputs[0]), atol=1e-6)
+
+
+def test_a_mask_comparing_document_ids_is_document_masking():
+    """Per-token document ids compared with themselves (query's == key's): a document mask."""
+    model = MaskedAttention(documents=True)
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1]] * 2)
+    gm, inputs = _canonical(model, 6, documents)
+    (attention,) = _attention(gm)
+    assert attention.meta["mask"].kind == "document"
+    assert attention.meta["mask"].what == "document masking (a mask comparing the input 'padding' with itself)"
+    assert torch.allclose(gm(*inputs), loss(model(*inputs), inputs[0]), atol=1e-6)
+
+
+class ALiBi(MaskedAttention):
+    """Written-out attention with ALiBi: a slope per head times the key position added to the
+    scores (by ``baddbmm``, as Bloom adds it, or by ``+``), then a causal additive mask."""
+
+    def __init__(self, baddbmm: bool):
+        super().__init__()
+        self.baddbmm = baddbmm
+
+    def forward(self, tokens):
+        b, s = tokens.size(0), tokens.size(1)
+        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        slopes = 2.0 ** -torch.arange(1, 3, device=tokens.device)
+        bias = (slopes[:, None] * torch.arange(s, device=tokens.device))[None, :, None, :].expand(b, 2, 1, s)
+        q, k, bias = q.reshape(b * 2, s, 4), k.reshape(b * 2, s, 4), bias.reshape(b * 2, 1, s)
+        if self.baddbmm:
+            scores = bias.baddbmm(q, k.transpose(1, 2), alpha=0.5)
+        else:
+            scores = torch.bmm(q, k.transpose(1, 2)) * 0.5 + bias
+        causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+        scores = scores.view(b, 2, s, s) + torch.where(causal, 0.0, torch.finfo(torch.float32).min)
+        out = torch.softmax(scores, dim=-1) @ v
+        return self.head(out.transpose(1, 2).reshape(b, s, 8))
+
+
+def _softmax(model) -> fx.Node:
+    """The one softmax of ``model`` traced at 6 tokens and canonicalized (whichever tracer)."""
+    inputs = (tokens(seq=6),)
+    gm = canonicalize(trace(model, inputs, _loss)[0], inputs)
+    (softmax,) = [n for n in gm.graph.nodes if "softmax" in str(n.target)]
+    return softmax
+
+
+@pytest.mark.parametrize("baddbmm", [True, False], ids=["baddbmm", "add"])
+def test_alibi_on_written_out_scores_is_named_on_their_softmax(baddbmm):
+    softmax = _softmax(ALiBi(baddbmm))
+    assert softmax.meta["mask"].kind == "positional_bias"
+    assert softmax.meta["mask"].what.startswith("ALiBi")
+
+
+class MaskedFill(MaskedAttention):
+    """Written-out attention whose scores ``masked_fill`` hides: the later positions (causal),
+    and those ``window`` or more back where given."""
+
+    def forward(self, tokens):
+        b, s = tokens.size(0), tokens.size(1)
+        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        ones = torch.ones(s, s, dtype=torch.bool, device=tokens.device)
+        hidden = ones.triu(1) if self.window is None else ones.triu(1) | ones.tril(-self.window)
+        scores = (q @ k.transpose(-2, -1)).masked_fill(hidden, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v
+        return self.head(out.transpose(1, 2).reshape(b, s, 8))
+
+
+def test_masked_fill_hides_what_its_mask_marks():
+    """``masked_fill``'s mask marks the hidden positions: a causal one leaves the softmax
+    unmarked, a band marks it a sliding window."""
+    assert "mask" not in _softmax(MaskedFill()).meta
+    softmax = _softmax(MaskedFill(window=3))
+    assert (softmax.meta["mask"].kind, softmax.meta["mask"].window) == ("sliding_window", 3)
 
 
 def test_a_mask_that_sees_later_positions_or_comes_from_a_parameter_stays():
@@ -218,9 +295,9 @@ def test_a_mask_that_sees_later_positions_or_comes_from_a_parameter_stays():
 
     model = Learned()
     gm, _ = _canonical(model)
-    assert _attention(gm)[0].meta["mask"] == "a mask computed from the parameter 'model.bias'"
+    assert _attention(gm)[0].meta["mask"].what == "a mask computed from the parameter 'model.bias'"
     gm, _ = _canonical(MaskedAttention(ahead=1))
-    assert _attention(gm)[0].meta["mask"] == "a mask that lets positions attend to later ones (not causal)"
+    assert _attention(gm)[0].meta["mask"].what == "a mask that lets positions attend to later ones (not causal)"
 
 
 def test_a_mask_too_large_to_evaluate_stays(monkeypatch):
@@ -228,7 +305,7 @@ def test_a_mask_too_large_to_evaluate_stays(monkeypatch):
 
     monkeypatch.setattr(module, "MASK_LIMIT", 16)  # bytes: the 6 x 6 mask is larger
     gm, _ = _canonical(MaskedAttention())
-    assert _attention(gm)[0].meta["mask"].startswith("a mask tensor too large to check at the traced sizes")
+    assert _attention(gm)[0].meta["mask"].what.startswith("a mask tensor too large to check at the traced sizes")
 
 
 @pytest.mark.parametrize(
@@ -270,7 +347,7 @@ def test_transformers_masks_and_grouped_keys(config, extra, mask, long, monkeypa
         read = set().union(*(_closure(n) for n in attention))
         assert not [n for n in read if n.meta["op"] in ("cumsum", "diff", "index", "le")]  # no mask reaches it
     else:
-        assert [n.meta["mask"] for n in attention] == [mask, mask]
+        assert [n.meta["mask"].what if n.meta.get("mask") else None for n in attention] == [mask, mask]
     logits = model(ids, use_cache=False).logits
     assert torch.allclose(cap.graph_module(ids), causal_lm_loss(logits, ids), atol=1e-5)
 

@@ -48,15 +48,16 @@ def test_llama_cp2_graph():
 
 class Tiny(torch.nn.Module):
     """Causal attention by ``is_causal``, or by a mask tensor: causal (``window=None``) or a
-    sliding window of ``window`` positions."""
+    sliding window of ``window`` positions, and within documents separated by token 0 where
+    ``documents``."""
 
-    def __init__(self, masked: bool = False, window: int | None = None, start: int | None = None):
+    def __init__(self, masked: bool = False, window: int | None = None, start: int | None = None, documents=False):
         super().__init__()
         self.start = start  # positions as arange(start, start + s) rather than arange(s)
         self.embed = torch.nn.Embedding(64, 32)
         self.qkv = torch.nn.Linear(32, 96, bias=False)
         self.head = torch.nn.Linear(32, 64, bias=False)
-        self.masked, self.window = masked, window
+        self.masked, self.window, self.documents = masked, window, documents
 
     def forward(self, tokens):
         b, s = tokens.size(0), tokens.size(1)
@@ -67,6 +68,9 @@ class Tiny(torch.nn.Module):
         if self.masked:
             ones = torch.ones(s, s, dtype=torch.bool)
             mask = ones.tril() & ~ones.tril(-self.window) if self.window else ones.tril()
+        if self.documents:
+            document = (tokens == 0).cumsum(-1)
+            mask = mask & (document[:, None, :, None] == document[:, None, None, :])
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.masked)
         return self.head(out.transpose(1, 2).reshape(b, s, 32))
 
@@ -122,15 +126,90 @@ def test_a_causal_mask_tensor_is_sharded_as_causal_attention():
     assert _computes_the_models_loss(gm, model)
 
 
-def test_sliding_window_attention_is_refused_for_cp_with_its_window():
-    cap = capture(Tiny(masked=True, window=4), (torch.zeros(2, 8, dtype=torch.long),))
+def test_sliding_window_attention_becomes_cp_attention_with_its_window():
+    """The band mask goes (its nodes with it) and the window travels with the call; on one
+    process the call computes the masked model's loss."""
+    model = Tiny(masked=True, window=4)
+    gm = _ring(model)
+    assert _calls(gm) == ["cp_shard", "cp_positions", "cp_attention", "cp_shard", "cp_cross_entropy"]
+    (attn,) = [n for n in gm.graph.nodes if n.target is runtime.cp_attention]
+    assert attn.args[5] == 4 and "window 4" in attn.meta["note"]
+    assert not [n for n in gm.graph.nodes if n.meta.get("op") in ("ones", "tril", "and_", "bitwise_and")]
+    assert _computes_the_models_loss(gm, model)
+
+
+class WrittenOut(Tiny):
+    """Tiny's sliding window written out: ``softmax(masked_fill(q @ k^T, outside the band)) @ v``."""
+
+    def forward(self, tokens):
+        b, s = tokens.size(0), tokens.size(1)
+        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        ones = torch.ones(s, s, dtype=torch.bool)
+        scores = (q @ k.transpose(-2, -1) / 8**0.5).masked_fill(ones.triu(1) | ones.tril(-self.window), float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v
+        return self.head(out.transpose(1, 2).reshape(b, s, 32))
+
+
+def test_a_written_out_sliding_window_is_refused_for_cp_naming_the_window():
+    cap = capture(WrittenOut(window=4), (torch.zeros(2, 8, dtype=torch.long),))
     analyze(cap)
-    match = r"sliding-window attention \(window 4\) is not sharded by context parallelism .*; plan with --force cp=1"
+    ctx = RewriteContext(cp=2, attention="ring")
+    match = (
+        r"written-out sliding-window attention \(window 4\), which the flash-attention pass does not fuse "
+        r"\(call scaled_dot_product_attention with the mask to shard it\); plan with --force cp=1"
+    )
+    with pytest.raises(Refusal, match=match):
+        context_parallel(flash_attention(cap.graph_module, ctx), ctx)
+
+
+def test_document_masking_is_refused_for_cp_naming_the_mask_and_the_fix():
+    cap = capture(Tiny(masked=True, documents=True), (torch.zeros(2, 8, dtype=torch.long),))
+    analyze(cap)
+    match = (
+        r"document masking \(a mask comparing the input 'tokens' with itself\) is not sharded by context "
+        r"parallelism, only causal and sliding-window attention are \(train on packed sequences without "
+        r"document masking to shard it\); plan with --force cp=1"
+    )
     with pytest.raises(Refusal, match=match) as e:
         context_parallel(cap.graph_module, RewriteContext(cp=2, attention="ring"))
     # the model, not the degree, is the obstacle: the planner leaves out every cp above 1
     assert (e.value.axis, e.value.exclusion()) == ("cp", "*")
     assert "test_context_parallel.py:" in str(e.value)
+
+
+def test_alibi_is_refused_for_cp_naming_alibi_and_the_fix():
+    """Bloom adds ALiBi to its scores (``alibi.baddbmm(q, k)``): capture on meta (the emitted
+    program's casts in the bias's computation included) sees the bias from positions, and the
+    refusal names it, not the view on the way to the softmax."""
+    pytest.importorskip("transformers")
+    cap = capture_file(str(EXAMPLES.parent / "tests" / "models" / "hf_zoo.py"), "bloom", 32)
+    (first, *_) = [n for n in cap.graph_module.graph.nodes if n.meta.get("op") == "softmax"]
+    assert first.meta["mask"].kind == "positional_bias"
+    analyze(cap)
+    ctx = RewriteContext(cp=2, attention="ring")
+    match = (
+        r"ALiBi \(an additive bias of a slope per head times the key position\) is not sharded by context "
+        r"parallelism, only causal and sliding-window attention are \(use rotary position embeddings instead "
+        r"to shard it\); plan with --force cp=1"
+    )
+    with pytest.raises(Refusal, match=match):
+        context_parallel(flash_attention(cap.graph_module, ctx), ctx)
+
+
+def test_a_mask_read_from_a_buffer_is_refused_for_cp_naming_the_buffer_and_the_fix():
+    """nanoGPT masks its scores with ``masked_fill`` by a ``tril`` buffer, which has no values
+    on meta: the refusal names the buffer and what to write instead, not the softmax alone."""
+    cap = capture_file(str(EXAMPLES.parent / "tests" / "models" / "nanogpt.py"), "tiny", 32)
+    analyze(cap)
+    ctx = RewriteContext(cp=2, attention="ring")
+    match = (
+        r"the softmax at nanogpt\.py:\d+ \(transformer\.h\.0\.attn\): a mask read from the buffer "
+        r"'model\.transformer\.h\.0\.attn\.bias' \(no values on the meta device: not known causal\) is not "
+        r"sharded by context parallelism, .* \(build the mask in forward from positions, or call "
+        r"scaled_dot_product_attention\(is_causal=True\), to shard it\); plan with --force cp=1"
+    )
+    with pytest.raises(Refusal, match=match):
+        context_parallel(flash_attention(cap.graph_module, ctx), ctx)
 
 
 def test_a_refusal_in_a_transformers_model_names_the_library_line_in_words():

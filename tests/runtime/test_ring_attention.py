@@ -1,6 +1,6 @@
 """Context-parallel attention on gloo against full attention: ring and all-gather-KV, causal and
-not, GQA, a value head size other than the query/key one (MLA), cp=2 and cp=4, forward and
-backward."""
+not, GQA, a value head size other than the query/key one (MLA), a sliding window, cp=2 and
+cp=4, forward and backward."""
 
 import pytest
 import torch
@@ -8,13 +8,17 @@ import torch
 from autoshard.runtime.ring_attention import allgather_attention, ring_attention, shard_sequence, unshard_sequence
 
 
-def _reference(q, k, v, causal):
+def _reference(q, k, v, causal, window=None):
     heads = q.size(1)
     k, v = k.repeat_interleave(heads // k.size(1), 1), v.repeat_interleave(heads // v.size(1), 1)
+    if window is not None:  # each query sees itself and the window-1 positions before it
+        n = q.size(2)
+        band = torch.ones(n, n, dtype=torch.bool).tril() & ~torch.ones(n, n, dtype=torch.bool).tril(-window)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def _worker(rank, world, variant, causal, kernel=False, dv=16):
+def _worker(rank, world, variant, causal, kernel=False, dv=16, window=None):
     import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(0)
@@ -23,13 +27,13 @@ def _worker(rank, world, variant, causal, kernel=False, dv=16):
     k = torch.randn(b, kvh, s, d, generator=gen, requires_grad=True)
     v = torch.randn(b, kvh, s, dv, generator=gen, requires_grad=True)
     w = torch.randn(b, h, s, dv, generator=gen)
-    ref = _reference(q, k, v, causal)
+    ref = _reference(q, k, v, causal, window)
     (ref * w).sum().backward()
     local = [shard_sequence(t.detach(), world, rank).requires_grad_() for t in (q, k, v)]
     if variant == "ring":
-        out = ring_attention(*local, group=dist.group.WORLD, causal=causal, kernel=kernel)
+        out = ring_attention(*local, group=dist.group.WORLD, causal=causal, kernel=kernel, window=window)
     else:
-        out = allgather_attention(*local, group=dist.group.WORLD, causal=causal)
+        out = allgather_attention(*local, group=dist.group.WORLD, causal=causal, window=window)
     (out * shard_sequence(w, world, rank)).sum().backward()
     errs = {"out": (out - shard_sequence(ref, world, rank)).abs().max().item()}
     for name, full, part in zip("qkv", (q, k, v), local):
@@ -56,6 +60,18 @@ def test_value_head_size_may_differ_from_the_query_key_one(variant, dv):
     from distributed import run
 
     for errs in run(_worker, 2, variant, True, False, dv, timeout=120):
+        for name, err in errs.items():
+            assert err < 1e-5, (name, err)
+
+
+@pytest.mark.parametrize("window", [3, 6, 13])
+@pytest.mark.parametrize("variant", ["ring", "allgather"])
+def test_sliding_window_attention_matches_full_attention_with_the_band(variant, window):
+    """A sliding window at cp=4 (chunks of 4 positions): narrower than a chunk, across two, and
+    across four, so some blocks are skipped, some cut and some queries see no key of a block."""
+    from distributed import run
+
+    for errs in run(_worker, 4, variant, True, False, 16, window, timeout=120):
         for name, err in errs.items():
             assert err < 1e-5, (name, err)
 
