@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", help="comma-separated layouts (default: all)")
     a = p.parse_args(argv)
     zoo = __import__("hf_moe") if a.moe else __import__("examples_matrix") if a.examples else hf_zoo
-    names = zoo.MODELS if hasattr(zoo, "MODELS") else {**zoo.ARCHITECTURES, **zoo.FILES}
+    names = zoo.MODELS if hasattr(zoo, "MODELS") else {**zoo.ARCHITECTURES, **zoo.VARIANTS, **zoo.FILES}
     archs = a.arch.split(",") if a.arch else list(names)
     cases = a.case.split(",") if a.case else list(zoo.LAYOUTS)
     # MoE: three steps, so the routing biases move twice before the last
