@@ -1,0 +1,302 @@
+"""MoE forms: experts written as a loop over expert modules, or as per-token gathered weights,
+rewritten into the grouped form (rows sorted by expert, cumulative counts ``offs``, stacked
+``(E, K, N)`` weights, ``rt.moe_grouped_mm``) that the cost model and expert parallelism read.
+
+Run by ``passes.canonicalize.canonicalize`` on a torch.export graph (it reads ``meta["val"]``),
+before capture annotates anything. Both rewrites recognise the form by what the graph computes:
+
+* :func:`expert_loops`: one identical expert subgraph per expert ``e`` of ``E`` (the candidates of
+  a top-k), each reading the rows that ``where(choices == e)`` or a one-hot mask's slice
+  ``one_hot(choices, E).permute(...)[e]`` selects, its result added into one accumulator by
+  ``out[idx] += y`` (``index_put``) or ``index_add``. The rows of every (token, slot) pair are
+  taken once, sorted by expert (stable: by token within an expert, as each expert's ``where``
+  takes them), the expert subgraph runs once on them with each projection a grouped GEMM by the
+  ``torch.stack`` of the E experts' weights (the model's own parameters, each still read by its
+  own name), and the results are added into the accumulator with one ``index_add``;
+* :func:`batched_experts`: products by the rows of a stacked ``(E, N, K)`` parameter each routed
+  token slot's choice selects (``bmm(W[ids], h.unsqueeze(-1)).squeeze(-1)``, transformers'
+  ``batched_mm``) become grouped GEMMs over the slots sorted by expert; what the products
+  compute row by row stays in that order, and leaves it restored to the slots' own order.
+
+A form that differs in any way (a bias on an expert projection, experts of different structure,
+an op that mixes rows) is left as it was.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from autoshard.ir import ops
+from autoshard.runtime import moe
+
+aten = torch.ops.aten
+_INDEX_ADDS = (aten.index_add.default, aten.index_add_.default)
+_INDEX_PUTS = (aten.index_put.default, aten.index_put_.default)
+_ADDS = (aten.add.Tensor, aten.add_.Tensor)
+
+
+# ---------------------------------------------------------------------------------------------
+# nodes with their traced values
+
+
+def _val(a):
+    if isinstance(a, fx.Node):
+        return a.meta.get("val")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_val(x) for x in a)
+    return a
+
+
+def _emit(
+    graph: fx.Graph, target, args: tuple, like: fx.Node, kwargs: dict | None = None, val=None, line=None
+) -> fx.Node:
+    """A new node computing ``target(*args)`` with ``like``'s module, the source line of ``line``
+    (default ``like``), and its value computed on the arguments' traced (fake) values unless
+    ``val`` is given."""
+    node = graph.call_function(target, args, kwargs or {})
+    node.meta = {k: like.meta[k] for k in ("nn_module_stack",) if k in like.meta}
+    if "stack_trace" in (line or like).meta:
+        node.meta["stack_trace"] = (line or like).meta["stack_trace"]
+    node.meta["val"] = val if val is not None else target(*_val(args), **_val(kwargs or {}))
+    return node
+
+
+def _order_by_expert(graph: fx.Graph, ids: fx.Node, experts: int, like: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(order, offs): the flat expert ids' positions sorted by expert (stable) and the cumulative
+    count of each expert's rows (int32), as ``torch._grouped_mm`` reads them."""
+    order = _emit(graph, aten.argsort.stable, (ids,), like, {"stable": True})
+    counts = _emit(graph, aten._to_copy.default, (ids,), like, {"dtype": torch.float32})
+    counts = _emit(graph, aten.histc.default, (counts, experts, 0, experts - 1), like)
+    offs = _emit(graph, aten.cumsum.default, (counts, 0), like, {"dtype": torch.int32})
+    return order, offs
+
+
+def _grouped(graph: fx.Graph, rows: fx.Node, weight: fx.Node, offs: fx.Node, like: fx.Node, line: fx.Node) -> fx.Node:
+    r, w = rows.meta["val"], weight.meta["val"]
+    val = r.new_empty((r.shape[0], w.shape[-1]))
+    return _emit(graph, moe.grouped_mm, (rows, weight, offs), like, val=val, line=line)
+
+
+def _erase_dead(gm: fx.GraphModule, doomed: set[fx.Node]) -> None:
+    for node in reversed(list(gm.graph.nodes)):
+        if node in doomed and not node.users:
+            gm.graph.erase_node(node)
+
+
+def _forward(starts, stop=lambda n: False) -> set[fx.Node]:
+    """Every node computed from ``starts`` (included)."""
+    seen, frontier = set(starts), list(starts)
+    while frontier:
+        for u in frontier.pop().users:
+            if u not in seen and not stop(u):
+                seen.add(u)
+                frontier.append(u)
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------
+# a loop over expert modules
+
+
+def _choices_and_experts(choices: fx.Node) -> int | None:
+    """E when ``choices`` is the (tokens, k) indices of a top-k over E candidates."""
+    topk = ops.topk_of(choices)
+    val = choices.meta.get("val")
+    if topk is None or val is None or val.dim() != 2:
+        return None
+    return int(topk.args[0].meta["val"].shape[-1])
+
+
+def _expert_mask(mask: fx.Node) -> tuple[fx.Node, int, int, int] | None:
+    """(choices, expert, token position, slot position) of ``choices == e`` or of the slice
+    ``one_hot(choices, E).permute(perm)[e]`` (``perm[0]`` the expert dimension): the positions are
+    which of ``where(mask)``'s outputs hold the tokens and the slots."""
+    if mask.target is aten.eq.Scalar and isinstance(mask.args[1], int):
+        return mask.args[0], mask.args[1], 0, 1
+    if mask.target is not aten.select.int or mask.args[1] != 0:
+        return None
+    perm_node = mask.args[0]
+    if perm_node.target is not aten.permute.default or perm_node.args[0].target is not aten.one_hot.default:
+        return None
+    perm = list(perm_node.args[1])
+    if perm[0] != 2 or sorted(perm) != [0, 1, 2]:
+        return None
+    return perm_node.args[0].args[0], mask.args[2], perm[1:].index(0), perm[1:].index(1)
+
+
+class _Expert:
+    """One expert's turn of the loop: its ``where``, the token and slot positions it selects, the
+    value ``y`` it adds into the accumulator (``acc_in`` -> ``acc_out``)."""
+
+    def __init__(self, where: fx.Node, token_pos: int, slot_pos: int):
+        self.where = where
+        parts = {u.args[1]: u for u in where.users if u.target is operator.getitem}
+        self.token, self.slot = parts.get(token_pos), parts.get(slot_pos)
+        self.acc_in = self.acc_out = self.y = None
+        if self.token is not None:
+            self._accumulation()
+
+    def _accumulation(self) -> None:
+        for u in self.token.users:
+            if u.target in _INDEX_ADDS and u.args[1] == 0 and u.args[2] is self.token:
+                self.acc_in, self.acc_out, self.y = u.args[0], u, u.args[3]
+            elif u.target in _INDEX_PUTS and list(u.args[1]) == [self.token] and u.args[2].target in _ADDS:
+                read, y = u.args[2].args
+                if read.target is aten.index.Tensor and read.args == (u.args[0], [self.token]):
+                    self.acc_in, self.acc_out, self.y = u.args[0], u, y
+
+    def accumulation(self) -> set[fx.Node]:
+        """The nodes that add ``y`` into the accumulator (not ``y``'s computation)."""
+        if self.acc_out.target in _INDEX_ADDS:
+            return {self.acc_out}
+        return {self.acc_out, self.acc_out.args[2], self.acc_out.args[2].args[0]}
+
+    def body(self) -> list[fx.Node]:
+        """The nodes computing ``y`` from the selected positions, in graph order."""
+        inside: dict[fx.Node, bool] = {}
+
+        def reads(n: fx.Node) -> bool:
+            if n not in inside:
+                below = [reads(a) for a in n.all_input_nodes]  # every input visited, not the first only
+                inside[n] = n.target is operator.getitem and n.args[0] is self.where or any(below)
+            return inside[n]
+
+        reads(self.y)
+        return [n for n in self.y.graph.nodes if inside.get(n) and n not in (self.token, self.slot)]
+
+    def signature(self, gm: fx.GraphModule) -> tuple[tuple, list[fx.Node]] | None:
+        """The body's computation with this expert's own names left out, and its weights (the
+        parameters it reads, in order); None where a parameter is read but by a bias-free linear."""
+        body = self.body()
+        local = {n: i for i, n in enumerate(body)}
+        weights: list[fx.Node] = []
+
+        def arg(a):
+            if isinstance(a, (list, tuple)):
+                return tuple(arg(x) for x in a)
+            if not isinstance(a, fx.Node):
+                return a
+            if a is self.token or a is self.slot:
+                return ("position", a is self.token)
+            if a in local:
+                return ("node", local[a])
+            if a.op == "get_attr":
+                weights.append(a)
+                return ("weight", tuple(a.meta["val"].shape))
+            if a.op == "call_function":  # a value computed outside the loop, maybe once per expert
+                return ("outside", a.target, tuple(x if isinstance(x, fx.Node) else repr(x) for x in a.args))
+            return a
+
+        sig = []
+        for n in body:
+            if any(a.op == "get_attr" for a in n.all_input_nodes) and not _bias_free_linear(n):
+                return None
+            sig.append((n.target, arg(n.args), arg(tuple(sorted(n.kwargs.items())))))
+        return tuple(sig), weights
+
+
+def _bias_free_linear(n: fx.Node) -> bool:
+    return (
+        n.target is aten.linear.default
+        and n.args[1].op == "get_attr"
+        and (len(n.args) < 3 or n.args[2] is None)
+        and n.args[0].op != "get_attr"
+    )
+
+
+def _loops(gm: fx.GraphModule) -> list[tuple[fx.Node, list[_Expert]]]:
+    """Each loop over experts: its choices and its experts' turns in expert order (complete,
+    chained through one accumulator that nothing else reads)."""
+    found: dict[fx.Node, dict[int, _Expert]] = {}
+    for node in gm.graph.nodes:
+        if node.target is not aten.where.default or len(node.args) != 1:
+            continue
+        mask = _expert_mask(node.args[0])
+        if mask is None:
+            continue
+        choices, e, token_pos, slot_pos = mask
+        found.setdefault(choices, {})[e] = _Expert(node, token_pos, slot_pos)
+    loops = []
+    for choices, by_expert in found.items():
+        experts = _choices_and_experts(choices)
+        if experts is None or sorted(by_expert) != list(range(experts)):
+            continue
+        turns = sorted(by_expert.values(), key=lambda t: _position(gm, t.where))
+        if all(t.acc_out is not None for t in turns) and _chained(turns):
+            loops.append((choices, [by_expert[e] for e in range(experts)]))
+    return loops
+
+
+def _position(gm: fx.GraphModule, node: fx.Node) -> int:
+    return next(i for i, n in enumerate(gm.graph.nodes) if n is node)
+
+
+def _chained(turns: list[_Expert]) -> bool:
+    """Each turn adds into what the previous one produced, and only the turns read it."""
+    for prev, turn in zip(turns, turns[1:]):
+        if turn.acc_in is not prev.acc_out or not set(prev.acc_out.users) <= turn.accumulation():
+            return False
+    return set(turns[0].acc_in.users) <= turns[0].accumulation()
+
+
+def expert_loops(gm: fx.GraphModule) -> bool:
+    """Rewrite every loop over expert modules into the grouped form (see the module docstring);
+    whether any was rewritten."""
+    changed = False
+    for choices, turns in _loops(gm):
+        sigs = [t.signature(gm) for t in turns]
+        if any(s is None for s in sigs) or any(s[0] != sigs[0][0] for s in sigs):
+            continue
+        if not _rows_only(turns[0]):
+            continue
+        _rewrite_loop(gm, choices, turns, [s[1] for s in sigs])
+        changed = True
+    return changed
+
+
+def _rows_only(turn: _Expert) -> bool:
+    """Every tensor of the expert's body has one row per selected position (row by row)."""
+    rows = turn.token.meta["val"].shape[0]
+    vals = [n.meta.get("val") for n in turn.body()]
+    return all(v.shape[0] == rows for v in vals if isinstance(v, torch.Tensor))
+
+
+def _rewrite_loop(gm: fx.GraphModule, choices: fx.Node, turns: list[_Expert], weights: list[list[fx.Node]]) -> None:
+    graph, first, last = gm.graph, turns[0], turns[-1]
+    like = first.where
+    top_k = choices.meta["val"].shape[1]
+    with graph.inserting_before(last.acc_out):
+        ids = _emit(graph, aten.reshape.default, (choices, [-1]), like)
+        order, offs = _order_by_expert(graph, ids, len(turns), like)
+        env = {
+            first.token: _emit(graph, aten.div.Scalar_mode, (order, top_k), like, {"rounding_mode": "floor"}),
+            first.slot: _emit(graph, aten.remainder.Scalar, (order, top_k), like),
+        }
+        stacked = {}
+        for i, w in enumerate(weights[0]):
+            if w not in stacked:
+                stack = _emit(graph, aten.stack.default, ([ws[i] for ws in weights],), like)
+                stacked[w] = _emit(graph, aten.transpose.int, (stack, 1, 2), like)
+        for n in first.body():
+            if n.target is aten.linear.default:
+                env[n] = _grouped(graph, env.get(n.args[0], n.args[0]), stacked[n.args[1]], offs, like, n)
+            else:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, a))
+                env[n] = _emit(graph, n.target, args, like, kwargs, line=n)
+        out = _emit(
+            graph, aten.index_add.default, (first.acc_in, 0, env[first.token], env[first.y]), like, line=last.acc_out
+        )
+    last.acc_out.replace_all_uses_with(out)
+    doomed = set()
+    for t in turns:
+        mask = t.where.args[0]
+        doomed |= _forward([t.where]) | t.accumulation() | {mask}
+        if mask.target is aten.select.int:  # the one-hot mask and its permutation
+            doomed |= {mask.args[0], mask.args[0].args[0]}
+    _erase_dead(gm, doomed)
+
+
+__all__ = ["expert_loops"]
