@@ -73,6 +73,8 @@ MODELS = {
     "mixtral": ("tests/models/hf_moe.py", "mixtral"),
     "qwen3_moe": ("tests/models/hf_moe.py", "qwen3_moe"),
     "llama4": ("tests/models/hf_moe.py", "llama4"),
+    # a loop over an nn.ModuleList of experts (where + index_put), grouped by canonicalisation
+    "naive_moe (loop)": ("tests/models/naive_moe.py", "tiny"),
 }
 LAYOUTS = {
     "ep2": (2, "ep=2,dp=2"),
@@ -102,4 +104,6 @@ CI_SUBSET = [
     ("deepseek_v3 (example)", "ep2-pp2-dualpipev-recompute"),
     ("deepseek_v3", "ep2-recompute"),
     ("llama4", "ep2-pp2"),  # the loss reads the token ids through the model's own .to(device)
+    ("naive_moe (loop)", "ep2-pp2"),  # each rank's rows of every expert's own parameters, exchanged
+    ("naive_moe (loop)", "ep2-zero1"),
 ]

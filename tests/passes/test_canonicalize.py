@@ -10,6 +10,8 @@ from torch import fx, nn
 from autoshard.capture import capture, causal_lm_loss
 from autoshard.capture.trace import trace
 from autoshard.passes.canonicalize import _closure, canonicalize
+from autoshard.passes.moe_forms import expert_loops
+from autoshard.runtime import moe
 
 from graphs import TINY_DECODER, TinyLM, listing, loss, tokens
 
@@ -422,3 +424,60 @@ def test_a_product_by_an_activation_or_a_shared_transpose_stays():
     root.weight = nn.Parameter(torch.randn(6, 8))
     before = listing(g)
     assert listing(canonicalize(fx.GraphModule(root, g)).graph) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE loop forms (passes.moe_forms): a loop over an nn.ModuleList of experts becomes grouped GEMMs
+
+
+def _exported_moe(name: str, bias: bool = False) -> tuple[fx.GraphModule, torch.Tensor]:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    module = __import__(name)
+    torch.manual_seed(0)
+    model = module.build("tiny")
+    if bias:  # one expert of different structure: the loop is not one expert subgraph E times
+        model.layers[0].ffn.experts[1].up.bias = nn.Parameter(torch.randn(96))
+    tokens = torch.randint(0, 128, (2, 8))
+    return torch.export.export(model, (tokens,)).module(), tokens
+
+
+def _moe_nodes(gm: fx.GraphModule) -> tuple[int, int, list[list[str]]]:
+    """(grouped GEMMs, where nodes, the parameters each torch.stack reads)."""
+    grouped = sum(n.target is moe.grouped_mm for n in gm.graph.nodes)
+    wheres = sum(n.target is aten.where.default for n in gm.graph.nodes)
+    stacks = [[a.target for a in n.args[0]] for n in gm.graph.nodes if n.target is aten.stack.default]
+    return grouped, wheres, stacks
+
+
+@pytest.mark.parametrize(
+    "name,projections",
+    [("naive_moe", ("up", "down")), ("reference_moe", ("w1", "w3", "w2"))],
+    ids=["where-index_put", "one_hot-index_add_"],
+)
+def test_a_loop_over_expert_modules_becomes_grouped_gemms_of_the_same_values(name, projections):
+    gm, tokens = _exported_moe(name)
+    before = gm(tokens)
+    assert _moe_nodes(gm)[:2] == (0, 8)  # 2 layers x 4 experts, each its where
+    assert expert_loops(gm)
+    gm.graph.lint()
+    gm.recompile()
+    torch.testing.assert_close(gm(tokens), before, rtol=1e-6, atol=1e-6)
+    grouped, wheres, stacks = _moe_nodes(gm)
+    assert (grouped, wheres) == (2 * len(projections), 0)
+    # each projection is the stack of the four experts' own parameters, by their own names
+    ffn = "ffn" if name == "naive_moe" else "moe"
+    layer0 = [s for s in stacks if s[0].startswith(f"layers.0.{ffn}")]
+    assert sorted(layer0) == sorted([f"layers.0.{ffn}.experts.{e}.{p}.weight" for e in range(4)] for p in projections)
+
+
+def test_experts_of_different_structure_stay_a_loop():
+    gm, tokens = _exported_moe("naive_moe", bias=True)
+    before = gm(tokens)
+    assert expert_loops(gm)  # layer 1's experts are alike: grouped; layer 0's stay as written
+    gm.recompile()
+    torch.testing.assert_close(gm(tokens), before, rtol=1e-6, atol=1e-6)
+    grouped, wheres, _ = _moe_nodes(gm)
+    assert (grouped, wheres) == (2, 4)
