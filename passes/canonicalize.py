@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from autoshard.ir import ops
-from autoshard.passes.moe_forms import expert_loops
+from autoshard.passes.moe_forms import batched_experts, expert_loops
 from autoshard.runtime import moe
 
 GUARDS = "_guards_fn"  # torch.export's submodule that checks the inputs against its shape guards
@@ -66,6 +66,10 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
       expert, each projection one ``rt.moe_grouped_mm`` by the ``torch.stack`` of the experts'
       own parameters, one ``index_add`` back (``moe_forms.expert_loops``), so the cost model and
       expert parallelism see grouped experts;
+    - every set of expert products by per-token gathered weights (``bmm(W[ids], h.unsqueeze(-1))``,
+      transformers' ``batched_mm``) is grouped GEMMs by the stacked parameters over the routed
+      slots sorted by expert, what they compute row by row kept in that order and sorted back where
+      it leaves (``moe_forms.batched_experts``);
     - every grouped GEMM over rows grouped by expert (``torch._grouped_mm``, transformers'
       ``grouped_mm_fallback`` custom op) is one ``rt.moe_grouped_mm(rows, weights, offs)`` node
       (:func:`grouped_gemms`): the program then needs no library's custom op, and runs
@@ -90,6 +94,7 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
     changed |= rms_norms(gm)
     changed |= assembled_cats(gm)
     changed |= expert_loops(gm)
+    changed |= batched_experts(gm)
     changed |= grouped_gemms(gm)
     changed |= float_histograms(gm)
     if changed:

@@ -299,4 +299,121 @@ def _rewrite_loop(gm: fx.GraphModule, choices: fx.Node, turns: list[_Expert], we
     _erase_dead(gm, doomed)
 
 
-__all__ = ["expert_loops"]
+# ---------------------------------------------------------------------------------------------
+# per-token gathered weights (transformers' batched_mm)
+
+
+class _Product:
+    """``bmm(W[ids], h.unsqueeze(-1)).squeeze(-1)``: each routed slot's row of ``h`` times its
+    expert's ``(N, K)`` matrix of the stacked parameter ``W``."""
+
+    def __init__(self, out: fx.Node, h: fx.Node, weight: fx.Node, ids: fx.Node):
+        self.out, self.h, self.weight, self.ids = out, h, weight, ids
+        self.chain = {out, out.args[0], *out.args[0].args}
+
+    @classmethod
+    def of(cls, out: fx.Node) -> _Product | None:
+        if out.target is not aten.squeeze.dim or out.args[1] not in (-1, 2):
+            return None
+        bmm = out.args[0]
+        if bmm.target is not aten.bmm.default or len(bmm.users) != 1:
+            return None
+        sel, col = bmm.args
+        if (
+            sel.target is not aten.index.Tensor
+            or col.target is not aten.unsqueeze.default
+            or col.args[1] not in (-1, 2)
+        ):
+            return None
+        weight, index = sel.args
+        if weight.op != "get_attr" or len(index) != 1 or len(sel.users) != 1 or len(col.users) != 1:
+            return None
+        ids = index[0]
+        if ops.topk_of(ids) is None or ids.meta["val"].dim() != 1 or weight.meta["val"].dim() != 3:
+            return None
+        return cls(out, col.args[0], weight, ids)
+
+
+_ROW_WISE_VIEWS = (aten.chunk.default, aten.split.Tensor, aten.unsqueeze.default, aten.squeeze.dim)
+
+
+def _row_wise(node: fx.Node, rows) -> bool:
+    """Computes each row alone: an element-wise op or a getitem, or a chunk/split/(un)squeeze
+    away from dimension 0, on tensors of ``rows`` rows."""
+    vals = [node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes)]
+    tensors = [t for v in vals for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
+    if not tensors or any(v.dim() == 0 or v.shape[0] != rows for v in tensors):
+        return False
+    if node.target is operator.getitem:
+        return True
+    if node.target in _ROW_WISE_VIEWS:
+        dim = node.args[2] if len(node.args) > 2 else node.args[1] if node.target is not aten.chunk.default else 0
+        return dim % (node.args[0].meta["val"].dim() + (node.target is aten.unsqueeze.default)) != 0
+    rule = ops.rule(ops.op_name(node))
+    return rule is not None and rule.op_class == "elementwise"
+
+
+def batched_experts(gm: fx.GraphModule) -> bool:
+    """Rewrite every set of per-token gathered expert products into grouped GEMMs (see the module
+    docstring); whether any was rewritten."""
+    by_ids: dict[fx.Node, list[_Product]] = {}
+    for node in gm.graph.nodes:
+        if (product := _Product.of(node)) is not None:
+            by_ids.setdefault(product.ids, []).append(product)
+    changed = False
+    for ids, products in by_ids.items():
+        changed |= _rewrite_batched(gm, ids, products)
+    return changed
+
+
+def _inside(gm: fx.GraphModule, products: list[_Product]) -> list[fx.Node]:
+    """The products' outputs and what is computed from them alone, row by row, in graph order."""
+    outs = {p.out for p in products}
+    chains = set().union(*(p.chain for p in products))
+    rows = products[0].ids.meta["val"].shape[0]
+    inside: list[fx.Node] = []
+    for node in gm.graph.nodes:
+        ins = node.all_input_nodes
+        if node in outs or node not in chains and ins and all(i in inside for i in ins) and _row_wise(node, rows):
+            inside.append(node)
+    return inside
+
+
+def _rewrite_batched(gm: fx.GraphModule, ids: fx.Node, products: list[_Product]) -> bool:
+    inside = _inside(gm, products)
+    chains = set().union(*(p.chain for p in products))
+    exits = {n: [u for u in n.users if u not in inside and u not in chains] for n in inside}
+    exits = {n: users for n, users in exits.items() if users}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    anchor = min((u for users in exits.values() for u in users), key=position.__getitem__, default=None)
+    inlets = [p.h for p in products if p.h not in inside]
+    if anchor is None or any(position[n] > position[anchor] for n in (*inlets, ids, *(p.out for p in products))):
+        return False
+    graph, like = gm.graph, products[0].out
+    experts = int(products[0].weight.meta["val"].shape[0])
+    with graph.inserting_before(anchor):
+        order, offs = _order_by_expert(graph, ids, experts, like)
+        inverse = _emit(graph, aten.argsort.stable, (order,), like, {"stable": True})
+        env: dict[fx.Node, fx.Node] = {}
+        for h in dict.fromkeys(inlets):
+            env[h] = _emit(graph, aten.index.Tensor, (h, [order]), like, line=h)
+        product_of = {p.out: p for p in products}
+        weights: dict[fx.Node, fx.Node] = {}
+        for n in inside:
+            if n in product_of:
+                p = product_of[n]
+                if p.weight not in weights:
+                    weights[p.weight] = _emit(graph, aten.transpose.int, (p.weight, 1, 2), like)
+                env[n] = _grouped(graph, env[p.h], weights[p.weight], offs, n, n)
+            else:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, a))
+                env[n] = _emit(graph, n.target, args, n, kwargs)
+        for n, users in exits.items():
+            back = _emit(graph, aten.index.Tensor, (env[n], [inverse]), n)
+            for u in users:
+                u.replace_input_with(n, back)
+    _erase_dead(gm, set(inside) | chains)
+    return True
+
+
+__all__ = ["expert_loops", "batched_experts"]

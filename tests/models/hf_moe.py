@@ -75,6 +75,8 @@ MODELS = {
     "llama4": ("tests/models/hf_moe.py", "llama4"),
     # a loop over an nn.ModuleList of experts (where + index_put), grouped by canonicalisation
     "naive_moe (loop)": ("tests/models/naive_moe.py", "tiny"),
+    # transformers' batched_mm experts (per-token gathered weights), grouped by canonicalisation
+    "mixtral (batched)": ("tests/models/hf_moe.py", "mixtral-batched"),
 }
 LAYOUTS = {
     "ep2": (2, "ep=2,dp=2"),
@@ -106,4 +108,5 @@ CI_SUBSET = [
     ("llama4", "ep2-pp2"),  # the loss reads the token ids through the model's own .to(device)
     ("naive_moe (loop)", "ep2-pp2"),  # each rank's rows of every expert's own parameters, exchanged
     ("naive_moe (loop)", "ep2-zero1"),
+    ("mixtral (batched)", "ep2"),
 ]

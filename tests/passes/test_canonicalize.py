@@ -10,7 +10,7 @@ from torch import fx, nn
 from autoshard.capture import capture, causal_lm_loss
 from autoshard.capture.trace import trace
 from autoshard.passes.canonicalize import _closure, canonicalize
-from autoshard.passes.moe_forms import expert_loops
+from autoshard.passes.moe_forms import batched_experts, expert_loops
 from autoshard.runtime import moe
 
 from graphs import TINY_DECODER, TinyLM, listing, loss, tokens
@@ -481,3 +481,29 @@ def test_experts_of_different_structure_stay_a_loop():
     torch.testing.assert_close(gm(tokens), before, rtol=1e-6, atol=1e-6)
     grouped, wheres, _ = _moe_nodes(gm)
     assert (grouped, wheres) == (2, 4)
+
+
+def test_per_token_gathered_expert_weights_become_grouped_gemms_of_the_same_values():
+    """transformers' ``batched_mm`` experts (``bmm(W[ids], h)`` per routed slot) become grouped
+    GEMMs by the stacked parameters over the slots sorted by expert, sorted back where they leave."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    hf_moe = pytest.importorskip("hf_moe")
+    torch.manual_seed(0)
+    model = hf_moe.build("mixtral-batched")
+    inputs = hf_moe.sample_inputs("mixtral-batched", 2, 8)
+    gm, tracer, _ = trace(model, inputs)
+    assert tracer == "export"
+    before = gm(*inputs)
+    assert sum(n.target is aten.bmm.default for n in gm.graph.nodes) == 4  # 2 layers x (gate_up, down)
+    assert batched_experts(gm)
+    gm.graph.lint()
+    gm.recompile()
+    torch.testing.assert_close(gm(*inputs), before, rtol=1e-6, atol=1e-6)
+    assert sum(n.target is aten.bmm.default for n in gm.graph.nodes) == 0
+    grouped = [n for n in gm.graph.nodes if n.target is moe.grouped_mm]
+    assert [n.args[1].args[0].target for n in grouped] == [
+        f"model.model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")
+    ]
