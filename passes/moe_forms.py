@@ -51,16 +51,26 @@ def _val(a):
 
 
 def _emit(
-    graph: fx.Graph, target, args: tuple, like: fx.Node, kwargs: dict | None = None, val=None, line=None
+    graph: fx.Graph,
+    target,
+    args: tuple,
+    like: fx.Node,
+    kwargs: dict | None = None,
+    val=None,
+    line=None,
+    op="call_function",
 ) -> fx.Node:
     """A new node computing ``target(*args)`` with ``like``'s module, the source line of ``line``
-    (default ``like``), and its value computed on the arguments' traced (fake) values unless
-    ``val`` is given."""
-    node = graph.call_function(target, args, kwargs or {})
+    (default ``like``), and, in a graph of traced values (torch.export's), its value computed on
+    the arguments' (fake) values unless ``val`` is given."""
+    node = graph.create_node(op, target, args, kwargs or {})
     node.meta = {k: like.meta[k] for k in ("nn_module_stack",) if k in like.meta}
     if "stack_trace" in (line or like).meta:
         node.meta["stack_trace"] = (line or like).meta["stack_trace"]
-    node.meta["val"] = val if val is not None else target(*_val(args), **_val(kwargs or {}))
+    if val is None and "val" in like.meta and op == "call_function":
+        val = target(*_val(args), **_val(kwargs or {}))
+    if val is not None:
+        node.meta["val"] = val
     return node
 
 
@@ -75,8 +85,8 @@ def _order_by_expert(graph: fx.Graph, ids: fx.Node, experts: int, like: fx.Node)
 
 
 def _grouped(graph: fx.Graph, rows: fx.Node, weight: fx.Node, offs: fx.Node, like: fx.Node, line: fx.Node) -> fx.Node:
-    r, w = rows.meta["val"], weight.meta["val"]
-    val = r.new_empty((r.shape[0], w.shape[-1]))
+    r, w = rows.meta.get("val"), weight.meta.get("val")
+    val = r.new_empty((r.shape[0], w.shape[-1])) if r is not None and w is not None else None
     return _emit(graph, moe.grouped_mm, (rows, weight, offs), like, val=val, line=line)
 
 
@@ -98,38 +108,80 @@ def _forward(starts, stop=lambda n: False) -> set[fx.Node]:
 
 
 # ---------------------------------------------------------------------------------------------
-# a loop over expert modules
+# a loop over expert modules (torch.export's aten graph, or symbolic_trace's torch-level one)
 
 
-def _choices_and_experts(choices: fx.Node) -> int | None:
-    """E when ``choices`` is the (tokens, k) indices of a top-k over E candidates."""
+def _name(n) -> str:
+    return ops.op_name(n) if isinstance(n, fx.Node) and n.op != "call_module" else ""
+
+
+def _is_linear(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """A bias-free ``linear(activation, parameter)``: an ``aten.linear`` of a ``get_attr`` or an
+    ``nn.Linear`` module call."""
+    if n.op == "call_module":
+        module = gm.get_submodule(n.target)
+        return type(module) is torch.nn.Linear and module.bias is None
+    return (
+        n.target is aten.linear.default
+        and n.args[1].op == "get_attr"
+        and (len(n.args) < 3 or n.args[2] is None)
+        and n.args[0].op != "get_attr"
+    )
+
+
+def _linear_weight(n: fx.Node) -> fx.Node | str:
+    """The weight a linear reads: its ``get_attr`` node, or the module's parameter name."""
+    return f"{n.target}.weight" if n.op == "call_module" else n.args[1]
+
+
+def _top_k(choices: fx.Node) -> tuple[int, int] | None:
+    """(k, E) when ``choices`` is the (tokens, k) indices of a top-k over E candidates (E from
+    the traced values, or None where there are none)."""
     topk = ops.topk_of(choices)
+    if topk is None:
+        return None
+    k = topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k")
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    scores = topk.args[0].meta.get("val")
     val = choices.meta.get("val")
-    if topk is None or val is None or val.dim() != 2:
+    if not isinstance(k, int) or dim not in (-1, 1) or val is not None and val.dim() != 2:
         return None
-    return int(topk.args[0].meta["val"].shape[-1])
+    return k, int(scores.shape[-1]) if scores is not None else None
 
 
-def _expert_mask(mask: fx.Node) -> tuple[fx.Node, int, int, int] | None:
-    """(choices, expert, token position, slot position) of ``choices == e`` or of the slice
-    ``one_hot(choices, E).permute(perm)[e]`` (``perm[0]`` the expert dimension): the positions are
-    which of ``where(mask)``'s outputs hold the tokens and the slots."""
-    if mask.target is aten.eq.Scalar and isinstance(mask.args[1], int):
-        return mask.args[0], mask.args[1], 0, 1
-    if mask.target is not aten.select.int or mask.args[1] != 0:
+def _permutation(node: fx.Node) -> list[int] | None:
+    if _name(node) != "permute":
         return None
-    perm_node = mask.args[0]
-    if perm_node.target is not aten.permute.default or perm_node.args[0].target is not aten.one_hot.default:
+    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+    return list(dims)
+
+
+def _expert_mask(mask: fx.Node) -> tuple[fx.Node, int, int, int, int | None] | None:
+    """(choices, expert, token position, slot position, E where the mask says it) of
+    ``choices == e`` or of the slice ``one_hot(choices, E).permute(perm)[e]`` (``perm[0]`` the
+    expert dimension): the positions are which of ``where(mask)``'s outputs hold the tokens and
+    the slots."""
+    name = _name(mask)
+    if name == "eq" and isinstance(mask.args[0], fx.Node) and isinstance(mask.args[1], int):
+        return mask.args[0], mask.args[1], 0, 1, None
+    if name == "select" and mask.args[1] == 0 and isinstance(mask.args[2], int):
+        source, e = mask.args[0], mask.args[2]
+    elif name == "getitem" and isinstance(mask.args[1], int) and isinstance(mask.args[0], fx.Node):
+        source, e = mask.args
+    else:
         return None
-    perm = list(perm_node.args[1])
-    if perm[0] != 2 or sorted(perm) != [0, 1, 2]:
+    perm = _permutation(source)
+    one_hot = source.args[0]
+    if perm is None or perm[0] != 2 or sorted(perm) != [0, 1, 2] or _name(one_hot) != "one_hot":
         return None
-    return perm_node.args[0].args[0], mask.args[2], perm[1:].index(0), perm[1:].index(1)
+    experts = one_hot.args[1] if len(one_hot.args) > 1 else one_hot.kwargs.get("num_classes")
+    return one_hot.args[0], e, perm[1:].index(0), perm[1:].index(1), experts
 
 
 class _Expert:
     """One expert's turn of the loop: its ``where``, the token and slot positions it selects, the
-    value ``y`` it adds into the accumulator (``acc_in`` -> ``acc_out``)."""
+    value ``y`` it adds into the accumulator (``acc_in`` -> ``acc_out``; an in-place
+    ``index_add_`` whose result nothing reads leaves the sum in ``acc_in`` itself)."""
 
     def __init__(self, where: fx.Node, token_pos: int, slot_pos: int):
         self.where = where
@@ -141,16 +193,21 @@ class _Expert:
 
     def _accumulation(self) -> None:
         for u in self.token.users:
-            if u.target in _INDEX_ADDS and u.args[1] == 0 and u.args[2] is self.token:
+            name = _name(u)
+            if name in ("index_add", "index_add_") and u.args[1] == 0 and u.args[2] is self.token:
                 self.acc_in, self.acc_out, self.y = u.args[0], u, u.args[3]
             elif u.target in _INDEX_PUTS and list(u.args[1]) == [self.token] and u.args[2].target in _ADDS:
                 read, y = u.args[2].args
                 if read.target is aten.index.Tensor and read.args == (u.args[0], [self.token]):
                     self.acc_in, self.acc_out, self.y = u.args[0], u, y
 
+    @property
+    def in_place(self) -> bool:
+        return _name(self.acc_out) == "index_add_" and not self.acc_out.users
+
     def accumulation(self) -> set[fx.Node]:
         """The nodes that add ``y`` into the accumulator (not ``y``'s computation)."""
-        if self.acc_out.target in _INDEX_ADDS:
+        if _name(self.acc_out) in ("index_add", "index_add_"):
             return {self.acc_out}
         return {self.acc_out, self.acc_out.args[2], self.acc_out.args[2].args[0]}
 
@@ -167,12 +224,12 @@ class _Expert:
         reads(self.y)
         return [n for n in self.y.graph.nodes if inside.get(n) and n not in (self.token, self.slot)]
 
-    def signature(self, gm: fx.GraphModule) -> tuple[tuple, list[fx.Node]] | None:
+    def signature(self, gm: fx.GraphModule) -> tuple[tuple, list] | None:
         """The body's computation with this expert's own names left out, and its weights (the
         parameters it reads, in order); None where a parameter is read but by a bias-free linear."""
         body = self.body()
         local = {n: i for i, n in enumerate(body)}
-        weights: list[fx.Node] = []
+        weights: list = []
 
         def arg(a):
             if isinstance(a, (list, tuple)):
@@ -192,41 +249,43 @@ class _Expert:
 
         sig = []
         for n in body:
-            if any(a.op == "get_attr" for a in n.all_input_nodes) and not _bias_free_linear(n):
+            if n.op == "call_module":
+                if not _is_linear(gm, n):
+                    return None
+                weights.append(_linear_weight(n))
+                sig.append(("linear", tuple(gm.get_submodule(n.target).weight.shape), arg(n.args)))
+                continue
+            if any(a.op == "get_attr" for a in n.all_input_nodes) and not _is_linear(gm, n):
                 return None
-            sig.append((n.target, arg(n.args), arg(tuple(sorted(n.kwargs.items())))))
+            sig.append((n.op, n.target, arg(n.args), arg(tuple(sorted(n.kwargs.items())))))
         return tuple(sig), weights
 
 
-def _bias_free_linear(n: fx.Node) -> bool:
-    return (
-        n.target is aten.linear.default
-        and n.args[1].op == "get_attr"
-        and (len(n.args) < 3 or n.args[2] is None)
-        and n.args[0].op != "get_attr"
-    )
-
-
-def _loops(gm: fx.GraphModule) -> list[tuple[fx.Node, list[_Expert]]]:
-    """Each loop over experts: its choices and its experts' turns in expert order (complete,
-    chained through one accumulator that nothing else reads)."""
+def _loops(gm: fx.GraphModule) -> list[tuple[fx.Node, int, list[_Expert]]]:
+    """Each loop over experts: its choices, top-k and its experts' turns in expert order
+    (complete, chained through one accumulator that nothing else reads)."""
     found: dict[fx.Node, dict[int, _Expert]] = {}
+    told: dict[fx.Node, int | None] = {}
     for node in gm.graph.nodes:
-        if node.target is not aten.where.default or len(node.args) != 1:
+        if _name(node) != "where" or len(node.args) != 1 or node.kwargs:
             continue
         mask = _expert_mask(node.args[0])
         if mask is None:
             continue
-        choices, e, token_pos, slot_pos = mask
+        choices, e, token_pos, slot_pos, experts = mask
         found.setdefault(choices, {})[e] = _Expert(node, token_pos, slot_pos)
+        told[choices] = experts
     loops = []
     for choices, by_expert in found.items():
-        experts = _choices_and_experts(choices)
+        routing = _top_k(choices)
+        if routing is None:
+            continue
+        experts = routing[1] if routing[1] is not None else told[choices]
         if experts is None or sorted(by_expert) != list(range(experts)):
             continue
         turns = sorted(by_expert.values(), key=lambda t: _position(gm, t.where))
-        if all(t.acc_out is not None for t in turns) and _chained(turns):
-            loops.append((choices, [by_expert[e] for e in range(experts)]))
+        if all(t.acc_out is not None for t in turns) and _chained(gm, turns):
+            loops.append((choices, routing[0], [by_expert[e] for e in range(experts)]))
     return loops
 
 
@@ -234,40 +293,58 @@ def _position(gm: fx.GraphModule, node: fx.Node) -> int:
     return next(i for i, n in enumerate(gm.graph.nodes) if n is node)
 
 
-def _chained(turns: list[_Expert]) -> bool:
-    """Each turn adds into what the previous one produced, and only the turns read it."""
+def _chained(gm: fx.GraphModule, turns: list[_Expert]) -> bool:
+    """Each turn adds into what the previous one produced (or, in place, into the same tensor),
+    and only the turns read it before the last one."""
+    acc = turns[0].acc_in
+    adds = set().union(*(t.accumulation() for t in turns))
     for prev, turn in zip(turns, turns[1:]):
-        if turn.acc_in is not prev.acc_out or not set(prev.acc_out.users) <= turn.accumulation():
+        if turn.acc_in is prev.acc_out:
+            if not set(prev.acc_out.users) <= turn.accumulation():
+                return False
+        elif not (prev.in_place and turn.acc_in is acc):
             return False
-    return set(turns[0].acc_in.users) <= turns[0].accumulation()
+    last = _position(gm, turns[-1].acc_out)
+    return all(u in adds or _position(gm, u) > last for u in acc.users)
 
 
 def expert_loops(gm: fx.GraphModule) -> bool:
     """Rewrite every loop over expert modules into the grouped form (see the module docstring);
     whether any was rewritten."""
     changed = False
-    for choices, turns in _loops(gm):
+    for choices, top_k, turns in _loops(gm):
         sigs = [t.signature(gm) for t in turns]
         if any(s is None for s in sigs) or any(s[0] != sigs[0][0] for s in sigs):
             continue
-        if not _rows_only(turns[0]):
+        if not _rows_only(gm, turns[0]):
             continue
-        _rewrite_loop(gm, choices, turns, [s[1] for s in sigs])
+        _rewrite_loop(gm, choices, top_k, turns, [s[1] for s in sigs])
         changed = True
     return changed
 
 
-def _rows_only(turn: _Expert) -> bool:
-    """Every tensor of the expert's body has one row per selected position (row by row)."""
-    rows = turn.token.meta["val"].shape[0]
-    vals = [n.meta.get("val") for n in turn.body()]
-    return all(v.shape[0] == rows for v in vals if isinstance(v, torch.Tensor))
+_ROW_OPS = ("getitem", "index", "linear", "reshape", "view", "to", "_to_copy", "contiguous")
 
 
-def _rewrite_loop(gm: fx.GraphModule, choices: fx.Node, turns: list[_Expert], weights: list[list[fx.Node]]) -> None:
+def _rows_only(gm: fx.GraphModule, turn: _Expert) -> bool:
+    """Every tensor of the expert's body has one row per selected position (row by row): from
+    the traced values where there are some, else from its ops (element-wise, row selections,
+    linears, views)."""
+    body = turn.body()
+    rows = turn.token.meta.get("val")
+    if rows is not None:
+        vals = [n.meta.get("val") for n in body]
+        return all(v.shape[0] == rows.shape[0] for v in vals if isinstance(v, torch.Tensor))
+    for n in body:
+        rule = ops.rule(ops.op_name(n, gm))
+        if ops.op_name(n, gm) not in _ROW_OPS and (rule is None or rule.op_class != "elementwise"):
+            return False
+    return True
+
+
+def _rewrite_loop(gm: fx.GraphModule, choices: fx.Node, top_k: int, turns: list[_Expert], weights: list[list]) -> None:
     graph, first, last = gm.graph, turns[0], turns[-1]
     like = first.where
-    top_k = choices.meta["val"].shape[1]
     with graph.inserting_before(last.acc_out):
         ids = _emit(graph, aten.reshape.default, (choices, [-1]), like)
         order, offs = _order_by_expert(graph, ids, len(turns), like)
@@ -278,25 +355,38 @@ def _rewrite_loop(gm: fx.GraphModule, choices: fx.Node, turns: list[_Expert], we
         stacked = {}
         for i, w in enumerate(weights[0]):
             if w not in stacked:
-                stack = _emit(graph, aten.stack.default, ([ws[i] for ws in weights],), like)
+                params = [_weight_node(gm, ws[i]) for ws in weights]
+                stack = _emit(graph, aten.stack.default, (params,), like)
                 stacked[w] = _emit(graph, aten.transpose.int, (stack, 1, 2), like)
         for n in first.body():
-            if n.target is aten.linear.default:
-                env[n] = _grouped(graph, env.get(n.args[0], n.args[0]), stacked[n.args[1]], offs, like, n)
+            if _is_linear(gm, n):
+                env[n] = _grouped(graph, env.get(n.args[0], n.args[0]), stacked[_linear_weight(n)], offs, like, n)
             else:
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, a))
-                env[n] = _emit(graph, n.target, args, like, kwargs, line=n)
+                env[n] = _emit(graph, n.target, args, like, kwargs, line=n, op=n.op)
         out = _emit(
             graph, aten.index_add.default, (first.acc_in, 0, env[first.token], env[first.y]), like, line=last.acc_out
         )
-    last.acc_out.replace_all_uses_with(out)
+    if last.in_place:  # the sum is read from the accumulator itself, after the loop
+        after = _position(gm, last.acc_out)
+        for u in [u for u in first.acc_in.users if u is not out and _position(gm, u) > after]:
+            u.replace_input_with(first.acc_in, out)
+    else:
+        last.acc_out.replace_all_uses_with(out)
     doomed = set()
     for t in turns:
         mask = t.where.args[0]
         doomed |= _forward([t.where]) | t.accumulation() | {mask}
-        if mask.target is aten.select.int:  # the one-hot mask and its permutation
+        if _name(mask) != "eq":  # the one-hot mask and its permutation
             doomed |= {mask.args[0], mask.args[0].args[0]}
     _erase_dead(gm, doomed)
+
+
+def _weight_node(gm: fx.GraphModule, weight: fx.Node | str) -> fx.Node:
+    """The ``get_attr`` node of a weight: the traced one, or a new one for a module's parameter."""
+    if isinstance(weight, fx.Node):
+        return weight
+    return gm.graph.get_attr(weight)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""A small decoder whose mixture of experts is written as Mixtral's reference code writes it.
+"""A small decoder whose mixture of experts is written as Mixtral's reference code writes it
+(transformers' ``MixtralSparseMoeBlock.forward`` before its experts were stacked, line for line).
 
 Experts are an ``nn.ModuleList`` of SwiGLU MLPs; the router is softmax + top-k with the gates
 renormalised; the loop over experts takes each expert's (slot, token) pairs from a one-hot
@@ -46,18 +47,23 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.experts))
 
     def forward(self, hidden_states):
-        batch, seq, dim = hidden_states.shape
-        hidden_states = hidden_states.view(-1, dim)
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
         routing_weights = F.softmax(self.gate(hidden_states), dim=1, dtype=torch.float)
-        routing_weights, selected = torch.topk(routing_weights, self.top_k, dim=-1)
-        routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
-        final = torch.zeros_like(hidden_states)
-        expert_mask = F.one_hot(selected, num_classes=self.experts_count).permute(2, 1, 0)
-        for e in range(self.experts_count):
-            idx, top_x = torch.where(expert_mask[e])
-            current = self.experts[e](hidden_states[top_x]) * routing_weights[top_x, idx, None]
-            final.index_add_(0, top_x, current.to(hidden_states.dtype))
-        return final.reshape(batch, seq, dim)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros(
+            (batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype, device=hidden_states.device
+        )
+        expert_mask = F.one_hot(selected_experts, num_classes=self.experts_count).permute(2, 1, 0)
+        for expert_idx in range(self.experts_count):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
 
 
 class Block(nn.Module):
