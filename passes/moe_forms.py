@@ -28,6 +28,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from autoshard.ir import ops
 from autoshard.runtime import moe
@@ -323,21 +324,22 @@ def expert_loops(gm: fx.GraphModule) -> bool:
     return changed
 
 
-_ROW_OPS = ("getitem", "index", "linear", "reshape", "view", "to", "_to_copy", "contiguous")
+_ROW_OPS = ("getitem", "index", "linear", "reshape", "view", "unsqueeze", "to", "_to_copy", "contiguous", "sym_size")
 
 
 def _rows_only(gm: fx.GraphModule, turn: _Expert) -> bool:
-    """Every tensor of the expert's body has one row per selected position (row by row): from
-    the traced values where there are some, else from its ops (element-wise, row selections,
-    linears, views)."""
-    body = turn.body()
+    """The expert's body computes row by row: its ops are element-wise, row selections, linears,
+    views and casts, and (where the graph has traced values) each of its tensors has the selected
+    rows as one of its dimensions."""
     rows = turn.token.meta.get("val")
-    if rows is not None:
-        vals = [n.meta.get("val") for n in body]
-        return all(v.shape[0] == rows.shape[0] for v in vals if isinstance(v, torch.Tensor))
-    for n in body:
-        rule = ops.rule(ops.op_name(n, gm))
-        if ops.op_name(n, gm) not in _ROW_OPS and (rule is None or rule.op_class != "elementwise"):
+    for n in turn.body():
+        name = ops.op_name(n, gm)
+        rule = ops.rule(name)
+        if name not in _ROW_OPS and (rule is None or rule.op_class != "elementwise"):
+            return False
+        val = n.meta.get("val")
+        tensor = rows is not None and isinstance(val, torch.Tensor)
+        if tensor and not any(guard_or_false(d == rows.shape[0]) for d in val.shape):
             return False
     return True
 
