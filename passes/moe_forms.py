@@ -2,11 +2,14 @@
 rewritten into the grouped form (rows sorted by expert, cumulative counts ``offs``, stacked
 ``(E, K, N)`` weights, ``rt.moe_grouped_mm``) that the cost model and expert parallelism read.
 
-Run by ``passes.canonicalize.canonicalize`` on a torch.export graph (it reads ``meta["val"]``),
-before capture annotates anything. Both rewrites recognise the form by what the graph computes:
+Run by ``passes.canonicalize.canonicalize`` on the traced graph, before capture annotates
+anything: torch.export's aten graph (whose traced values, ``meta["val"]``, new nodes get too) or,
+for the loop form, symbolic_trace's torch-level one (``nn.Linear`` calls, in-place ``index_add_``).
+Both rewrites recognise the form by what the graph computes:
 
-* :func:`expert_loops`: one identical expert subgraph per expert ``e`` of ``E`` (the candidates of
-  a top-k), each reading the rows that ``where(choices == e)`` or a one-hot mask's slice
+* :func:`expert_loops`: one identical expert subgraph per expert ``e`` of ``E`` (the candidates
+  of a top-k, from its traced scores, or the one-hot mask's classes on a graph without values),
+  each reading the rows that ``where(choices == e)`` or a one-hot mask's slice
   ``one_hot(choices, E).permute(...)[e]`` selects, its result added into one accumulator by
   ``out[idx] += y`` (``index_put``) or ``index_add``. The rows of every (token, slot) pair are
   taken once, sorted by expert (stable: by token within an expert, as each expert's ``where``
@@ -34,7 +37,6 @@ from autoshard.ir import ops
 from autoshard.runtime import moe
 
 aten = torch.ops.aten
-_INDEX_ADDS = (aten.index_add.default, aten.index_add_.default)
 _INDEX_PUTS = (aten.index_put.default, aten.index_put_.default)
 _ADDS = (aten.add.Tensor, aten.add_.Tensor)
 
@@ -97,12 +99,12 @@ def _erase_dead(gm: fx.GraphModule, doomed: set[fx.Node]) -> None:
             gm.graph.erase_node(node)
 
 
-def _forward(starts, stop=lambda n: False) -> set[fx.Node]:
+def _forward(starts) -> set[fx.Node]:
     """Every node computed from ``starts`` (included)."""
     seen, frontier = set(starts), list(starts)
     while frontier:
         for u in frontier.pop().users:
-            if u not in seen and not stop(u):
+            if u not in seen:
                 seen.add(u)
                 frontier.append(u)
     return seen

@@ -507,3 +507,28 @@ def test_per_token_gathered_expert_weights_become_grouped_gemms_of_the_same_valu
     assert [n.args[1].args[0].target for n in grouped] == [
         f"model.model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")
     ]
+
+
+def test_the_reference_loop_on_a_symbolic_trace_graph_becomes_grouped_gemms_of_the_same_values():
+    """symbolic_trace's form of the same loop: nn.Linear module calls, torch.where on the one-hot
+    slices, in-place index_add_ on one accumulator whose sum is read after the loop."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    import reference_moe
+
+    torch.manual_seed(0)
+    model = reference_moe.build("tiny")
+    inputs = reference_moe.sample_inputs("tiny", 2, 8)
+    gm, tracer, _ = trace(model, inputs)
+    assert tracer == "symbolic_trace"
+    before = gm(*inputs)
+    assert expert_loops(gm)
+    gm.graph.lint()
+    gm.recompile()
+    torch.testing.assert_close(gm(*inputs), before, rtol=1e-6, atol=1e-6)
+    grouped, wheres, stacks = _moe_nodes(gm)
+    assert (grouped, wheres) == (6, 0)
+    assert not any(n.op == "call_module" and ".experts." in n.target for n in gm.graph.nodes)
+    assert stacks[0] == [f"model.layers.0.moe.experts.{e}.w1.weight" for e in range(4)]
