@@ -43,7 +43,8 @@ def run_case(arch: str, case: str, work: Path, zoo=None, steps: int = STEPS) -> 
     zoo = zoo or hf_zoo
     gpus, pins = zoo.LAYOUTS[case]
     seq = getattr(zoo, "SEQ", {}).get(arch, SEQ)
-    path, config = (ROOT / zoo.MODELS[arch][0], zoo.MODELS[arch][1]) if hasattr(zoo, "MODELS") else (ZOO, arch)
+    files = getattr(zoo, "MODELS", None) or getattr(zoo, "FILES", {})
+    path, config = (ROOT / files[arch][0], files[arch][1]) if arch in files else (ZOO, arch)
     out = work / f"{arch}-{case}".replace(" ", "_")
     args = ["compile", str(path), "--config", config, "--hardware", "cpu", "--gpus", str(gpus)]
     args += ["--seq-len", str(seq), "--global-batch", str(BATCH), "--force", pins, "-o", str(out)]
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", help="comma-separated layouts (default: all)")
     a = p.parse_args(argv)
     zoo = __import__("hf_moe") if a.moe else __import__("examples_matrix") if a.examples else hf_zoo
-    names = zoo.MODELS if hasattr(zoo, "MODELS") else zoo.ARCHITECTURES
+    names = zoo.MODELS if hasattr(zoo, "MODELS") else {**zoo.ARCHITECTURES, **zoo.FILES}
     archs = a.arch.split(",") if a.arch else list(names)
     cases = a.case.split(",") if a.case else list(zoo.LAYOUTS)
     # MoE: three steps, so the routing biases move twice before the last

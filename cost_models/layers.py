@@ -26,10 +26,13 @@ Modelling choices (each can be checked against the formula it names):
   (``runtime.ring_attention``). All-gather K/V: exposed.
 - EP: all-to-all dispatch and combine, forward and backward, over the expert-parallel group
   folded from a stage's tp x cp x dp ranks; each rank sends its 1/tp of the routed tokens (x
-  top-k x hidden) and its experts take tokens from ep ranks. Without SP the MoE output is
-  all-gathered over TP. Hidden behind the other micro-batch's compute only by a schedule that
-  overlaps it (``Schedule.overlaps_ep``: DualPipeV, whose F&B chunks pair one micro-batch's
-  forward with another's backward).
+  top-k x hidden) and its experts take tokens from ep ranks. With SP that is the rank's own
+  slice of the sequence (the router runs on it) and nothing else crosses TP around the experts;
+  without SP it is the rank's share of every expert's rows, and the shares are put back together
+  by an all-reduce of the routed rows over TP, forward and backward. Shared experts are dense
+  MLPs (column and row), priced as those. Hidden behind the other micro-batch's compute only by
+  a schedule that overlaps it (``Schedule.overlaps_ep``: DualPipeV, whose F&B chunks pair one
+  micro-batch's forward with another's backward).
 - PP: one activation send per stage boundary per micro-batch each way (bsh/t with SP).
 - Hidden is not free: while a collective runs beside compute, its kernels take SMs and HBM
   bandwidth from the GEMMs, so every second of communication hidden behind compute costs

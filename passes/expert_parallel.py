@@ -22,20 +22,24 @@ each rank holds its ``1/ep`` of the rows of every expert's parameter (axis ``ep`
 of these pieces is exchanged by one equal all-to-all (``rt.moe_dispatch_buffer``) into the whole
 weights of the rank's ``E/ep`` experts (the gradients go back the same way), before the GEMMs.
 
-With tensor parallelism the routed tokens are the same on every TP rank (sequence parallelism
-does not reach the router), so each TP rank takes its share of every expert's rows before the
-dispatch (``rt.moe_tp_share``: ``copy_to_tp`` first, so the input's gradient is summed over TP)
-and the shares are put back together after the combine (``rt.moe_tp_unshare``, zeros elsewhere,
-then ``reduce_from_tp``): experts compute each token once, wherever the EP group lies
-(MoE parallel folding: the EP ranks come from the stage's tp x cp x dp ranks).
+Under sequence parallelism each TP rank routes its own slice of the sequence, dispatched and
+combined as above. Without it the routed tokens are the same on every TP rank, so each TP rank takes
+its share of every expert's rows before the dispatch (``rt.moe_tp_share``: ``copy_to_tp`` first, so
+the input's gradient is summed over TP) and the shares are put back together after the combine
+(``rt.moe_tp_unshare``, zeros elsewhere, then ``reduce_from_tp``): experts compute each token once,
+wherever the EP group lies (MoE parallel folding: the EP ranks come from the stage's tp x cp x dp
+ranks).
 
 ``expert_balance`` (a pass of its own, run for every plan) counts each layer's expert loads in
 forward (``rt.moe_record_load`` on the selected expert ids) and finds the layer's routing bias: a
 buffer added to the router scores that reaches only the choice of experts, never the gates
 (DeepSeek-V3's auxiliary-loss-free balancing); the training program updates it after each step.
-It also puts ``rt.moe_balance_loss`` on the routed rows, with the router's affinities and choice:
-the identity unless the program is run with a balance loss (``train.py --aux-loss``), which it then
-attaches there, on whichever pipeline stage holds the layer.
+Under sequence parallelism each TP rank counts its own tokens, so the loads summed over the routing
+ranks are the layer's. It also puts ``rt.moe_balance_loss`` on the routed rows, with the router's
+affinities and choice (and under sequence parallelism this rank's slice of each sequence, the loss's
+terms counted over the whole sequences): the identity unless the program is run with a balance loss
+(``train.py --aux-loss``), which it then attaches there, on whichever pipeline stage holds the
+layer.
 """
 
 from __future__ import annotations
@@ -265,8 +269,8 @@ def _rewrite(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
     tp, ep = ctx.tp, ctx.ep
     inlet, offs = region.inlet, region.offs
     cursor, rows = inlet, inlet
-    share = None
-    if tp > 1:  # every TP rank holds the same tokens: each computes its share of each expert's rows
+    share, shared = None, _tp_shared(ctx)
+    if shared:  # every TP rank holds the same tokens: each computes its share of each expert's rows
         rows = cursor = _call(gm, cursor, collectives.copy_to_tp, (rows,), inlet)
         if region.kind == "grouped":
             share = cursor = _call(gm, cursor, moe.tp_share, (rows, offs), inlet)
@@ -283,7 +287,8 @@ def _rewrite(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
             recv = cursor = _getitem(gm, cursor, sent, 2, region.offs)
         else:
             rows = cursor = _call(gm, cursor, moe.dispatch_buffer, (rows,), inlet)
-    note(rows, f"ep={ep}, tp={tp}: this rank's experts' rows ({region.experts // ep} of {region.experts} experts)")
+    sp = ", sequence parallel" if tp > 1 and not shared else ""
+    note(rows, f"ep={ep}, tp={tp}{sp}: this rank's experts' rows ({region.experts // ep} of {region.experts} experts)")
     for node in region.members:
         node.replace_input_with(inlet, rows)
         if region.offs is not None:
@@ -291,6 +296,12 @@ def _rewrite(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
     _localise_weights(gm, region, ctx)
     for leaving in sorted(_exits(region), key=lambda n: list(gm.graph.nodes).index(n)):
         _combine(gm, leaving, region, ctx, offs, recv, share)
+
+
+def _tp_shared(ctx: RewriteContext) -> bool:
+    """Do the TP ranks route the same tokens, to be shared out among them? Not under sequence
+    parallelism, which hands each TP rank its slice of the tokens (or refuses)."""
+    return ctx.tp > 1 and not ctx.sequence_parallel
 
 
 def _exits(region: Region) -> list[fx.Node]:
@@ -305,7 +316,7 @@ def _combine(gm, leaving: fx.Node, region: Region, ctx: RewriteContext, offs, re
             out = cursor = _call(gm, cursor, moe.combine, (out, offs, recv), leaving)
         else:
             out = cursor = _call(gm, cursor, moe.combine_buffer, (out,), leaving)
-    if ctx.tp > 1:
+    if _tp_shared(ctx):
         if region.kind == "grouped":
             index = _getitem(gm, cursor, share, 2, None)
             cursor = index
@@ -394,8 +405,10 @@ def expert_balance(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         scores = _affinities(chosen, region.experts)
         if scores is not None:  # where the program's optional balance loss attaches (identity by default)
             with gm.graph.inserting_after(region.inlet):
+                sliced = ctx.tp > 1 and ctx.sequence_parallel  # each TP rank routes its slice of each sequence
+                seq = ctx.seq // ctx.tp if sliced else ctx.seq
                 attached = gm.graph.call_function(
-                    moe.balance_loss, (region.inlet, scores, counted, region.experts, ctx.seq, key)
+                    moe.balance_loss, (region.inlet, scores, counted, region.experts, seq, key, sliced)
                 )
             place(attached, region.inlet, region.inlet)
             for u in [u for u in region.inlet.users if u is not attached]:

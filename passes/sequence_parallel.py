@@ -10,16 +10,28 @@ code keeps seeing the length it was written for. The parameters used in that str
 weights, biases added after a row matmul) see only this rank's tokens, so their gradients are
 partial sums: ``decisions(gm).partial_grads`` lists them for the runtime to all-reduce over the TP group.
 
-What is per-token is each op's ``sp`` rule in the op table (``autoshard.ir.ops.RULES``):
-pointwise ops, reductions over features, norms (module or function), slices that keep everything;
-ops that read only metadata are left alone (sizes of the sequence are restored). Anything else on
-the sliced stream is refused (``Refusal(axis="sp")``), naming the op's line.
+What is per-token is each op's ``sp`` rule in the op table (``autoshard.ir.ops.RULES``): pointwise
+ops, reductions over features, norms (module or function), slices that keep everything; and here
+slices, splits and concatenations of features and basic indexing that keeps the tokens; ops that
+read only metadata are left alone (sizes of the sequence are restored). Linear layers that tensor
+parallelism leaves whole (multi-head latent attention's down-projections) run on the slice too,
+their weights' gradients partial; an operand spanning the whole sequence (a rotary table over every
+position) is cut to this rank's positions (``scatter_to_sp``). Anything else on the sliced stream is
+refused (``Refusal(axis="sp")``), naming the op's line.
+
+A MoE layer runs on this rank's tokens as on a shorter sequence (``_moe_islands``): the router
+reads the slice, the expert-parallel pass sends the routed rows to their experts and back (no
+sequence all-gather or reduce-scatter around them, no sharing of rows among the TP ranks), and
+the sizes read inside are this rank's. The router's weight gradients are partial over TP; the
+routed experts' are summed over the ranks holding the same experts by expert parallelism. Shared
+experts are dense MLPs like any other: column- and row-parallel, gathered and reduce-scattered.
 """
 
 from __future__ import annotations
 
 import operator
 
+import networkx as nx
 from torch import fx
 
 from autoshard import runtime
@@ -28,6 +40,7 @@ from autoshard.passes._graph import describe, note, place
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import seq_dim as _seq_dim
 from autoshard.passes.contract import Refusal, RewriteContext, decisions
+from autoshard.passes.expert_parallel import _split_dim, find_regions
 
 
 def _fail(node: fx.Node, why: str) -> Refusal:
@@ -133,6 +146,9 @@ def _follow_slices(gm: fx.GraphModule, ctx: RewriteContext, frontier: list[fx.No
     tp, graph = ctx.tp, gm.graph
     sliced: set[fx.Node] = set(frontier)
     partial: set[str] = set()
+    island = _moe_islands(graph)
+    experts = {w for region in find_regions(gm) for w in region.weights} if island else set()
+    fulls: dict[fx.Node, fx.Node] = {}  # a size of the sliced dimension made whole -> the size read
     for user in list(graph.nodes):
         if user in sliced:
             continue
@@ -147,10 +163,18 @@ def _follow_slices(gm: fx.GraphModule, ctx: RewriteContext, frontier: list[fx.No
             continue
         row = ops.rule_of(user)
         if row is not None and row.metadata == "size":
-            _size_to_full(graph, user, node, tp)
-            continue
-        if row is not None and row.metadata == "attr":
+            full = _size_to_full(graph, user, node, tp, island)
+            if full is not None:
+                fulls[full] = user
+            if user not in island:
+                continue
+        elif row is not None and row.metadata == "attr":
             continue  # reads only the dtype, device or rank
+        if user in island:  # a MoE layer's routing and experts: they run on this rank's tokens as they are
+            partial.update(_island_parameters(gm, user, sliced) - experts)
+            sliced.add(user)
+            user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _sliced_dim(user), tp
+            continue
         if row is not None and row.sp == "view":
             if not _view_of_tokens(graph, user, node, tp, ctx.seq):
                 raise _fail(user, "a view that mixes the sequence with features")
@@ -160,6 +184,7 @@ def _follow_slices(gm: fx.GraphModule, ctx: RewriteContext, frontier: list[fx.No
             partial.update(_partial_parameters(gm, user, node, row, sliced))
         sliced.add(user)
         user.meta["sp_sliced_dim"], user.meta["sp_tp"] = _sliced_dim(user), tp
+    _localise_island_sizes(graph, island, sliced, fulls, tp)
     return partial
 
 
@@ -183,15 +208,14 @@ def _partial_parameters(
     if user.op == "call_module":
         return {f"{user.target}.{p}" for p, _ in gm.get_submodule(user.target).named_parameters()}
     found: set[str] = set()
-    if row.sp in ("pointwise", "norm"):
+    if row.sp in ("pointwise", "norm") or row.tp == "linear":
         for other in user.all_input_nodes:
             if other in stream:
                 continue
             if other.op == "get_attr":
                 found.add(other.target)
-                continue
-            _check_broadcast(user, other, sliced)
-            found.update(_parameters_behind(other))
+            elif row.tp == "linear" or not _slice_operand(gm.graph, user, other, sliced):
+                found.update(_parameters_behind(other))
     return found
 
 
@@ -204,27 +228,161 @@ def _per_token(user: fx.Node, sliced: fx.Node, row: ops.OpRule | None) -> bool:
         seq = _sliced_dim(sliced)
         dims = ops.dims_arg(user, len(sliced.meta["shape"]))
         return _sliced_dim(user) == seq and dims is not None and seq not in dims
-    if kind == "same_shape":
-        return user.meta.get("shape") == sliced.meta.get("shape")
+    if kind == "same_shape":  # a slice that keeps everything, or one of features
+        dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+        rank = len(sliced.meta["shape"])
+        same = user.meta.get("shape") == sliced.meta.get("shape")
+        return same or (isinstance(dim, int) and dim % rank != _sliced_dim(sliced) and _sliced_dim(user) is not None)
+    if row is not None and row.tp == "linear":  # one TP leaves whole: a product over each token's features
+        return user.op == "call_module" or user.args[0] is sliced
+    if row is not None and row.tp == "split":  # into groups of features
+        return _split_dim(user) != _sliced_dim(sliced)
+    if ops.op_name(user) == "cat":  # of sliced tensors, along features
+        parts, dim = user.args[0], user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+        seq = _sliced_dim(sliced)
+        rank = len(sliced.meta["shape"])
+        return dim % rank != seq and all(p.meta.get("sp_sliced_dim") == seq for p in parts)
+    if row is not None and row.tp == "getitem":  # one output of a split, or a basic index keeping the tokens
+        if isinstance(sliced.meta.get("shape"), (tuple, list)):
+            return _basic_index(user.args[1]) and _sliced_dim(user) is not None
+        return True
     return False
 
 
+def _basic_index(index) -> bool:
+    """An index of slices, integers, ``None`` and ``...`` only (no tensor picks rows)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
+
+
 def _why_not_per_token(user: fx.Node, row: ops.OpRule | None) -> str:
-    """Why ``user`` cannot run on the slice. A linear layer left whole by tensor parallelism (a
-    router; a low-rank projection before its norm, as in multi-head latent attention) is itself
-    per token, but the slice would then go on past it, into routing (the expert-parallel pass
-    takes every TP rank's whole sequence and splits the routed rows itself) or, for attention's
-    latents, into splits of its features and a rope over the whole sequence's positions, which
-    have no sequence-parallel rules: the slice ends only where a column-parallel matmul's input is
-    gathered."""
-    if row is None or row.tp != "linear":
-        return f"{_op(user)!r} is not per-token"
-    if user.meta.get("op_class") == "router":
-        return "it is a MoE router, and expert parallelism routes the whole sequence of each TP rank"
-    return (
-        "a linear layer that tensor parallelism leaves whole (not column-parallel) would carry the slice on past "
-        "it, and sequence parallelism ends a slice only at a column-parallel input"
-    )
+    """Why ``user`` cannot run on the slice."""
+    if row is not None and row.tp == "linear":
+        return "it multiplies the slice by a tensor other than a weight"
+    return f"{_op(user)!r} is not per-token"
+
+
+def _moe_islands(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of every MoE layer that run on this rank's tokens as they are, as on a shorter
+    sequence: from the stream the router reads (through views: its sizes and views included) to
+    the first node every path from the router passes through that has the shape of that stream
+    again (the combined experts' output). Routing, dispatch and combine mix tokens (sorting by expert,
+    capacity counts) but each token's result is its own, so the sliced stream passes through
+    whole; sizes read inside stay this rank's."""
+    routers = [n for n in graph.nodes if n.meta.get("op_class") == "router"]
+    if not routers:
+        return set()
+    after = _post_dominators(graph)
+    island: set[fx.Node] = set()
+    for router in routers:
+        tokens = next(a for a in router.all_input_nodes if not ops.is_weight(a))
+        entry = _stream_entry(tokens)
+        shapes = (tokens.meta.get("shape"), entry.meta.get("shape"))
+        exit_ = after.get(router)
+        while exit_ is not None and exit_.op != "output" and exit_.meta.get("shape") not in shapes:
+            exit_ = after.get(exit_)
+        if exit_ is not None and exit_.op != "output":
+            island |= (_descendants(entry) & _ancestors(exit_)) | {exit_}
+    return island
+
+
+def _post_dominators(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Each node's immediate post-dominator: the nearest node every path from it to the output takes."""
+    reverse = nx.DiGraph()
+    for node in graph.nodes:
+        reverse.add_node(node)
+        for user in node.users:
+            reverse.add_edge(user, node)
+    sink = next(n for n in reversed(graph.nodes) if n.op == "output")
+    doms = nx.immediate_dominators(reverse, sink)
+    return {n: d for n, d in doms.items() if d is not n}
+
+
+def _stream_entry(node: fx.Node) -> fx.Node:
+    """The stream tensor the router's input ``node`` is, above the views that flatten it into rows."""
+    while (row := ops.rule_of(node)) is not None and row.sp == "view" and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    found, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in found:
+            found.add(n)
+            todo.extend(n.users)
+    return found
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    found, todo = set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n not in found:
+            found.add(n)
+            todo.extend(n.all_input_nodes)
+    return found
+
+
+def _island_parameters(gm: fx.GraphModule, node: fx.Node, sliced: set[fx.Node]) -> set[str]:
+    """The trainable parameters a MoE island node applies to this rank's tokens: their gradients
+    are partial over TP (the caller leaves out the routed experts' stacked weights, whose
+    gradients expert parallelism sums over the ranks holding the same experts)."""
+    if node.op == "call_module":
+        return {f"{node.target}.{p}" for p, _ in gm.get_submodule(node.target).named_parameters()}
+    found = set()
+    for a in node.all_input_nodes:
+        while a not in sliced and a.op != "get_attr" and ops.is_weight(a):  # a view or cast of a weight
+            a = a.all_input_nodes[0]
+        if a.op == "get_attr" and a.meta.get("requires_grad"):
+            found.add(a.target)
+    return found
+
+
+def _localise_island_sizes(
+    graph: fx.Graph, island: set[fx.Node], sliced: set[fx.Node], fulls: dict[fx.Node, fx.Node], tp: int
+) -> None:
+    """What a MoE island reads from outside that was computed from sizes alone (a number of rows,
+    an ``arange`` over them) is recomputed from this rank's share of the sequence: a size of the
+    whole sequence (or of the flattened tokens) of an unsliced tensor, such as the token ids,
+    becomes ``size // tp``, one made whole by ``_size_to_full`` the size it was made from."""
+    memo: dict[fx.Node, fx.Node] = {}
+
+    def local(a: fx.Node, reader: fx.Node) -> fx.Node:
+        if a in memo:
+            return memo[a]
+        memo[a] = a
+        row = ops.rule_of(a)
+        if a in fulls:
+            memo[a] = fulls[a]
+        elif row is not None and row.metadata == "size" and a.args[0] not in sliced:
+            memo[a] = _local_size(graph, a, tp)
+        elif a.op == "call_function" and all(i.meta.get("shape") is None for i in a.all_input_nodes):
+            args = {i: local(i, reader) for i in a.all_input_nodes}
+            if any(i is not j for i, j in args.items()):
+                with graph.inserting_before(reader):  # after what it reads, before the first island reader
+                    clone = graph.node_copy(a, args.__getitem__)
+                place(clone, a, like=a)
+                memo[a] = clone
+        return memo[a]
+
+    for node in [n for n in graph.nodes if n in island]:
+        for a in node.all_input_nodes:
+            if a not in island and a not in sliced and not ops.is_weight(a):
+                node.replace_input_with(a, local(a, node))
+
+
+def _local_size(graph: fx.Graph, size: fx.Node, tp: int) -> fx.Node:
+    """``size // tp`` where ``size`` reads the sequence (or flattened tokens) of its tensor, else ``size``."""
+    tensor = size.args[0]
+    shape = tensor.meta.get("shape") if isinstance(tensor, fx.Node) else None
+    dim = size.args[1] if len(size.args) > 1 else size.kwargs.get("dim")
+    if not isinstance(shape, (tuple, list)) or not isinstance(dim, int) or shape[dim] not in (S, B * S):
+        return size
+    with graph.inserting_after(size):
+        share = graph.call_function(operator.floordiv, (size, tp))
+    return place(share, size, like=size)
 
 
 def no_tp_all_reduce_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
@@ -308,23 +466,38 @@ def _parameters_behind(node: fx.Node) -> set[str]:
     return found
 
 
-def _check_broadcast(user: fx.Node, other: fx.Node, sliced: fx.Node) -> None:
+def _slice_operand(graph: fx.Graph, user: fx.Node, other: fx.Node, sliced: fx.Node) -> bool:
+    """An operand ``other`` of the per-token op ``user`` that spans the whole sequence (a rotary
+    embedding's cos and sin over every position) is cut to this rank's slice (``scatter_to_sp``:
+    its gradient, all-gathered, is whole on every rank); returns whether it was. One that
+    broadcasts along the sequence is left as it is; any other is refused."""
     dim = _seq_dim(sliced)
     shape, full = other.meta.get("shape"), sliced.meta.get("shape")
     if dim is None or not isinstance(shape, (tuple, list)):
-        return
+        return False
     k = dim - (len(full) - len(shape))
-    if 0 <= k < len(shape) and shape[k] != 1:
-        raise _fail(user, f"its operand {describe(other)} spans the whole sequence")
+    if not 0 <= k < len(shape) or shape[k] == 1:
+        return False
+    if shape[k] != S:
+        raise _fail(user, f"its operand {describe(other)} spans the sequence in a way it cannot slice")
+    with graph.inserting_before(user):
+        scatter = graph.call_function(runtime.scatter_to_sp, (other, k))
+    place(scatter, user, like=other, tp="replicated", sp_sliced_dim=k, sp_tp=sliced.meta.get("sp_tp"))
+    note(scatter, "sequence parallel: this rank's positions of a tensor over the whole sequence")
+    user.replace_input_with(other, scatter)
+    return True
 
 
-def _size_to_full(graph: fx.Graph, size: fx.Node, source: fx.Node, tp: int) -> None:
+def _size_to_full(graph: fx.Graph, size: fx.Node, source: fx.Node, tp: int, island: set[fx.Node]) -> fx.Node | None:
+    """A size of the sliced dimension, made whole again for every reader outside a MoE ``island``
+    (which runs on this rank's tokens and reads their number); returns the whole size's node."""
     dim = size.args[1] if len(size.args) > 1 else size.kwargs.get("dim")
     seq = _sliced_dim(source)
     rank = len(source.meta["shape"])
     if dim is None or (dim + rank if dim < 0 else dim) != seq:
-        return
+        return None
     with graph.inserting_after(size):
         full = graph.call_function(operator.mul, (size, tp))
     place(full, size)
-    size.replace_all_uses_with(full, delete_user_cb=lambda u: u is not full)
+    size.replace_all_uses_with(full, delete_user_cb=lambda u: u is not full and u not in island)
+    return full

@@ -38,7 +38,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor, all
 from autoshard.runtime import fake
 from autoshard.runtime import fp8 as blockwise
 from autoshard.runtime.checkpoint import collective, kept_whole
-from autoshard.runtime.groups import ep_group, ep_size, route_group, tp_rank, tp_size
+from autoshard.runtime.groups import ep_group, ep_size, route_group, tp_group, tp_rank, tp_size
 from autoshard.runtime.phase import unrecorded
 
 # where torch._grouped_mm has a kernel (device type -> dtypes); elsewhere a loop over groups runs
@@ -442,8 +442,10 @@ def update_biases(biases: dict[str, torch.Tensor], gamma: float = 1e-3) -> dict[
     """DeepSeek-V3's auxiliary-loss-free balancing step, after the optimizer step.
 
     The recorded loads are summed over ``route_group()`` (every rank routing these layers, so all
-    replicas take the same step), then each layer's routing bias (named as in ``record_load``)
-    moves by ``gamma * sign(mean load - load)`` in place, and the loads are reset. Returns, per
+    replicas take the same step; under sequence parallelism the TP ranks count their own slices,
+    without it each counts the same tokens, which scales every load alike and keeps the signs),
+    then each layer's routing bias (named as in ``record_load``) moves by
+    ``gamma * sign(mean load - load)`` in place, and the loads are reset. Returns, per
     layer recorded or given, ``(max load, mean load)`` in routed tokens for the step's log (their
     ratio is the imbalance). Every rank of the group must pass the same layers.
     """
@@ -465,8 +467,16 @@ def update_biases(biases: dict[str, torch.Tensor], gamma: float = 1e-3) -> dict[
     return report
 
 
+def _summed(counts: torch.Tensor, group) -> torch.Tensor:
+    """``counts`` (no gradient) summed over ``group`` (None: as they are)."""
+    if group is not None:
+        with torch.no_grad():
+            dist.all_reduce(counts, group=group)
+    return counts
+
+
 def sequence_balance_loss(
-    scores: torch.Tensor, indices: torch.Tensor, experts: int, seq: int, alpha: float
+    scores: torch.Tensor, indices: torch.Tensor, experts: int, seq: int, alpha: float, group=None
 ) -> torch.Tensor:
     """DeepSeek-V3's complementary sequence-wise balance loss (eq. 17-20), averaged over sequences.
 
@@ -474,28 +484,37 @@ def sequence_balance_loss(
     selected experts, ``T`` rows of whole sequences of ``seq`` tokens in order. Per sequence
     ``f_i = E / (k * seq) * (tokens selecting i)``, ``P_i = mean_t s_{i,t} / sum_j s_{j,t}`` and the
     loss is ``alpha * sum_i f_i * P_i``; gradients reach ``scores`` through ``P`` only.
+
+    ``group``: the rows are this rank's slice of each sequence (``seq`` tokens of it), the other
+    slices on the group's ranks (sequence parallelism). ``f`` is then counted over the whole
+    sequences and ``P`` summed over this rank's tokens only: this rank's term of the loss, whose
+    sum over the group is the loss and whose gradient is the loss's in these scores.
     """
     k = indices.size(-1)
+    whole = seq * (dist.get_world_size(group) if group is not None else 1)
     s = scores.reshape(-1, seq, experts)
-    p = (s / s.sum(-1, keepdim=True)).mean(1)
+    p = (s / s.sum(-1, keepdim=True)).sum(1) / whole
     picked = indices.reshape(s.size(0), seq * k)
     counts = torch.zeros(s.size(0), experts, dtype=s.dtype, device=s.device).scatter_add_(
         1, picked, torch.ones_like(picked, dtype=s.dtype)
     )
-    f = counts * (experts / (k * seq))
+    f = _summed(counts, group) * (experts / (k * whole))
     return alpha * (f * p).sum(-1).mean()
 
 
-def switch_aux_loss(probs: torch.Tensor, indices: torch.Tensor, experts: int, alpha: float) -> torch.Tensor:
+def switch_aux_loss(probs: torch.Tensor, indices: torch.Tensor, experts: int, alpha: float, group=None) -> torch.Tensor:
     """Switch Transformer's load-balancing loss ``alpha * E * sum_i f_i * P_i``: ``f_i`` the fraction
     of routed assignments (tokens x ``k``) sent to expert ``i``, ``P_i`` the mean router
-    probability of ``i`` (``probs`` ``[T, E]``, softmax outputs); ``indices`` ``[T, k]``."""
+    probability of ``i`` (``probs`` ``[T, E]``, softmax outputs); ``indices`` ``[T, k]``.
+    ``group``: the tokens are split over its ranks, as for ``sequence_balance_loss``: this rank's term."""
     flat = indices.reshape(-1)
+    ranks = dist.get_world_size(group) if group is not None else 1
     counts = torch.zeros(experts, dtype=probs.dtype, device=probs.device).index_add_(
         0, flat, torch.ones_like(flat, dtype=probs.dtype)
     )
-    f = counts / flat.numel()
-    return alpha * experts * (f * probs.reshape(-1, experts).mean(0)).sum()
+    f = _summed(counts, group) / (flat.numel() * ranks)
+    probs = probs.reshape(-1, experts)
+    return alpha * experts * (f * probs.sum(0) / (probs.size(0) * ranks)).sum()
 
 
 # --- tensor-parallel shares of the routed rows -------------------------------------------------------
@@ -584,20 +603,29 @@ class _Attach(torch.autograd.Function):
 
 
 def balance_loss(
-    rows: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor, experts: int, seq: int, layer: str
+    rows: torch.Tensor,
+    scores: torch.Tensor,
+    indices: torch.Tensor,
+    experts: int,
+    seq: int,
+    layer: str,
+    sequence_parallel: bool = False,
 ) -> torch.Tensor:
     """``rows`` (the layer's routed rows) with the program's balance loss of this layer's routing
     attached (``scores`` ``[T, E]`` the router's affinities, ``indices`` ``[T, k]`` its choice,
-    ``seq`` tokens per sequence); the identity when no balance loss is set."""
+    ``seq`` tokens per sequence); the identity when no balance loss is set. ``sequence_parallel``:
+    the rows are this TP rank's slice of each sequence (``seq`` its length), and the loss attached
+    is this rank's term (its sum over the TP group is the layer's loss; ``sequence_balance_loss``)."""
     kind, alpha = _aux["kind"], _aux["alpha"]
     if kind is None or alpha == 0.0 or not torch.is_grad_enabled():
         return rows
+    group = tp_group() if sequence_parallel and tp_size() > 1 else None
     scores = scores.reshape(-1, experts).float()
     if kind == "sequence":
-        aux = sequence_balance_loss(scores, indices.reshape(scores.size(0), -1), experts, seq, alpha)
+        aux = sequence_balance_loss(scores, indices.reshape(scores.size(0), -1), experts, seq, alpha, group)
     else:
         probs = scores / scores.sum(-1, keepdim=True)
-        aux = switch_aux_loss(probs, indices.reshape(scores.size(0), -1), experts, alpha)
+        aux = switch_aux_loss(probs, indices.reshape(scores.size(0), -1), experts, alpha, group)
     if not _recomputing():
         with unrecorded():
             _aux_total[layer] = _aux_total.get(layer, 0.0) + fake.value(aux.detach())
@@ -605,7 +633,8 @@ def balance_loss(
 
 
 def balance_losses(reset: bool = True) -> dict[str, float]:
-    """The balance losses this rank's layers added since the last reset (summed over micro-batches)."""
+    """The balance losses this rank's layers added since the last reset (summed over micro-batches;
+    under sequence parallelism this rank's terms, to be summed over the TP group)."""
     out = dict(_aux_total)
     if reset:
         _aux_total.clear()

@@ -87,6 +87,9 @@ LAYOUTS = {
     "ep2-pp2": (4, "ep=2,dp=2,pp=2,schedule=1f1b"),
     "ep2-tp2": (4, "ep=2,tp=2,dp=2,sp=off"),  # EP2 over the TP pair, TP2 on attention and dense layers
     "ep4-tp2dp2": (4, "ep=4,tp=2,dp=2,sp=off"),  # EP4 folded over TP2 x DP2
+    # sequence parallel: each TP rank routes its slice of the sequence, no TP sharing of the rows
+    "ep2-tp2-sp": (4, "ep=2,tp=2,dp=2,sp=on"),
+    "ep4-tp2dp2-sp": (4, "ep=4,tp=2,dp=2,sp=on"),
     "ep2-zero1": (4, "ep=2,dp=4,zero=1"),
     "ep2-zero3": (4, "ep=2,dp=4,zero=3"),
     # recomputed MoE layers count their expert loads inside the checkpoint: their routing biases
@@ -109,6 +112,8 @@ CI_SUBSET = [
     ("deepseek_v3 (example)", "ep2-pp2-dualpipev-recompute"),
     ("deepseek_v3", "ep2-recompute"),
     ("llama4", "ep2-pp2"),  # the loss reads the token ids through the model's own .to(device)
+    ("deepseek_v3 (example)", "ep4-tp2dp2-sp"),  # MLA and capacity buffers on sequence slices
+    ("mixtral", "ep2-tp2-sp"),  # batch x sequence counted once for all layers: this rank's share
     ("naive_moe (loop)", "ep2-pp2"),  # each rank's rows of every expert's own parameters, exchanged
     ("reference_moe (loop)", "ep2-zero1"),
     ("mixtral (batched)", "ep2"),

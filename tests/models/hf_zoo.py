@@ -69,3 +69,8 @@ def build(config: str = "llama"):
 
 def sample_inputs(config: str, batch: int, seq: int) -> tuple:
     return (torch.randint(0, 128, (batch, seq)),)
+
+
+# models of the matrix written by hand in a file of their own, not transformers' classes:
+# name -> (file, --config)
+FILES = {"nanogpt": ("tests/models/nanogpt.py", "tiny")}

@@ -90,6 +90,26 @@ def test_tensor_parallel_ranks_share_the_routed_rows(mixtral):
         assert [x.target for x in u.users] == [collectives.reduce_from_tp]
 
 
+def test_sequence_parallel_ranks_route_their_own_rows(mixtral):
+    import copy
+
+    gm = copy.deepcopy(mixtral)
+    ep_pass.expert_parallel(gm, RewriteContext(tp=2, ep=2, sequence_parallel=True))
+    # each TP rank holds its own slice of the tokens: no sharing of rows among the TP ranks, no
+    # TP collective around the experts, the EP all-to-all alone
+    assert _calls(gm, moe.tp_share) == _calls(gm, moe.tp_unshare) == []
+    assert _calls(gm, collectives.copy_to_tp) == _calls(gm, collectives.reduce_from_tp) == []
+    dispatches, combines = _calls(gm, moe.dispatch), _calls(gm, moe.combine)
+    assert len(dispatches) == len(combines) == 2
+    for region, dispatch in zip(ep_pass.find_regions(mixtral), dispatches):
+        assert dispatch.args[0].name == region.inlet.name  # the rows as routed on this rank
+    assert all(
+        "sequence parallel" in (n.meta.get("note") or "")
+        for n in gm.graph.nodes
+        if n.name.startswith("getitem") and n.args[0] in dispatches and n.args[1] == 0
+    )
+
+
 def test_experts_ep_does_not_divide_are_refused_with_the_module(mixtral):
     import copy
 

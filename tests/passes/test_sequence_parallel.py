@@ -10,16 +10,18 @@ import torch
 from torch import nn
 
 from autoshard import runtime
-from autoshard.capture import capture
+from autoshard.capture import capture, capture_file
 from autoshard.cost_models.analyze import analyze
 from autoshard.passes.contract import Refusal, RewriteContext, decisions
 from autoshard.passes.sequence_parallel import sequence_parallel
 from autoshard.passes.tensor_parallel import tensor_parallel
+from autoshard.runtime import moe
 
 from conftest import EXAMPLES
 from graphs import RMS
 
 sys.path.insert(0, str(EXAMPLES))
+MODELS = EXAMPLES.parent / "tests" / "models"
 
 
 def _calls(gm, fn):
@@ -149,8 +151,99 @@ class LowRank(nn.Module):
         return x + self.ffn(nn.functional.rms_norm(self.low(self.norm(x)), (16,)))
 
 
-def test_a_linear_left_whole_on_the_slice_is_refused_with_why():
+def test_a_linear_left_whole_runs_on_the_slice_and_its_gradient_is_partial():
     model = Tiny()
     model.layers = nn.ModuleList(LowRank() for _ in range(2))
-    with pytest.raises(Refusal, match=r"a linear layer that tensor parallelism leaves whole \(not column-parallel\)"):
-        _tp_sp(model)
+    gm, _ = _tp_sp(model)
+    # Expected: the low-rank projection and its norm on the slice, the gather before the column matmul
+    assert _layer_program(gm, 1) == [
+        *["pow", "mean", "add", "rsqrt", "mul", "mul"],
+        "linear",
+        "rms_norm",
+        "gather_from_sp",
+        "linear",
+        "gelu",
+        "linear",
+        "reduce_scatter_to_sp",
+        "add",
+    ]
+    assert "model.layers.1.low.weight" in decisions(gm).partial_grads
+
+
+class Rotary(nn.Module):
+    """A per-token op by a table over every position (a rotary embedding's cos): cut to the slice."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.ffn = RMS(64), FFN()
+
+    def forward(self, x):
+        table = torch.arange(x.size(1), dtype=x.dtype)[:, None].cos()
+        return x + self.ffn(self.norm(x) * table)
+
+
+def test_a_table_over_the_whole_sequence_is_cut_to_this_ranks_positions():
+    model = Tiny()
+    model.layers = nn.ModuleList(Rotary() for _ in range(2))
+    gm, _ = _tp_sp(model)
+    cuts = [n for n in _calls(gm, runtime.scatter_to_sp) if n.meta.get("layer") == 1]
+    assert len(cuts) == 1 and cuts[0].args[1] == 0  # the table's positions are its first dimension
+    assert [u.meta["op"] for u in cuts[0].users] == ["mul"]
+    # the table is built over the whole sequence: its length read on the slice is made whole
+    (arange,) = [n for n in gm.graph.nodes if n.meta.get("op") == "arange" and n.meta.get("layer") == 1]
+    assert arange.args[0].target is operator.mul and arange.args[0].args[1] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE layers on the slice
+
+
+def _moe_sp(path, config, ep=2):
+    from autoshard.passes.expert_parallel import expert_balance, expert_parallel
+
+    cap = capture_file(str(path), config, 16)
+    analyze(cap)
+    ctx = RewriteContext(tp=2, ep=ep, seq=16, sequence_parallel=True)
+    gm = tensor_parallel(cap.graph_module, ctx)
+    gm = expert_balance(expert_parallel(sequence_parallel(gm, ctx), ctx), ctx)
+    return gm
+
+
+def test_a_moe_layer_routes_this_ranks_slice_without_gathering_it():
+    gm = _moe_sp(EXAMPLES / "deepseek_v3.py", "tiny")
+    partial = decisions(gm).partial_grads
+    for layer in (1, 2):
+        gate = next(n for n in gm.graph.nodes if n.target == f"model.layers.{layer}.ffn.gate")
+        assert gate.args[0].meta["sp_tp"] == 2  # the router reads the slice, not a gathered sequence
+        assert f"model.layers.{layer}.ffn.gate.weight" in partial  # it saw this rank's tokens only
+        assert not any(f"model.layers.{layer}.ffn.experts" in p for p in partial)  # summed over EP's ranks
+    # the routed rows go to their experts and back by the EP all-to-all alone: no TP sharing of rows
+    assert len(_calls(gm, moe.dispatch_buffer)) == len(_calls(gm, moe.combine_buffer)) == 2
+    assert _calls(gm, moe.tp_share_buffer) == _calls(gm, moe.tp_unshare_buffer) == []
+    assert _calls(gm, runtime.copy_to_tp) == _calls(gm, runtime.reduce_from_tp) == []
+    # the shared experts are a TP-split MLP: the flattened tokens gathered, reduce-scattered after
+    assert len(_calls(gm, runtime.gather_tokens)) == len(_calls(gm, runtime.reduce_scatter_tokens)) == 2
+    # the balance loss (when the program sets one) counts over the whole sequences, this rank's 16 / 2
+    for loss in _calls(gm, moe.balance_loss):
+        assert loss.args[4] == 8 and loss.args[6] is True
+
+
+def test_sizes_a_moe_layer_reads_from_the_whole_sequence_become_this_ranks():
+    pytest.importorskip("transformers")
+    gm = _moe_sp(MODELS / "hf_moe.py", "mixtral")
+    assert _calls(gm, moe.tp_share) == [] and len(_calls(gm, moe.dispatch)) == 2
+    # transformers' Mixtral counts its rows from the token ids' batch x sequence, once for all
+    # layers: the experts' layers read this rank's share of it
+    shares = {n for n in gm.graph.nodes if n.target is operator.floordiv and n.args[1] == 2}
+    assert shares and all(n.args[0].meta["op"] == "sym_size" for n in shares)
+    routed = [
+        n
+        for n in gm.graph.nodes
+        if n.meta.get("op") == "arange" and any(u.meta.get("sp_tp") for u in n.users)  # read on the slice
+    ]
+    assert len(routed) == 2  # one per MoE layer: the positions of its routed rows
+    for arange in routed:
+        above, todo = set(), [arange]
+        while todo:
+            todo.extend(a for a in todo.pop().all_input_nodes if a not in above and not above.add(a))
+        assert above & shares  # counted from this rank's share of the sequence

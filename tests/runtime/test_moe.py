@@ -362,3 +362,46 @@ def test_no_balance_loss_by_default_leaves_the_router_gradient_alone():
     out = moe.balance_loss(rows, scores, scores.topk(2)[1], 4, 4, "layer")
     out.sum().backward()
     assert out is rows and scores.grad is None
+
+
+# --- balance losses under sequence parallelism --------------------------------------------------------
+
+
+def _sliced_balance_loss(rank, world, kind):
+    """This TP rank's term of the balance loss over its slice of each sequence, its gradient, and
+    the single-process loss and gradient over whole sequences (the rows of this rank's slice)."""
+    import torch.distributed as dist
+
+    seqs, seq, experts, k, alpha = 3, 8, 4, 2, 0.1
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.rand(seqs, seq, experts, generator=gen) + 0.1
+    chosen = scores.topk(k, dim=-1)[1]
+    local = seq // world
+    part = slice(rank * local, (rank + 1) * local)
+
+    def loss(s, c, length, group):
+        if kind == "sequence":
+            return moe.sequence_balance_loss(s, c, experts, length, alpha, group)
+        return moe.switch_aux_loss(s / s.sum(-1, keepdim=True), c, experts, alpha, group)
+
+    whole = scores.reshape(-1, experts).clone().requires_grad_()
+    expected = loss(whole, chosen.reshape(-1, k), seq, None)
+    expected.backward()
+    mine = scores[:, part].reshape(-1, experts).clone().requires_grad_()
+    term = loss(mine, chosen[:, part].reshape(-1, k), local, dist.group.WORLD)
+    term.backward()
+    expected_grad = whole.grad.view(seqs, seq, experts)[:, part].reshape(-1, experts)
+    total = term.detach().clone()
+    dist.all_reduce(total)
+    return total.item(), expected.item(), (mine.grad - expected_grad).abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["sequence", "switch"])
+def test_balance_loss_terms_over_sequence_slices_sum_to_the_loss(kind):
+    """Each TP rank's term over its slice of every sequence: the terms sum to the loss over whole
+    sequences and each rank's gradient is the loss's in its scores."""
+    from distributed import run
+
+    for total, expected, grad_err in run(_sliced_balance_loss, 2, kind, timeout=60):
+        assert abs(total - expected) < 1e-6 * abs(expected) and expected > 0
+        assert grad_err < 1e-7
