@@ -68,8 +68,17 @@ class Region:
     inlet: fx.Node  # the tensor dispatched: rows grouped by expert, or the (E, C, H) buffer
     offs: fx.Node | None  # grouped: cumulative rows per expert
     gemms: list[fx.Node]
-    weights: list[str | tuple[str, ...]]  # stacked expert parameters (a tuple: stacked in the graph)
+    weights: list[str]  # stacked expert parameters, and every parameter of a stack in the graph
     members: set[fx.Node] = field(default_factory=set)
+    stacks: list[tuple[str, ...]] = field(default_factory=list)  # the parameters each graph stack reads
+
+    def add(self, target: str | tuple[str, ...]) -> None:
+        """Record the weight a GEMM of the region reads (``_weight_target``)."""
+        if isinstance(target, tuple) and target not in self.stacks:
+            self.stacks.append(target)
+        for name in target if isinstance(target, tuple) else (target,):
+            if name not in self.weights:
+                self.weights.append(name)
 
     @property
     def where(self) -> str:
@@ -95,12 +104,13 @@ def _fail(region_or_node, why: str, divides: int | None = None, ep: int | None =
 
 def _weight_target(node: fx.Node) -> str | tuple[str, ...] | None:
     """The parameter a stacked-weight argument reads (through views and casts), the parameters
-    a ``torch.stack`` of them reads, or None."""
+    a ``torch.stack`` of them reads (after this pass, through its exchange), or None."""
     while node.op != "get_attr":
-        if not ops.is_weight(node):
-            return None
         if (params := ops.stacked_parameters(node)) is not None:
             return tuple(p.target for p in params)
+        exchanged = node.target is moe.dispatch_buffer and ops.stacked_parameters(node.args[0]) is not None
+        if not (exchanged or ops.is_weight(node)):
+            return None
         node = node.args[0]
     return node.target
 
@@ -188,8 +198,7 @@ def _grow(region: Region, gm: fx.GraphModule, order: dict) -> None:
             if target is None or _experts(gm, target) != region.experts:
                 continue
             region.gemms.append(node)
-            if target not in region.weights:
-                region.weights.append(target)
+            region.add(target)
         elif not _keeps_rows(node, rows, region.kind):
             continue
         inside.add(node)
@@ -245,9 +254,8 @@ def expert_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
             raise _fail(region, f"EP{ctx.ep} does not divide its {region.experts} experts", region.experts, ctx.ep)
         _rewrite(gm, region, ctx)
         for target in region.weights:
-            for name in target if isinstance(target, tuple) else (target,):
-                if name not in decisions(gm).expert_params:
-                    decisions(gm).expert_params.append(name)
+            if target not in decisions(gm).expert_params:
+                decisions(gm).expert_params.append(target)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -333,13 +341,16 @@ def _localise_weights(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -
     if ctx.ep == 1:
         return
     local = region.experts // ctx.ep
-    for target in [t for t in region.weights if isinstance(t, tuple)]:
-        _gather_stacked(gm, target, ctx.ep)
-    for target in [t for t in region.weights if not isinstance(t, tuple)]:
+    stacked = {name for names in region.stacks for name in names}
+    for names in region.stacks:
+        _gather_stacked(gm, names, ctx.ep)
+    for target in [t for t in region.weights if t not in stacked]:
         _localise(gm, target, (local, *_param(gm, target).shape[1:]))
         decisions(gm).shards[target] = ParamShard(0, (region.experts,), 0, axis="ep")
     for node in gm.graph.nodes:  # the weights' views: E -> E/ep in the recorded shapes
-        if ops.is_weight(node) and ops.stacked_parameters(node) is None and _weight_target(node) in region.weights:
+        if ops.stacked_parameters(node) is not None or node.op == "get_attr" and node.target in stacked:
+            continue  # a stack and its parameters: _gather_stacked gave their shapes
+        if ops.is_weight(node) and _weight_target(node) in region.weights:
             shape = node.meta.get("shape")
             if shape and shape[0] == region.experts:
                 node.meta["shape"] = (local, *shape[1:])
