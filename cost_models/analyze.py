@@ -534,16 +534,19 @@ def _parameter_counts(nodes: list[fx.Node], gm: fx.GraphModule, counted: set[int
                 params_experts += p.numel()
         if n.op == "get_attr" and read and id(read[0][1]) not in counted:
             users, p = list(n.users), read[0][1]
-            if id(p) not in split_experts and (
-                any(u.meta.get("op_class") == "experts" for u in users)
-                or any(ops.is_weight(u) and any(w.meta.get("op_class") == "experts" for w in u.users) for u in users)
-            ):
+            if id(p) not in split_experts and _feeds_experts(users):
                 split_experts.add(id(p))
                 params_experts += p.numel()
             if id(p) not in split_tp and any(_param_tp_sharded(u, "weight") for u in _weight_users(n)):
                 split_tp.add(id(p))
                 params_tp += p.numel()
     return params, params_tp, params_experts
+
+
+def _feeds_experts(users: list[fx.Node]) -> bool:
+    """Whether an expert GEMM reads the parameter these nodes read, directly or through weight
+    views (a cast, a transpose, the ``torch.stack`` of an expert loop's parameters)."""
+    return any(u.meta.get("op_class") == "experts" or ops.is_weight(u) and _feeds_experts(list(u.users)) for u in users)
 
 
 def _pointwise_bytes(nodes: list[fx.Node], gm: fx.GraphModule) -> tuple[sympy.Expr, sympy.Expr]:

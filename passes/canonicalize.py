@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from autoshard.ir import Mask, ops
+from autoshard.passes.moe_forms import batched_experts, expert_loops
 from autoshard.runtime import moe
 
 GUARDS = "_guards_fn"  # torch.export's submodule that checks the inputs against its shape guards
@@ -61,6 +62,16 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
       parallelism splits;
     - every RMS norm written out op by op is one ``rms_norm(x, [d], weight, eps)`` node
       (:func:`rms_norms`), but for one over a projection's output features;
+    - every loop over expert modules (an ``nn.ModuleList`` of identical MLPs, each expert taking
+      the rows ``where(choices == e)`` or a one-hot mask's slice selects and adding its result
+      back by ``index_put`` / ``index_add``) is the grouped form: the routed rows sorted by
+      expert, each projection one ``rt.moe_grouped_mm`` by the ``torch.stack`` of the experts'
+      own parameters, one ``index_add`` back (``moe_forms.expert_loops``), so the cost model and
+      expert parallelism see grouped experts;
+    - every set of expert products by per-token gathered weights (``bmm(W[ids], h.unsqueeze(-1))``,
+      transformers' ``batched_mm``) is grouped GEMMs by the stacked parameters over the routed
+      slots sorted by expert, what they compute row by row kept in that order and sorted back where
+      it leaves (``moe_forms.batched_experts``);
     - every grouped GEMM over rows grouped by expert (``torch._grouped_mm``, transformers'
       ``grouped_mm_fallback`` custom op) is one ``rt.moe_grouped_mm(rows, weights, offs)`` node
       (:func:`grouped_gemms`): the program then needs no library's custom op, and runs
@@ -84,6 +95,8 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
     changed |= weight_products(gm)
     changed |= rms_norms(gm)
     changed |= assembled_cats(gm)
+    changed |= expert_loops(gm)
+    changed |= batched_experts(gm)
     changed |= grouped_gemms(gm)
     changed |= float_histograms(gm)
     if changed:

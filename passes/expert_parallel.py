@@ -16,6 +16,11 @@ enters the region is dispatched, what leaves it is combined:
 
 The region's stacked weights keep this rank's ``E/ep`` experts (``decisions(gm).shards`` with axis ``ep``);
 their gradients are summed over the expert-data-parallel ranks (``decisions(gm).expert_params``).
+A weight stacked in the graph from the E experts' own parameters (``torch.stack``, as
+``passes.moe_forms`` presents an ``nn.ModuleList``'s experts) keeps every parameter and its name:
+each rank holds its ``1/ep`` of the rows of every expert's parameter (axis ``ep``), and the stack
+of these pieces is exchanged by one equal all-to-all (``rt.moe_dispatch_buffer``) into the whole
+weights of the rank's ``E/ep`` experts (the gradients go back the same way), before the GEMMs.
 
 Under sequence parallelism each TP rank routes its own slice of the sequence, dispatched and
 combined as above. Without it the routed tokens are the same on every TP rank, so each TP rank takes
@@ -63,8 +68,17 @@ class Region:
     inlet: fx.Node  # the tensor dispatched: rows grouped by expert, or the (E, C, H) buffer
     offs: fx.Node | None  # grouped: cumulative rows per expert
     gemms: list[fx.Node]
-    weights: list[str]  # stacked expert parameters
+    weights: list[str]  # stacked expert parameters, and every parameter of a stack in the graph
     members: set[fx.Node] = field(default_factory=set)
+    stacks: list[tuple[str, ...]] = field(default_factory=list)  # the parameters each graph stack reads
+
+    def add(self, target: str | tuple[str, ...]) -> None:
+        """Record the weight a GEMM of the region reads (``_weight_target``)."""
+        if isinstance(target, tuple) and target not in self.stacks:
+            self.stacks.append(target)
+        for name in target if isinstance(target, tuple) else (target,):
+            if name not in self.weights:
+                self.weights.append(name)
 
     @property
     def where(self) -> str:
@@ -88,13 +102,21 @@ def _fail(region_or_node, why: str, divides: int | None = None, ep: int | None =
 # finding the regions
 
 
-def _weight_target(node: fx.Node) -> str | None:
-    """The parameter a stacked-weight argument reads (through views and casts), or None."""
+def _weight_target(node: fx.Node) -> str | tuple[str, ...] | None:
+    """The parameter a stacked-weight argument reads (through views and casts), the parameters
+    a ``torch.stack`` of them reads (after this pass, through its exchange), or None."""
     while node.op != "get_attr":
-        if not ops.is_weight(node):
+        if (params := ops.stacked_parameters(node)) is not None:
+            return tuple(p.target for p in params)
+        exchanged = node.target is moe.dispatch_buffer and ops.stacked_parameters(node.args[0]) is not None
+        if not (exchanged or ops.is_weight(node)):
             return None
         node = node.args[0]
     return node.target
+
+
+def _experts(gm: fx.GraphModule, target: str | tuple[str, ...]) -> int:
+    return len(target) if isinstance(target, tuple) else int(_param(gm, target).shape[0])
 
 
 def _gemm_parts(gemm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
@@ -131,7 +153,7 @@ def find_regions(gm: fx.GraphModule, ep: int | None = None) -> list[Region]:
                 "product over an (E, C, H) buffer)",
             )
         act, weight, offs = parts
-        experts = int(_param(gm, target).shape[0])
+        experts = _experts(gm, target)
         region = Region("grouped" if offs is not None else "buffer", experts, act, offs, [], [])
         _grow(region, gm, order)
         loose = [
@@ -173,11 +195,10 @@ def _grow(region: Region, gm: fx.GraphModule, order: dict) -> None:
             if parts is None or (region.offs is not None and parts[2] is not region.offs):
                 continue
             target = _weight_target(parts[1])
-            if target is None or int(_param(gm, target).shape[0]) != region.experts:
+            if target is None or _experts(gm, target) != region.experts:
                 continue
             region.gemms.append(node)
-            if target not in region.weights:
-                region.weights.append(target)
+            region.add(target)
         elif not _keeps_rows(node, rows, region.kind):
             continue
         inside.add(node)
@@ -320,14 +341,48 @@ def _localise_weights(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -
     if ctx.ep == 1:
         return
     local = region.experts // ctx.ep
-    for target in region.weights:
+    stacked = {name for names in region.stacks for name in names}
+    for names in region.stacks:
+        _gather_stacked(gm, names, ctx.ep)
+    for target in [t for t in region.weights if t not in stacked]:
         _localise(gm, target, (local, *_param(gm, target).shape[1:]))
         decisions(gm).shards[target] = ParamShard(0, (region.experts,), 0, axis="ep")
     for node in gm.graph.nodes:  # the weights' views: E -> E/ep in the recorded shapes
+        if ops.stacked_parameters(node) is not None or node.op == "get_attr" and node.target in stacked:
+            continue  # a stack and its parameters: _gather_stacked gave their shapes
         if ops.is_weight(node) and _weight_target(node) in region.weights:
             shape = node.meta.get("shape")
             if shape and shape[0] == region.experts:
                 node.meta["shape"] = (local, *shape[1:])
+
+
+def _gather_stacked(gm: fx.GraphModule, names: tuple[str, ...], ep: int) -> None:
+    """Each of ``names`` (one expert's parameter each) keeps this rank's ``1/ep`` of its rows;
+    their stack becomes the whole weights of this rank's experts by one equal all-to-all."""
+    rows = int(_param(gm, names[0]).shape[0])
+    if rows % ep:
+        raise _fail(
+            next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == names[0]),
+            f"EP{ep} does not divide the {rows} rows of each expert's parameter",
+        )
+    for name in names:
+        _localise(gm, name, (rows // ep, *_param(gm, name).shape[1:]))
+        decisions(gm).shards[name] = ParamShard(0, (rows,), 0, axis="ep")
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and node.target in names and node.meta.get("shape"):
+            node.meta["shape"] = (rows // ep, *node.meta["shape"][1:])
+        params = ops.stacked_parameters(node)
+        if params is None or tuple(p.target for p in params) != names:
+            continue
+        experts, _, *rest = node.meta["shape"]
+        node.meta["shape"] = (experts, rows // ep, *rest)
+        whole = _call(gm, node, moe.dispatch_buffer, (node,), node)
+        whole.meta["shape"] = (experts // ep, rows, *rest)
+        note(whole, f"ep={ep}: the whole weights of this rank's {experts // ep} experts from every rank's rows")
+        for u in [u for u in node.users if u is not whole]:
+            u.replace_input_with(node, whole)
+            if (u.meta.get("shape") or (None,))[0] == experts:  # a view of the weights: E -> E/ep
+                u.meta["shape"] = (experts // ep, *u.meta["shape"][1:])
 
 
 def no_experts_left_whole(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:

@@ -415,11 +415,21 @@ def cast_target(node) -> torch.dtype | None:
     return next((a for a in (*node.args[1:], node.kwargs.get("dtype")) if isinstance(a, torch.dtype)), None)
 
 
+def stacked_parameters(node: fx.Node) -> list[fx.Node] | None:
+    """The parameters ``node`` stacks (``torch.stack`` of ``get_attr`` nodes: one expert's
+    projection each, as ``passes.moe_forms`` stacks an ``nn.ModuleList``'s), or None."""
+    if node.op != "call_function" or _name(node) != "stack" or not isinstance(node.args[0], (list, tuple)):
+        return None
+    params = list(node.args[0])
+    return params if params and all(isinstance(p, fx.Node) and p.op == "get_attr" for p in params) else None
+
+
 def is_weight(node: fx.Node) -> bool:
     """A parameter, or a view/cast of one (``w.t()``, ``w.to(bf16)``), or the rows of a stacked
-    expert parameter that routing choices select (:func:`expert_rows`)."""
+    expert parameter that routing choices select (:func:`expert_rows`), or a stack of parameters
+    (:func:`stacked_parameters`)."""
     while True:
-        if node.op == "get_attr":
+        if node.op == "get_attr" or stacked_parameters(node) is not None:
             return True
         if node.op == "call_module" or not node.args or not isinstance(node.args[0], fx.Node):
             return False
@@ -438,6 +448,8 @@ def weight_of(node: fx.Node, gm: fx.GraphModule) -> tuple[int, ...] | None:
         if is_weight(a):
             src = a
             while src.op != "get_attr":
+                if stacked_parameters(src) is not None:
+                    return tuple(src.meta["shape"])
                 src = src.args[0]
             return tuple(gm.get_parameter(src.target).shape) if _is_param(gm, src.target) else tuple(src.meta["shape"])
     return None
@@ -824,6 +836,7 @@ __all__ = [
     "classify",
     "written_norms",
     "expert_rows",
+    "stacked_parameters",
     "dispatched_experts",
     "expert_count",
     "routing_mask",

@@ -89,10 +89,14 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """Rows of ``a`` ``[S, K]`` grouped by ``offs`` (cumulative counts ``[G]``, ``offs[-1] == S``)
     times their group's matrix of ``b`` ``[G, K, N]``: ``[S, N]``, differentiable in ``a`` and ``b``.
     ``torch._grouped_mm`` where it has a kernel (``grouped_mm_runs``), a per-group loop elsewhere."""
-    if torch.is_autocast_enabled(a.device.type):  # autocast has no rule for grouped GEMMs: as for mm
+    # autocast has no rule for grouped GEMMs: as for mm (the meta device, where capture propagates
+    # shapes, has no autocast to ask)
+    if a.device.type != "meta" and torch.is_autocast_enabled(a.device.type):
         dtype = torch.get_autocast_dtype(a.device.type)
         a, b = a.to(dtype), b.to(dtype)
     a = a.contiguous()
+    if isinstance(a.size(0), torch.SymInt):  # capture's shape propagation, rows in symbolic b and s:
+        return a @ b[0]  # a grouped GEMM's shape and autograd links (there are no values to group)
     offs = fake.offsets(offs, a.size(0))
     if grouped_mm_runs(a, b):
         return _ContiguousGrad.apply(torch._grouped_mm(a, b, offs.to(torch.int32)))

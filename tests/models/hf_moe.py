@@ -65,14 +65,21 @@ def sample_inputs(config: str, batch: int, seq: int) -> tuple:
 
 
 # the MoE equivalence matrix (benchmarks/architectures.py --moe runs all of it, tests/test_moe_matrix.py
-# the CI subset): the bundled example (its fixed-capacity buffer form) and transformers' grouped
-# experts; layout name -> (gpus, --force pins). EP folds into the stage's tp x cp x dp ranks.
+# the CI subset): the bundled example (its fixed-capacity buffer form), transformers' grouped and
+# batched experts, and loops over expert modules; layout name -> (gpus, --force pins). EP folds
+# into the stage's tp x cp x dp ranks.
 MODELS = {
     "deepseek_v3 (example)": ("examples/deepseek_v3.py", "tiny"),
     "deepseek_v3": ("tests/models/hf_moe.py", "deepseek_v3"),
     "mixtral": ("tests/models/hf_moe.py", "mixtral"),
     "qwen3_moe": ("tests/models/hf_moe.py", "qwen3_moe"),
     "llama4": ("tests/models/hf_moe.py", "llama4"),
+    # a loop over an nn.ModuleList of experts (where + index_put), grouped by canonicalisation
+    "naive_moe (loop)": ("tests/models/naive_moe.py", "tiny"),
+    # Mixtral's reference loop (one_hot mask, where, index_add_), traced by symbolic_trace
+    "reference_moe (loop)": ("tests/models/reference_moe.py", "tiny"),
+    # transformers' batched_mm experts (per-token gathered weights), grouped by canonicalisation
+    "mixtral (batched)": ("tests/models/hf_moe.py", "mixtral-batched"),
 }
 LAYOUTS = {
     "ep2": (2, "ep=2,dp=2"),
@@ -107,4 +114,7 @@ CI_SUBSET = [
     ("llama4", "ep2-pp2"),  # the loss reads the token ids through the model's own .to(device)
     ("deepseek_v3 (example)", "ep4-tp2dp2-sp"),  # MLA and capacity buffers on sequence slices
     ("mixtral", "ep2-tp2-sp"),  # batch x sequence counted once for all layers: this rank's share
+    ("naive_moe (loop)", "ep2-pp2"),  # each rank's rows of every expert's own parameters, exchanged
+    ("reference_moe (loop)", "ep2-zero1"),
+    ("mixtral (batched)", "ep2"),
 ]

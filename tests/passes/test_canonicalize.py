@@ -10,6 +10,8 @@ from torch import fx, nn
 from autoshard.capture import capture, causal_lm_loss
 from autoshard.capture.trace import trace
 from autoshard.passes.canonicalize import _closure, canonicalize
+from autoshard.passes.moe_forms import batched_experts, expert_loops
+from autoshard.runtime import moe
 
 from graphs import TINY_DECODER, TinyLM, listing, loss, tokens
 
@@ -499,3 +501,111 @@ def test_a_product_by_an_activation_or_a_shared_transpose_stays():
     root.weight = nn.Parameter(torch.randn(6, 8))
     before = listing(g)
     assert listing(canonicalize(fx.GraphModule(root, g)).graph) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE loop forms (passes.moe_forms): a loop over an nn.ModuleList of experts becomes grouped GEMMs
+
+
+def _exported_moe(name: str, bias: bool = False) -> tuple[fx.GraphModule, torch.Tensor]:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    module = __import__(name)
+    torch.manual_seed(0)
+    model = module.build("tiny")
+    if bias:  # one expert of different structure: the loop is not one expert subgraph E times
+        model.layers[0].ffn.experts[1].up.bias = nn.Parameter(torch.randn(96))
+    tokens = torch.randint(0, 128, (2, 8))
+    return torch.export.export(model, (tokens,)).module(), tokens
+
+
+def _moe_nodes(gm: fx.GraphModule) -> tuple[int, int, list[list[str]]]:
+    """(grouped GEMMs, where nodes, the parameters each torch.stack reads)."""
+    grouped = sum(n.target is moe.grouped_mm for n in gm.graph.nodes)
+    wheres = sum(n.target is aten.where.default for n in gm.graph.nodes)
+    stacks = [[a.target for a in n.args[0]] for n in gm.graph.nodes if n.target is aten.stack.default]
+    return grouped, wheres, stacks
+
+
+@pytest.mark.parametrize(
+    "name,projections",
+    [("naive_moe", ("up", "down")), ("reference_moe", ("w1", "w3", "w2"))],
+    ids=["where-index_put", "one_hot-index_add_"],
+)
+def test_a_loop_over_expert_modules_becomes_grouped_gemms_of_the_same_values(name, projections):
+    gm, tokens = _exported_moe(name)
+    before = gm(tokens)
+    assert _moe_nodes(gm)[:2] == (0, 8)  # 2 layers x 4 experts, each its where
+    assert expert_loops(gm)
+    gm.graph.lint()
+    gm.recompile()
+    torch.testing.assert_close(gm(tokens), before, rtol=1e-6, atol=1e-6)
+    grouped, wheres, stacks = _moe_nodes(gm)
+    assert (grouped, wheres) == (2 * len(projections), 0)
+    # each projection is the stack of the four experts' own parameters, by their own names
+    ffn = "ffn" if name == "naive_moe" else "moe"
+    layer0 = [s for s in stacks if s[0].startswith(f"layers.0.{ffn}")]
+    assert sorted(layer0) == sorted([f"layers.0.{ffn}.experts.{e}.{p}.weight" for e in range(4)] for p in projections)
+
+
+def test_experts_of_different_structure_stay_a_loop():
+    gm, tokens = _exported_moe("naive_moe", bias=True)
+    before = gm(tokens)
+    assert expert_loops(gm)  # layer 1's experts are alike: grouped; layer 0's stay as written
+    gm.recompile()
+    torch.testing.assert_close(gm(tokens), before, rtol=1e-6, atol=1e-6)
+    grouped, wheres, _ = _moe_nodes(gm)
+    assert (grouped, wheres) == (2, 4)
+
+
+def test_per_token_gathered_expert_weights_become_grouped_gemms_of_the_same_values():
+    """transformers' ``batched_mm`` experts (``bmm(W[ids], h)`` per routed slot) become grouped
+    GEMMs by the stacked parameters over the slots sorted by expert, sorted back where they leave."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    hf_moe = pytest.importorskip("hf_moe")
+    torch.manual_seed(0)
+    model = hf_moe.build("mixtral-batched")
+    inputs = hf_moe.sample_inputs("mixtral-batched", 2, 8)
+    gm, tracer, _ = trace(model, inputs)
+    assert tracer == "export"
+    before = gm(*inputs)
+    assert sum(n.target is aten.bmm.default for n in gm.graph.nodes) == 4  # 2 layers x (gate_up, down)
+    assert batched_experts(gm)
+    gm.graph.lint()
+    gm.recompile()
+    torch.testing.assert_close(gm(*inputs), before, rtol=1e-6, atol=1e-6)
+    assert sum(n.target is aten.bmm.default for n in gm.graph.nodes) == 0
+    grouped = [n for n in gm.graph.nodes if n.target is moe.grouped_mm]
+    assert [n.args[1].args[0].target for n in grouped] == [
+        f"model.model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")
+    ]
+
+
+def test_the_reference_loop_on_a_symbolic_trace_graph_becomes_grouped_gemms_of_the_same_values():
+    """symbolic_trace's form of the same loop: nn.Linear module calls, torch.where on the one-hot
+    slices, in-place index_add_ on one accumulator whose sum is read after the loop."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    import reference_moe
+
+    torch.manual_seed(0)
+    model = reference_moe.build("tiny")
+    inputs = reference_moe.sample_inputs("tiny", 2, 8)
+    gm, tracer, _ = trace(model, inputs)
+    assert tracer == "symbolic_trace"
+    before = gm(*inputs)
+    assert expert_loops(gm)
+    gm.graph.lint()
+    gm.recompile()
+    torch.testing.assert_close(gm(*inputs), before, rtol=1e-6, atol=1e-6)
+    grouped, wheres, stacks = _moe_nodes(gm)
+    assert (grouped, wheres) == (6, 0)
+    assert not any(n.op == "call_module" and ".experts." in n.target for n in gm.graph.nodes)
+    assert stacks[0] == [f"model.layers.0.moe.experts.{e}.w1.weight" for e in range(4)]
