@@ -83,7 +83,7 @@ class Collective:
     """Communication one forward pass of the block implies on one parallel dimension."""
 
     axis: str  # tp | ep
-    kind: str  # all_reduce (TP without SP), all_to_all (EP)
+    kind: str  # all_reduce (TP without SP), all_to_all (EP: routed tokens), weights (EP: a stack's rows)
     elems: sympy.Expr
     backward: bool  # also once in backward
     source: str = ""  # an EP dispatch: the node whose tokens it sends (``BlockCost.replayed_exchanges``)
@@ -943,7 +943,21 @@ def _collectives(nodes: list[fx.Node]) -> list[Collective]:
                 out.append(Collective("tp", "all_reduce", ops.numel(act[0].meta["shape"]), backward=True))
     for a in _dispatched(nodes):
         out.append(Collective("ep", "all_to_all", ops.numel(a.meta["shape"]), backward=True, source=a.name))
+    for w in _stacked_expert_weights(nodes):
+        out.append(Collective("ep", "weights", ops.numel(w.meta["shape"]), backward=True, source=w.name))
     return out
+
+
+def _stacked_expert_weights(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The ``torch.stack`` s of parameters that experts products read (an ``nn.ModuleList`` of
+    experts made grouped by ``passes.moe_forms``): expert parallelism keeps ``1/ep`` of each
+    expert parameter's rows on every rank and exchanges the stack into its experts' whole weights
+    by one all-to-all per forward, their gradients back by another."""
+    return [
+        n
+        for n in nodes
+        if ops.stacked_parameters(n) is not None and _feeds_experts(list(n.users))
+    ]
 
 
 def _dispatched(nodes: list[fx.Node]) -> list[fx.Node]:

@@ -324,7 +324,7 @@ class LayerCosts:
         sp = tp > 1 and self.sp
         t_tp = regather = scatter = routed = 0.0
         for coll, nbytes in sent:
-            routed += nbytes if coll.axis == "ep" else 0.0
+            routed += nbytes if coll.kind == "all_to_all" else 0.0
             if coll.axis == "tp" and tp > 1:
                 if sp:
                     one = comm.all_gather(nbytes, where_tp.placement(), hw)
@@ -356,12 +356,18 @@ class LayerCosts:
         ep_seen = 0
         for coll, nbytes in sent:
             if coll.axis == "ep" and ep > 1:
-                dispatch, local = self._exchange(nbytes, tp, fp8)
-                place = where_ep.placement()
-                there, back = comm.all_to_all(dispatch, place, self.hw), comm.all_to_all(local, place, self.hw)
-                t_ep += 2 * (there + back)
                 again, combine_again = replays[ep_seen]
                 ep_seen += 1
+                place = where_ep.placement()
+                if coll.kind == "weights":  # this rank's rows of the stack: weights forward, gradients back
+                    one = comm.all_to_all(nbytes / ep, place, self.hw)
+                    t_ep += 2 * one
+                    ep_replay += one * again
+                    transient = max(transient, nbytes / ep)
+                    continue
+                dispatch, local = self._exchange(nbytes, tp, fp8)
+                there, back = comm.all_to_all(dispatch, place, self.hw), comm.all_to_all(local, place, self.hw)
+                t_ep += 2 * (there + back)
                 ep_replay += there * again + back * combine_again
                 transient = max(transient, 2 * local)
         return t_ep, ep_replay, transient
@@ -454,7 +460,7 @@ class LayerCosts:
         routed = 0.0
         for coll, elems_fn in blk._compiled["collectives"]:
             nbytes = 2 * float(elems_fn(mbs, sl))
-            routed += nbytes if coll.axis == "ep" else 0.0
+            routed += nbytes if coll.kind == "all_to_all" else 0.0
             if coll.axis == "tp" and tp > 1:
                 if sp and coll.backward:  # a column group: gather forward, again backward, scatter its gradient
                     add("tp", "all_gather", 2 * nbytes)
@@ -464,6 +470,8 @@ class LayerCosts:
                     add("tp", "all_gather", nbytes)
                 else:
                     add("tp", "all_reduce", nbytes)
+            elif coll.axis == "ep" and ep > 1 and coll.kind == "weights":
+                add("ep", "all_to_all", 2 * nbytes / ep)
             elif coll.axis == "ep" and ep > 1:
                 dispatch, local = self._exchange(nbytes, tp, fp8)
                 add("ep", "all_to_all", 2 * (dispatch + local))
@@ -493,8 +501,11 @@ class LayerCosts:
         blk = self.block(block)
         sl = self.seq / cp
         total = 0.0
-        exchanges = [f for c, f in blk._compiled["collectives"] if c.axis == "ep"]
-        for elems_fn, (again, combine_again) in zip(exchanges, blk.replayed_exchanges(recompute)):
+        exchanges = [(c, f) for c, f in blk._compiled["collectives"] if c.axis == "ep"]
+        for (coll, elems_fn), (again, combine_again) in zip(exchanges, blk.replayed_exchanges(recompute)):
+            if coll.kind == "weights":
+                total += 2 * float(elems_fn(mbs, sl)) / ep * again
+                continue
             dispatch, local = self._exchange(2 * float(elems_fn(mbs, sl)), tp, fp8)
             total += dispatch * again + local * combine_again
         return (("ep", "all_to_all", total),) if total else ()

@@ -68,3 +68,25 @@ def test_a_split_backward_replays_them_again(moe):
     split = _rerun_in_weight_pass(full, 0.5)
     assert split.ep == pytest.approx(full.ep + 0.5 * full.ep_replay)
     assert split.ep_replay == pytest.approx(1.5 * full.ep_replay)
+
+
+def test_a_loop_of_experts_exchanges_its_stacked_weights():
+    """Experts written as a loop over an ``nn.ModuleList`` run grouped over the stack of their own
+    parameters; EP keeps ``1/ep`` of every expert parameter's rows on each rank and exchanges them
+    into its experts' whole weights, forward, and their gradients back: per layer and
+    micro-batch, twice the stack's bytes over ep, beside the routed tokens' exchanges."""
+    from pathlib import Path
+
+    from autoshard.capture import capture_file
+    from autoshard.cost_models.analyze import analyze
+
+    model = analyze(capture_file(str(Path(__file__).parents[1] / "models" / "naive_moe.py"), "tiny", SEQ))
+    kind = next(i for i, b in enumerate(model.blocks) if any(c.kind == "weights" for c in b.collectives))
+    stacks = [c for c in model.blocks[kind].collectives if c.kind == "weights"]
+    assert len(stacks) == 2  # up and down projections: 4 experts of (96, 64) and (64, 96)
+    assert [int(c.elems) for c in stacks] == [4 * 96 * 64, 4 * 64 * 96]
+    costs = LayerCosts(model, SEQ, hardware.load("h800"), False)
+    tokens = 2 * 2 * (2 * 2 * SEQ * 2 * 64)  # dispatch + combine, forward and backward, 2 bytes each
+    for ep in (2, 4):
+        sent = dict(((a, k), n) for a, k, n in costs.payload(kind, 2, 1, 1, ep, "flash", (), frozenset()))
+        assert sent[("ep", "all_to_all")] == pytest.approx(tokens + sum(2 * 2 * int(c.elems) / ep for c in stacks))
