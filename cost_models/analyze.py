@@ -953,11 +953,7 @@ def _stacked_expert_weights(nodes: list[fx.Node]) -> list[fx.Node]:
     experts made grouped by ``passes.moe_forms``): expert parallelism keeps ``1/ep`` of each
     expert parameter's rows on every rank and exchanges the stack into its experts' whole weights
     by one all-to-all per forward, their gradients back by another."""
-    return [
-        n
-        for n in nodes
-        if ops.stacked_parameters(n) is not None and _feeds_experts(list(n.users))
-    ]
+    return [n for n in nodes if ops.stacked_parameters(n) is not None and _feeds_experts(list(n.users))]
 
 
 def _dispatched(nodes: list[fx.Node]) -> list[fx.Node]:
