@@ -304,6 +304,13 @@ class _Propagator:
             raise self.fail(node, "a view that both splits and merges the split dimension")
         raise self.fail(node, "cannot follow the split dimension through this view")
 
+    def complex(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        """``view_as_complex`` drops the trailing (real, imaginary) pair dimension, ``view_as_real``
+        adds it: the split (heads, before the pairs) stays where it is, the pairs stay whole."""
+        if s.dim >= len(_shape(node)):
+            raise self.fail(node, "splits the (real, imaginary) pairs of a complex view")
+        return s
+
     def transpose(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
         rank = len(_shape(node))
         d0, d1 = (0, 1) if _op_name(node) == "t" else (_norm_dim(d, rank) for d in _dims(node, 2))
@@ -623,6 +630,7 @@ _TRANSFER = {
     "reduce": _Propagator.reduce,
     "norm": _Propagator.norm,
     "view": _Propagator.view,
+    "complex": _Propagator.complex,
     "transpose": _Propagator.transpose,
     "permute": _Propagator.permute,
     "getitem": _Propagator.getitem,

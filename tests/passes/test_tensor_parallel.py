@@ -192,6 +192,7 @@ class _Zoo(torch.nn.Module):
         q, k, v = self.qkv(x).split(32, dim=-1)  # split: equal parts of the split dimension
         q = F.rms_norm(q.view(b, s, 4, 8), (8,)).transpose(1, 2)  # view, norm (per head), transpose
         k = k.view(b, s, 4, 8)
+        k = torch.view_as_real(torch.view_as_complex(k.reshape(b, s, 4, 4, 2))).flatten(3)  # complex
         k = (k - k.mean(-1, keepdim=True)).permute(0, 2, 1, 3)  # reduce (per head), permute
         v = v.reshape(b, s, 4, 8).transpose(1, 2)
         fused = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # attention
@@ -440,3 +441,84 @@ def test_attention_whose_keys_stay_whole_is_refused_by_name():
     with pytest.raises(Refusal, match=r"its key transpose_2 keeps all 4 heads, another input is split") as e:
         _rewrite(_WholeKeys())
     assert (e.value.axis, e.value.exclusion()) == ("tp", "*")  # whatever the degree
+
+
+# ---------------------------------------------------------------------------------------------
+# Complex-number rotary embeddings (Llama 4, DeepSeek-V2)
+
+
+class _ComplexRope(torch.nn.Module):
+    """Queries and keys rotated as Llama 4 and DeepSeek-V2 write it: each head's features viewed
+    as head_dim/2 complex numbers (``view_as_complex``), multiplied by ``freqs_cis``, and viewed
+    back (``view_as_real``, ``flatten``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        angles = torch.outer(torch.arange(64.0), 1.0 / 100.0 ** (torch.arange(4.0) / 4))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, tokens):
+        F = torch.nn.functional
+        x = self.embed(tokens)
+        b, s = tokens.size(0), tokens.size(1)
+        freqs = self.freqs_cis[:s].unsqueeze(1)  # (s, 1, 4): broadcast over heads
+
+        def rotate(t):
+            t = torch.view_as_complex(t.view(b, s, 4, 8).reshape(b, s, 4, -1, 2))
+            return torch.view_as_real(t * freqs).flatten(3).transpose(1, 2)
+
+        q, k = rotate(self.q(x)), rotate(self.k(x))
+        v = self.v(x).view(b, s, 4, 8).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 32)
+        return self.head(x + self.o(out))
+
+
+def test_complex_rotary_splits_heads_and_keeps_the_pairs():
+    torch.manual_seed(0)
+    model = _ComplexRope()
+    gm, ctx = _rewrite(model)
+    assert decisions(gm).shards["model.q.weight"] == ParamShard(0, (4, 8), 0)  # by heads
+    assert decisions(gm).shards["model.k.weight"] == ParamShard(0, (4, 8), 0)
+    state = [*model.named_parameters(), *model.named_buffers()]
+    load_local(gm, ctx, {f"model.{k}": v.detach() for k, v in state}, 0)
+    seen = {}
+
+    class Recorder(torch.fx.Interpreter):  # rank 0, without a TP group: collectives are identities
+        def run_node(self, n):
+            value = super().run_node(n)
+            if n.meta.get("op") in ("view_as_complex", "view_as_real", "scaled_dot_product_attention"):
+                seen.setdefault(n.meta["op"], []).append(tuple(value.shape))
+            return value
+
+    Recorder(gm).run(torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0)))  # rank 0's rows
+    # 2 of 4 heads, each 4 complex numbers (8 features as pairs)
+    assert seen == {
+        "view_as_complex": [(2, 8, 2, 4)] * 2,
+        "view_as_real": [(2, 8, 2, 4, 2)] * 2,
+        "scaled_dot_product_attention": [(2, 2, 8, 8)],
+    }
+
+
+def _complex_worker(rank, world):
+    import torch.distributed as dist
+
+    runtime.set_groups(tp=dist.group.WORLD)
+    torch.manual_seed(0)
+    model = _ComplexRope()
+    gm, ctx = _rewrite(model, tp=world)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    reference = causal_lm_loss(model(tokens), tokens)
+    state = [*model.named_parameters(), *model.named_buffers()]
+    load_local(gm, ctx, {f"model.{k}": v.detach() for k, v in state}, rank)
+    loss = gm(tokens)
+    runtime.set_groups(tp=None)
+    return abs(loss.item() - reference.item()) / abs(reference.item())
+
+
+def test_complex_rotary_tp2_on_two_processes_matches_single_device():
+    from distributed import run
+
+    assert all(err < 1e-6 for err in run(_complex_worker, 2, timeout=120))
