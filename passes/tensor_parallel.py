@@ -555,11 +555,16 @@ class _Propagator:
                 self.root[a] = self.root[next(iter(x for x in node.args[0] if x in self.shard))]
                 self._enters(a.args[0], a)
                 return
-        if a.op == "get_attr" and localise is None and _num(other[k]) == _num(_shape(node)[dim]):
-            # a parameter over the split features (OLMo2's q/k norm weight over all heads): this
-            # rank's slice of it, in the region's layout
-            s = self.shard[next(x for x in node.all_input_nodes if x in self.shard)]
-            self.params[a] = Shard(k, s.factors, s.index, s.parts)
+        param, casts = _cast_of_parameter(a)
+        if param is not None and localise is None and _num(other[k]) == _num(_shape(node)[dim]):
+            # a parameter over the split features (OLMo2's q/k norm weight over all heads,
+            # Cohere's (heads, head_dim) one, read through a cast): this rank's slice of it, in
+            # the region's layout
+            src = next(x for x in node.all_input_nodes if x in self.shard)
+            s = self.shard[src]
+            self.params[param] = Shard(k, s.factors, s.index, s.parts)
+            for c in casts:
+                self.shard[c], self.root[c] = self.params[param], self.root[src]
             return
         raise self.fail(node, f"operand {a.name} is not split but spans the split dimension")
 
@@ -650,6 +655,16 @@ _CHECKS_OWN_INPUTS = ("attention", "matmul", "cat", "stack")
 
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _cast_of_parameter(a: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The parameter ``a`` reads (itself, or through casts each read only by the next) and those
+    casts; ``(None, [])`` where ``a`` is something else."""
+    casts = []
+    while a.meta.get("op") in ops.CASTS and len(a.users) == 1 and isinstance(a.args[0], fx.Node):
+        casts.append(a)
+        a = a.args[0]
+    return (a, casts) if a.op == "get_attr" else (None, [])
 
 
 def _keepdim(node: fx.Node) -> bool:

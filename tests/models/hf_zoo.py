@@ -33,8 +33,18 @@ ARCHITECTURES = {
                                                        num_attention_heads=4, new_decoder_architecture=False,
                                                        multi_query=True, ffn_hidden_size=128,
                                                        max_position_embeddings=256)),
+    # Cohere: per-head q/k LayerNorms whose weight is (heads, head_dim), parallel attention and MLP
+    "cohere": ("CohereForCausalLM", "CohereConfig", dict(_DECODER, use_qk_norm=True)),
+    # Command R+ (its config.json): planning only, on the meta device
+    "cohere-plus": ("CohereForCausalLM", "CohereConfig", dict(
+        vocab_size=256000, hidden_size=12288, intermediate_size=33792, num_hidden_layers=64,
+        num_attention_heads=96, num_key_value_heads=8, max_position_embeddings=8192, use_qk_norm=True,
+        tie_word_embeddings=True, logit_scale=0.8333333333333334, rope_theta=75000000.0)),
 }  # fmt: skip
 CONFIGS = {name: spec[2] for name, spec in ARCHITECTURES.items()}
+AT_SCALE = ("cohere-plus",)  # too large to run: the matrix leaves them out
+# the matrix's models (benchmarks/architectures.py): model name -> (its file, its config)
+MODELS = {name: ("tests/models/hf_zoo.py", name) for name in ARCHITECTURES if name not in AT_SCALE}
 
 # the architecture matrix (benchmarks/architectures.py runs all of it, tests/test_architectures.py
 # the CI subset): layout name -> (gpus, --force pins)
@@ -57,6 +67,7 @@ CI_SUBSET = [
     ("gemma3", "dp2"),
     ("llama", "cp2"),
     ("gpt_neox", "tp2-pp2"),
+    ("cohere", "tp2-sp"),  # a per-head norm weight of shape (heads, head_dim), read through a cast
 ]
 
 

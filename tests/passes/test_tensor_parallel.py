@@ -522,3 +522,23 @@ def test_complex_rotary_tp2_on_two_processes_matches_single_device():
     from distributed import run
 
     assert all(err < 1e-6 for err in run(_complex_worker, 2, timeout=120))
+
+
+# ---------------------------------------------------------------------------------------------
+# A per-head norm weight of shape (heads, head_dim), read through a cast (Cohere's q/k LayerNorm)
+
+
+def test_per_head_norm_weight_is_split_with_its_heads():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.CohereConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_qk_norm=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    gm, ctx = _rewrite(transformers.CohereForCausalLM(cfg))
+    shapes = {k: tuple(v.shape) for k, v in gm.named_parameters()}
+    attn = "model.model.layers.0.self_attn"
+    assert decisions(gm).shards[f"{attn}.q_norm.weight"] == ParamShard(0, (4,), 0)  # 4 heads, 2 a rank
+    assert decisions(gm).shards[f"{attn}.k_norm.weight"] == ParamShard(0, (2,), 0)  # 2 key heads, 1 a rank
+    assert (shapes[f"{attn}.q_norm.weight"], shapes[f"{attn}.k_norm.weight"]) == ((2, 16), (1, 16))
+    assert f"{attn}.q_norm.weight" not in decisions(gm).partial_grads  # its heads are this rank's alone
