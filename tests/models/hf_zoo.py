@@ -14,6 +14,8 @@ _GEMMA = dict(_DECODER, head_dim=16, query_pre_attn_scalar=16, sliding_window=25
 
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", _DECODER),
+    # 8 query heads, 2 key/value heads: at TP4 each key/value head is shared by 2 ranks
+    "llama-kv2": ("LlamaForCausalLM", "LlamaConfig", dict(_DECODER, num_attention_heads=8)),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(_DECODER, sliding_window=None)),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", _DECODER),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(_DECODER, head_dim=16)),
@@ -54,6 +56,7 @@ LAYOUTS = {
     "dp2": (2, "dp=2,zero=1"),
     "cp2": (2, "cp=2,attention=ring"),
     "tp2-pp2": (4, "tp=2,pp=2,sp=on,schedule=1f1b"),
+    "tp4": (4, "tp=4,sp=on"),  # more ranks than the tiny configs' 2 key/value heads: each shared by 2
 }
 # one case per feature that needed its own rule: per-head norms, a partial-sum norm with a padding
 # row, unequal fused-QKV slices, Conv1D rows with tied weights, tied weights across stages with
@@ -68,6 +71,7 @@ CI_SUBSET = [
     ("llama", "cp2"),
     ("gpt_neox", "tp2-pp2"),
     ("cohere", "tp2-sp"),  # a per-head norm weight of shape (heads, head_dim), read through a cast
+    ("llama-kv2", "tp4"),  # 2 key/value heads over 4 TP ranks
 ]
 
 

@@ -542,3 +542,69 @@ def test_per_head_norm_weight_is_split_with_its_heads():
     assert decisions(gm).shards[f"{attn}.k_norm.weight"] == ParamShard(0, (2,), 0)  # 2 key heads, 1 a rank
     assert (shapes[f"{attn}.q_norm.weight"], shapes[f"{attn}.k_norm.weight"]) == ((2, 16), (1, 16))
     assert f"{attn}.q_norm.weight" not in decisions(gm).partial_grads  # its heads are this rank's alone
+
+
+# ---------------------------------------------------------------------------------------------
+# Fewer key/value heads than the TP degree: each shared by tp/kv_heads ranks (Megatron's)
+
+
+class _SharedKV(torch.nn.Module):
+    """8 query heads, 2 key/value heads of 4 features; ``repeat`` writes the grouping out as
+    transformers' repeat_kv does (expand and merge) instead of sdpa's enable_gqa."""
+
+    def __init__(self, repeat: bool = False):
+        super().__init__()
+        self.repeat = repeat
+        self.embed = torch.nn.Embedding(64, 32)
+        self.q, self.o = torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 32, bias=False)
+        self.k, self.v = torch.nn.Linear(32, 8, bias=True), torch.nn.Linear(32, 8, bias=False)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, tokens):
+        F = torch.nn.functional
+        x = self.embed(tokens)
+        b, s = tokens.size(0), tokens.size(1)
+        q = self.q(x).view(b, s, 8, 4).transpose(1, 2)
+        k, v = (p(x).view(b, s, 2, 4).transpose(1, 2) for p in (self.k, self.v))
+        if self.repeat:
+            k, v = (t[:, :, None].expand(b, 2, 4, s, 4).reshape(b, 8, s, 4) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not self.repeat)
+        return self.head(x + self.o(out.transpose(1, 2).reshape(b, s, 32)))
+
+
+def _value_on_rank(gm, node, rank):
+    """``node``'s value when ``gm`` runs as TP rank ``rank`` without a TP group (collectives are
+    identities; the rank is patched in)."""
+    seen = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            seen[n] = rank if n.target is runtime.tp_rank else super().run_node(n)
+            return seen[n]
+
+    Recorder(gm).run(torch.zeros(2, 8, dtype=torch.long))
+    return seen[node]
+
+
+def test_fewer_kv_heads_than_tp_each_rank_computes_its_query_heads_kv_head():
+    torch.manual_seed(0)
+    model = _SharedKV()
+    gm, ctx = _rewrite(model, tp=4)
+    load_local(gm, ctx, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}, 3)
+    assert decisions(gm).shards["model.q.weight"] == ParamShard(0, (8, 4), 0)  # 2 query heads a rank
+    assert not {"model.k.weight", "model.k.bias", "model.v.weight"} & set(decisions(gm).shards)  # kept whole
+    assert {"model.k.weight", "model.k.bias", "model.v.weight"} <= set(decisions(gm).partial_grads)
+    cut = {n.args[0].target: n for n in gm.graph.nodes if n.target is torch.narrow}
+    assert sorted(cut) == ["model.k.bias", "model.k.weight", "model.v.weight"]
+    assert "each shared by 2 ranks" in notes(gm)[next(iter(cut["model.k.weight"].users)).name]
+    # rank 3 holds query heads 6-7, which read key/value head 3 // (4 / 2) = 1: rows 4-7
+    for name in cut:
+        assert torch.equal(_value_on_rank(gm, cut[name], 3), model.get_parameter(name[6:])[4:8].detach())
+    sdpa = next(n for n in gm.graph.nodes if n.meta.get("op") == "scaled_dot_product_attention")
+    q, k, v = (_value_on_rank(gm, a, 3).shape for a in sdpa.args[:3])
+    assert (q[1], k[1], v[1]) == (2, 1, 1)  # 2 of 8 query heads, 1 of 2 key/value heads
+
+
+def test_shared_kv_heads_merged_with_their_repeats_are_refused_by_name():
+    with pytest.raises(Refusal, match="merges key/value heads that TP ranks share with other dimensions"):
+        _rewrite(_SharedKV(repeat=True), tp=4)
