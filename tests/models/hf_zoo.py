@@ -60,7 +60,8 @@ LAYOUTS = {
 }
 # one case per feature that needed its own rule: per-head norms, a partial-sum norm with a padding
 # row, unequal fused-QKV slices, Conv1D rows with tied weights, tied weights across stages with
-# soft-capping, a scaled tied embedding under ZeRO, a causal mask tensor under CP, fused-QKV chunks
+# soft-capping, a scaled tied embedding under ZeRO, a causal mask tensor under CP, fused-QKV chunks,
+# a (heads, head_dim) norm weight, key/value heads shared by TP ranks
 CI_SUBSET = [
     ("qwen3", "tp2-sp"),
     ("olmo2", "tp2-sp"),
