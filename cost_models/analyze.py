@@ -101,6 +101,19 @@ class Gemm:
     experts: bool
     count: int = 1  # experts the routing chooses among (1 for a dense product)
     kind: str = "mlp"  # autoshard.ir.MATMUL_KINDS: what the FP8 choice is made per
+    heads: int = 0  # a key/value column's heads (0: not one): TP above them shares each head
+
+    def out_split(self, tp: int) -> int:
+        """The ways TP divides a column's output features: ``tp``, or its key/value heads where
+        they are fewer (each rank computes one head, shared with tp/heads ranks)."""
+        return min(tp, self.heads) if self.heads else tp
+
+    def weight_split(self, tp: int) -> int:
+        """The ways TP divides the weight one rank holds: 1 for key/value heads fewer than ``tp``,
+        whose weight every rank keeps whole and cuts its head's rows out of in the graph."""
+        if self.role not in ("column", "row", "vocab") or (self.heads and self.heads < tp):
+            return 1
+        return tp
 
 
 @dataclass
@@ -366,9 +379,9 @@ def _facts(gm: fx.GraphModule, layers: list[BlockCost], blocks: list[BlockCost])
         "heads": sorted(heads),
         "kv_heads": sorted(kv_heads),
         "experts": max(expert_counts) if expert_counts else 0,
-        # one key/value head (multi-query attention) is kept whole on every TP rank
-        # (``passes.tensor_parallel``), so it bounds no TP degree
-        "tp_dims": sorted(tp_dims | heads | (kv_heads - {1})),
+        # key/value heads fewer than a TP degree are shared by the ranks (``passes.tensor_parallel``),
+        # so they bound no TP degree (the planner's tp_choices: each must divide it or it them)
+        "tp_dims": sorted(tp_dims | heads),
         "hidden": _hidden(layers[0] if layers else blocks[0]),
         "vocab": vocab,
     }
@@ -639,7 +652,8 @@ def _gemm(n: fx.Node, gm: fx.GraphModule) -> Gemm | None:
     m = sympy.expand(flops / (2 * n_out * k * batch))
     count = ops.expert_count(n, gm) if experts else None
     kind = n.meta.get("matmul_kind", "mlp")
-    return Gemm(m=m, n=n_out, k=k, batch=batch, role=role, experts=experts, count=count or 1, kind=kind)
+    heads = sharding.attention_heads(n) if role == "column" else 0
+    return Gemm(m=m, n=n_out, k=k, batch=batch, role=role, experts=experts, count=count or 1, kind=kind, heads=heads)
 
 
 def weighted_matmul(n: fx.Node, gm: fx.GraphModule) -> bool:

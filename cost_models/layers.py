@@ -170,7 +170,7 @@ class LayerCosts:
         blk = self.block(block)
         grads = 0.0
         for g, mfn in zip(blk.gemms, blk._compiled["gemm_m"]):
-            split = tp if g.experts or g.role in ("column", "vocab") else 1
+            split = tp if g.experts or g.role == "vocab" else g.out_split(tp) if g.role == "column" else 1
             grads += 2 * float(mfn(mbs, self.seq / cp)) * g.n * g.batch / split
         sp = tp > 1 and self.sp
         for t in blk.weighted_outputs:
@@ -207,7 +207,7 @@ class LayerCosts:
                 m = m / tp * ep
                 batch = batch / ep
             elif g.role in ("column", "vocab"):
-                n = n / tp
+                n = n / g.out_split(tp)
             elif g.role == "row":
                 k = k / tp
             use_fp8 = g.kind in self._fp8(fp8)
@@ -240,7 +240,7 @@ class LayerCosts:
         for g in self.block(block).gemms:
             if g.kind not in self._fp8(fp8):
                 continue
-            split = ep if g.experts else tp if g.role in ("column", "row", "vocab") else 1
+            split = ep if g.experts else g.weight_split(tp)
             total += g.n * g.k * g.batch / split
         return total * (1 + 4 / TILE_ELEMS)
 
@@ -519,10 +519,7 @@ class LayerCosts:
         gradient's transient in backward is the largest (the compute-precision gradient, and its
         fp32 copy accumulated into the fp32 gradient)."""
         blk = self.block(block)
-        weights = [
-            g.n * g.k * (g.batch / ep if g.experts else 1) / (tp if g.role in ("column", "row", "vocab") else 1)
-            for g in blk.gemms
-        ]
+        weights = [g.n * g.k * g.batch / ep if g.experts else g.n * g.k / g.weight_split(tp) for g in blk.gemms]
         if not blk.gemms:  # an embedding: its table, split over TP where it is vocabulary-parallel
             weights.append(blk.params_tp / tp + (blk.params - blk.params_tp))
         return max(weights, default=0.0)
@@ -533,6 +530,8 @@ class LayerCosts:
         expert = blk.params_experts
         dense_tp = blk.params_tp - expert
         dense = dense_tp / tp + (blk.params - blk.params_tp)
+        # key/value heads fewer than tp: their weights are whole on every rank, not 1/tp
+        dense += sum(g.n * g.k * (1 - 1 / tp) for g in blk.gemms if g.weight_split(tp) == 1 and g.heads)
         return dense, expert / ep
 
     def layer(

@@ -15,7 +15,8 @@ A column whose output is viewed into heads and split into parts, some of one hea
 attention's key and value in a fused QKV projection, Falcon's), keeps those parts whole on every
 TP rank, as Megatron replicates key/value heads fewer than the TP degree (``passes.tensor_parallel``
 does): :func:`single_heads` says which features those are, and the nodes that carry them to
-attention stay ``replicated``.
+attention stay ``replicated``. A key or value column of fewer heads than a TP degree shares each
+head between ranks: :func:`attention_heads` says how many it has.
 
 Writes ``node.meta["tp"]`` (``replicated`` | ``sharded`` | ``partial``) and, on weighted matmuls
 and embeddings, ``node.meta["tp_role"]`` (``column`` | ``row`` | ``vocab`` | ``replicated``).
@@ -182,6 +183,20 @@ def single_heads(column: fx.Node) -> tuple[int, list[fx.Node]]:
     inner = features // sum(sizes)
     parts = [u for u in split.users if u.target is operator.getitem and sizes[u.args[1]] == 1]
     return inner * sizes.count(1), parts
+
+
+def attention_heads(column: fx.Node) -> int:
+    """The heads ``column``'s whole output is viewed into where attention alone reads them (a key
+    or value projection, ``k_proj(x).view(b, s, heads, d)``); 0 for any other column. A TP degree
+    above them shares each head between ranks (``passes.tensor_parallel``)."""
+    users = [u for u in column.users if not _metadata_query(u)]
+    r = ops.rule_of(users[0]) if len(users) == 1 else None
+    if r is None or r.tp != "view":
+        return 0
+    shape, features = users[0].meta.get("shape") or (), (column.meta.get("shape") or (0,))[-1]
+    if len(shape) < 2 or shape[-2] * shape[-1] != features or not reaches_attention(users[0]):
+        return 0
+    return int(shape[-2])
 
 
 def reaches_attention(node: fx.Node) -> bool:

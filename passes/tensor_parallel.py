@@ -15,6 +15,11 @@ rewritten from the propagated shapes, and the collectives go in as explicit call
 * ``vocab_parallel_embedding`` for an embedding of the vocabulary,
 * ``vocab_parallel_cross_entropy`` for the loss over vocabulary-split logits.
 
+Key/value heads fewer than the TP degree (grouped-query attention, 1 < heads < tp, tp a multiple
+of them) are shared, as Megatron shares them: their projection's weight stays whole on every rank
+and the graph cuts out the rows of the one head this rank's query heads read, its gradient summed
+over TP (``partial_grads``); a key/value projection of one head is kept whole the same way.
+
 How a split passes through each op is the op's row in ``autoshard.ir.ops.RULES`` (its
 ``tp`` field): one transfer rule per kind (``_TRANSFER``), the same rows the planner's sharding
 analysis reads. Where no rule applies the pass raises ``Refusal(axis="tp")`` naming the op's line.
@@ -161,6 +166,9 @@ class _Propagator:
         # a column whose parts of one head stay whole on every rank (multi-query attention's key
         # and value in a fused projection) -> (its parts in heads, features per head)
         self.whole_heads_of: dict[fx.Node, tuple[tuple[int, ...], int]] = {}
+        # a key or value column of fewer heads than tp (1 < heads < tp) -> its heads: each rank
+        # computes the one head its query heads read, shared with tp/heads ranks (Megatron's)
+        self.shared_heads: dict[fx.Node, int] = {}
 
     def fail(self, node: fx.Node, why: str, divides: int | None = None) -> Refusal:
         return _fail(node, why, self.tp if divides else None, divides)
@@ -291,6 +299,8 @@ class _Propagator:
                 if len(s.factors) != 1:
                     raise self.fail(node, "re-splits an already structured split dimension")
                 return self._choose_split(node, src, gj, sizes)
+            if len(gj) == 1 and self.root[src] in self.shared_heads:
+                raise self.fail(node, "merges key/value heads that TP ranks share with other dimensions")
             if len(gj) == 1:  # merge several dims into one
                 factors: list[int] = []
                 index = 0
@@ -303,6 +313,13 @@ class _Propagator:
                 return Shard(gj[0], tuple(factors), index)
             raise self.fail(node, "a view that both splits and merges the split dimension")
         raise self.fail(node, "cannot follow the split dimension through this view")
+
+    def complex(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        """``view_as_complex`` drops the trailing (real, imaginary) pair dimension, ``view_as_real``
+        adds it: the split (heads, before the pairs) stays where it is, the pairs stay whole."""
+        if s.dim >= len(_shape(node)):
+            raise self.fail(node, "splits the (real, imaginary) pairs of a complex view")
+        return s
 
     def transpose(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
         rank = len(_shape(node))
@@ -423,6 +440,8 @@ class _Propagator:
         return Shard(s.dim - (d < s.dim), s.factors, s.index)
 
     def split(self, node: fx.Node, src: fx.Node, s: Shard) -> tuple[Shard | None, ...]:
+        if self.root[src] in self.shared_heads:
+            raise self.fail(node, "splits key/value heads that TP ranks share (fewer heads than tp)")
         shapes = node.meta.get("shapes") or ()
         rank = len(_shape(src))
         name = _op_name(node)
@@ -510,7 +529,7 @@ class _Propagator:
         """Every split attention reads q, k and v split along heads, but a key or value of one
         head, which every query head reads: a whole input of more heads (a key made by a matmul
         the analysis left replicated) would meet another number of heads on each rank."""
-        for node in [n for n in self.shard if ops.rule_of(n) is not None and ops.rule_of(n).tp == "attention"]:
+        for node in [n for n in self.shard if _is_attention(n)]:
             args = ops.call_args(node)
             for name in ("query", "key", "value"):
                 x, shape = args[name], _shape(args[name])
@@ -548,11 +567,18 @@ class _Propagator:
                 self.root[a] = self.root[next(iter(x for x in node.args[0] if x in self.shard))]
                 self._enters(a.args[0], a)
                 return
-        if a.op == "get_attr" and localise is None and _num(other[k]) == _num(_shape(node)[dim]):
-            # a parameter over the split features (OLMo2's q/k norm weight over all heads): this
-            # rank's slice of it, in the region's layout
-            s = self.shard[next(x for x in node.all_input_nodes if x in self.shard)]
-            self.params[a] = Shard(k, s.factors, s.index, s.parts)
+        param, casts = _cast_of_parameter(a)
+        if param is not None and localise is None and _num(other[k]) == _num(_shape(node)[dim]):
+            # a parameter over the split features (OLMo2's q/k norm weight over all heads,
+            # Cohere's (heads, head_dim) one, read through a cast): this rank's slice of it, in
+            # the region's layout
+            src = next(x for x in node.all_input_nodes if x in self.shard)
+            if self.root[src] in self.shared_heads:
+                raise self.fail(node, f"a per-head parameter {param.target} of key/value heads that TP ranks share")
+            s = self.shard[src]
+            self.params[param] = Shard(k, s.factors, s.index, s.parts)
+            for c in casts:
+                self.shard[c], self.root[c] = self.params[param], self.root[src]
             return
         raise self.fail(node, f"operand {a.name} is not split but spans the split dimension")
 
@@ -570,6 +596,16 @@ class _Propagator:
         # first factor in contiguous blocks is splitting the whole, so the layout stays
         plain = self.layout[root].factors == self.shard[src].factors
         reasons = []
+        if plain and self._shares_heads(node, src, sizes[0]):
+            trial = Shard(gj[0], (sizes[0],), 0)
+            self.shared_heads[root] = sizes[0]
+            why = self._try(node, trial)
+            if why is None:
+                self.layout[root] = Shard(self.layout[root].dim, sizes, 0)
+                self._refit(root, sizes, 0)
+                return trial
+            del self.shared_heads[root]
+            reasons.append(why)
         for k, size in enumerate(sizes if plain else sizes[:1]):
             if size % self.tp or size == 1:
                 continue
@@ -585,6 +621,12 @@ class _Propagator:
             raise self.fail(node, "a second, different split of a column's features")
         raise self.fail(node, reasons[0] if reasons else f"none of {sizes} divides by tp={self.tp}")
 
+    def _shares_heads(self, node: fx.Node, src: fx.Node, heads: int) -> bool:
+        """``node`` views a column's whole output as ``heads`` heads, fewer than tp (and dividing
+        it), that only attention reads: a key or value of grouped-query attention, each head shared
+        by tp/heads ranks."""
+        return self.root[src] is src and 1 < heads < self.tp and self.tp % heads == 0 and reaches_attention(node)
+
     def _refit(self, root: fx.Node, sizes: tuple[int, ...], k: int, parts: tuple[int, ...] = ()) -> None:
         """Every tensor split as ``root``'s plain features takes its new layout."""
         for n, sh in list(self.shard.items()):
@@ -592,12 +634,14 @@ class _Propagator:
                 self.shard[n] = Shard(sh.dim, sizes, k, parts)
 
     def _try(self, node: fx.Node, trial: Shard) -> str | None:
-        """Propagate ``trial`` through everything downstream of ``node`` on a scratch copy."""
+        """Propagate ``trial`` through everything downstream of ``node`` up to attention (whose output
+        the query heads make) on a scratch copy."""
         scratch = _Propagator(self.gm, self.tp)
         scratch.shard = dict(self.shard)
         scratch.items = dict(self.items)
         scratch.root = dict(self.root)
         scratch.layout = dict(self.layout)
+        scratch.shared_heads = dict(self.shared_heads)
         scratch.shard[node] = trial
         scratch.root[node] = self.root[node.all_input_nodes[0]]
         downstream, frontier = [], [node]
@@ -607,7 +651,8 @@ class _Propagator:
                 if u not in seen and u.meta.get("tp_role") != "row":
                     seen.add(u)
                     downstream.append(u)
-                    frontier.append(u)
+                    if not _is_attention(u):  # its output has the query's heads, which the trial may not reach
+                        frontier.append(u)
         order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
         try:
             scratch.run(sorted(downstream, key=order.__getitem__))
@@ -623,6 +668,7 @@ _TRANSFER = {
     "reduce": _Propagator.reduce,
     "norm": _Propagator.norm,
     "view": _Propagator.view,
+    "complex": _Propagator.complex,
     "transpose": _Propagator.transpose,
     "permute": _Propagator.permute,
     "getitem": _Propagator.getitem,
@@ -642,6 +688,21 @@ _CHECKS_OWN_INPUTS = ("attention", "matmul", "cat", "stack")
 
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _cast_of_parameter(a: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The parameter ``a`` reads (itself, or through casts each read only by the next) and those
+    casts; ``(None, [])`` where ``a`` is something else."""
+    casts = []
+    while a.meta.get("op") in ops.CASTS and len(a.users) == 1 and isinstance(a.args[0], fx.Node):
+        casts.append(a)
+        a = a.args[0]
+    return (a, casts) if a.op == "get_attr" else (None, [])
+
+
+def _is_attention(node: fx.Node) -> bool:
+    row = ops.rule_of(node)
+    return row is not None and row.tp == "attention"
 
 
 def _keepdim(node: fx.Node) -> bool:
@@ -725,7 +786,8 @@ def _rewrite_view_sizes(prop: _Propagator, tp: int) -> None:
     for node, s in prop.shard.items():
         if _op_name(node) in ("view", "reshape", "expand") and node.op in ("call_method", "call_function"):
             whole = s.parts and prop.root[node] in prop.whole_heads_of
-            _rewrite_sizes(node, s, tp, sum(map(prop.local_units, s.parts)) if whole else None)
+            group = prop.shared_heads.get(prop.root[node], tp)  # shared heads: one of them a rank
+            _rewrite_sizes(node, s, group, sum(map(prop.local_units, s.parts)) if whole else None)
     for node, (i, value) in prop.sizes.items():
         node.args = (*node.args[:i], value, *node.args[i + 1 :])
     for node, args in prop.rewrites.items():
@@ -745,6 +807,9 @@ def _split_columns(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -
         node.replace_input_with(x, f_of[x])
         if node in prop.whole_heads_of:
             _keep_whole_heads(gm, tp, node, lin, *prop.whole_heads_of[node])
+            continue
+        if node in prop.shared_heads:
+            _share_heads(gm, tp, node, lin, prop.shared_heads[node])
             continue
         if lin.module:
             local = nn.Linear(lin.in_f, lin.out_f // tp, bias=lin.bias is not None, device="meta")
@@ -787,17 +852,7 @@ def _keep_whole_heads(gm: fx.GraphModule, tp: int, node: fx.Node, lin: _Lin, par
     if lin.stored_in_out:
         raise _fail(node, "a fused projection with one-head parts whose weight is stored (in, out)", tp)
     graph, rows = gm.graph, [p * inner for p in parts]
-    with graph.inserting_before(node):
-        rank = place(graph.call_function(runtime.tp_rank, ()), node, shape=None, dtype=None, requires_grad=False)
-    if lin.module:  # F.linear on its parameters, which the graph then cuts
-        reads = []
-        for name in (lin.weight, lin.bias):
-            if name is not None:
-                with graph.inserting_before(node):
-                    shape = tuple(_param(gm, name).shape)
-                    reads.append(place(graph.get_attr(name), node, shape=shape, tp="replicated", requires_grad=True))
-        node.op, node.target, node.args = "call_function", torch.nn.functional.linear, (node.args[0], *reads)
-        node.meta["op"] = ops.op_name(node)
+    rank = _on_whole_parameters(gm, node, lin)
     for i, name in ((1, lin.weight), (2, lin.bias)):
         if name is None:
             continue
@@ -827,6 +882,56 @@ def _keep_whole_heads(gm: fx.GraphModule, tp: int, node: fx.Node, lin: _Lin, par
         node,
         f"tp={tp}: column-parallel, out_features {lin.out_f} -> {sum(w if w == inner else w // tp for w in rows)}, "
         f"one-head parts ({kept} rows) whole on every rank, their gradients summed over TP",
+    )
+
+
+def _on_whole_parameters(gm: fx.GraphModule, node: fx.Node, lin: _Lin) -> fx.Node:
+    """Make column ``node`` read its whole weight and bias as arguments (an ``nn.Linear`` call
+    becomes ``F.linear`` on its parameters), for the graph to cut this rank's rows out; returns
+    the node of this rank's TP index, inserted before ``node``."""
+    graph = gm.graph
+    with graph.inserting_before(node):
+        rank = place(graph.call_function(runtime.tp_rank, ()), node, shape=None, dtype=None, requires_grad=False)
+    if lin.module:
+        reads = []
+        for name in (lin.weight, lin.bias):
+            if name is not None:
+                with graph.inserting_before(node):
+                    shape = tuple(_param(gm, name).shape)
+                    reads.append(place(graph.get_attr(name), node, shape=shape, tp="replicated", requires_grad=True))
+        node.op, node.target, node.args = "call_function", torch.nn.functional.linear, (node.args[0], *reads)
+        node.meta["op"] = ops.op_name(node)
+    return rank
+
+
+def _share_heads(gm: fx.GraphModule, tp: int, node: fx.Node, lin: _Lin, heads: int) -> None:
+    """A key or value column of ``heads`` heads, fewer than ``tp``: as Megatron replicates them,
+    its weight and bias stay whole on every rank and the graph cuts out the rows of the one head
+    this rank's query heads read (head ``rank // (tp / heads)``). The ranks sharing a head each
+    hold the gradient of their own query heads' reads, and the others none: ``partial_grads``
+    sums them over TP."""
+    if lin.stored_in_out:
+        raise _fail(node, "key/value heads shared between TP ranks from a weight stored (in, out)", tp)
+    graph, width = gm.graph, lin.out_f // heads
+    rank = _on_whole_parameters(gm, node, lin)
+    with graph.inserting_before(node):
+        head = graph.call_function(operator.floordiv, (rank, tp // heads))
+        at = graph.call_function(operator.mul, (head, width))
+        for n in (head, at):
+            place(n, node, shape=None, dtype=None, requires_grad=False)
+    for i, name in ((1, lin.weight), (2, lin.bias)):
+        if name is not None:
+            full = node.args[i]
+            shape = tuple(_param(gm, name).shape)
+            with graph.inserting_before(node):
+                piece = graph.call_function(torch.narrow, (full, 0, at, width))
+                place(piece, node, full, shape=(width, *shape[1:]), tp="replicated")
+            node.replace_input_with(full, piece)
+            decisions(gm).partial_grads.append(name)
+    note(
+        node,
+        f"tp={tp}: {heads} key/value heads, each shared by {tp // heads} ranks: this rank's head "
+        f"(out_features {lin.out_f} -> {width}), its gradients summed over TP",
     )
 
 
@@ -974,7 +1079,7 @@ def full_weights_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
         if node.meta.get("tp_role") not in ("column", "row", "vocab") or node.meta.get("op_class") != "matmul":
             continue
         if node.meta.get("tp_role") == "column" and _cut_in_graph(node):
-            continue  # kept whole, this rank's rows cut in the graph (``_keep_whole_heads``)
+            continue  # kept whole, this rank's rows cut in the graph (``_keep_whole_heads``, ``_share_heads``)
         lin = _linear(gm, node, ctx.tp)
         if lin.weight in decisions(gm).partial_grads:
             continue  # one key/value head, kept whole (``_keep_whole_heads``)
@@ -988,6 +1093,8 @@ def full_weights_left(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
 def _cut_in_graph(node: fx.Node) -> bool:
     """A linear whose weight is this rank's rows of a parameter, cut in the graph."""
     w = node.args[1] if node.op == "call_function" and len(node.args) > 1 else None
+    if isinstance(w, fx.Node) and w.target is torch.narrow:  # one piece (``_share_heads``)
+        return True
     return isinstance(w, fx.Node) and w.target is torch.cat and all(p.target is torch.narrow for p in w.args[0])
 
 

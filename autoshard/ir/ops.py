@@ -56,6 +56,8 @@ TP_RULES = {
     "norm": "a normalisation over trailing features (F.layer_norm, F.rms_norm) that are not the split "
     "dimension: per head",
     "view": "view/reshape: the split dimension is followed through merged and split dimensions",
+    "complex": "view_as_complex / view_as_real: a trailing dimension of (real, imaginary) pairs dropped "
+    "or added, never the split one (complex rotary embeddings: the heads pass, the pairs stay whole)",
     "transpose": "two dimensions swapped",
     "permute": "dimensions permuted",
     "getitem": "basic indexing of a tensor, or one output of a split",
@@ -253,6 +255,7 @@ RULES: dict[str, OpRule] = {
     # views
     **_rows("view reshape _unsafe_view", _VIEW, tp="view", sp="view"),
     **_rows("flatten unflatten view_as", _VIEW, tp="view"),
+    **_rows("view_as_complex view_as_real", _VIEW, tp="complex"),
     **_rows("transpose swapaxes t", _VIEW, tp="transpose"),
     "permute": replace(_VIEW, tp="permute"),
     "getitem": replace(_VIEW, tp="getitem"),

@@ -214,11 +214,14 @@ def divisors(n: int) -> list[int]:
 
 
 def tp_choices(problem: Problem) -> list[int]:
+    """TP degrees dividing every head count and split feature size, and each key/value head count
+    or divided by it (fewer key/value heads than ranks: each shared by tp/heads ranks)."""
     dims = problem.cost.facts.get("tp_dims") or [1]
     g = 0
     for d in dims:
         g = math.gcd(g, d)
-    return [t for t in divisors(g) if problem.gpus % t == 0]
+    kv = problem.cost.facts.get("kv_heads") or []
+    return [t for t in divisors(g) if problem.gpus % t == 0 and all(h % t == 0 or t % h == 0 for h in kv)]
 
 
 def check_problem(problem: Problem) -> None:

@@ -217,3 +217,44 @@ def test_one_key_value_head_costs_whole_on_every_tp_rank(fused):
     else:
         assert held["model.layers.0.q.weight"] == (16, 32) and held["model.layers.0.k.weight"] == (8, 32)
     assert sum(n.startswith("model.layers.0.") for n in decisions(gm).partial_grads) == (1 if fused else 2)
+
+
+class _SharedKVLayer(torch.nn.Module):
+    """8 query heads of 4 features, 2 key/value heads: above TP2 each is shared by tp/2 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 32, bias=False)
+        self.k, self.v = torch.nn.Linear(32, 8, bias=False), torch.nn.Linear(32, 8, bias=False)
+
+    def forward(self, x, rotary):  # the decoder's rotary table, unused
+        b, s = x.size(0), x.size(1)
+        q, k, v = (p(x).view(b, s, -1, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return x + self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_fewer_key_value_heads_than_tp_cost_what_the_pass_does():
+    """TP4 over 2 key/value heads: the degree is a choice, each rank computes one of the key/value
+    heads (half the projection, not a quarter) from their weights held whole, as the program does."""
+    from types import SimpleNamespace
+
+    from autoshard.capture import capture
+    from autoshard.cost_models.analyze import analyze
+    from autoshard.passes.contract import RewriteContext
+    from autoshard.passes.tensor_parallel import tensor_parallel
+    from autoshard.planner.candidates import tp_choices
+
+    model = _Decoder()
+    model.layers = torch.nn.ModuleList(_SharedKVLayer() for _ in range(2))
+    cap = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
+    cost = analyze(cap)
+    assert cost.facts["kv_heads"] == [2]
+    assert tp_choices(SimpleNamespace(cost=cost, gpus=8)) == [1, 2, 4, 8]  # 8: one query head a rank
+    kv = [g for g in cost.blocks[0].gemms if g.role == "column" and g.n == 8]
+    assert [(g.heads, g.out_split(4), g.weight_split(4), g.weight_split(2)) for g in kv] == [(2, 2, 1, 2)] * 2
+    gm = tensor_parallel(cap.graph_module, RewriteContext(tp=4))
+    held = {k: tuple(v.shape) for k, v in gm.named_parameters() if k.startswith("model.layers.0.")}
+    assert held["model.layers.0.k.weight"] == (8, 32) and held["model.layers.0.q.weight"] == (8, 32)
+    rows = [n.meta["shape"][0] for n in gm.graph.nodes if n.target is torch.narrow and n.meta.get("layer") == 0]
+    assert rows == [8 // 2] * 2  # the projection's output over out_split(4), as the gemms say

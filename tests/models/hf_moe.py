@@ -1,6 +1,6 @@
 """transformers' mixture-of-experts decoders, as one autoshard model file.
 
-``--config deepseek_v3 | mixtral | qwen3_moe | llama4`` are tiny configs (CPU tests); a suffix picks the
+``--config deepseek_v3 | deepseek_v2 | mixtral | qwen3_moe | llama4`` are tiny configs (CPU tests); a suffix picks the
 experts implementation transformers runs them with (``-eager``: a loop over expert ids,
 ``-batched``: per-token gathered weights; none: its default, grouped GEMMs). ``deepseek_v3-671b``
 and ``mixtral-8x22b`` are the published configurations (planning only, on the meta device).
@@ -18,6 +18,11 @@ ARCHITECTURES = {
         _TINY, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
         n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=32,
         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)),
+    # DeepSeek-V2: multi-head latent attention with complex-number rotary embeddings, greedy routing
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        _TINY, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16)),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
         _TINY, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
@@ -71,6 +76,7 @@ def sample_inputs(config: str, batch: int, seq: int) -> tuple:
 MODELS = {
     "deepseek_v3 (example)": ("examples/deepseek_v3.py", "tiny"),
     "deepseek_v3": ("tests/models/hf_moe.py", "deepseek_v3"),
+    "deepseek_v2": ("tests/models/hf_moe.py", "deepseek_v2"),
     "mixtral": ("tests/models/hf_moe.py", "mixtral"),
     "qwen3_moe": ("tests/models/hf_moe.py", "qwen3_moe"),
     "llama4": ("tests/models/hf_moe.py", "llama4"),
@@ -117,4 +123,5 @@ CI_SUBSET = [
     ("naive_moe (loop)", "ep2-pp2"),  # each rank's rows of every expert's own parameters, exchanged
     ("reference_moe (loop)", "ep2-zero1"),
     ("mixtral (batched)", "ep2"),
+    ("deepseek_v2", "ep2-tp2"),  # complex-number rotary embeddings split by heads
 ]

@@ -36,15 +36,24 @@ ARCHITECTURES = {
     # ALiBi: an additive bias of slope_h * key position on the scores, no position embedding
     "bloom": ("BloomForCausalLM", "BloomConfig", dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=4,
                                                      hidden_dropout=0.0, attention_dropout=0.0)),
+    # Cohere: per-head q/k LayerNorms whose weight is (heads, head_dim), parallel attention and MLP
+    "cohere": ("CohereForCausalLM", "CohereConfig", dict(_DECODER, use_qk_norm=True)),
 }  # fmt: skip
 # an architecture with a feature switched on that its matrix config leaves off
 VARIANTS = {
     # a sliding window shorter than the traced sequence (32 tokens): a banded mask, not a causal one
     "mistral-swa": ("MistralForCausalLM", "MistralConfig", dict(_DECODER, sliding_window=16)),
+    # 8 query heads, 2 key/value heads: at TP4 each key/value head is shared by 2 ranks
+    "llama-kv2": ("LlamaForCausalLM", "LlamaConfig", dict(_DECODER, num_attention_heads=8)),
 }
 # released models' config.json at full size, for planning and checks at scale on the meta device
 # (not in the matrix, which runs every architecture on CPU processes)
 FULL_SIZE = {
+    # Command R+ (its config.json)
+    "cohere-plus": ("CohereForCausalLM", "CohereConfig", dict(
+        vocab_size=256000, hidden_size=12288, intermediate_size=33792, num_hidden_layers=64,
+        num_attention_heads=96, num_key_value_heads=8, max_position_embeddings=8192, use_qk_norm=True,
+        tie_word_embeddings=True, logit_scale=0.8333333333333334, rope_theta=75000000.0)),
     "qwen3-32b": ("Qwen3ForCausalLM", "Qwen3Config", dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600,
                                                          num_hidden_layers=64, num_attention_heads=64,
                                                          num_key_value_heads=8, head_dim=128, rope_theta=1e6,
@@ -66,11 +75,13 @@ LAYOUTS = {
     "dp2": (2, "dp=2,zero=1"),
     "cp2": (2, "cp=2,attention=ring"),
     "tp2-pp2": (4, "tp=2,pp=2,sp=on,schedule=1f1b"),
+    "tp4": (4, "tp=4,sp=on"),  # more ranks than the tiny configs' 2 key/value heads: each shared by 2
 }
 # one case per feature that needed its own rule: per-head norms, a partial-sum norm with a padding
 # row, unequal fused-QKV slices, Conv1D rows with tied weights, tied weights across stages with
 # soft-capping, a scaled tied embedding under ZeRO, a causal mask tensor under CP, fused-QKV chunks,
-# a sliding window shorter than the sequence under CP, ALiBi (its bias recognised while captured on meta)
+# a sliding window shorter than the sequence under CP, ALiBi (its bias recognised while captured on meta),
+# a (heads, head_dim) norm weight, key/value heads shared by TP ranks
 CI_SUBSET = [
     ("qwen3", "tp2-sp"),
     ("olmo2", "tp2-sp"),
@@ -82,6 +93,8 @@ CI_SUBSET = [
     ("gpt_neox", "tp2-pp2"),
     ("mistral-swa", "cp2"),
     ("bloom", "pp2"),
+    ("cohere", "tp2-sp"),  # a per-head norm weight of shape (heads, head_dim), read through a cast
+    ("llama-kv2", "tp4"),  # 2 key/value heads over 4 TP ranks
 ]
 
 

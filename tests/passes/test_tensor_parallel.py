@@ -192,6 +192,7 @@ class _Zoo(torch.nn.Module):
         q, k, v = self.qkv(x).split(32, dim=-1)  # split: equal parts of the split dimension
         q = F.rms_norm(q.view(b, s, 4, 8), (8,)).transpose(1, 2)  # view, norm (per head), transpose
         k = k.view(b, s, 4, 8)
+        k = torch.view_as_real(torch.view_as_complex(k.reshape(b, s, 4, 4, 2))).flatten(3)  # complex
         k = (k - k.mean(-1, keepdim=True)).permute(0, 2, 1, 3)  # reduce (per head), permute
         v = v.reshape(b, s, 4, 8).transpose(1, 2)
         fused = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # attention
@@ -440,3 +441,170 @@ def test_attention_whose_keys_stay_whole_is_refused_by_name():
     with pytest.raises(Refusal, match=r"its key transpose_2 keeps all 4 heads, another input is split") as e:
         _rewrite(_WholeKeys())
     assert (e.value.axis, e.value.exclusion()) == ("tp", "*")  # whatever the degree
+
+
+# ---------------------------------------------------------------------------------------------
+# Complex-number rotary embeddings (Llama 4, DeepSeek-V2)
+
+
+class _ComplexRope(torch.nn.Module):
+    """Queries and keys rotated as Llama 4 and DeepSeek-V2 write it: each head's features viewed
+    as head_dim/2 complex numbers (``view_as_complex``), multiplied by ``freqs_cis``, and viewed
+    back (``view_as_real``, ``flatten``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        angles = torch.outer(torch.arange(64.0), 1.0 / 100.0 ** (torch.arange(4.0) / 4))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, tokens):
+        F = torch.nn.functional
+        x = self.embed(tokens)
+        b, s = tokens.size(0), tokens.size(1)
+        freqs = self.freqs_cis[:s].unsqueeze(1)  # (s, 1, 4): broadcast over heads
+
+        def rotate(t):
+            t = torch.view_as_complex(t.view(b, s, 4, 8).reshape(b, s, 4, -1, 2))
+            return torch.view_as_real(t * freqs).flatten(3).transpose(1, 2)
+
+        q, k = rotate(self.q(x)), rotate(self.k(x))
+        v = self.v(x).view(b, s, 4, 8).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 32)
+        return self.head(x + self.o(out))
+
+
+def test_complex_rotary_splits_heads_and_keeps_the_pairs():
+    torch.manual_seed(0)
+    model = _ComplexRope()
+    gm, ctx = _rewrite(model)
+    assert decisions(gm).shards["model.q.weight"] == ParamShard(0, (4, 8), 0)  # by heads
+    assert decisions(gm).shards["model.k.weight"] == ParamShard(0, (4, 8), 0)
+    state = [*model.named_parameters(), *model.named_buffers()]
+    load_local(gm, ctx, {f"model.{k}": v.detach() for k, v in state}, 0)
+    seen = {}
+
+    class Recorder(torch.fx.Interpreter):  # rank 0, without a TP group: collectives are identities
+        def run_node(self, n):
+            value = super().run_node(n)
+            if n.meta.get("op") in ("view_as_complex", "view_as_real", "scaled_dot_product_attention"):
+                seen.setdefault(n.meta["op"], []).append(tuple(value.shape))
+            return value
+
+    Recorder(gm).run(torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0)))  # rank 0's rows
+    # 2 of 4 heads, each 4 complex numbers (8 features as pairs)
+    assert seen == {
+        "view_as_complex": [(2, 8, 2, 4)] * 2,
+        "view_as_real": [(2, 8, 2, 4, 2)] * 2,
+        "scaled_dot_product_attention": [(2, 2, 8, 8)],
+    }
+
+
+def _complex_worker(rank, world):
+    import torch.distributed as dist
+
+    runtime.set_groups(tp=dist.group.WORLD)
+    torch.manual_seed(0)
+    model = _ComplexRope()
+    gm, ctx = _rewrite(model, tp=world)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    reference = causal_lm_loss(model(tokens), tokens)
+    state = [*model.named_parameters(), *model.named_buffers()]
+    load_local(gm, ctx, {f"model.{k}": v.detach() for k, v in state}, rank)
+    loss = gm(tokens)
+    runtime.set_groups(tp=None)
+    return abs(loss.item() - reference.item()) / abs(reference.item())
+
+
+def test_complex_rotary_tp2_on_two_processes_matches_single_device():
+    from distributed import run
+
+    assert all(err < 1e-6 for err in run(_complex_worker, 2, timeout=120))
+
+
+# ---------------------------------------------------------------------------------------------
+# A per-head norm weight of shape (heads, head_dim), read through a cast (Cohere's q/k LayerNorm)
+
+
+def test_per_head_norm_weight_is_split_with_its_heads():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.CohereConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_qk_norm=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    gm, ctx = _rewrite(transformers.CohereForCausalLM(cfg))
+    shapes = {k: tuple(v.shape) for k, v in gm.named_parameters()}
+    attn = "model.model.layers.0.self_attn"
+    assert decisions(gm).shards[f"{attn}.q_norm.weight"] == ParamShard(0, (4,), 0)  # 4 heads, 2 a rank
+    assert decisions(gm).shards[f"{attn}.k_norm.weight"] == ParamShard(0, (2,), 0)  # 2 key heads, 1 a rank
+    assert (shapes[f"{attn}.q_norm.weight"], shapes[f"{attn}.k_norm.weight"]) == ((2, 16), (1, 16))
+    assert f"{attn}.q_norm.weight" not in decisions(gm).partial_grads  # its heads are this rank's alone
+
+
+# ---------------------------------------------------------------------------------------------
+# Fewer key/value heads than the TP degree: each shared by tp/kv_heads ranks (Megatron's)
+
+
+class _SharedKV(torch.nn.Module):
+    """8 query heads, 2 key/value heads of 4 features; ``repeat`` writes the grouping out as
+    transformers' repeat_kv does (expand and merge) instead of sdpa's enable_gqa."""
+
+    def __init__(self, repeat: bool = False):
+        super().__init__()
+        self.repeat = repeat
+        self.embed = torch.nn.Embedding(64, 32)
+        self.q, self.o = torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 32, bias=False)
+        self.k, self.v = torch.nn.Linear(32, 8, bias=True), torch.nn.Linear(32, 8, bias=False)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, tokens):
+        F = torch.nn.functional
+        x = self.embed(tokens)
+        b, s = tokens.size(0), tokens.size(1)
+        q = self.q(x).view(b, s, 8, 4).transpose(1, 2)
+        k, v = (p(x).view(b, s, 2, 4).transpose(1, 2) for p in (self.k, self.v))
+        if self.repeat:
+            k, v = (t[:, :, None].expand(b, 2, 4, s, 4).reshape(b, 8, s, 4) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not self.repeat)
+        return self.head(x + self.o(out.transpose(1, 2).reshape(b, s, 32)))
+
+
+def _value_on_rank(gm, node, rank):
+    """``node``'s value when ``gm`` runs as TP rank ``rank`` without a TP group (collectives are
+    identities; the rank is patched in)."""
+    seen = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            seen[n] = rank if n.target is runtime.tp_rank else super().run_node(n)
+            return seen[n]
+
+    Recorder(gm).run(torch.zeros(2, 8, dtype=torch.long))
+    return seen[node]
+
+
+def test_fewer_kv_heads_than_tp_each_rank_computes_its_query_heads_kv_head():
+    torch.manual_seed(0)
+    model = _SharedKV()
+    gm, ctx = _rewrite(model, tp=4)
+    load_local(gm, ctx, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}, 3)
+    assert decisions(gm).shards["model.q.weight"] == ParamShard(0, (8, 4), 0)  # 2 query heads a rank
+    assert not {"model.k.weight", "model.k.bias", "model.v.weight"} & set(decisions(gm).shards)  # kept whole
+    assert {"model.k.weight", "model.k.bias", "model.v.weight"} <= set(decisions(gm).partial_grads)
+    cut = {n.args[0].target: n for n in gm.graph.nodes if n.target is torch.narrow}
+    assert sorted(cut) == ["model.k.bias", "model.k.weight", "model.v.weight"]
+    assert "each shared by 2 ranks" in notes(gm)[next(iter(cut["model.k.weight"].users)).name]
+    # rank 3 holds query heads 6-7, which read key/value head 3 // (4 / 2) = 1: rows 4-7
+    for name in cut:
+        assert torch.equal(_value_on_rank(gm, cut[name], 3), model.get_parameter(name[6:])[4:8].detach())
+    sdpa = next(n for n in gm.graph.nodes if n.meta.get("op") == "scaled_dot_product_attention")
+    q, k, v = (_value_on_rank(gm, a, 3).shape for a in sdpa.args[:3])
+    assert (q[1], k[1], v[1]) == (2, 1, 1)  # 2 of 8 query heads, 1 of 2 key/value heads
+
+
+def test_shared_kv_heads_merged_with_their_repeats_are_refused_by_name():
+    with pytest.raises(Refusal, match="merges key/value heads that TP ranks share with other dimensions"):
+        _rewrite(_SharedKV(repeat=True), tp=4)
