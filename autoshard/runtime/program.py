@@ -792,6 +792,7 @@ def shard_data_parallel(
 
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if dtype == "bf16" else MixedPrecisionPolicy()
     shard = functools.partial(_fully_shard, fully_shard, reshard_after_forward=zero == 3, mp_policy=mp, divide=dp)
+    dense_mesh = zero_mesh(plan, mesh) if dense else None
     for module in stages:
         units = [*layer_units(module), module]
         if sharded_experts:
@@ -799,7 +800,7 @@ def shard_data_parallel(
         if dense:
             ignored = {p for p in module.parameters() if any(p is e for e in experts)} or None
             for unit in units:
-                shard(unit, mesh=zero_mesh(plan, mesh), ignored_params=ignored)
+                shard(unit, mesh=dense_mesh, ignored_params=ignored)
         module.autoshard_zero = zero  # read by the pipeline stage (``_stage_class``)
     return dense
 
