@@ -2,7 +2,7 @@
 
 Per parameter: bf16 weights 2 B, bf16 gradients 2 B, fp32 master weights 4 B, Adam moments 4 + 4 B
 = 16 B. ZeRO-1 shards the optimizer's 12 B over the data-parallel ranks, ZeRO-2 the gradients as
-well, ZeRO-3 the weights too.
+well, ZeRO-3 the weights too. ``program_state_bytes`` is what autoshard's programs hold of them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ WEIGHT_BYTES = 2
 GRAD_BYTES = 2
 GRAD_REDUCE_BYTES = 4  # fp32 gradients: how autoshard's programs accumulate and reduce them
 OPTIMIZER_BYTES = 12  # fp32 master copy + Adam m + Adam v
+MASTER_BYTES = 4  # the fp32 master copy, of OPTIMIZER_BYTES
 # a bf16 parameter's gradient as backward makes it: the bf16 gradient and its fp32 copy, added into
 # the fp32 gradient (``grad_dtype``), for one parameter at a time
 GRAD_TRANSIENT_BYTES = 2 + 4
@@ -39,13 +40,29 @@ def model_state_bytes(params: float, zero: int = 0, dp: int = 1, grad_bytes: int
     return out
 
 
+def program_state_bytes(params: float, zero: int, ranks: int) -> dict[str, float]:
+    """``model_state_bytes`` with fp32 gradients as autoshard's programs hold them: where FSDP2
+    shards (ZeRO-2/3 over more than one rank) its fp32 shards are the masters the optimizer
+    steps, held as the parameters (``runtime.program.shard_data_parallel``); beside them ZeRO-3
+    keeps no weights (a layer's bf16 ones are gathered while it works: ``ZERO3_GATHERED_LAYERS``)
+    and ZeRO-2 the bf16 weights whole, from a layer's forward until its backward."""
+    out = model_state_bytes(params, zero, ranks, GRAD_REDUCE_BYTES)
+    if zero >= 2 and ranks > 1:
+        masters = params * MASTER_BYTES / ranks
+        out["params"] = (params * WEIGHT_BYTES if zero == 2 else 0.0) + masters
+        out["optimizer"] -= masters
+        out["total"] = sum(out[k] for k in ("params", "grads", "optimizer"))
+    return out
+
+
 @lru_cache(maxsize=65536)
 def sharded_state_bytes(params_dense: float, params_expert: float, zero: int, dpcp: int, edp: int) -> dict[str, float]:
     """Model states per GPU holding ``params_dense`` dense and ``params_expert`` routed-expert
-    parameters, with fp32 gradients. ZeRO shards a parameter's states over the ranks that hold
-    the same copy of it: the dense ones over the ``dpcp`` data x context parallel ranks (TP ranks
-    hold different slices), the experts over their ``edp`` expert-data-parallel ranks (a stage's
-    tp*cp*dp ranks over ``ep``: each expert-parallel rank holds whole experts, 1/ep of them)."""
-    dense = model_state_bytes(params_dense, zero, dpcp, GRAD_REDUCE_BYTES)
-    expert = model_state_bytes(params_expert, zero, edp, GRAD_REDUCE_BYTES)
+    parameters (``program_state_bytes``). ZeRO shards a parameter's states over the ranks that
+    hold the same copy of it: the dense ones over the ``dpcp`` data x context parallel ranks (TP
+    ranks hold different slices), the experts over their ``edp`` expert-data-parallel ranks (a
+    stage's tp*cp*dp ranks over ``ep``: each expert-parallel rank holds whole experts, 1/ep of
+    them), at every stage as the program does (ZeRO-1's rows; FSDP2 over that group at 2/3)."""
+    dense = program_state_bytes(params_dense, zero, dpcp)
+    expert = program_state_bytes(params_expert, zero, edp)
     return {k: dense[k] + expert[k] for k in dense}

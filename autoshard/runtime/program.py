@@ -535,9 +535,11 @@ def _fsdp_backward(submod, zero: int, backward_type: str, bwd_kwargs: dict):
     from torch.distributed.pipelining._backward import stage_backward, stage_backward_input
 
     whole = backward_type != "input"
-    submod.set_is_last_backward(False)
-    submod.set_reshard_after_backward(whole and zero == 3)
-    submod.set_requires_gradient_sync(whole)
+    units = [m for m in submod.modules() if isinstance(m, FSDPModule)]  # (the experts' without the chunk's)
+    for unit in units:
+        unit.set_is_last_backward(False)
+        unit.set_reshard_after_backward(whole and zero == 3, recurse=False)
+        unit.set_requires_gradient_sync(whole, recurse=False)
     args = bwd_kwargs.get("stage_output"), bwd_kwargs.get("output_grads"), bwd_kwargs.get("input_values")
     if backward_type == "full":
         out = stage_backward(*args), None
@@ -545,7 +547,7 @@ def _fsdp_backward(submod, zero: int, backward_type: str, bwd_kwargs: dict):
         out = stage_backward_input(*args, submod.parameters())
     else:
         out = weight_pass(submod.parameters(), bwd_kwargs["param_groups"]), None
-    states = {id(s): s for m in submod.modules() if isinstance(m, FSDPModule) for s in [m._get_fsdp_state()]}
+    states = {id(s): s for m in units for s in [m._get_fsdp_state()]}
     for group in (g for state in states.values() for g in state._fsdp_param_groups):
         if backward_type == "weight":  # the input pass ran the units' post-backward hooks already
             group.post_backward()
@@ -736,6 +738,20 @@ def shards_dense(plan: Plan) -> bool:
     return plan.zero_stage >= 2 and plan.mesh.dp * plan.mesh.cp > 1
 
 
+def shards_experts(plan: Plan) -> bool:
+    """Whether FSDP2 shards the stacked expert weights (ZeRO-2/3 over more than one
+    expert-data-parallel rank), as the cost model counts them (``cost_models.memory``)."""
+    return plan.zero_stage >= 2 and plan.mesh.edp > 1
+
+
+def held_whole(stages: list[nn.Module], plan: Plan, experts: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters FSDP2 leaves whole on this rank (``shard_data_parallel``): the ones
+    ``lower_parameters`` gives the compute precision itself."""
+    expert_ids = {id(p) for p in experts}
+    sharded = lambda p: shards_experts(plan) if id(p) in expert_ids else shards_dense(plan)  # noqa: E731
+    return [p for m in stages for p in m.parameters() if not sharded(p)]
+
+
 def zero_mesh(plan: Plan, mesh):
     """The ranks ZeRO shards over: data parallel x context parallel, as the planner counts memory
     (the CP ranks of a replica hold the same parameters). A 1-D mesh."""
@@ -751,38 +767,88 @@ def _flatten(mesh, dims: tuple[str, ...], name: str):
 
 
 def shard_data_parallel(
-    stages: list[nn.Module], plan: Plan, mesh, experts: list[nn.Parameter] = (), dtype: str = "fp32"
+    stages: list[nn.Module],
+    plan: Plan,
+    mesh,
+    experts: Sequence[nn.Parameter] = (),
+    dtype: str = "fp32",
+    edp_mesh=None,
 ) -> bool:
     """ZeRO-2/3: FSDP2 ``fully_shard`` over the dp x cp ranks, one unit per layer of each chunk
     (``layer_units``) and the chunk's own unit for the rest (ZeRO-3 frees a layer's gathered
     parameters after its forward and its backward, ZeRO-2 keeps them until the step is done).
-    Returns whether FSDP owns gradient reduction. The reduction sums over dp x cp and divides by
-    dp: the mean over replicas of the CP ranks' summed shares. (Forcing the sum also sidesteps
-    pytorch#162338, FSDP2 on gloo summing where it should average.) Stacked expert weights
-    (``experts``) are left out: their replicas are the expert-data-parallel ranks, not dp x cp;
-    ``reduce_gradients`` sums them and an optimizer over that group shards their states (ZeRO-1
-    for experts: FSDP2 gathers a module's parameters in its forward, and the stage code reads
-    expert weights as tensors of the chunk, not through a module of their own). At ``dtype``
-    bf16 the shards stay fp32 (the masters) and are gathered in bf16, the gradients reduced in
-    fp32."""
+    Returns whether FSDP owns the dense gradients' reduction. The reduction sums over dp x cp and
+    divides by dp: the mean over replicas of the CP ranks' summed shares. (Forcing the sum also
+    sidesteps pytorch#162338, FSDP2 on gloo summing where it should average.) Stacked expert
+    weights (``experts``) are replicated over the expert-data-parallel ranks (``edp_mesh``), not
+    dp x cp: FSDP2 shards them over those (``_shard_experts``), with the same reduction; with
+    one such rank they stay whole (``reduce_gradients``). At ``dtype`` bf16 the shards stay fp32
+    (the masters) and are gathered in bf16, the gradients reduced in fp32."""
     zero, dp = plan.zero_stage, plan.mesh.dp
-    if not shards_dense(plan):
+    dense, sharded_experts = shards_dense(plan), shards_experts(plan) and bool(experts)
+    if not dense and not sharded_experts:
         return False
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    shard_mesh = zero_mesh(plan, mesh)
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if dtype == "bf16" else MixedPrecisionPolicy()
+    shard = functools.partial(_fully_shard, fully_shard, reshard_after_forward=zero == 3, mp_policy=mp, divide=dp)
+    dense_mesh = zero_mesh(plan, mesh) if dense else None
     for module in stages:
-        ignored = {p for p in module.parameters() if any(p is e for e in experts)} or None
         units = [*layer_units(module), module]
-        for unit in units:
-            fully_shard(unit, mesh=shard_mesh, reshard_after_forward=zero == 3, ignored_params=ignored, mp_policy=mp)
-        for unit in units:  # a list's modules share one FSDP state: setting it on one sets the unit
-            head = unit[0] if isinstance(unit, list) else unit
-            head.set_force_sum_reduction_for_comms(True)
-            head.set_gradient_divide_factor(float(dp))
+        if sharded_experts:
+            _shard_experts(module, experts, shard, edp_mesh)
+        if dense:
+            ignored = {p for p in module.parameters() if any(p is e for e in experts)} or None
+            for unit in units:
+                shard(unit, mesh=dense_mesh, ignored_params=ignored)
         module.autoshard_zero = zero  # read by the pipeline stage (``_stage_class``)
-    return True
+    return dense
+
+
+def _fully_shard(fully_shard, unit, divide: int, **kwargs) -> None:
+    """``fully_shard(unit)`` reducing gradients by a sum divided by ``divide``."""
+    fully_shard(unit, **kwargs)
+    head = unit[0] if isinstance(unit, list) else unit  # a list's modules share one FSDP state
+    head.set_force_sum_reduction_for_comms(True)
+    head.set_gradient_divide_factor(float(divide))
+
+
+def _shard_experts(chunk: nn.Module, experts: Sequence[nn.Parameter], shard, edp_mesh) -> None:
+    """FSDP2 over ``edp_mesh`` for each module of ``chunk`` holding stacked expert weights (the
+    stage code's ``self.<layer>.<...>.experts``, a container of the weights and nothing else),
+    split along ``_expert_split``, as torchtitan gives a block's experts an FSDP unit of their
+    own over its dp-shard-mod-ep mesh. The stage code reads the weights as tensors of the chunk
+    and never calls their module, whose FSDP hooks (gather before, free after, reduce-scatter the
+    gradients once the backward is past it) fire around a call only: the module is called
+    around the forward of the layer that reads its weights (or of the chunk, for weights outside
+    the layers), inside that layer's own dense FSDP hooks. After ``layer_units``, so that a
+    checkpointed layer's is wrapped around its checkpoint (its recomputation finds the weights
+    gathered by the backward's pre-hook, as ``layer_units`` says of the dense ones); before the
+    dense units, which then leave those weights to these."""
+    from torch.distributed.tensor import Shard
+
+    ids = {id(p) for p in experts}
+    holders = [m for m in chunk.modules() if any(id(p) in ids for p in m.parameters(recurse=False))]
+    size = edp_mesh.size()
+    for holder in holders:
+        own = list(holder.parameters(recurse=False))
+        if holder is chunk or any(id(p) not in ids for p in own) or any(True for _ in holder.children()):
+            raise ProgramError(
+                f"ZeRO-2/3 cannot shard the stacked expert weights of {type(holder).__name__}: their "
+                "module holds other parameters or modules too; run with --force zero=1"
+            )
+        shard(holder, mesh=edp_mesh, shard_placement_fn=lambda p: Shard(_expert_split(tuple(p.shape), size)))
+        caller = next((m for m in layer_modules(chunk) if any(h is holder for h in m.modules())), chunk)
+        holder.forward = caller.forward  # the caller's forward (or its checkpoint's), now inside the holder's hooks
+        caller.forward = holder.__call__
+
+
+def _expert_split(shape: tuple[int, ...], size: int) -> int:
+    """The dimension FSDP2 splits a stack of experts of ``shape`` along over ``size`` ranks: the
+    experts where ``size`` divides them (FSDP2 pads an uneven first dimension: one local expert
+    over 8 ranks would leave one rank all of it), else the first dimension ``size`` divides
+    (FSDP2 shards any other dimension evenly only), else the experts, padded."""
+    return next((d for d, n in enumerate(shape) if n % size == 0), 0)
 
 
 def layer_modules(chunk: nn.Module) -> list[nn.Module]:
@@ -850,17 +916,20 @@ def optimizer(
     weight_decay: float,
     eps: float = 1e-8,
     experts: list[nn.Parameter] = (),
+    fsdp_experts: bool = False,
 ):
     """AdamW; for ZeRO-1 its masters and states sharded by rows over ``zero_group`` (dp x cp,
     ``zero.ShardedAdamW``).
     Stacked expert weights (``experts``, also in ``params``) are held alike only by their
-    expert-data-parallel ranks: at any ZeRO stage their states are sharded over that group."""
+    expert-data-parallel ranks: at any ZeRO stage their states are sharded over that group, by
+    rows as ZeRO-1's, or, where FSDP2 shards them (``fsdp_experts``), as its shards. (Their own
+    optimizer: a fused AdamW steps one mesh's DTensors.)"""
     kwargs = {"lr": lr, "betas": (0.9, 0.95), "eps": eps, "weight_decay": weight_decay}
     expert_ids = {id(p) for p in experts}
     dense = [p for p in params if id(p) not in expert_ids]
     return Optimizers(
         _adamw(dense, zero == 1, zero_group, kwargs) if dense else None,
-        _adamw(list(experts), zero >= 1, groups.edp_group(), kwargs) if experts else None,
+        _adamw(list(experts), zero >= 1 and not fsdp_experts, groups.edp_group(), kwargs) if experts else None,
     )
 
 

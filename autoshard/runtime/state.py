@@ -112,15 +112,17 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _fsdp_rows(t: torch.Tensor) -> tuple[int, int] | None:
-    """The rows (dimension 0) of the unsharded tensor an FSDP2 DTensor's local shard holds."""
+def _fsdp_rows(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """The rows of the unsharded tensor an FSDP2 DTensor's local shard holds: (first, end, their
+    dimension; 0 but for stacked experts split along another, ``program._expert_split``)."""
     if not hasattr(t, "device_mesh"):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     with fake.real():  # it reads the mesh's rank tensor
         sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return offsets[0], offsets[0] + sizes[0]
+    (dim,) = [p.dim for p in t.placements if p.is_shard()]
+    return offsets[dim], offsets[dim] + sizes[dim], dim
 
 
 @dataclass
@@ -134,7 +136,7 @@ class Entry:
     expert: bool  # stacked expert weights: replicas are the expert-data-parallel ranks
     tp_first: bool  # split over TP, or this is TP rank 0's copy
     dp_first: bool  # FSDP-sharded over dp x cp, or this is the first dp x cp replica's copy
-    edp_first: bool  # the first expert-data-parallel rank's copy
+    edp_first: bool  # FSDP-sharded over the expert-data-parallel ranks, or the first one's copy
     tie_first: bool  # not a tied parameter's copy in a later chunk
     stepped: torch.Tensor | None = None  # ZeRO-1's fp32 rows of it, whose gradient is the reduced one
 
@@ -201,7 +203,7 @@ def entries(stages: list[nn.Module], chunk_ids: list[int], ranks, tied: Sequence
                     expert=name in experts,
                     tp_first=axis == "tp" or ranks.tp == 0,
                     dp_first=rows is not None or (ranks.dp == 0 and ranks.cp == 0),
-                    edp_first=ranks.edp == 0,
+                    edp_first=rows is not None or ranks.edp == 0,
                     tie_first=source not in first_chunk or c == first_chunk[source],
                 )
             )

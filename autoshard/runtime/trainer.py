@@ -680,8 +680,9 @@ class Trainer:
         scale = 1.0 if plan.mesh.pp > 1 else 1.0 / microbatches
         moe.set_aux_loss(args.aux_loss, args.aux_alpha, scale)
         mesh, ranks = rt.build_mesh(plan, device.type)
+        experts_mesh = None
         if program.routing:  # MoE layers: the expert-parallel and expert-data-parallel groups
-            rt.build_expert_mesh(plan, device.type, ranks)
+            experts_mesh = rt.build_expert_mesh(plan, device.type, ranks)
         # 2. this rank's pipeline chunks, built on meta and filled with only its own shards
         chunk_ids = rt.chunks_of_rank(plan, ranks.pp)
         full = rt.full_state_from_model(program, args.seed) if args.init_from_model else None
@@ -701,12 +702,16 @@ class Trainer:
         #    for ZeRO-1, a gradient all-reduce for ZeRO-0), and AdamW; in bf16 the parameters are
         #    bf16 with fp32 gradients and fp32 masters (the optimizer's, or FSDP2's shards)
         experts = rt.expert_parameters(stages)  # stacked expert weights: replicas over the EDP ranks
-        lowered = experts if rt.shards_dense(plan) else [p for m in stages for p in m.parameters()]
-        rt.lower_parameters(lowered, dtype)
-        fsdp = rt.shard_data_parallel(stages, plan, mesh, experts, dtype)
+        rt.lower_parameters(rt.held_whole(stages, plan, experts), dtype)
+        edp_mesh = experts_mesh["edp"] if experts_mesh is not None else None
+        fsdp = rt.shard_data_parallel(stages, plan, mesh, experts, dtype, edp_mesh)
+        experts = rt.expert_parameters(stages)  # (FSDP2's shards where it shards them)
         params = [p for m in stages for p in m.parameters()]
         zero_group = rt.zero_mesh(plan, mesh).get_group()  # ZeRO shards over dp x cp, as planned
-        optim = rt.optimizer(params, plan.zero_stage, zero_group, args.lr, args.weight_decay, args.adam_eps, experts)
+        fsdp_experts = rt.shards_experts(plan)
+        optim = rt.optimizer(
+            params, plan.zero_stage, zero_group, args.lr, args.weight_decay, args.adam_eps, experts, fsdp_experts
+        )
         # 4. the plan's pipeline schedule (torch.distributed.pipelining) over the chunks
         schedule = None
         if plan.mesh.pp > 1:
@@ -799,8 +804,9 @@ class Trainer:
             # over the dp replicas: all-reduced, or under ZeRO-1 reduce-scattered onto the rows
             # each rank steps
             rt.reduce_gradients(dense, self.zero_group, dp, self.optim.dense)
-        # experts: summed over the ranks holding the same ones, divided by dp as the dense weights
-        rt.reduce_gradients(self.experts, groups.edp_group(), dp, self.optim.experts)
+        if not rt.shards_experts(self.plan):  # (FSDP reduces the experts' over their EDP ranks itself)
+            # experts: summed over the ranks holding the same ones, divided by dp as the dense weights
+            rt.reduce_gradients(self.experts, groups.edp_group(), dp, self.optim.experts)
         if self.fsdp:
             rt.sum_tied_gradients(self.ties)
         norm = state.clip_gradients(self.entries, self.args.max_grad_norm)

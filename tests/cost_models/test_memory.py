@@ -29,12 +29,30 @@ def test_worked_estimate_example():
 def test_experts_shard_over_their_expert_data_parallel_ranks(zero):
     """TP2 x DP64 with EP16 folded over the stage's 128 ranks: the dense states shard over the 64
     DP ranks, the experts' over the 128 / 16 = 8 ranks holding the same experts."""
-    from autoshard.cost_models.memory import GRAD_REDUCE_BYTES, sharded_state_bytes
+    from autoshard.cost_models.memory import program_state_bytes, sharded_state_bytes
 
     dense, expert = 1e9, 8e9
     both = sharded_state_bytes(dense, expert, zero, 64, 2 * 64 // 16)
     for part in ("params", "grads", "optimizer", "total"):
         assert both[part] == pytest.approx(
-            model_state_bytes(dense, zero, 64, GRAD_REDUCE_BYTES)[part]
-            + model_state_bytes(expert, zero, 8, GRAD_REDUCE_BYTES)[part]
+            program_state_bytes(dense, zero, 64)[part] + program_state_bytes(expert, zero, 8)[part]
         )
+
+
+def test_fsdp_shards_are_the_masters():
+    """ZeRO-2/3 as the programs run them (FSDP2 over more than one rank): the fp32 shards are the
+    parameters and the optimizer's masters at once, so the parameters hold 4 bytes over the ranks
+    (and ZeRO-2 the bf16 weights whole beside them), the optimizer the two moments only: ZeRO-3
+    holds 16 bytes over the ranks, not 2 + 4 + 12; ZeRO-2 the same total as the ZeRO paper's
+    count with fp32 gradients. Over one rank FSDP2 does not run: the paper's count."""
+    from autoshard.cost_models.memory import GRAD_REDUCE_BYTES, program_state_bytes
+
+    p = 8e9
+    z3 = program_state_bytes(p, 3, 8)
+    assert (z3["params"], z3["grads"], z3["optimizer"], z3["total"]) == (4e9, 4e9, 8e9, 16e9)
+    z2 = program_state_bytes(p, 2, 8)
+    assert (z2["params"], z2["grads"], z2["optimizer"]) == (2 * p + 4e9, 4e9, 8e9)
+    assert z2["total"] == model_state_bytes(p, 2, 8, GRAD_REDUCE_BYTES)["total"]
+    for zero in (0, 1, 2, 3):
+        assert program_state_bytes(p, zero, 1) == model_state_bytes(p, zero, 1, GRAD_REDUCE_BYTES)
+    assert program_state_bytes(p, 1, 8) == model_state_bytes(p, 1, 8, GRAD_REDUCE_BYTES)
