@@ -241,7 +241,15 @@ class BlockCost:
         output, which comes back by the combine). A checkpointed layer replays its forward's
         exchanges as it replays its ops: recomputing every kind of a MoE layer sends its tokens
         to the experts and back once more, half again the layer's expert-parallel bytes. The
-        combine is decided per block (one routed MoE per layer)."""
+        combine is decided per block (one routed MoE per layer).
+
+        A stack's exchange into whole expert weights (kind ``weights``) runs again in every
+        recomputation, whatever it drops: the experts' GEMMs save those weights for backward,
+        the checkpoint keeps none of a region's saved tensors and its policy caches no exchange,
+        so the weights are remade as the forward made them (under a kept ``experts`` kind too:
+        measured, a loop of experts recomputing only ``norm_output`` sent 1.25 of the bytes
+        planned before the model counted it). The layer then holds no whole weights from its
+        forward to its backward, as ZeRO-3 holds no gathered parameters."""
         key = ("exchanges", frozenset(recompute) - {"layer_input"})
         if key not in self._closure:
             rerun = _rerun(self, key[1]) if key[1] else set()
@@ -251,7 +259,11 @@ class BlockCost:
                 and any(a in rerun and a.meta.get("op_class") == "experts" for a in n.all_input_nodes)
                 for n in rerun
             )
-            self._closure[key] = tuple((c.source in names, combine) for c in self.collectives if c.axis == "ep")
+            self._closure[key] = tuple(
+                (bool(key[1]) if c.kind == "weights" else c.source in names, combine)
+                for c in self.collectives
+                if c.axis == "ep"
+            )
         return self._closure[key]
 
     @property

@@ -21,8 +21,20 @@ def moe():
     return model, kind
 
 
-def _ep(costs, kind, recompute, fp8=()):
-    payload = costs.payload(kind, 1, 1, 1, 4, "flash", fp8, recompute)
+@pytest.fixture(scope="module")
+def loop():
+    from pathlib import Path
+
+    from autoshard.capture import capture_file
+    from autoshard.cost_models.analyze import analyze
+
+    model = analyze(capture_file(str(Path(__file__).parents[1] / "models" / "naive_moe.py"), "tiny", SEQ))
+    kind = next(i for i, b in enumerate(model.blocks) if any(c.kind == "weights" for c in b.collectives))
+    return model, kind
+
+
+def _ep(costs, kind, recompute, fp8=(), ep=4):
+    payload = costs.payload(kind, 1, 1, 1, ep, "flash", fp8, recompute)
     return dict(((a, k), n) for a, k, n in payload)[("ep", "all_to_all")]
 
 
@@ -70,18 +82,12 @@ def test_a_split_backward_replays_them_again(moe):
     assert split.ep_replay == pytest.approx(1.5 * full.ep_replay)
 
 
-def test_a_loop_of_experts_exchanges_its_stacked_weights():
+def test_a_loop_of_experts_exchanges_its_stacked_weights(loop):
     """Experts written as a loop over an ``nn.ModuleList`` run grouped over the stack of their own
     parameters; EP keeps ``1/ep`` of every expert parameter's rows on each rank and exchanges them
     into its experts' whole weights, forward, and their gradients back: per layer and
     micro-batch, twice the stack's bytes over ep, beside the routed tokens' exchanges."""
-    from pathlib import Path
-
-    from autoshard.capture import capture_file
-    from autoshard.cost_models.analyze import analyze
-
-    model = analyze(capture_file(str(Path(__file__).parents[1] / "models" / "naive_moe.py"), "tiny", SEQ))
-    kind = next(i for i, b in enumerate(model.blocks) if any(c.kind == "weights" for c in b.collectives))
+    model, kind = loop
     stacks = [c for c in model.blocks[kind].collectives if c.kind == "weights"]
     assert len(stacks) == 2  # up and down projections: 4 experts of (96, 64) and (64, 96)
     assert [int(c.elems) for c in stacks] == [4 * 96 * 64, 4 * 64 * 96]
@@ -90,3 +96,23 @@ def test_a_loop_of_experts_exchanges_its_stacked_weights():
     for ep in (2, 4):
         sent = dict(((a, k), n) for a, k, n in costs.payload(kind, 2, 1, 1, ep, "flash", (), frozenset()))
         assert sent[("ep", "all_to_all")] == pytest.approx(tokens + sum(2 * 2 * int(c.elems) / ep for c in stacks))
+
+
+def test_every_recomputation_exchanges_a_loops_stacked_weights_again(loop):
+    """The experts' GEMMs save the whole weights the exchange made, and the checkpoint remakes
+    what its layer saved by running the layer again: a recomputation that keeps the experts
+    (dropping only the norms' outputs) dispatches no token again but exchanges every stack once
+    more (at full scale, a loop of experts at ZeRO-3 recomputing ``norm_output`` sent 1.25 of
+    the planned expert-parallel bytes before the model counted it)."""
+    model, kind = loop
+    blk = model.blocks[kind]
+    stacked = [c.kind == "weights" for c in blk.collectives if c.axis == "ep"]
+    assert stacked == [False, True, True]  # the routed tokens, then the two stacks
+    norms = frozenset({"norm_output"})
+    assert [again for again, _ in blk.replayed_exchanges(norms)] == stacked
+    assert [again for again, _ in blk.replayed_exchanges(frozenset())] == [False] * 3
+    costs = LayerCosts(model, SEQ, hardware.load("h800"), False)
+    stacks = sum(2 * int(c.elems) for c in blk.collectives if c.kind == "weights")  # bytes, bf16
+    for ep in (2, 4):
+        plain, replayed = _ep(costs, kind, frozenset(), ep=ep), _ep(costs, kind, norms, ep=ep)
+        assert replayed - plain == pytest.approx(stacks / ep)
