@@ -21,6 +21,9 @@ A weight stacked in the graph from the E experts' own parameters (``torch.stack`
 each rank holds its ``1/ep`` of the rows of every expert's parameter (axis ``ep``), and the stack
 of these pieces is exchanged by one equal all-to-all (``rt.moe_dispatch_buffer``) into the whole
 weights of the rank's ``E/ep`` experts (the gradients go back the same way), before the GEMMs.
+A checkpointed layer's recomputation exchanges them again (the GEMMs saved the whole weights, which
+the checkpoint remakes rather than keeps: no whole weights held from forward to backward), as the
+cost model counts (``BlockCost.replayed_exchanges``).
 
 Under sequence parallelism each TP rank routes its own slice of the sequence, dispatched and
 combined as above. Without it the routed tokens are the same on every TP rank, so each TP rank takes
