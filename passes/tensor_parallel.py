@@ -8,7 +8,10 @@ dimension of every tensor is split (``Shard``). Where a view splits a column's f
 several dimensions (``(b, s, 3*h) -> (b, s, 3, heads, head_dim)``) the split lands on the first
 dimension the rest of the region carries untouched (heads, not the q/k/v selector), and the
 column's weight rows are taken in that layout, strided if need be. Shape constants in views are
-rewritten from the propagated shapes, and the collectives go in as explicit calls:
+rewritten from the propagated shapes (a size computed from the inputs' sizes, Bloom's
+``batch * heads``, divided by tp where the heads merged into it are split), an unsplit tensor a
+region reads over its split dimension (ALiBi's bias over batch x heads) is cut to this rank's
+piece, and the collectives go in as explicit calls:
 
 * ``copy_to_tp`` (f) once per input of a group of column matmuls,
 * ``reduce_from_tp`` (g) after each row matmul, its bias added after the reduction,
