@@ -140,13 +140,15 @@ class BlockCost:
     bytes_pointwise: sympy.Expr = sympy.Integer(0)  # HBM traffic of everything but weighted matmuls
     bytes_pointwise_tp: sympy.Expr = sympy.Integer(0)  # the part inside TP regions
     kv_elems: sympy.Expr = sympy.Integer(0)  # keys + values entering attention (context parallel traffic)
+    flops_attention_whole: sympy.Expr = sympy.Integer(0)  # the attention core TP leaves whole on every rank
     # outputs of the ops other than weighted matmuls that read a parameter and an activation (a
     # norm's scale, a learned bias or gate): their gradients are what a weight-gradient pass
     # reads (``LayerCosts.held_for_weights``)
     weighted_outputs: list[SavedTensor] = field(default_factory=list)
     # matmul-class forward FLOPs (what a FLOP counter counts: weighted GEMMs, attention's products,
-    # any other matmul) as (attention core, the part TP divides, the part every TP rank does whole)
-    matmul: tuple = (sympy.Integer(0),) * 3
+    # any other matmul) as (attention core TP divides, the rest TP divides, the rest every TP rank
+    # does whole, attention core every TP rank does whole)
+    matmul: tuple = (sympy.Integer(0),) * 4
     _closure: dict = field(default_factory=dict, repr=False)
     _nodes: list = field(default_factory=list, repr=False)
 
@@ -157,6 +159,7 @@ class BlockCost:
             "flops_tp": _fn(self.flops_tp),
             "flops_experts": _fn(self.flops_experts),
             "flops_attention": _fn(self.flops_attention),
+            "flops_attention_whole": _fn(self.flops_attention_whole),
             "bytes_moved": _fn(self.bytes_moved),
             "boundary": _fn(self.boundary_elems),
             "bytes_pointwise": _fn(self.bytes_pointwise),
@@ -228,7 +231,7 @@ class BlockCost:
         return self._closure[key]
 
     def recompute_matmul_fns(self, recompute) -> list:
-        """``matmul``'s three parts for what recomputation reruns, as functions of (b, s)."""
+        """``matmul``'s four parts for what recomputation reruns, as functions of (b, s)."""
         key = ("matmul", frozenset(recompute) - {"layer_input"})
         if key not in self._closure:
             self._closure[key] = [_fn(e) for e in _matmul_parts(_rerun(self, key[1]))]
@@ -512,7 +515,7 @@ def _work(nodes: list[fx.Node]) -> dict[str, sympy.Expr | dict[str, sympy.Expr]]
     """The FLOP and byte fields of :class:`BlockCost` (``flops`` ... ``bytes_by_class``): the
     nodes' costs summed, in total, by op class and over the parts TP, experts and attention do."""
     zero = sympy.Integer(0)
-    flops = flops_tp = flops_experts = flops_attn = moved = zero
+    flops = flops_tp = flops_experts = flops_attn = attn_whole = moved = zero
     by_class: dict[str, sympy.Expr] = {}
     bytes_by_class: dict[str, sympy.Expr] = {}
     for n in nodes:
@@ -527,11 +530,13 @@ def _work(nodes: list[fx.Node]) -> dict[str, sympy.Expr | dict[str, sympy.Expr]]
             flops_experts += cost.flops
         if n.meta["op_class"] == "attention":
             flops_attn += cost.flops
+            attn_whole += 0 if sharding.splits_work(n) else cost.flops
     return {
         "flops": sympy.expand(flops),
         "flops_tp": sympy.expand(flops_tp),
         "flops_experts": sympy.expand(flops_experts),
         "flops_attention": sympy.expand(flops_attn),
+        "flops_attention_whole": sympy.expand(attn_whole),
         "bytes_moved": sympy.expand(moved),
         "flops_by_class": {k: sympy.expand(v) for k, v in by_class.items()},
         "bytes_by_class": {k: sympy.expand(v) for k, v in bytes_by_class.items()},
@@ -927,17 +932,18 @@ def _rerun(blk: BlockCost, dropped: frozenset[str]) -> set[fx.Node]:
     return rerun
 
 
-def _matmul_parts(nodes) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+def _matmul_parts(nodes) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
     """Matmul-class forward FLOPs of ``nodes`` (``ops`` rows counted as ``matmul`` or ``sdpa``):
-    (those of the attention core, those TP divides among its ranks: sharded products and the
-    routed experts, whose rows the TP ranks share, those every TP rank does whole)."""
-    parts = [sympy.Integer(0)] * 3
+    (those of the attention core TP splits by heads, those TP divides among its ranks otherwise:
+    sharded products and the routed experts, whose rows the TP ranks share, those every TP rank
+    does whole, those of an attention core every TP rank does whole)."""
+    parts = [sympy.Integer(0)] * 4
     for n in nodes:
         r = ops.rule_of(n)
         if r is None or r.flops not in ("matmul", "sdpa") or "cost" not in n.meta:
             continue
         if n.meta.get("op_class") == "attention":
-            i = 0
+            i = 0 if sharding.splits_work(n) else 3
         elif n.meta.get("op_class") == "experts":
             i = 1
         elif sharding.splits_work(n):

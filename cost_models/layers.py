@@ -244,13 +244,19 @@ class LayerCosts:
             total += g.n * g.k * g.batch / split
         return total * (1 + 4 / TILE_ELEMS)
 
+    def _attention_flops(self, blk, mbs: int, tp: int, cp: int) -> float:
+        """Forward FLOPs of ``blk``'s attention core on one GPU: CP divides all of it, TP the part
+        it splits by heads (an attention TP leaves whole runs whole on every TP rank)."""
+        whole = blk.eval("flops_attention_whole", mbs, self.seq)
+        return (blk.eval("flops_attention", mbs, self.seq) - whole) / (tp * cp) + whole / cp
+
     @cache  # noqa: B019
     def _rest(self, block: int, mbs: int, tp: int, cp: int) -> tuple:
         """(attention forward time, memory-bound forward time, forward FLOPs, model FLOPs)."""
         blk = self.block(block)
         hw, s = self.hw, self.seq
         sl, sp = s / cp, tp > 1 and self.sp
-        attn = attention_time(blk.eval("flops_attention", mbs, s) / (tp * cp), s / cp, hw)
+        attn = attention_time(self._attention_flops(blk, mbs, tp, cp), s / cp, hw)
         pw_tp = blk.eval("bytes_pointwise_tp", mbs, sl)
         pw_rep = blk.eval("bytes_pointwise", mbs, sl) - pw_tp
         pointwise = (pw_tp / tp + pw_rep / (tp if sp else 1)) / (hw.hbm_gbps * 1e9)
@@ -382,7 +388,7 @@ class LayerCosts:
         blk, hw, s = self.block(block), self.hw, self.seq
         sp = tp > 1 and self.sp
         kv_bytes = 2 * blk.eval("kv_elems", mbs, s / cp)
-        attn_f = attention_time(blk.eval("flops_attention", mbs, s) / (tp * cp), s / cp, hw)
+        attn_f = attention_time(self._attention_flops(blk, mbs, tp, cp), s / cp, hw)
         if attention == "ring":
             # forward: cp - 1 steps of the K/V block, each behind a block's attention; backward:
             # the block and its gradients (accumulated, and sent, in fp32: twice its bytes)
@@ -416,19 +422,21 @@ class LayerCosts:
     def matmul_flops(self, block: int, mbs: int, tp: int, cp: int, recompute: frozenset) -> tuple:
         """(forward, backward, recompute) matmul-class FLOPs one GPU runs for one copy of ``block``
         and one micro-batch (what a FLOP counter counts): the products at this rank's share (TP
-        divides the sharded ones and the routed rows, TP x CP the attention core, the sequence
-        its CP shard); backward twice the forward, the attention core's 2.5 times (the flash
-        kernel recomputes the scores); recomputation its rerun products, the producers of the
-        FP8 copies kept included."""
+        divides the sharded ones and the routed rows, TP x CP the attention core it splits (CP
+        alone one it leaves whole), the sequence its CP shard); backward twice the forward, the
+        attention core's 2.5 times (the flash kernel recomputes the scores); recomputation its
+        rerun products, the producers of the FP8 copies kept included."""
         blk = self.block(block)
         s, sl = self.seq, self.seq / cp
 
         def local(fns) -> float:
-            attn, split, whole = fns
-            return float(attn(mbs, s)) / (tp * cp) + float(split(mbs, sl)) / tp + float(whole(mbs, sl))
+            attn, split, whole, attn_whole = fns
+            core = float(attn(mbs, s)) / (tp * cp) + float(attn_whole(mbs, s)) / cp
+            return core + float(split(mbs, sl)) / tp + float(whole(mbs, sl))
 
-        attn = float(blk._compiled["matmul"][0](mbs, s)) / (tp * cp)
-        forward = local(blk._compiled["matmul"])
+        fns = blk._compiled["matmul"]
+        attn = float(fns[0](mbs, s)) / (tp * cp) + float(fns[3](mbs, s)) / cp
+        forward = local(fns)
         backward = 2 * (forward - attn) + FLASH_BACKWARD * attn
         rerun = local(blk.recompute_matmul_fns(recompute)) if recompute else 0.0
         return forward, backward, rerun

@@ -8,7 +8,10 @@ dimension of every tensor is split (``Shard``). Where a view splits a column's f
 several dimensions (``(b, s, 3*h) -> (b, s, 3, heads, head_dim)``) the split lands on the first
 dimension the rest of the region carries untouched (heads, not the q/k/v selector), and the
 column's weight rows are taken in that layout, strided if need be. Shape constants in views are
-rewritten from the propagated shapes, and the collectives go in as explicit calls:
+rewritten from the propagated shapes (a size computed from the inputs' sizes, Bloom's
+``batch * heads``, divided by tp where the heads merged into it are split), an unsplit tensor a
+region reads over its split dimension (ALiBi's bias over batch x heads) is cut to this rank's
+piece, and the collectives go in as explicit calls:
 
 * ``copy_to_tp`` (f) once per input of a group of column matmuls,
 * ``reduce_from_tp`` (g) after each row matmul, its bias added after the reduction,
@@ -34,6 +37,7 @@ import math
 import operator
 from dataclasses import dataclass
 
+import sympy
 import torch
 from torch import fx, nn
 
@@ -160,6 +164,8 @@ class _Propagator:
         self.sizes: dict[fx.Node, tuple[int, object]] = {}  # node -> (argument index, local value) to write
         self.rewrites: dict[fx.Node, tuple] = {}  # node -> its arguments on a shard (a slice's local range)
         self.entering: dict[fx.Node, set[fx.Node]] = {}  # unsplit tensor read in a region -> its readers there
+        # an unsplit tensor over the split dimension read in a region -> (the piece, its readers)
+        self.cuts: dict[fx.Node, tuple[Shard, set[fx.Node]]] = {}
         self.module_partials: set[str] = set()  # parameters of norm modules run per head
         self.params: dict[fx.Node, Shard] = {}  # a parameter read whole in a region -> its split
         self.partial_sums: dict[fx.Node, str] = {}  # a sum or mean over the split dimension -> which
@@ -497,10 +503,18 @@ class _Propagator:
         return Shard(s.dim + len(_shape(node)) - len(_shape(src)), s.factors, s.index)
 
     def matmul(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard:
+        """A batch dimension (heads) passes; an added term before the two factors (``baddbmm``'s
+        ALiBi bias over batch x heads) is split alike, or cut to this rank's piece."""
         rank_in = len(_shape(src))
         if s.dim >= rank_in - 2:
             raise self.fail(node, "a matrix product over the split dimension")
-        return Shard(s.dim + len(_shape(node)) - rank_in, s.factors, s.index)
+        out = Shard(s.dim + len(_shape(node)) - rank_in, s.factors, s.index)
+        for a in node.args[:-2]:
+            if a in self.shard and self.shard[a] != out:
+                raise self.fail(node, "its added term is split unlike its product")
+            if isinstance(a, fx.Node) and a not in self.shard:
+                self._broadcast(node, a, out.dim, len(_shape(node)))
+        return out
 
     def attention(self, node: fx.Node, src: fx.Node, s: Shard) -> Shard | tuple[Shard | None, ...]:
         """q, k and v each split along their own heads (fewer key heads with GQA); that none is
@@ -580,7 +594,26 @@ class _Propagator:
             for c in casts:
                 self.shard[c], self.root[c] = self.params[param], self.root[src]
             return
+        if localise is None and _num(other[k]) == _num(_shape(node)[dim]):
+            # a tensor over the split dimension made outside the region (ALiBi's bias of slope_h *
+            # key position over batch x heads): this rank's piece of it
+            s = next(self.shard[x] for x in node.all_input_nodes if x in self.shard)
+            self._cut(node, a, Shard(k, s.factors, s.index, s.parts))
+            return
         raise self.fail(node, f"operand {a.name} is not split but spans the split dimension")
+
+    def _cut(self, node: fx.Node, a: fx.Node, s: Shard) -> None:
+        """``node`` reads this rank's piece of the unsplit ``a`` (``_cut_entering``): one
+        contiguous block of the split factor per index of the factors before it, which must be
+        whole heads and not depend on the batch or sequence after it."""
+        mid, inner = s.factors[s.index], math.prod(s.factors[s.index + 1 :])
+        ones = {x: 1 for x in getattr(_shape(a)[s.dim], "free_symbols", ())}
+        if s.parts or mid % self.tp or int(sympy.sympify(_shape(a)[s.dim]).subs(ones)) % (mid * inner):
+            raise self.fail(node, f"operand {a.name} is not split but spans the split dimension")
+        if self.cuts.setdefault(a, (s, set()))[0] != s:
+            raise self.fail(node, f"operand {a.name} is read split in two ways")
+        self.cuts[a][1].add(node)
+        self._enters(a, node)
 
     def _enters(self, a: fx.Node, reader: fx.Node) -> None:
         """A replicated tensor that needs a gradient enters the region: each rank's gradient of
@@ -758,6 +791,7 @@ def tensor_parallel(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     prop = _propagate(gm, nodes, ctx.tp)
     _rewrite_view_sizes(prop, ctx.tp)
     _split_columns(gm, ctx, prop)
+    _cut_entering(gm, ctx.tp, prop)
     _split_rows(gm, ctx, prop)
     _split_embeddings(gm, ctx, nodes)
     _split_losses(gm, ctx, prop)
@@ -836,6 +870,46 @@ def _split_columns(gm: fx.GraphModule, ctx: RewriteContext, prop: _Propagator) -
                 f_of[x] = place(graph.call_function(runtime.copy_to_tp, (x,)), x, tp="replicated")
         for reader in readers:
             reader.replace_input_with(x, f_of[x])
+
+
+def _cut_entering(gm: fx.GraphModule, tp: int, prop: _Propagator) -> None:
+    """An unsplit tensor over a split dimension (``prop.cuts``): its readers in the region take
+    this rank's piece, cut once after it (after its ``copy_to_tp`` where it needs a gradient,
+    whose all-reduce then completes the gradient of the pieces)."""
+    graph = gm.graph
+    for a, (s, readers) in prop.cuts.items():
+        reader = next(iter(readers))
+        source = next(
+            x for x in reader.all_input_nodes if x is a or (x.target is runtime.copy_to_tp and x.args[0] is a)
+        )
+        mid, inner = s.factors[s.index], math.prod(s.factors[s.index + 1 :])
+        width, k, shape = mid // tp * inner, s.dim, _shape(a)
+        outer = _div(shape[k], mid * inner)
+        with graph.inserting_after(source):
+            rank = place(graph.call_function(runtime.tp_rank, ()), a, shape=None, dtype=None, requires_grad=False)
+        with graph.inserting_after(rank):
+            at = place(graph.call_function(operator.mul, (rank, width)), a, shape=None, dtype=None, requires_grad=False)
+        with graph.inserting_after(at):
+            rows = graph.call_function(torch.unflatten, (source, k, (-1, mid * inner)))
+            place(rows, a, source, shape=(*shape[:k], outer, mid * inner, *shape[k + 1 :]))
+        with graph.inserting_after(rows):
+            piece = graph.call_function(torch.narrow, (rows, k + 1, at, width))
+            place(piece, a, source, shape=(*shape[:k], outer, width, *shape[k + 1 :]))
+        with graph.inserting_after(piece):
+            cut = graph.call_function(torch.flatten, (piece, k, k + 1))
+            place(cut, a, source, shape=(*shape[:k], _div(shape[k], tp), *shape[k + 1 :]))
+        for reader in readers:
+            reader.replace_input_with(source, cut)
+        note(
+            cut,
+            f"tp={tp}: an unsplit tensor read by a split region, this rank's {width} of every {mid * inner} "
+            f"along dim {k}",
+        )
+
+
+def _div(size, n: int):
+    """A size (an int or a sympy expression in batch and sequence) divided by ``n``, which divides it."""
+    return size // n if isinstance(size, int) else sympy.simplify(size / n)
 
 
 def _keep_whole_heads(gm: fx.GraphModule, tp: int, node: fx.Node, lin: _Lin, parts: tuple, inner: int) -> None:
@@ -1129,6 +1203,36 @@ def _local_size(node: fx.Node) -> bool:
     return _op_name(node) == "size" and node.args[0].meta.get("tp") != "replicated"
 
 
+def _global_size(value: fx.Node) -> bool:
+    """A size computed by arithmetic on sizes of replicated tensors (``batch * heads``): the
+    global size on every rank."""
+    frontier = [value]
+    while frontier:
+        n = frontier.pop()
+        row = ops.rule_of(n)
+        if row is not None and row.metadata == "size":
+            if n.args[0].meta.get("tp") != "replicated":
+                return False
+        elif n.op == "call_function" and n.target in _ARITHMETIC:
+            frontier.extend(n.all_input_nodes)
+        else:
+            return False
+    return True
+
+
+_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.floordiv)
+
+
+def _divided(value: fx.Node, tp: int) -> fx.Node:
+    """``value // tp``, inserted once after the global size ``value``: the local size of a
+    dimension split over ``tp`` ranks."""
+    for u in value.users:
+        if u.target is operator.floordiv and u.args == (value, tp):
+            return u
+    with value.graph.inserting_after(value):
+        return place(value.graph.call_function(operator.floordiv, (value, tp)), value)
+
+
 def _redirect(old: fx.Node, new: fx.Node) -> None:
     """Every user of ``old`` except ``new`` (which consumes it) reads ``new`` instead."""
     old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
@@ -1225,6 +1329,8 @@ def _rewrite_sizes(node: fx.Node, s: Shard, tp: int, local: int | None = None) -
         if value == -1:
             return
         sizes[s.dim] = value // tp if local is None else local
+    elif isinstance(value, fx.Node) and _global_size(value) and local is None:
+        sizes[s.dim] = _divided(value, tp)
     elif isinstance(value, fx.Node) and not _local_size(value):
         raise _fail(node, "the split dimension's size is computed, not a constant; write it as a constant")
     node.args = (args[0], type(args[1])(sizes)) if packed else (args[0], *sizes)

@@ -49,7 +49,8 @@ from autoshard.ir import B, S
 # The vocabularies of the rule fields
 
 TP_RULES = {
-    "pointwise": "element by element (operands broadcast, none spans the split dimension unsplit)",
+    "pointwise": "element by element (operands broadcast; one that spans the split dimension unsplit is "
+    "cut to this rank's piece)",
     "softmax": "element-wise but normalised along its dim argument, which must not be the split one",
     "reduce": "a reduction along its dim argument: the split passes when it is another dimension (a "
     "per-head norm); a sum or mean over the split dimension is this rank's part, all-reduced",
@@ -68,7 +69,8 @@ TP_RULES = {
     "unsqueeze": "a new size-1 dimension",
     "squeeze": "size-1 dimensions removed",
     "expand": "broadcast to new leading or size-1 dimensions",
-    "matmul": "a product of two activations; the split must be a batch dimension (heads)",
+    "matmul": "a product of two activations, plus an added term (baddbmm); the split must be a batch "
+    "dimension (heads, alone or merged with the batch)",
     "attention": "fused attention over heads: q, k and v split along heads",
     "cat": "concatenation of identically split tensors along another dimension",
     "stack": "stacking identically split tensors along a new dimension",
@@ -203,7 +205,8 @@ RULES: dict[str, OpRule] = {
     **_rows("linear", _MATMUL, tp="linear", fp8="linear"),
     **_rows("addmm", _MATMUL, tp="linear", fp8="addmm"),  # addmm(bias, x, w): GPT-2's Conv1D
     **_rows("matmul mm bmm", _MATMUL, tp="matmul", fp8="product"),
-    **_rows("baddbmm einsum", _MATMUL),
+    **_rows("baddbmm", _MATMUL, tp="matmul"),  # baddbmm(bias, a, b): ALiBi's scores
+    **_rows("einsum", _MATMUL),
     **_rows("_grouped_mm grouped_mm grouped_mm_fallback", _MATMUL, grouped=True, fp8="grouped"),
     # attention
     **_rows("scaled_dot_product_attention", _SDPA, signature="sdpa"),

@@ -258,3 +258,41 @@ def test_fewer_key_value_heads_than_tp_cost_what_the_pass_does():
     assert held["model.layers.0.k.weight"] == (8, 32) and held["model.layers.0.q.weight"] == (8, 32)
     rows = [n.meta["shape"][0] for n in gm.graph.nodes if n.target is torch.narrow and n.meta.get("layer") == 0]
     assert rows == [8 // 2] * 2  # the projection's output over out_split(4), as the gemms say
+
+
+class _WholeAttentionLayer(torch.nn.Module):
+    """Attention whose fused QKV output is normalised over all its features, which no TP split
+    can run: the projection and the attention after it stay whole on every TP rank."""
+
+    def __init__(self, hidden=32, heads=4):
+        super().__init__()
+        self.heads, self.dim = heads, hidden // heads
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.norm = torch.nn.LayerNorm(3 * hidden)
+        self.dense = torch.nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x, rotary):  # the decoder's rotary table, unused
+        b, s = x.size(0), x.size(1)
+        q, k, v = self.norm(self.qkv(x)).view(b, s, 3 * self.heads, self.dim).transpose(1, 2).chunk(3, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.dense(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_attention_tp_leaves_whole_costs_whole_on_every_tp_rank():
+    from autoshard.capture import capture
+    from autoshard.cost_models import hardware
+    from autoshard.cost_models.analyze import analyze
+    from autoshard.cost_models.layers import LayerCosts
+
+    model = _Decoder()
+    model.layers = torch.nn.ModuleList(_WholeAttentionLayer() for _ in range(2))
+    cost = analyze(capture(model, (torch.zeros(2, 8, dtype=torch.long),)))
+    blk = cost.blocks[0]
+    assert [g.role for g in blk.gemms if g.n == 96] == ["replicated"]  # the QKV projection
+    core = blk.eval("flops_attention", 2, 64)
+    assert core > 0 and blk.eval("flops_attention_whole", 2, 64) == core
+    costs = LayerCosts(cost, 64, hardware.load("h100"), False)
+    forward = {tp: costs.matmul_flops(0, 2, tp, 1, frozenset())[0] for tp in (1, 2)}
+    divided = float(blk._compiled["matmul"][1](2, 64))  # the layer's products TP divides
+    assert forward[1] - forward[2] == pytest.approx(divided / 2)  # its attention not among them
+    assert costs._rest(0, 2, 2, 1)[0] == costs._rest(0, 2, 1, 1)[0]  # nor in the attention's time

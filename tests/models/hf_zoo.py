@@ -80,7 +80,8 @@ LAYOUTS = {
 # one case per feature that needed its own rule: per-head norms, a partial-sum norm with a padding
 # row, unequal fused-QKV slices, Conv1D rows with tied weights, tied weights across stages with
 # soft-capping, a scaled tied embedding under ZeRO, a causal mask tensor under CP, fused-QKV chunks,
-# a sliding window shorter than the sequence under CP, ALiBi (its bias recognised while captured on meta),
+# a sliding window shorter than the sequence under CP, ALiBi (its bias recognised while captured on meta;
+# under TP cut to each rank's heads, which its attention merges with the batch),
 # a (heads, head_dim) norm weight, key/value heads shared by TP ranks
 CI_SUBSET = [
     ("qwen3", "tp2-sp"),
@@ -92,7 +93,7 @@ CI_SUBSET = [
     ("llama", "cp2"),
     ("gpt_neox", "tp2-pp2"),
     ("mistral-swa", "cp2"),
-    ("bloom", "pp2"),
+    ("bloom", "tp2-sp"),
     ("cohere", "tp2-sp"),  # a per-head norm weight of shape (heads, head_dim), read through a cast
     ("llama-kv2", "tp4"),  # 2 key/value heads over 4 TP ranks
 ]

@@ -608,3 +608,79 @@ def test_fewer_kv_heads_than_tp_each_rank_computes_its_query_heads_kv_head():
 def test_shared_kv_heads_merged_with_their_repeats_are_refused_by_name():
     with pytest.raises(Refusal, match="merges key/value heads that TP ranks share with other dimensions"):
         _rewrite(_SharedKV(repeat=True), tp=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Heads merged with the batch, and an ALiBi bias over batch x heads (Bloom's attention)
+
+
+class _Alibi(torch.nn.Module):
+    """Bloom's attention: a fused QKV viewed (b, s, heads, 3, head_dim), q/k/v selected and
+    merged with the batch (``b * heads``, a computed size), scores by ``baddbmm`` onto an ALiBi
+    bias (a learnt per-head slope times the key position, made over b x heads outside the
+    attention), ``bmm``, viewed back to (b, s, 32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.qkv, self.o = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.slopes = torch.nn.Parameter(torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+
+    def forward(self, tokens):
+        b, s = tokens.size(0), tokens.size(1)
+        x = self.embed(tokens)
+        alibi = (self.slopes[:, None] * torch.arange(s)).repeat(b, 1).unsqueeze(1)  # (b * 4, 1, s)
+        fused = self.qkv(x).view(b, s, 4, 3, 8)
+        q, k, v = (fused.select(3, i).transpose(1, 2).reshape(b * 4, s, 8) for i in range(3))
+        scores = torch.baddbmm(alibi, q, k.transpose(1, 2), alpha=8**-0.5).view(b, 4, s, s)
+        probs = torch.softmax(scores + torch.ones(s, s).triu(1) * -1e4, dim=-1).view(b * 4, s, s)
+        out = torch.bmm(probs, v).view(b, 4, s, 8).permute(0, 2, 1, 3).reshape(b, s, 32)
+        return self.head(x + self.o(out))
+
+
+def test_heads_merged_with_the_batch_split_and_the_alibi_bias_cut_to_the_ranks_heads():
+    torch.manual_seed(0)
+    model = _Alibi()
+    gm, ctx = _rewrite(model)
+    assert decisions(gm).shards["model.qkv.weight"] == ParamShard(0, (4, 3, 8), 0)  # by heads
+    assert decisions(gm).shards["model.o.weight"] == ParamShard(1, (4, 8), 0)
+    load_local(gm, ctx, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}, 1)
+    baddbmm = next(n for n in gm.graph.nodes if n.meta.get("op") == "baddbmm")
+    bias, q = (_value_on_rank(gm, a, 1) for a in baddbmm.args[:2])
+    assert q.shape == (2 * 2, 8, 8)  # batch 2 x this rank's 2 heads
+    # rank 1 holds heads 2-3 of each batch row: their slopes times the key positions
+    expected = (model.slopes[2:, None] * torch.arange(8)).repeat(2, 1).unsqueeze(1)
+    assert torch.equal(bias, expected.detach())
+
+
+def _alibi_worker(rank, world):
+    import torch.distributed as dist
+
+    runtime.set_groups(tp=dist.group.WORLD)
+    torch.manual_seed(0)
+    model = _Alibi()
+    gm, ctx = _rewrite(model, tp=world)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    reference = causal_lm_loss(model(tokens), tokens)
+    reference.backward()
+    load_local(gm, ctx, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}, rank)
+    loss = gm(tokens)
+    loss.backward()
+    worst = 0.0
+    for name, p in gm.named_parameters():  # the slopes' gradient comes through the cut bias
+        source = decisions(gm).origin.get(name, name)
+        g = model.get_parameter(source.removeprefix("model.")).grad
+        spec = decisions(gm).shards.get(source)
+        g = slice_parameter(g, spec, rank, world) if spec else g
+        worst = max(worst, (p.grad - g).abs().max().item() / (g.abs().max().item() + 1e-12))
+    runtime.set_groups(tp=None)
+    return abs(loss.item() - reference.item()) / abs(reference.item()), worst
+
+
+def test_alibi_attention_tp2_on_two_processes_matches_single_device():
+    from distributed import run
+
+    for loss_err, grad_err in run(_alibi_worker, 2, timeout=120):
+        assert loss_err < 1e-5
+        assert grad_err < 1e-5
