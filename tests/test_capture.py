@@ -358,8 +358,11 @@ def test_naive_moe_is_captured_grouped_with_balanced_routing_flops(capsys):
     experts = [n for n in moe.graph_module.graph.nodes if n.meta["op_class"] == "experts"]
     assert len(experts) == 4 and {n.meta["module_path"] for n in experts} == {"layers.0.ffn", "layers.1.ffn"}
     assert sorted((g.batch, g.n, g.k) for g in a.gemms if g.experts) == [(4, 64, 96), (4, 96, 64)]
-    ep = [c for c in a.collectives if c.axis == "ep"]  # each expert's tokens dispatched: 2 slots of 64
-    assert sympy.expand(sum(c.elems for c in ep) - 2 * 64 * B * S) == 0
+    # each expert's tokens dispatched: 2 slots of 64; and the stacks of the experts' own parameters
+    # exchanged into whole experts (their rows held 1/ep per rank)
+    tokens = [c for c in a.collectives if c.axis == "ep" and c.kind == "all_to_all"]
+    assert sympy.expand(sum(c.elems for c in tokens) - 2 * 64 * B * S) == 0
+    assert sorted(c.elems for c in a.collectives if c.kind == "weights") == [4 * 64 * 96, 4 * 96 * 64]
     assert all(
         d.free_symbols <= {B, S}
         for n in moe.graph_module.graph.nodes
