@@ -39,7 +39,7 @@ PASSES: list[Pass] = [
         "canonicalize",
         canonicalize_pass,
         lambda ctx: True,
-        writes=("mask",),  # on an attention whose mask stays: what the mask is, for the passes' refusals
+        writes=("mask", "causal"),  # what a mask that stays is; which masked_fill is causal
         ensures=(no_tracer_residue,),
         summary="one form of the graph whichever tracer made it: no input guards or device constants; causal "
         "masks, repeated KV heads, written-out RMS norms and grouped GEMMs in their one form",
@@ -135,9 +135,10 @@ PASSES: list[Pass] = [
 ]
 
 
-def canonical(gm, inputs: tuple | None, observe: Observer | None = None):
-    """Run the capture passes (``canonicalize``) on a freshly traced ``gm`` traced with ``inputs``."""
-    return run_passes(_phase("capture"), gm, RewriteContext(inputs=inputs), observe)
+def canonical(gm, inputs: tuple | None, observe: Observer | None = None, values=None):
+    """Run the capture passes (``canonicalize``) on a freshly traced ``gm`` traced with ``inputs``;
+    ``values(name)``: a meta buffer's value from the model's recorded initialisation, or None."""
+    return run_passes(_phase("capture"), gm, RewriteContext(inputs=inputs, values=values), observe)
 
 
 def apply(captured, plan, observe: Observer | None = None) -> fx.GraphModule:

@@ -56,12 +56,14 @@ def layer_bodies(graph: fx.Graph) -> dict[int, list[fx.Node]]:
     arithmetic on its sizes, read off nothing the layer computes, belong to no layer: the layers
     reading one take it as an input, and the pipeline split recomputes it in each chunk reading it
     (inside a layer, one a later layer reads would be handed on between stages, which send
-    tensors only: transformers' MoE blocks compute batch * sequence once for every layer)."""
+    tensors only: transformers' MoE blocks compute batch * sequence once for every layer). A read
+    of a layer's buffer that nothing uses (a causal mask the flash-attention pass fused away) is
+    the layer's too: the layer still holds the buffer, which is part of the model's state."""
     meta = input_meta_nodes(graph)
     layers: dict[int, list[fx.Node]] = {}
     members: dict[int, set[fx.Node]] = {}
     for node in graph.nodes:
-        computes = node.op not in ("get_attr", "placeholder", "output")
+        computes = node.op not in ("get_attr", "placeholder", "output") or (node.op == "get_attr" and not node.users)
         if computes and node.meta.get("region") == "layer" and node.meta.get("layer") is not None:
             layer = node.meta["layer"]
             mine = members.setdefault(layer, set())

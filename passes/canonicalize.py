@@ -11,6 +11,7 @@ tracer.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
 from torch import fx
@@ -25,7 +26,7 @@ GUARDS = "_guards_fn"  # torch.export's submodule that checks the inputs against
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata  # export checks dtypes at run time; a no-op here
 
 
-def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphModule:
+def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None, values: Values | None = None) -> fx.GraphModule:
     """Bring a freshly traced ``gm`` into canonical form, in place, and return it. (Long only for
     its docstring: the contract below, one item per rewrite; the body calls one function each.)
 
@@ -52,7 +53,11 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
       mask are gone (:func:`causal_masks`); a mask that is not causal stays, and the attention
       node's ``meta["mask"]`` (an ``ir.Mask``) says what it is: its kind, a phrase for the passes'
       refusals, a sliding window's width; the softmax of written-out attention whose scores are
-      masked or biased by anything but a causal mask (ALiBi, a mask read from a buffer) says so too;
+      masked or biased by anything but a causal mask (ALiBi, a mask read from a buffer) says so too,
+      and its ``masked_fill(scores, m, -inf)`` whose ``m`` hides exactly the later positions,
+      however built, is ``meta["causal"]`` (:func:`_score_masks`); with ``values``, a buffer the
+      model built on meta counts by its recorded value in these checks (nanoGPT's
+      ``bias[:, :, :T, :T] == 0`` over a buffer of ``tril(ones)``);
     - every ``scaled_dot_product_attention`` whose keys and values are repeated to the query
       heads by views (transformers' ``repeat_kv``: unsqueeze, expand, reshape) reads them
       unrepeated with ``enable_gqa=True`` (:func:`grouped_keys`), so the cost model, context
@@ -90,7 +95,7 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
     changed |= _inputs_device(gm.graph)
     if inputs is not None:
         changed |= input_copies(gm, inputs)
-        changed |= causal_masks(gm, inputs)
+        changed |= causal_masks(gm, inputs, values)
     changed |= grouped_keys(gm)
     changed |= weight_products(gm)
     changed |= rms_norms(gm)
@@ -107,8 +112,8 @@ def canonicalize(gm: fx.GraphModule, inputs: tuple | None = None) -> fx.GraphMod
 
 def canonicalize_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """:func:`canonicalize` as the first entry of ``autoshard.passes.PASSES``: the example inputs
-    come from the context (``RewriteContext.inputs``)."""
-    return canonicalize(gm, ctx.inputs)
+    come from the context (``RewriteContext.inputs``), the meta buffers' values from ``ctx.values``."""
+    return canonicalize(gm, ctx.inputs, ctx.values)
 
 
 def _is_tracer_check(node: fx.Node) -> bool:
@@ -169,7 +174,7 @@ _SHAPE_ATTRS = ("device", "shape", "dtype", "ndim")
 _SHAPE_METHODS = ("size", "dim")
 
 
-def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
+def causal_masks(gm: fx.GraphModule, inputs: tuple, values: Values | None = None) -> bool:
     """Make every ``scaled_dot_product_attention`` whose mask is causal at the sizes of
     ``inputs`` plain causal attention (``is_causal=True``, no mask), erasing what built the mask;
     record on the others (``meta["mask"]``) why their mask is not. Whether any changed.
@@ -178,7 +183,8 @@ def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
     compute it read the inputs' shapes and device, constants and buffers with values, never an
     input's values or a parameter. It is evaluated on CPU at exactly the traced sizes (those the
     program runs at), so a sliding window wider than the sequence is causal here and is not at
-    a longer one, which would be a different capture.
+    a longer one, which would be a different capture. ``values``: a meta buffer's value by name
+    (its recorded initialisation replayed), or None where it has none.
     """
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -193,7 +199,7 @@ def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
         if not isinstance(mask, fx.Node) or args["is_causal"] is True:
             continue
         if mask not in verdicts:
-            verdicts[mask] = mask_verdict(gm, mask, sizes)
+            verdicts[mask] = mask_verdict(gm, mask, sizes, values=values)
         if verdicts[mask] is not None:
             node.meta["mask"] = verdicts[mask]
             continue
@@ -204,7 +210,7 @@ def causal_masks(gm: fx.GraphModule, inputs: tuple) -> bool:
         changed = True
     if changed:
         erase_unused(graph, [m for m, why in verdicts.items() if why is None])
-    _score_masks(gm, sizes)
+    _score_masks(gm, sizes, values)
     return changed
 
 
@@ -212,39 +218,44 @@ _SOFTMAXES = ("softmax", "_softmax")
 _SCORE_STEPS = 16  # ops between a softmax and the product of its scores: scale, casts, views, masks
 
 
-def _score_masks(gm: fx.GraphModule, sizes: dict[fx.Node, tuple]) -> None:
+def _score_masks(gm: fx.GraphModule, sizes: dict[fx.Node, tuple], values: Values | None = None) -> None:
     """On the softmax of written-out attention whose scores are masked or biased by anything but
-    a causal mask (Bloom's ALiBi, added by ``baddbmm``; nanoGPT's mask, read from a buffer),
-    ``meta["mask"]``: what that is, the first found from the softmax back."""
+    a causal mask (Bloom's ALiBi, added by ``baddbmm``; a mask read from a buffer without values),
+    ``meta["mask"]``: what that is, the first found from the softmax back. A ``masked_fill`` of
+    ``-inf`` on those scores whose mask is causal says so: ``meta["causal"]``, which the
+    flash-attention pass reads instead of matching how the mask was written."""
     verdicts: dict[tuple[fx.Node, bool], Mask | None] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or _op(node) not in _SOFTMAXES:
             continue
-        for term in _on_scores(node):
+        for at, *term in _on_scores(node):
+            term = tuple(term)
             if term not in verdicts:
-                verdicts[term] = mask_verdict(gm, term[0], sizes, term[1])
+                verdicts[term] = mask_verdict(gm, term[0], sizes, term[1], values)
             if verdicts[term] is not None:
                 node.meta["mask"] = verdicts[term]
                 break
+            if _op(at) == "masked_fill" and at.args[2] == float("-inf"):
+                at.meta["causal"] = True
 
 
-def _on_scores(softmax: fx.Node) -> list[tuple[fx.Node, bool]]:
-    """The masks and biases on the scores a softmax normalises, back to their product, each with
-    whether it marks the hidden positions: ``add``'s other operand and ``baddbmm``'s input
-    (False), ``masked_fill``'s mask (True)."""
+def _on_scores(softmax: fx.Node) -> list[tuple[fx.Node, fx.Node, bool]]:
+    """The masks and biases on the scores a softmax normalises, back to their product, each as
+    ``(the op applying it, it, whether it marks the hidden positions)``: ``add``'s other operand
+    and ``baddbmm``'s input (False), ``masked_fill``'s mask (True)."""
     terms, x = [], softmax.args[0]
     for _ in range(_SCORE_STEPS):
         if not isinstance(x, fx.Node) or not x.args:
             break
         row = ops.rule(_op(x))  # before capture's annotations: by the op's name
         if _op(x) == "baddbmm":
-            terms.append((x.args[0], False))
+            terms.append((x, x.args[0], False))
         if row is None or row.flops == "matmul":
             break
         if _op(x) in ("add", "sub", "masked_fill") and len(x.args) > 1:
-            terms.append((x.args[1], _op(x) == "masked_fill"))
+            terms.append((x, x.args[1], _op(x) == "masked_fill"))
         x = x.args[0]
-    return [t for t in terms if isinstance(t[0], fx.Node)]
+    return [t for t in terms if isinstance(t[1], fx.Node)]
 
 
 def _signature(node: fx.Node) -> str | None:
@@ -273,17 +284,20 @@ def erase_unused(graph: fx.Graph, roots: list) -> None:
         stack.extend(inputs)
 
 
-def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple], hides: bool = False) -> Mask | None:
+def mask_verdict(
+    gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple], hides: bool = False, values: Values | None = None
+) -> Mask | None:
     """None when ``mask`` is causal at ``sizes`` (placeholder -> traced shape); else what it is:
     its kind (``ir.MASK_KINDS``) and a phrase for a refusal ("sliding-window attention (window 4096)").
     ``hides``: a boolean mask is True where positions are hidden (``masked_fill``'s), not seen.
+    ``values``: a meta buffer's value by name, where its recorded initialisation gives one.
 
     Where the mask at the traced sizes is too large to build (a long context), it is judged at
     shorter sequences instead (:func:`_shorter`): long enough that every integer the mask's
     computation uses (a window, a chunk size) shows its effect, and at two lengths that differ,
     so that a pattern at one length alone does not pass."""
     closure = _closure(mask)
-    why = _not_from_positions(gm, closure)
+    why = _not_from_positions(gm, closure, values)
     if why is not None:
         return why
     order = [n for n in gm.graph.nodes if n in closure]
@@ -291,8 +305,8 @@ def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple],
         try:
             _evaluate(gm, order, sizes, torch.device("meta"))  # sizes only: refuses what is too large first
         except _TooLarge:
-            return _judged_shorter(gm, order, sizes, hides)
-        value = _evaluate(gm, order, sizes, torch.device("cpu"))
+            return _judged_shorter(gm, order, sizes, hides, values)
+        value = _evaluate(gm, order, sizes, torch.device("cpu"), values)
     except _TooLarge as e:
         return Mask("other", f"a mask tensor too large to check at the traced sizes ({e})")
     except Exception as e:  # an op that cannot run on sizes alone
@@ -300,13 +314,15 @@ def mask_verdict(gm: fx.GraphModule, mask: fx.Node, sizes: dict[fx.Node, tuple],
     return _causal_verdict(value, hides)
 
 
-def _judged_shorter(gm: fx.GraphModule, order: list[fx.Node], sizes: dict[fx.Node, tuple], hides: bool) -> Mask | None:
+def _judged_shorter(
+    gm: fx.GraphModule, order: list[fx.Node], sizes: dict[fx.Node, tuple], hides: bool, values: Values | None
+) -> Mask | None:
     """The verdict on a mask too large at the traced sizes, from the two shorter lengths of
     :func:`_shorter`: causal when causal at both, else what it is at the first."""
     seq = max((s[-1] for s in sizes.values() if s), default=0)
     for length in _shorter(order, seq):
         short = {p: tuple(length if d == seq else d for d in shape) for p, shape in sizes.items()}
-        verdict = _causal_verdict(_evaluate(gm, order, short, torch.device("cpu")), hides)
+        verdict = _causal_verdict(_evaluate(gm, order, short, torch.device("cpu"), values), hides)
         if verdict is not None:
             return verdict
     return None
@@ -347,7 +363,7 @@ def _reads_shape_only(user: fx.Node, placeholder: fx.Node) -> bool:
     return user.op == "call_method" and user.target in _SHAPE_METHODS and user.args[0] is placeholder
 
 
-def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node]) -> Mask | None:
+def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node], values: Values | None = None) -> Mask | None:
     """What the mask is when its value is not a function of sizes and constants, or None if it is."""
     params = {name for name, _ in gm.named_parameters()}
     for n in closure:
@@ -358,7 +374,7 @@ def _not_from_positions(gm: fx.GraphModule, closure: set[fx.Node]) -> Mask | Non
             if n.target in params:
                 return Mask("other", f"a mask computed from the parameter '{n.target}'")
             value = operator.attrgetter(n.target)(gm)
-            if isinstance(value, torch.Tensor) and value.is_meta:
+            if isinstance(value, torch.Tensor) and value.is_meta and _buffer(values, n.target, value) is None:
                 return Mask(
                     "buffer",
                     f"a mask read from the buffer '{n.target}' (no values on the meta device: not known causal)",
@@ -385,7 +401,19 @@ class _TooLarge(Exception):
     pass
 
 
-def _evaluate(gm: fx.GraphModule, order: list[fx.Node], sizes: dict, device: torch.device) -> object:
+# a buffer's value on CPU, by its name in the graph, where the model's recorded initialisation
+# gives one without randomness (capture's ``Init`` replayed); None where it does not
+Values = Callable[[str], "torch.Tensor | None"]
+
+
+def _buffer(values: Values | None, name: str, meta: torch.Tensor) -> torch.Tensor | None:
+    """The value of the meta buffer ``name`` from ``values``, if small enough to check."""
+    if values is None or meta.numel() * meta.element_size() > MASK_LIMIT:
+        return None
+    return values(name)
+
+
+def _evaluate(gm: fx.GraphModule, order: list[fx.Node], sizes: dict, device: torch.device, values=None) -> object:
     """The value of the last node of ``order`` (a closure in graph order), run with placeholders
     as empty tensors of their traced sizes on meta and every device argument read as ``device``;
     every tensor made is checked against ``MASK_LIMIT``, and dropped once nothing needs it."""
@@ -398,7 +426,10 @@ def _evaluate(gm: fx.GraphModule, order: list[fx.Node], sizes: dict, device: tor
             env[n] = torch.empty(sizes[n], device="meta")
             continue
         if n.op == "get_attr":
-            env[n] = operator.attrgetter(n.target)(gm).to(device)
+            value = operator.attrgetter(n.target)(gm)
+            if isinstance(value, torch.Tensor) and value.is_meta and device.type != "meta":
+                value = _buffer(values, n.target, value)
+            env[n] = value.to(device)
             continue
         args = fx.map_arg(n.args, lambda a: env[a])
         kwargs = fx.map_arg(n.kwargs, lambda a: env[a])

@@ -42,6 +42,7 @@ class RewriteContext:
     fp8: tuple[str, ...] = ()  # the matmul kinds in FP8 (autoshard.ir.FP8_KINDS)
     fp8_saved: tuple[str, ...] = ()  # kept categories recomputation keeps as FP8 copies
     inputs: tuple | None = None  # the example inputs of a freshly traced graph (canonicalize's mask check)
+    values: Callable | None = None  # a meta buffer's value by name from its recorded init (canonicalize)
 
     @classmethod
     def from_plan(cls, plan) -> RewriteContext:

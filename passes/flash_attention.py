@@ -2,7 +2,10 @@
 Triton kernel on GPUs, PyTorch's fused attention on CPUs).
 
 Found two ways: calls of ``scaled_dot_product_attention`` without a mask or dropout, and the
-written-out pattern ``softmax(q @ k^T * c [masked_fill(triu(ones(s, s), 1), -inf)]) [dropout p=0] @ v``.
+written-out pattern ``softmax(q @ k^T * c [masked_fill(m, -inf)]) [dropout p=0] @ v`` whose mask
+``m`` is causal: marked so by canonicalisation (``meta["causal"]``, however ``m`` is built: nanoGPT's
+``bias[:, :, :T, :T] == 0``), or ``triu(ones(s, s), 1)``. The read of a buffer the mask came from
+stays: the buffer is part of the model's state, which the program keeps and saves.
 Attention with dropout > 0, an arbitrary mask or a bias is left alone (the kernel has none of them).
 Which calls are SDPA is the op table's ``signature`` (``autoshard.ir.ops``), whose layout
 ``ops.call_args`` reads.
@@ -70,7 +73,8 @@ def _replace_pattern(graph: fx.Graph, out: fx.Node) -> bool:
         return False
     scores, causal = probs.args[0], False
     if _op(scores) == "masked_fill":
-        if not (_causal_mask(scores.args[1]) and scores.args[2] == float("-inf")) or len(scores.users) != 1:
+        causal_fill = scores.meta.get("causal") or _causal_mask(scores.args[1])
+        if not (causal_fill and scores.args[2] == float("-inf")) or len(scores.users) != 1:
             return False
         scores, causal = scores.args[0], True
     scale = 1.0

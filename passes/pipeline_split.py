@@ -132,7 +132,8 @@ def _parameter_read(node: fx.Node) -> bool:
 def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, int]:
     """Node -> chunk index (``LOSS`` for the loss graph); placeholders and parameter reads are
     absent (each chunk reading a parameter reads it itself). An unused read of a tied parameter's
-    other name is dropped; any other unused read stays in chunk 0."""
+    other name is dropped; an unused read of a layer's buffer goes with its layer; any other
+    unused read stays in chunk 0."""
     bounds = list(accumulate(stage_layers))
     last = len(stage_layers) - 1
 
@@ -148,7 +149,8 @@ def assign_chunks(gm: fx.GraphModule, stage_layers: list[int]) -> dict[fx.Node, 
             continue
         if node.op == "get_attr":
             if held.get(node.target, node.target) not in used:
-                out[node] = 0
+                layer = node.meta.get("layer") if node.meta.get("region") == "layer" else None
+                out[node] = 0 if layer is None else chunk_of_layer(layer)
             continue
         if not _in_model(node):
             out[node] = LOSS

@@ -30,6 +30,7 @@ from autoshard.capture import dtypes, shapes, structure
 from autoshard.capture.init import Init, lifted, record_build
 from autoshard.capture.structure import LayerKind
 from autoshard.capture.trace import BATCH_HINT, TrainingForward, causal_lm_loss, trace
+from autoshard.runtime.stages import replay
 
 
 @dataclass
@@ -92,7 +93,7 @@ def capture(
         inits = {**_traced_names(inits), **_lifted(gm, model)}
     if tracer == "export":
         _follow_bf16(gm, model, inputs, loss, source)
-    gm = passes.canonical(gm, inputs, observe)
+    gm = passes.canonical(gm, inputs, observe, _recorded_values(inits, gm))
     # what nothing reads (a mask built for a kind of layer the model has none of, as Gemma3's
     # global-attention mask with only sliding layers) would be run, and sharded, for nothing
     if gm.graph.eliminate_dead_code():
@@ -137,6 +138,34 @@ def _follow_bf16(gm, model: nn.Module, inputs: tuple, loss, source: str | None) 
         return
     if tracer == "export":
         dtypes.follow(gm, low)
+
+
+def _recorded_values(inits: dict[str, Init] | None, gm: fx.GraphModule):
+    """``name -> value`` of a buffer the model built on meta, replayed from its recorded
+    initialisation on CPU where that has no randomness (two seeds give one value); None
+    otherwise. What canonicalisation's mask checks read (``passes.canonical``)."""
+    if inits is None:
+        return None
+
+    def value(name: str) -> torch.Tensor | None:
+        init = inits.get(name)
+        meta = _meta_buffer(gm, name)
+        if init is None or init.problem or meta is None:
+            return None
+        try:
+            drawn = [replay(init.steps, tuple(meta.shape), torch.Generator().manual_seed(s)) for s in (0, 1)]
+        except Exception:  # noqa: BLE001 - a program that does not replay here: no value to check
+            return None
+        return drawn[0] if torch.equal(drawn[0], drawn[1]) else None
+
+    return value
+
+
+def _meta_buffer(gm: fx.GraphModule, name: str) -> torch.Tensor | None:
+    try:
+        return gm.get_buffer(name)
+    except AttributeError:
+        return None
 
 
 def _lifted(gm: fx.GraphModule, model: nn.Module) -> dict[str, Init]:

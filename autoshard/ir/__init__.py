@@ -89,6 +89,9 @@ KEYS: dict[str, Key] = {
         Key("op", "capture", "normalised op name, the key of the op table (autoshard.ir.ops)"),
         Key("op_class", "capture", "one of OP_CLASSES, from the op table refined by graph patterns"),
         Key(
+            "causal", "capture", "on masked_fill(scores, m, -inf) in written-out attention: m hides the later positions"
+        ),
+        Key(
             "mask",
             "capture",
             "on attention (or written-out attention's softmax) masked other than causally: an ir.Mask",

@@ -456,6 +456,61 @@ def test_a_copy_of_a_model_input_to_what_it_already_is_goes():
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"].count(torch.ops.aten.to.dtype) == 1
 
 
+class BufferMasked(nn.Module):
+    """nanoGPT's attention: the causal mask a registered buffer of ``tril(ones)`` (less the band
+    below ``window``, for a sliding window), sliced to the sequence and applied with
+    ``masked_fill(..., -inf)`` before a written-out softmax."""
+
+    def __init__(self, block: int = 16, window: int | None = None):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.qkv = nn.Linear(8, 24, bias=False)
+        self.head = nn.Linear(8, 16, bias=False)
+        ones = torch.ones(block, block)
+        kept = torch.tril(ones) if window is None else torch.tril(ones) - torch.tril(ones, -window)
+        self.register_buffer("bias", kept.view(1, 1, block, block))
+
+    def forward(self, tokens):
+        b, t = tokens.size(0), tokens.size(1)
+        q, k, v = self.qkv(self.embed(tokens)).view(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        att = (q @ k.transpose(-2, -1)) * 0.5
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        out = torch.softmax(att, dim=-1) @ v
+        return self.head(out.transpose(1, 2).reshape(b, t, 8))
+
+
+@pytest.mark.parametrize(
+    "window,recorded,kind",
+    [(None, True, None), (3, True, "sliding_window"), (None, False, "buffer")],
+    ids=["causal", "window-3", "not-recorded"],
+)
+def test_a_mask_kept_in_a_buffer_built_on_meta_is_judged_by_its_recorded_initialisation(window, recorded, kind):
+    """The buffer has no values on meta; its recorded initialisation gives them: a causal one
+    marks the masked_fill causal, and the flash pass fuses the written-out attention, keeping the
+    read of the buffer (part of the model's state); a sliding window is what it is; without a
+    recorded initialisation the mask stays a buffer's, not known causal."""
+    from autoshard import runtime
+    from autoshard.capture.init import record_build
+    from autoshard.passes.contract import RewriteContext
+    from autoshard.passes.flash_attention import flash_attention
+
+    if recorded:
+        model, inits = record_build(BufferMasked, window=window)
+    else:
+        with torch.device("meta"):
+            model, inits = BufferMasked(window=window), None
+    cap = capture(model, (torch.zeros(2, 8, dtype=torch.long, device="meta"),), inits=inits)
+    graph = cap.graph_module.graph
+    (fill,) = [n for n in graph.nodes if n.meta["op"] == "masked_fill"]
+    (softmax,) = [n for n in graph.nodes if n.meta["op"] == "softmax"]
+    assert fill.meta.get("causal") is (True if kind is None else None)
+    assert getattr(softmax.meta.get("mask"), "kind", None) == kind
+    gm = flash_attention(cap.graph_module, RewriteContext())
+    fused = [n for n in gm.graph.nodes if n.target is runtime.fused_attention]
+    assert len(fused) == (1 if kind is None else 0)
+    assert [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith(".bias")]
+
+
 # ---------------------------------------------------------------------------------------------
 # Products by a transposed parameter
 

@@ -196,10 +196,26 @@ def test_alibi_is_refused_for_cp_naming_alibi_and_the_fix():
         context_parallel(flash_attention(cap.graph_module, ctx), ctx)
 
 
-def test_a_mask_read_from_a_buffer_is_refused_for_cp_naming_the_buffer_and_the_fix():
-    """nanoGPT masks its scores with ``masked_fill`` by a ``tril`` buffer, which has no values
-    on meta: the refusal names the buffer and what to write instead, not the softmax alone."""
+def test_nanogpts_attention_masked_by_its_buffer_runs_as_ring_attention():
+    """nanoGPT masks its scores with ``masked_fill`` by a ``tril`` buffer built on meta: its
+    recorded initialisation shows it causal, the written-out attention is fused, and CP shards it."""
     cap = capture_file(str(EXAMPLES.parent / "tests" / "models" / "nanogpt.py"), "tiny", 32)
+    analyze(cap)
+    ctx = RewriteContext(cp=2, attention="ring")
+    gm = context_parallel(flash_attention(cap.graph_module, ctx), ctx)
+    assert _count(gm, runtime.cp_attention) == 2 and _count(gm, runtime.fused_attention) == 0
+
+
+def test_a_mask_read_from_a_buffer_is_refused_for_cp_naming_the_buffer_and_the_fix():
+    """A ``tril`` buffer on meta whose initialisation was not recorded (a model built by hand, not
+    by ``record_build``) has no values: the refusal names the buffer and what to write instead,
+    not the softmax alone."""
+    sys.path.insert(0, str(EXAMPLES.parent / "tests" / "models"))
+    import nanogpt
+
+    with torch.device("meta"):
+        model = nanogpt.build("tiny")
+    cap = capture(model, (torch.zeros(2, 32, dtype=torch.long, device="meta"),), source=nanogpt.__file__)
     analyze(cap)
     ctx = RewriteContext(cp=2, attention="ring")
     match = (

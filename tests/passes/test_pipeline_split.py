@@ -136,6 +136,23 @@ def test_chunks_follow_stage_layers_and_reproduce_the_loss(name):
     assert torch.allclose(split.loss(*x, batch), causal_lm_loss(model(batch), batch))
 
 
+def test_a_buffer_its_layer_no_longer_reads_goes_to_the_layers_chunk():
+    """nanoGPT's causal mask, fused away by the flash pass: the read of each layer's ``bias``
+    buffer, used by nothing, stays with its layer's chunk (the layer holds the buffer, part of the
+    model's state), not in chunk 0 for every layer."""
+    from autoshard.capture import capture_file
+    from autoshard.passes.flash_attention import flash_attention
+
+    cap = capture_file(str(EXAMPLES.parent / "tests" / "models" / "nanogpt.py"), "tiny", 32)
+    ctx = RewriteContext(stage_layers=(1, 1))
+    split = decisions(pipeline_split(flash_attention(cap.graph_module, ctx), ctx)).split
+    held = [
+        [n.target for n in chunk.graph.nodes if n.op == "get_attr" and n.target.endswith(".attn.bias")]
+        for chunk in split.chunks
+    ]
+    assert held == [["model.transformer.h.0.attn.bias"], ["model.transformer.h.1.attn.bias"]]
+
+
 def test_stage_layers_that_do_not_cover_the_model_are_refused():
     _, cap = _captured("llama3")
     with pytest.raises(AutoshardError, match="stage_layers hold 1 layers"):
