@@ -371,6 +371,12 @@ def _localise_island_sizes(
         for a in node.all_input_nodes:
             if a not in island and a not in sliced and not ops.is_weight(a):
                 node.replace_input_with(a, local(a, node))
+    # the whole-sequence sizes the island read and nothing else does (numbers, not tensors): left,
+    # they would be dead code in the emitted program
+    for a in reversed(list(graph.nodes)):
+        if not a.users and a.op in ("call_function", "call_method") and a.meta.get("shape") is None:
+            if not a.is_impure():
+                graph.erase_node(a)
 
 
 def _local_size(graph: fx.Graph, size: fx.Node, tp: int) -> fx.Node:

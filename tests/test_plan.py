@@ -114,7 +114,8 @@ def _in_process(argv, capsys):
     [
         (["--gpus", "13", "--global-batch", "27"], "13 GPUs admit no factorisation"),
         (
-            ["--gpus", "32", "--global-batch", "1", "--seq-len", "4"],
+            # TP4 (2 key/value heads shared), PP4, CP2 leave DP2 at the least on 64 GPUs
+            ["--gpus", "64", "--global-batch", "1", "--seq-len", "4"],
             "--global-batch 1 is smaller than the smallest data-parallel degree",
         ),
         (["--gpus", "8", "--global-batch", "8", "--force", "tp=3"], "--force tp=3 does not divide --gpus 8"),
@@ -122,7 +123,7 @@ def _in_process(argv, capsys):
             ["--gpus", "8", "--global-batch", "8", "--seq-len", "30", "--force", "cp=4"],
             "--seq-len 30 is not divisible by 2*cp",
         ),
-        (["--gpus", "8", "--global-batch", "8", "--force", "tp=4"], "--force tp=4 does not divide the model's heads"),
+        (["--gpus", "8", "--global-batch", "8", "--force", "tp=8"], "--force tp=8 does not divide the model's heads"),
         (["--gpus", "8", "--global-batch", "8", "--force", "warp=2"], "--force: unknown field 'warp'"),
         (["--gpus", "8", "--global-batch", "8", "--force", "dp=3"], "--force dp=3 does not divide --gpus 8"),
         (["--gpus", "0", "--global-batch", "8"], "argument --gpus: must be positive"),
