@@ -374,9 +374,9 @@ def _localise_island_sizes(
     # the whole-sequence sizes the island read and nothing else does (numbers, not tensors): left,
     # they would be dead code in the emitted program
     for a in reversed(list(graph.nodes)):
-        if not a.users and a.op in ("call_function", "call_method") and a.meta.get("shape") is None:
-            if not a.is_impure():
-                graph.erase_node(a)
+        dead = not a.users and a.op in ("call_function", "call_method") and a.meta.get("shape") is None
+        if dead and not a.is_impure():
+            graph.erase_node(a)
 
 
 def _local_size(graph: fx.Graph, size: fx.Node, tp: int) -> fx.Node:
