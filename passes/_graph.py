@@ -80,3 +80,23 @@ def place(new: fx.Node, anchor: fx.Node, like: fx.Node | None = None, **meta) ->
     new.meta["op_class"] = row.op_class if row is not None else "other"
     new.meta.update(meta)
     return new
+
+
+def upstream(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it reads, transitively."""
+    return _reach(node, lambda n: n.all_input_nodes)
+
+
+def downstream(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node that reads it, transitively."""
+    return _reach(node, lambda n: n.users)
+
+
+def _reach(node: fx.Node, step) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(step(n))
+    return seen

@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from autoshard.ir import Mask, ops
+from autoshard.passes._graph import upstream
 from autoshard.passes.moe_forms import batched_experts, expert_loops
 from autoshard.runtime import moe
 
@@ -296,7 +297,7 @@ def mask_verdict(
     shorter sequences instead (:func:`_shorter`): long enough that every integer the mask's
     computation uses (a window, a chunk size) shows its effect, and at two lengths that differ,
     so that a pattern at one length alone does not pass."""
-    closure = _closure(mask)
+    closure = upstream(mask)
     why = _not_from_positions(gm, closure, values)
     if why is not None:
         return why
@@ -345,16 +346,6 @@ def _shorter(order: list[fx.Node], seq: int) -> tuple[int, int]:
     return first, first + 37
 
 
-def _closure(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
 def _reads_shape_only(user: fx.Node, placeholder: fx.Node) -> bool:
     if user.op == "call_function" and user.target in _SHAPE_READS:
         return True
@@ -392,7 +383,7 @@ def _from_input(placeholder: fx.Node, closure: set[fx.Node]) -> Mask:
     itself (``ids[:, :, None] == ids[:, None, :]``: positions of one document), padding else."""
     for n in closure:
         operands = [a for a in n.args if isinstance(a, fx.Node)]
-        if _op(n) in _EQUALS and len(operands) == 2 and all(placeholder in _closure(a) for a in operands):
+        if _op(n) in _EQUALS and len(operands) == 2 and all(placeholder in upstream(a) for a in operands):
             return Mask("document", f"document masking (a mask comparing the input '{placeholder.target}' with itself)")
     return Mask("padding", f"a mask computed from the input '{placeholder.target}' (padding or document masking)")
 

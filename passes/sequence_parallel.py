@@ -36,7 +36,7 @@ from torch import fx
 
 from autoshard import runtime
 from autoshard.ir import B, S, ops
-from autoshard.passes._graph import describe, note, place
+from autoshard.passes._graph import describe, downstream, note, place, upstream
 from autoshard.passes._graph import op_name as _op
 from autoshard.passes._graph import seq_dim as _seq_dim
 from autoshard.passes.contract import Refusal, RewriteContext, decisions
@@ -282,7 +282,7 @@ def _moe_islands(graph: fx.Graph) -> set[fx.Node]:
         while exit_ is not None and exit_.op != "output" and exit_.meta.get("shape") not in shapes:
             exit_ = after.get(exit_)
         if exit_ is not None and exit_.op != "output":
-            island |= (_descendants(entry) & _ancestors(exit_)) | {exit_}
+            island |= (downstream(entry) & upstream(exit_)) - {entry} | {exit_}
     return island
 
 
@@ -303,26 +303,6 @@ def _stream_entry(node: fx.Node) -> fx.Node:
     while (row := ops.rule_of(node)) is not None and row.sp == "view" and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
-
-
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    found, todo = set(), list(node.users)
-    while todo:
-        n = todo.pop()
-        if n not in found:
-            found.add(n)
-            todo.extend(n.users)
-    return found
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    found, todo = set(), list(node.all_input_nodes)
-    while todo:
-        n = todo.pop()
-        if n not in found:
-            found.add(n)
-            todo.extend(n.all_input_nodes)
-    return found
 
 
 def _island_parameters(gm: fx.GraphModule, node: fx.Node, sliced: set[fx.Node]) -> set[str]:

@@ -9,7 +9,8 @@ from torch import fx, nn
 
 from autoshard.capture import capture, causal_lm_loss
 from autoshard.capture.trace import trace
-from autoshard.passes.canonicalize import _closure, canonicalize
+from autoshard.passes._graph import upstream
+from autoshard.passes.canonicalize import canonicalize
 from autoshard.passes.moe_forms import batched_experts, expert_loops
 from autoshard.runtime import moe
 
@@ -346,7 +347,7 @@ def test_transformers_masks_and_grouped_keys(config, extra, mask, long, monkeypa
     assert all(n.kwargs["enable_gqa"] is True and n.args[1].meta["shape"][1] == 2 for n in attention)
     if mask is None:
         assert all(n.kwargs.get("is_causal") is True and len(n.args) == 3 for n in attention)
-        read = set().union(*(_closure(n) for n in attention))
+        read = set().union(*(upstream(n) for n in attention))
         assert not [n for n in read if n.meta["op"] in ("cumsum", "diff", "index", "le")]  # no mask reaches it
     else:
         assert [n.meta["mask"].what if n.meta.get("mask") else None for n in attention] == [mask, mask]
