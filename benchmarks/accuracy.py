@@ -24,7 +24,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def _step_rows(costs: dict) -> tuple[list, list]:
     """Print one line per step-time run; return (run, ratio) pairs and the MFU-only rows."""
     print(
-        f"{'source':32s} {'runtime':16s} {'run':28s} {'hardware':11s} {'measured s':>10s} {'predicted s':>11s} "
+        f"{'source':32s} {'runtime':16s} {'run':36s} {'hardware':11s} {'measured s':>10s} {'predicted s':>11s} "
         f"{'pred/meas':>9s}  plan filled in"
     )
     ratios, mfu_rows = [], []
@@ -41,7 +41,7 @@ def _step_rows(costs: dict) -> tuple[list, list]:
         ratio = pred.step_time_s / run.step_s
         ratios.append((run, ratio))
         print(
-            f"{run.source:32s} {run.runtime:16s} {run.name:28s} {run.hardware:11s} {run.step_s:10.2f} "
+            f"{run.source:32s} {run.runtime:16s} {run.name:36s} {run.hardware:11s} {run.step_s:10.2f} "
             f"{pred.step_time_s:11.2f} {ratio:9.3f}  ZeRO-{plan.zero_stage}, recompute {dropped}"
         )
     return ratios, mfu_rows
