@@ -204,6 +204,9 @@ RUNS: tuple[Run, ...] = (
     # NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (commit 067f987), "25.11 NeMo
     # Container": tokens/s/GPU with every setting; FP8-CS (per-tensor current scaling); FSDP 0 is
     # Megatron's distributed optimizer (ZeRO-1), FSDP N is Megatron-FSDP over N ranks (ZeRO-3).
+    # DeepSeek-V3 "w/o MTP" (as examples/deepseek_v3.py), routing force-balanced and dropless, its
+    # FP8 row MXFP8 (32-element block scales), which the model prices as FP8. Not taken: the B200
+    # DeepSeek-V3 rows (25.11 states MTP on, which the example lacks; 26.02 does not say).
     _bridge("8b fp8 8 b200", "llama3", "8b", "b200", 8, 8192, 128, "tp=1,pp=1,cp=1,dp=8,mbs=2,zero=1", 30624, "fp8"),
     _bridge("8b fp8 8 gb200", "llama3", "8b", "gb200-nvl72", 8, 8192, 128, "tp=1,pp=1,cp=1,dp=8,mbs=2,zero=1",
             31508, "fp8"),
@@ -233,7 +236,8 @@ RUNS: tuple[Run, ...] = (
     # iteration 100. The config's selective checkpointing ("op") recomputes every op but the
     # matmuls and attention, and every second matmul: the first part is pinned (norms and
     # activations), the half of the matmul outputs is no category of ours; recomputing all of
-    # them would add 0.16 s, so that half is about 0.08 s (5%) the prediction lacks.
+    # them would add 0.16 s, so that half is about 0.08 s (5%) the prediction lacks. The rest of
+    # the gap (about 17%) the model does not explain: it describes a Megatron-class runtime.
     Run("8b fp8 32 h200", "torchtitan benchmarks (Trainy)", "llama3", "8b", "h200", 32, 8192, 64,
         "tp=1,pp=1,cp=1,dp=32,mbs=2,zero=3,fp8=on,recompute=norm_output+activation", "fp8",
         step_s=64 * 8192 / (10938 * 32), runtime="torchtitan"),
