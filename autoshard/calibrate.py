@@ -37,12 +37,20 @@ import socket
 import statistics
 import tempfile
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from autoshard.cost_models import hardware
 from autoshard.cost_models.compute import ATTENTION_HALF_LENGTH
 from autoshard.errors import AutoshardError
+from autoshard.runtime import ring_attention as ra
+from autoshard.runtime.collectives import _gather_into, _scatter_from
 
 GEMM_SHAPES = ((256, 256, 256), (512, 1024, 512), (1024, 1024, 1024), (2048, 1024, 4096), (2048, 2048, 2048))
 QUICK_GEMM_SHAPES = GEMM_SHAPES[:3]
@@ -63,8 +71,6 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
     ranks = _check_ranks(ranks)
     path = _check_out(Path(out))
     parent = hardware.load(extends) if extends else None
-    import torch
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()
     _say(f"calibrating on {device} ({_machine(device)}), ranks {', '.join(map(str, ranks))}")
@@ -76,7 +82,8 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
     fields = {"name": path.stem} | ({"extends": extends} if extends else {})
     fields |= _fields(device, peak, mem, attn, fit_collectives(points), overlap, parent, ranks)
     elapsed = time.perf_counter() - start
-    _write(path, fields, _header(device, ranks, elapsed, gemm, extends))
+    backends = sorted({p["backend"] for p in points})
+    _write(path, fields, _header(device, ranks, elapsed, gemm, extends, backends))
     _say(f"wrote {out} in {elapsed:.0f} s")
     return fields
 
@@ -101,8 +108,6 @@ def _say(line: str) -> None:
 
 
 def _machine(device: str) -> str:
-    import torch
-
     if device == "cuda":
         return torch.cuda.get_device_name()
     return f"{os.cpu_count()} cores, {torch.get_num_threads()} threads"
@@ -111,8 +116,6 @@ def _machine(device: str) -> str:
 def _median_time(fn, device: str, min_s: float = 0.2, reps: int = 3) -> float:
     """Median seconds of ``fn()`` over at least ``reps`` runs lasting ``min_s`` together, after
     one warm-up run."""
-    import torch
-
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     fn()
     sync()
@@ -126,15 +129,11 @@ def _median_time(fn, device: str, min_s: float = 0.2, reps: int = 3) -> float:
 
 
 def _dtype(device: str):
-    import torch
-
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
 def measure_gemms(device: str, quick: bool) -> dict[tuple[int, int, int], float]:
     """FLOP/s of (m x k) @ (k x n) per plan-like shape."""
-    import torch
-
     out = {}
     for m, k, n in QUICK_GEMM_SHAPES if quick else GEMM_SHAPES:
         a = torch.randn(m, k, device=device, dtype=_dtype(device))
@@ -147,8 +146,6 @@ def measure_gemms(device: str, quick: bool) -> dict[tuple[int, int, int], float]
 
 def measure_memory(device: str, quick: bool) -> float:
     """Bytes/s of a large copy (each element read once and written once)."""
-    import torch
-
     elems = 2**23 if quick else 2**25
     x = torch.randn(elems, device=device)
     y = torch.empty_like(x)
@@ -161,9 +158,6 @@ def measure_memory(device: str, quick: bool) -> float:
 def measure_attention(device: str, peak: float, quick: bool) -> float:
     """``attention_efficiency``: causal SDPA's FLOP/s (FLOPs counted as ``cost_models.flops``
     does) over the peak and over the key-length factor the cost model applies."""
-    import torch
-    import torch.nn.functional as F
-
     b, h, s, d = 1, 8, 512 if quick else 1024, 64
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=_dtype(device)) for _ in range(3))
     t = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, 0.05 if quick else 0.2)
@@ -176,8 +170,6 @@ def measure_attention(device: str, peak: float, quick: bool) -> float:
 def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tuple[list[dict], dict]:
     """Per world size in ``ranks``, processes spawned on this host time every collective (and, in
     the smallest world, the overlap of the asynchronous kinds): (timing points, overlap shares)."""
-    import torch.multiprocessing as mp
-
     points: list[dict] = []
     overlap: dict = {}
     for n in ranks:
@@ -218,8 +210,6 @@ def fit_collectives(points: list[dict]) -> dict[str, dict[str, float]]:
 def _nonnegative_fit(pts: list[tuple[float, float, float]]) -> tuple[float, float]:
     """(seconds per byte, seconds per step) minimising the squared relative error, both >= 0
     (a negative latency is refitted as zero)."""
-    import numpy as np
-
     a = np.array([[v / t, s / t] for v, s, t in pts])
     y = np.ones(len(pts))
     (inv_bw, lat), *_ = np.linalg.lstsq(a, y, rcond=None)
@@ -256,8 +246,6 @@ def _fields(device, peak, mem, attn, collectives, overlap, parent, ranks) -> dic
 def _host_fields(device: str, collectives: dict, ranks: tuple[int, ...]) -> dict:
     """What a profile needs that calibrate does not measure: memory, link fall-backs (the
     measured send), the domain (the most ranks measured), no price."""
-    import torch
-
     if device == "cuda":
         memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
         cores = torch.cuda.get_device_properties(0).multi_processor_count
@@ -278,12 +266,12 @@ def _host_fields(device: str, collectives: dict, ranks: tuple[int, ...]) -> dict
     }
 
 
-def _header(device: str, ranks, elapsed: float, gemm: dict, extends: str | None) -> list[str]:
+def _header(device: str, ranks, elapsed: float, gemm: dict, extends: str | None, backends: list[str]) -> list[str]:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     best = max(gemm, key=gemm.get)
     lines = [
         f"Measured by `autoshard calibrate` on {when}: {_machine(device)}, "
-        f"processes {', '.join(map(str, ranks))} ({'nccl' if device == 'cuda' else 'gloo'}), {elapsed:.0f} s.",
+        f"processes {', '.join(map(str, ranks))} ({', '.join(backends)}), {elapsed:.0f} s.",
         f"GEMMs: best {gemm[best] / 1e9:.1f} GFLOP/s at {'x'.join(map(str, best))}; "
         + ", ".join(f"{'x'.join(map(str, s))} {r / 1e9:.1f}" for s, r in gemm.items() if s != best),
         "collectives: fitted bus bandwidth and per-step latency (cost_models.comm's formulas).",
@@ -331,17 +319,15 @@ def _toml(fields: dict) -> str:
 def _rank_main(rank: int, n: int, port: int, result: str, device: str, quick: bool, overlaps: bool) -> None:
     """One process of an ``n``-rank measurement: every collective at every size, and, where
     ``overlaps``, the hidden shares of the asynchronous kinds; rank 0 writes them to ``result``."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     nccl = device == "cuda" and torch.cuda.device_count() >= n
     if nccl:
         torch.cuda.set_device(rank)
     dev = f"cuda:{rank}" if nccl else "cpu"
-    dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=n, timeout=timedelta(seconds=120))
+    backend = "nccl" if nccl else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=n, timeout=timedelta(seconds=120))
+    if rank == 0:
+        _say(f"{n} processes over {backend}{'' if nccl or device == 'cpu' else ' (fewer GPUs than processes)'}")
     try:
         points = [p for kind in hardware.COLLECTIVES for p in _time_collective(kind, n, dev, quick)]
         overlap = {"cp": _overlap_cp(dev, quick), "pp": _overlap_pp(dev, quick)} if overlaps else {}
@@ -354,9 +340,6 @@ def _rank_main(rank: int, n: int, port: int, result: str, device: str, quick: bo
 def _rank_times(fn, reps: int, dev: str) -> float:
     """The slowest rank's median seconds of ``fn()`` over ``reps`` runs after a warm-up (every rank
     runs the same count: collectives must match)."""
-    import torch
-    import torch.distributed as dist
-
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     fn()
     sync()
@@ -376,11 +359,6 @@ def _collective_op(kind: str, nbytes: int, n: int, dev: str):
     """(operation, volume, steps) of one ``kind`` collective handed ``nbytes`` as
     ``cost_models.comm`` counts them (a gathered size, a size before scattering, what one rank
     sends)."""
-    import torch
-    import torch.distributed as dist
-
-    from autoshard.runtime.collectives import _gather_into, _scatter_from
-
     elems = max(n, nbytes // 4 // n * n)
     x = torch.randn(elems, device=dev)
     share = (n - 1) / n * elems * 4
@@ -401,25 +379,23 @@ def _collective_op(kind: str, nbytes: int, n: int, dev: str):
 def _ring_send(tensors: list):
     """One rotation of ``tensors`` around the ring with ``batch_isend_irecv`` (what ring attention
     and the pipeline's sends run), waited."""
-    from autoshard.runtime.ring_attention import _rotate
 
     def op():
-        import torch.distributed as dist
-
-        for w in _rotate(tensors, dist.group.WORLD)[0]:
+        for w in ra._rotate(tensors, dist.group.WORLD)[0]:
             w.wait()
 
     return op
 
 
 def _time_collective(kind: str, n: int, dev: str, quick: bool) -> list[dict]:
-    import torch.distributed as dist
-
     out = []
     for nbytes in QUICK_MESSAGE_BYTES if quick else MESSAGE_BYTES:
         op, volume, steps = _collective_op(kind, nbytes, n, dev)
         t = _rank_times(op, 3 if quick else 5, dev)
-        out.append({"kind": kind, "ranks": n, "bytes": nbytes, "volume": volume, "steps": steps, "seconds": t})
+        out.append(
+            {"kind": kind, "ranks": n, "backend": dist.get_backend(), "bytes": nbytes, "volume": volume, "steps": steps}
+            | {"seconds": t}
+        )
         if dist.get_rank() == 0:
             _say(f"{kind} {n} ranks {nbytes / 1024:.0f} KiB: {t * 1e6:.0f} us, {volume / t / 1e9:.2f} GB/s bus")
     return out
@@ -427,14 +403,9 @@ def _time_collective(kind: str, n: int, dev: str, quick: bool) -> list[dict]:
 
 def _hidden_share(compute, transfer, both, reps: int, dev: str, kind: str) -> float:
     """(compute + transfer - both) / min(compute, transfer) in [0, 1], each the slowest rank's
-    median, averaged over the ranks."""
-    import torch
-    import torch.distributed as dist
-
+    median (the same on every rank)."""
     c, t, b = (_rank_times(fn, reps, dev) for fn in (compute, transfer, both))
-    share = torch.tensor([min(1.0, max(0.0, (c + t - b) / min(c, t)))], dtype=torch.float64, device=dev)
-    dist.all_reduce(share)
-    share = _round(float(share.item()) / dist.get_world_size())
+    share = _round(min(1.0, max(0.0, (c + t - b) / min(c, t))))
     if dist.get_rank() == 0:
         _say(
             f"overlap {kind}: compute {c * 1e3:.1f} ms, transfer {t * 1e3:.1f} ms, both {b * 1e3:.1f} ms: "
@@ -447,11 +418,6 @@ def _overlap_cp(dev: str, quick: bool) -> float:
     """Ring attention (``runtime.ring_attention``) forward and backward: as it runs, without its
     transfers (each rotation hands back copies of its own blocks), and its transfers alone (the
     same rotations: K/V forward, K/V with their fp32 gradients backward, the gradients home)."""
-    import torch
-    import torch.distributed as dist
-
-    from autoshard.runtime import ring_attention as ra
-
     n, group = dist.get_world_size(), dist.group.WORLD
     q, k, v = (torch.randn(1, 8, 256 if quick else 512, 64, device=dev, requires_grad=True) for _ in range(3))
 
@@ -483,11 +449,6 @@ def _overlap_pp(dev: str, quick: bool) -> float:
     """A pipeline's activation send and receive (``batch_isend_irecv``, as
     ``torch.distributed.pipelining`` posts them) beside the next micro-batch's GEMMs, which it
     waits for only after them; the GEMMs sized to take about as long as the transfer."""
-    import torch
-    import torch.distributed as dist
-
-    from autoshard.runtime.ring_attention import _rotate
-
     act = [torch.randn((2**18 if quick else 2**20), device=dev)]
     a = torch.randn(256, 256, device=dev)
     transfer = _ring_send(act)
@@ -501,7 +462,7 @@ def _overlap_pp(dev: str, quick: bool) -> float:
             a @ a
 
     def both():
-        works, _ = _rotate(act, dist.group.WORLD)
+        works, _ = ra._rotate(act, dist.group.WORLD)
         compute()
         for w in works:
             w.wait()
