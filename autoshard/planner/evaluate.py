@@ -157,7 +157,10 @@ class Evaluator:
         pp_total = m * c.v * w.p2p if c.pp > 1 else 0.0
         sends = c.v * w.p2p / 2 if c.pp > 1 else 0.0
         pp_exposed = bubble - sched.bubble(c.pp, m, c.v, w.f / c.pp - sends, w.b / c.pp - sends, w.w / c.pp)
-        pp_exposed += m * c.v * (1 - self.p.hw.overlap_share("pp")) * w.p2p if c.pp > 1 else 0.0
+        # the steady-state sends the program does not hide (``Hardware.overlap``): in the slowest
+        # rank's time (``Quantities.p2p``), counted here rather than as imbalance
+        steady = m * c.v * (1 - self.p.hw.overlap_share("pp")) * w.p2p if c.pp > 1 else 0.0
+        pp_exposed += steady
         d = data_parallel(w.params_dense / c.pp, w.params_expert / c.pp, c.zero, where["dpcp"], where["edp"], self.p.hw)
         dp_total = d["after_backward"] + d["before_forward"] + m * d["per_microbatch"]
         layers_overlap = (
@@ -174,7 +177,7 @@ class Evaluator:
             "overlap_s": layers_overlap,
             "recompute_s": per_rank("recompute"),
             "bubble_s": bubble,
-            "imbalance_s": m * part.t_max - m * w.total / c.pp,
+            "imbalance_s": m * part.t_max - m * w.total / c.pp - steady,
             "comm_s": {
                 "tp": {"total": per_rank("tp_total"), "exposed": per_rank("tp")},
                 "cp": {"total": per_rank("cp_total"), "exposed": per_rank("cp")},
