@@ -104,9 +104,10 @@ class LayerCost:
         and the EP all-to-all where the schedule overlaps it."""
         hidden = (self.tp_total - self.tp) + (self.cp_total - self.cp)
         if overlap_ep:
-            hidden += self.ep_hidden()
+            hidden += self.ep_hidden
         return self.slowdown * hidden
 
+    @property
     def ep_hidden(self) -> float:
         """The EP all-to-all a schedule that overlaps it hides: as much as compute covers, times
         the share the program really hides (``ep_share``)."""
@@ -115,12 +116,12 @@ class LayerCost:
     @property
     def ep_unhidden(self) -> float:
         """The part of the all-to-all an overlapping schedule would hide that the program does not."""
-        return min(self.compute, self.ep) - self.ep_hidden()
+        return min(self.compute, self.ep) - self.ep_hidden
 
     def time(self, overlap_ep: bool) -> float:
         """Per micro-batch critical-path time of this layer."""
         if overlap_ep:
-            both = max(self.compute, self.ep) if self.ep_share == 1 else self.compute + self.ep - self.ep_hidden()
+            both = max(self.compute, self.ep) if self.ep_share == 1 else self.compute + self.ep - self.ep_hidden
             return both + self.tp + self.cp + self.interference(True)
         return self.compute + self.ep + self.tp + self.cp + self.interference(False)
 

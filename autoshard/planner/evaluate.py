@@ -153,7 +153,7 @@ class Evaluator:
         ep_total = per_rank("ep")
         ep_exposed = ep_total
         if overlap:
-            ep_exposed -= m * sum(n * k.ep_hidden() for n, k in zip(counts, w.kinds)) / c.pp
+            ep_exposed -= m * sum(n * k.ep_hidden for n, k in zip(counts, w.kinds)) / c.pp
         pp_total = m * c.v * w.p2p if c.pp > 1 else 0.0
         sends = c.v * w.p2p / 2 if c.pp > 1 else 0.0
         pp_exposed = bubble - sched.bubble(c.pp, m, c.v, w.f / c.pp - sends, w.b / c.pp - sends, w.w / c.pp)
