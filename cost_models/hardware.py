@@ -30,6 +30,20 @@ Fields (all per GPU; GB = 1e9 bytes):
 ``memory_headroom``  float    optional (default 0): a further share of HBM a plan leaves free, for
                               what no tracker sees (the caching allocator's fragmentation grows
                               with the memory in use; CUDA-graph pools); ``compile --memory-headroom``
+``collectives``      table    optional (default: none): measured figures per collective inside one
+                              NVLink domain, ``{ all_reduce = { gbps = 1.2, latency_us = 90 }, ...}``
+                              for ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
+                              ``send``: ``gbps`` the bytes ``cost_models.comm``'s formula counts per
+                              second (bus bandwidth, efficiency included) and ``latency_us`` its
+                              per-step latency; a kind listed replaces ``nvlink_gbps`` x
+                              ``link_efficiency`` and ``nvlink_latency_us`` for that collective
+                              (``autoshard calibrate`` measures them)
+``overlap``          table    optional (default 1 each): per kind of communication (``dp`` gradient
+                              reduction and ZeRO gathers, ``tp`` collectives, ``cp`` ring, ``pp``
+                              sends, ``ep`` all-to-all) the share of what the cost model would hide
+                              behind compute that the emitted program really hides: 1 is the model's
+                              overlap, 0 runs it all exposed (a program that waits on each
+                              collective); ``autoshard calibrate`` measures them
 ==================== ======== =====================================================================
 
 The efficiencies describe the program as it runs on GPUs: each layer compiled with
@@ -43,7 +57,7 @@ from __future__ import annotations
 import difflib
 import math
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
@@ -71,8 +85,14 @@ _OPTIONAL = {
     "memory_reserve_gb": (float, 6.0),
     "memory_headroom": (float, 0.0),
     "overlap_slowdown": (float, 0.19),
+    "collectives": (dict, None),
+    "overlap": (dict, None),
 }
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+OVERLAP_KINDS = ("dp", "tp", "cp", "pp", "ep")
+
+_MAY_BE_ZERO = ("price_per_gpu_hour", "memory_reserve_gb", "memory_headroom")
 # fields that are a share of a peak (no kernel or link beats its peak)
 _SHARES = ("matmul_efficiency", "matmul_efficiency_fp8", "attention_efficiency", "link_efficiency")
 
@@ -97,6 +117,8 @@ class Hardware:
     memory_reserve_gb: float = 6.0
     memory_headroom: float = 0.0
     overlap_slowdown: float = 0.19
+    collectives: dict[str, dict[str, float]] | None = None
+    overlap: dict[str, float] | None = None
     source: str = ""
 
     def peak_flops(self, dtype: str = "bf16") -> float:
@@ -106,6 +128,30 @@ class Hardware:
                 f"hardware {self.name!r} lists no peak for {dtype}; add it to peak_tflops in {self.source}"
             )
         return self.peak_tflops[dtype] * 1e12
+
+    def link_rate(self, kind: str) -> float:
+        """Bytes/s a ``kind`` collective (one of ``COLLECTIVES``) moves inside an NVLink domain:
+        its measured figure where the profile lists one, else the NVLink rate at
+        ``link_efficiency``."""
+        if self.collectives and kind in self.collectives:
+            return self.collectives[kind]["gbps"] * 1e9
+        return self.nvlink_gbps * 1e9 * self.link_efficiency
+
+    def link_latency_us(self, kind: str) -> float:
+        """Microseconds per step of a ``kind`` collective inside an NVLink domain."""
+        if self.collectives and kind in self.collectives:
+            return self.collectives[kind]["latency_us"]
+        return self.nvlink_latency_us
+
+    def overlap_share(self, kind: str) -> float:
+        """The share of what the cost model hides of ``kind`` (one of ``OVERLAP_KINDS``) that the
+        emitted program hides on this machine (1 where the profile says nothing)."""
+        return self.overlap.get(kind, 1.0) if self.overlap else 1.0
+
+    def without_latency(self) -> Hardware:
+        """This profile with every collective's per-step latency zero (the search's floor costs)."""
+        table = {k: {**v, "latency_us": 0.0} for k, v in self.collectives.items()} if self.collectives else None
+        return replace(self, nvlink_latency_us=0.0, network_latency_us=0.0, collectives=table)
 
     @property
     def hbm_bytes(self) -> float:
@@ -125,7 +171,11 @@ class Hardware:
         )
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "source" and getattr(self, f.name) is not None
+        }
 
 
 def known() -> list[str]:
@@ -196,7 +246,43 @@ def _validate(data: dict, path: Path) -> dict:
     if not out["peak_tflops"]:
         raise AutoshardError(f"{path}: peak_tflops is empty; give at least one dtype, e.g. {{ bf16 = 989 }}")
     out["peak_tflops"] = {k: _typed(f"peak_tflops.{k}", v, float, path) for k, v in out["peak_tflops"].items()}
+    if "collectives" in out:
+        out["collectives"] = _collectives(out["collectives"], path)
+    if "overlap" in out:
+        out["overlap"] = _overlap(out["overlap"], path)
     return out
+
+
+def _named_table(table: dict, names: tuple[str, ...], field: str, path: Path) -> None:
+    for key in table:
+        if key not in names:
+            raise AutoshardError(f"{path}: {field} lists unknown kind {key!r}; known kinds: {', '.join(names)}")
+
+
+def _collectives(table: dict, path: Path) -> dict[str, dict[str, float]]:
+    """The ``collectives`` table: per kind a ``gbps`` above zero and a ``latency_us`` of zero or more."""
+    _named_table(table, COLLECTIVES, "collectives", path)
+    out = {}
+    for kind, entry in table.items():
+        if not isinstance(entry, dict) or set(entry) != {"gbps", "latency_us"}:
+            raise AutoshardError(
+                f"{path}: collectives.{kind} must be a table {{ gbps = ..., latency_us = ... }}, got {entry!r}"
+            )
+        out[kind] = {
+            key: _typed(f"collectives.{kind}.{key}", entry[key], float, path) for key in ("gbps", "latency_us")
+        }
+    return out
+
+
+def _overlap(table: dict, path: Path) -> dict[str, float]:
+    """The ``overlap`` table: per kind a share in [0, 1]."""
+    _named_table(table, OVERLAP_KINDS, "overlap", path)
+    return {kind: _typed(f"overlap.{kind}", value, float, path) for kind, value in table.items()}
+
+
+def _may_be_zero(key: str) -> bool:
+    """Fields where zero means something (free, none kept, nothing hidden, no latency)."""
+    return key in _MAY_BE_ZERO or key.startswith("overlap.") or key.endswith("latency_us")
 
 
 def _typed(key: str, value, kind, path: Path):
@@ -214,14 +300,10 @@ def _typed(key: str, value, kind, path: Path):
         raise AutoshardError(f"{path}: field {key!r} must be a finite number, got {value!r}")
     if kind is int and value != int(value):
         raise AutoshardError(f"{path}: field {key!r} must be a whole number, got {value!r}")
-    if value < 0 or (
-        value == 0
-        and key
-        not in ("price_per_gpu_hour", "memory_reserve_gb", "memory_headroom", "nvlink_latency_us", "network_latency_us")
-    ):
+    if value < 0 or (value == 0 and not _may_be_zero(key)):
         raise AutoshardError(f"{path}: field {key!r} must be positive, got {value!r}")
-    if key in _SHARES and value > 1:
-        raise AutoshardError(f"{path}: field {key!r} is a share of a peak, at most 1 (0.8 is 80%), got {value!r}")
+    if (key in _SHARES or key.startswith("overlap.")) and value > 1:
+        raise AutoshardError(f"{path}: field {key!r} is a share, at most 1 (0.8 is 80%), got {value!r}")
     if key == "memory_headroom" and value >= 1:
         raise AutoshardError(
             f"{path}: field 'memory_headroom' is a share of HBM below 1 (0.05 keeps 5% free), got {value!r}"

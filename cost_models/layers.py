@@ -34,6 +34,10 @@ Modelling choices (each can be checked against the formula it names):
   a schedule that overlaps it (``Schedule.overlaps_ep``: DualPipeV, whose F&B chunks pair one
   micro-batch's forward with another's backward).
 - PP: one activation send per stage boundary per micro-batch each way (bsh/t with SP).
+- What the program really hides: the profile's ``overlap`` shares (``Hardware.overlap_share``,
+  measured by ``autoshard calibrate``) say per kind (tp, cp, ep) how much of what the overlaps
+  above hide the emitted program hides on that machine; the rest is exposed (exposed + (1 -
+  share) x hidden), and only what stays hidden slows compute.
 - Hidden is not free: while a collective runs beside compute, its kernels take SMs and HBM
   bandwidth from the GEMMs, so every second of communication hidden behind compute costs
   ``overlap_slowdown`` seconds of compute (the hardware profile; Lee et al. 2025, arXiv 2507.03114,
@@ -43,7 +47,7 @@ Modelling choices (each can be checked against the formula it names):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 
 from autoshard.cost_models import comm
@@ -89,6 +93,7 @@ class LayerCost:
     slowdown: float = 0.0  # compute lost per second of communication it hides (hardware profile)
     held_bytes: float = 0.0  # held from a split backward's input pass to its weight pass (``held_for_weights``)
     ep_replay: float = 0.0  # part of ``ep`` a recomputation spends exchanging tokens again (``replayed_payload``)
+    ep_share: float = 1.0  # share of the overlappable EP all-to-all the program hides (``Hardware.overlap``)
 
     @property
     def compute(self) -> float:
@@ -99,13 +104,25 @@ class LayerCost:
         and the EP all-to-all where the schedule overlaps it."""
         hidden = (self.tp_total - self.tp) + (self.cp_total - self.cp)
         if overlap_ep:
-            hidden += min(self.compute, self.ep)
+            hidden += self.ep_hidden
         return self.slowdown * hidden
+
+    @property
+    def ep_hidden(self) -> float:
+        """The EP all-to-all a schedule that overlaps it hides: as much as compute covers, times
+        the share the program really hides (``ep_share``)."""
+        return self.ep_share * min(self.compute, self.ep)
+
+    @property
+    def ep_unhidden(self) -> float:
+        """The part of the all-to-all an overlapping schedule would hide that the program does not."""
+        return min(self.compute, self.ep) - self.ep_hidden
 
     def time(self, overlap_ep: bool) -> float:
         """Per micro-batch critical-path time of this layer."""
         if overlap_ep:
-            return max(self.compute, self.ep) + self.tp + self.cp + self.interference(True)
+            both = max(self.compute, self.ep) if self.ep_share == 1 else self.compute + self.ep - self.ep_hidden
+            return both + self.tp + self.cp + self.interference(True)
         return self.compute + self.ep + self.tp + self.cp + self.interference(False)
 
 
@@ -121,7 +138,7 @@ class LayerCosts:
     def __init__(self, cost: ModelCost, seq: int, hw: Hardware, sp: bool, floor: bool = False):
         self.cost = cost
         self.seq = seq
-        self.hw = replace(hw, nvlink_latency_us=0.0, network_latency_us=0.0) if floor else hw
+        self.hw = hw.without_latency() if floor else hw
         self._gemm = gemm_floor if floor else gemm_time
         self.sp = sp
         self._layers: dict = {}
@@ -399,7 +416,10 @@ class LayerCosts:
             fwd = (cp - 1) * max(0.0, step - attn_f / cp)
             both, home = comm.p2p(3 * kvb, span, hw), comm.p2p(2 * kvb, span, hw)
             bwd = (cp - 1) * max(0.0, both - FLASH_BACKWARD * attn_f / cp) + home
-            return fwd + bwd, (cp - 1) * (step + both) + home, 2 * kv_bytes
+            total = (cp - 1) * (step + both) + home
+            # what the program does not hide of the hidden part is exposed too
+            exposed = fwd + bwd + (1 - hw.overlap_share("cp")) * (total - fwd - bwd)
+            return exposed, total, 2 * kv_bytes
         # all-gather K/V forward (``kv_gathers``), reduce-scatter their gradients (same dtype) backward
         full = self.gathered_kv(block, mbs, tp, cp)
         t_cp = kv_gathers(recompute) * comm.all_gather(full, where_cp.placement(), hw) + comm.reduce_scatter(
@@ -576,8 +596,11 @@ class LayerCosts:
             blk = self.block(block)
             transient = max(transient, blk.activation_bytes(mbs, self.seq / cp, tp=tp, sp=tp > 1 and self.sp))
         # the re-gather hides behind the input-gradient GEMMs, the gradient's reduce-scatter
-        # behind the weight-gradient GEMMs; what is longer than they are shows
-        exposed = t_tp + max(0.0, regather - column) + max(0.0, scatter - column)
+        # behind the weight-gradient GEMMs; what is longer than they are shows, and what the
+        # program does not hide of the rest
+        shows = max(0.0, regather - column), max(0.0, scatter - column)
+        hidden = regather - shows[0] + scatter - shows[1]
+        exposed = t_tp + shows[0] + shows[1] + (1 - self.hw.overlap_share("tp")) * hidden
         return LayerCost(
             f,
             b,
@@ -597,4 +620,5 @@ class LayerCosts:
             self.hw.overlap_slowdown,
             self.held_for_weights(block, mbs, tp, cp),
             ep_replay,
+            self.hw.overlap_share("ep"),
         )

@@ -1,0 +1,470 @@
+"""``autoshard calibrate``: measure the machine this runs on into a hardware profile.
+
+What is measured, one progress line each, and which profile field it becomes:
+
+- GEMMs at shapes plans produce (tokens x hidden x ffn, small to large), in the dtype the emitted
+  program computes in (fp32 on CPUs, bf16 on GPUs): ``peak_tflops`` is the best rate measured.
+  Without ``--extends`` that rate is the peak and ``matmul_efficiency`` is 1 (the cost model's
+  peak x efficiency is then the measured best); extending a profile keeps its peak and writes
+  ``matmul_efficiency`` = best / that peak.
+- Memory bandwidth: a large tensor copy (read + write) -> ``hbm_gbps``.
+- Attention: torch SDPA, causal -> ``attention_efficiency``, the measured rate over the peak and
+  over the share of its long-sequence speed ``cost_models.compute.attention_time`` grants that
+  key length, so that the cost model reproduces the measured time.
+- Every collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, and the
+  ring send/receive of ``batch_isend_irecv`` that ring attention and the pipeline use) over each
+  rank count of ``--ranks``, processes on this host (gloo on CPUs, NCCL where there is a GPU per
+  rank), at several message sizes. ``cost_models.comm`` prices one as (bytes its formula counts)
+  / bandwidth + steps x latency; a least-squares fit of that form over every (ranks, size) gives
+  ``collectives.<kind> = { gbps, latency_us }``.
+- Overlap (``overlap.<kind>``): how much of each kind of communication the emitted program hides
+  beside compute, measured with the runtime's own primitives where it launches the transfer
+  asynchronously: compute alone, transfer alone and both as the program runs them; the hidden
+  share is (compute + transfer - both) / min(compute, transfer), clipped to [0, 1]. Where the
+  program waits on each transfer before it computes on (``SYNCHRONOUS``) the share is 0 by
+  construction, and the profile says why instead of timing noise.
+
+Writing is atomic: the profile is loaded and validated from a temporary file beside the target,
+which then replaces it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from autoshard.cost_models import hardware
+from autoshard.cost_models.compute import ATTENTION_HALF_LENGTH
+from autoshard.errors import AutoshardError
+from autoshard.runtime import ring_attention as ra
+from autoshard.runtime.collectives import _gather_into, _scatter_from
+
+GEMM_SHAPES = ((256, 256, 256), (512, 1024, 512), (1024, 1024, 1024), (2048, 1024, 4096), (2048, 2048, 2048))
+QUICK_GEMM_SHAPES = GEMM_SHAPES[:3]
+MESSAGE_BYTES = (2**14, 2**18, 2**21, 2**23)
+QUICK_MESSAGE_BYTES = (2**14, 2**20)
+
+# Kinds of communication the emitted program runs blocking: what it waits on before computing on.
+SYNCHRONOUS = {
+    "dp": "runtime.program.reduce_gradients all-reduces the gradients after the whole backward, blocking",
+    "tp": "runtime.collectives runs each TP collective blocking, inside the autograd function needing it",
+    "ep": "runtime.moe's expert GEMMs read each all-to-all's rows at once, and torch's DualPipeV runs its "
+    "overlapped forward and backward pairs one after the other",
+}
+
+
+def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = None, quick: bool = False) -> dict:
+    """Measure this machine and write the profile to ``out``; returns the fields written."""
+    ranks = _check_ranks(ranks)
+    path = _check_out(Path(out))
+    parent = hardware.load(extends) if extends else None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    start = time.perf_counter()
+    _say(f"calibrating on {device} ({_machine(device)}), ranks {', '.join(map(str, ranks))}")
+    gemm = measure_gemms(device, quick)
+    peak = max(gemm.values())
+    mem = measure_memory(device, quick)
+    attn = measure_attention(device, peak, quick)
+    points, overlap = measure_distributed(ranks, device, quick)
+    fields = {"name": path.stem} | ({"extends": extends} if extends else {})
+    fields |= _fields(device, peak, mem, attn, fit_collectives(points), overlap, parent, ranks)
+    elapsed = time.perf_counter() - start
+    backends = sorted({p["backend"] for p in points})
+    _write(path, fields, _header(device, ranks, elapsed, gemm, extends, backends))
+    _say(f"wrote {out} in {elapsed:.0f} s")
+    return fields
+
+
+def _check_ranks(ranks: tuple[int, ...]) -> tuple[int, ...]:
+    if not ranks or any(n < 2 for n in ranks):
+        raise AutoshardError(f"--ranks takes process counts of 2 or more, e.g. 2,4; got {','.join(map(str, ranks))}")
+    return tuple(sorted(set(ranks)))
+
+
+def _check_out(path: Path) -> Path:
+    """``path``, where a profile can be written (checked before minutes of measuring)."""
+    if path.suffix != ".toml":
+        raise AutoshardError(f"calibrate writes a .toml profile; give -o a path ending in .toml, not {path}")
+    if not path.parent.is_dir():
+        raise AutoshardError(f"calibrate: directory {path.parent} does not exist; create it or choose another -o")
+    return path
+
+
+def _say(line: str) -> None:
+    print(f"calibrate: {line}", flush=True)
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def _median_time(fn, device: str, min_s: float = 0.2, reps: int = 3) -> float:
+    """Median seconds of ``fn()`` over at least ``reps`` runs lasting ``min_s`` together, after
+    one warm-up run."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times: list[float] = []
+    while len(times) < reps or sum(times) < min_s:
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _dtype(device: str):
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def measure_gemms(device: str, quick: bool) -> dict[tuple[int, int, int], float]:
+    """FLOP/s of (m x k) @ (k x n) per plan-like shape."""
+    out = {}
+    for m, k, n in QUICK_GEMM_SHAPES if quick else GEMM_SHAPES:
+        a = torch.randn(m, k, device=device, dtype=_dtype(device))
+        b = torch.randn(k, n, device=device, dtype=_dtype(device))
+        t = _median_time(lambda a=a, b=b: a @ b, device, 0.05 if quick else 0.2)
+        out[(m, k, n)] = 2 * m * k * n / t
+        _say(f"gemm {m}x{k}x{n}: {out[(m, k, n)] / 1e9:.1f} GFLOP/s")
+    return out
+
+
+def measure_memory(device: str, quick: bool) -> float:
+    """Bytes/s of a large copy (each element read once and written once)."""
+    elems = 2**23 if quick else 2**25
+    x = torch.randn(elems, device=device)
+    y = torch.empty_like(x)
+    t = _median_time(lambda: y.copy_(x), device, 0.05 if quick else 0.2)
+    rate = 2 * x.numel() * x.element_size() / t
+    _say(f"memory copy {x.numel() * x.element_size() / 2**20:.0f} MiB: {rate / 1e9:.1f} GB/s")
+    return rate
+
+
+def measure_attention(device: str, peak: float, quick: bool) -> float:
+    """``attention_efficiency``: causal SDPA's FLOP/s (FLOPs counted as ``cost_models.flops``
+    does) over the peak and over the key-length factor the cost model applies."""
+    b, h, s, d = 1, 8, 512 if quick else 1024, 64
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=_dtype(device)) for _ in range(3))
+    t = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, 0.05 if quick else 0.2)
+    rate = 2 * b * h * s * s * (d + d) / 2 / t
+    eff = min(1.0, rate / (peak * s / (s + ATTENTION_HALF_LENGTH)))
+    _say(f"attention causal {s} tokens: {rate / 1e9:.1f} GFLOP/s, efficiency {eff:.2f}")
+    return eff
+
+
+def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tuple[list[dict], dict]:
+    """Per world size in ``ranks``, processes spawned on this host time every collective (and, in
+    the smallest world, the overlap of the asynchronous kinds): (timing points, overlap shares)."""
+    points: list[dict] = []
+    overlap: dict = {}
+    for n in ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "result.json"
+            args = (n, _free_port(), str(result), device, quick, n == ranks[0])
+            try:
+                mp.spawn(_rank_main, args=args, nprocs=n, join=True)
+            except Exception as e:  # a rank failed: its own traceback is already on stderr
+                raise AutoshardError(
+                    f"calibrate: the {n}-process measurement failed ({e}); see the output above"
+                ) from e
+            data = json.loads(result.read_text())
+        points += data["points"]
+        overlap |= data["overlap"]
+    return points, overlap
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fit_collectives(points: list[dict]) -> dict[str, dict[str, float]]:
+    """Per kind, the ``{gbps, latency_us}`` that fit seconds = volume / bandwidth + steps x
+    latency best in least squares over its points (``volume`` the bytes ``cost_models.comm``
+    counts, ``steps`` its latency steps), neither negative."""
+    out = {}
+    for kind in hardware.COLLECTIVES:
+        pts = [(p["volume"], p["steps"], p["seconds"]) for p in points if p["kind"] == kind]
+        if pts:
+            inv_bw, lat = _nonnegative_fit(pts)
+            out[kind] = {"gbps": _round(1 / inv_bw / 1e9), "latency_us": _round(lat * 1e6)}
+    return out
+
+
+def _nonnegative_fit(pts: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(seconds per byte, seconds per step) minimising the squared relative error, both >= 0
+    (a negative latency is refitted as zero)."""
+    a = np.array([[v / t, s / t] for v, s, t in pts])
+    y = np.ones(len(pts))
+    (inv_bw, lat), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if lat < 0 or inv_bw <= 0:
+        lat = 0.0
+        inv_bw = float(a[:, 0] @ y / (a[:, 0] @ a[:, 0]))
+    return float(inv_bw), float(lat)
+
+
+def _round(x: float) -> float:
+    """Four significant figures: what a timing on a shared machine can claim."""
+    return float(f"{x:.4g}") if x else 0.0
+
+
+def _fields(device, peak, mem, attn, collectives, overlap, parent, ranks) -> dict:
+    """The profile's fields: the measured ones, and without a parent the ones it needs besides
+    (this host's memory and core count; its loopback as its only link)."""
+    fields: dict = {"hbm_gbps": _round(mem / 1e9), "attention_efficiency": _round(attn)}
+    dtype = "bf16" if device == "cuda" else "fp32"
+    spec = parent.peak_tflops.get(dtype) if parent else None
+    if spec and spec * 1e12 >= peak:
+        fields["matmul_efficiency"] = _round(peak / (spec * 1e12))
+    else:  # the measured best is the peak (emitted CPU programs compute in fp32: bf16 names it too)
+        tflops = _round(peak / 1e12)
+        fields["peak_tflops"] = {dtype: tflops} if device == "cuda" else {"fp32": tflops, "bf16": tflops}
+        fields["matmul_efficiency"] = 1.0
+    fields["collectives"] = collectives
+    fields["overlap"] = {k: overlap.get(k, 0.0) for k in hardware.OVERLAP_KINDS}
+    if parent is None:
+        fields |= _host_fields(device, collectives, ranks)
+    return fields
+
+
+def _host_fields(device: str, collectives: dict, ranks: tuple[int, ...]) -> dict:
+    """What a profile needs that calibrate does not measure: memory, link fall-backs (the
+    measured send), the domain (the most ranks measured), no price."""
+    if device == "cuda":
+        memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+        cores = torch.cuda.get_device_properties(0).multi_processor_count
+    else:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        cores = torch.get_num_threads()
+    send = collectives["send"]
+    return {
+        "hbm_gb": _round(memory_gb),
+        "nvlink_gbps": send["gbps"],
+        "nvlink_latency_us": send["latency_us"],
+        "nvlink_domain": max(ranks),
+        "network_gbps": send["gbps"],
+        "network_latency_us": send["latency_us"],
+        "link_efficiency": 1.0,
+        "sm_count": cores,
+        "price_per_gpu_hour": 0.0,
+    }
+
+
+def _header(device: str, ranks, elapsed: float, gemm: dict, extends: str | None, backends: list[str]) -> list[str]:
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    best = max(gemm, key=gemm.get)
+    lines = [
+        f"Measured by `autoshard calibrate` on {when}: {_machine(device)}, "
+        f"processes {', '.join(map(str, ranks))} ({', '.join(backends)}), {elapsed:.0f} s.",
+        f"GEMMs: best {gemm[best] / 1e9:.1f} GFLOP/s at {'x'.join(map(str, best))}; "
+        + ", ".join(f"{'x'.join(map(str, s))} {r / 1e9:.1f}" for s, r in gemm.items() if s != best),
+        "collectives: fitted bus bandwidth and per-step latency (cost_models.comm's formulas).",
+        "overlap: measured with the runtime's own primitives where it launches transfers asynchronously;",
+    ]
+    lines += [f"  {kind} = 0 by construction: {why}" for kind, why in SYNCHRONOUS.items()]
+    if extends:
+        lines.append(f"Fields not measured come from the profile {extends!r}.")
+    return lines
+
+
+def _write(path: Path, fields: dict, header: list[str]) -> None:
+    """Write the profile atomically: a temporary file beside ``path``, validated by loading it,
+    then renamed over it. Nothing is left behind on failure."""
+    _check_out(path)
+    text = "".join(f"# {line}\n" for line in header) + _toml(fields)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".toml", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        hardware.load(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _toml(fields: dict) -> str:
+    """The fields as TOML (flat values and inline tables, the profiles' own style)."""
+
+    def value(v) -> str:
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        if isinstance(v, str):
+            return json.dumps(v)
+        return repr(v) if isinstance(v, float) and math.isfinite(v) else str(v)
+
+    order = ["name", "extends"] + [k for k in fields if k not in ("name", "extends")]
+    return "".join(f"{k} = {value(fields[k])}\n" for k in order if k in fields)
+
+
+# ---- what each spawned rank runs ----
+
+
+def _rank_main(rank: int, n: int, port: int, result: str, device: str, quick: bool, overlaps: bool) -> None:
+    """One process of an ``n``-rank measurement: every collective at every size, and, where
+    ``overlaps``, the hidden shares of the asynchronous kinds; rank 0 writes them to ``result``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    nccl = device == "cuda" and torch.cuda.device_count() >= n
+    if nccl:
+        torch.cuda.set_device(rank)
+    dev = f"cuda:{rank}" if nccl else "cpu"
+    backend = "nccl" if nccl else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=n, timeout=timedelta(seconds=120))
+    if rank == 0:
+        _say(f"{n} processes over {backend}{'' if nccl or device == 'cpu' else ' (fewer GPUs than processes)'}")
+    try:
+        points = [p for kind in hardware.COLLECTIVES for p in _time_collective(kind, n, dev, quick)]
+        overlap = {"cp": _overlap_cp(dev, quick), "pp": _overlap_pp(dev, quick)} if overlaps else {}
+        if rank == 0:
+            Path(result).write_text(json.dumps({"points": points, "overlap": overlap}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_times(fn, reps: int, dev: str) -> float:
+    """The slowest rank's median seconds of ``fn()`` over ``reps`` runs after a warm-up (every rank
+    runs the same count: collectives must match)."""
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    fn()
+    sync()
+    dist.barrier()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
+def _collective_op(kind: str, nbytes: int, n: int, dev: str):
+    """(operation, volume, steps) of one ``kind`` collective handed ``nbytes`` as
+    ``cost_models.comm`` counts them (a gathered size, a size before scattering, what one rank
+    sends)."""
+    elems = max(n, nbytes // 4 // n * n)
+    x = torch.randn(elems, device=dev)
+    share = (n - 1) / n * elems * 4
+    if kind == "all_reduce":
+        return (lambda: dist.all_reduce(x)), 2 * share, 2 * (n - 1)
+    if kind == "all_gather":
+        part = x[: elems // n].clone()
+        return (lambda: _gather_into(x, part)), share, n - 1
+    if kind == "reduce_scatter":
+        part = x[: elems // n].clone()
+        return (lambda: _scatter_from(part, x)), share, n - 1
+    if kind == "all_to_all":
+        y = torch.empty_like(x)
+        return (lambda: dist.all_to_all_single(y, x)), share, n - 1
+    return _ring_send([x]), elems * 4, 1
+
+
+def _ring_send(tensors: list):
+    """One rotation of ``tensors`` around the ring with ``batch_isend_irecv`` (what ring attention
+    and the pipeline's sends run), waited."""
+
+    def op():
+        for w in ra._rotate(tensors, dist.group.WORLD)[0]:
+            w.wait()
+
+    return op
+
+
+def _time_collective(kind: str, n: int, dev: str, quick: bool) -> list[dict]:
+    out = []
+    for nbytes in QUICK_MESSAGE_BYTES if quick else MESSAGE_BYTES:
+        op, volume, steps = _collective_op(kind, nbytes, n, dev)
+        t = _rank_times(op, 3 if quick else 5, dev)
+        out.append(
+            {"kind": kind, "ranks": n, "backend": dist.get_backend(), "bytes": nbytes, "volume": volume, "steps": steps}
+            | {"seconds": t}
+        )
+        if dist.get_rank() == 0:
+            _say(f"{kind} {n} ranks {nbytes / 1024:.0f} KiB: {t * 1e6:.0f} us, {volume / t / 1e9:.2f} GB/s bus")
+    return out
+
+
+def _hidden_share(compute, transfer, both, reps: int, dev: str, kind: str) -> float:
+    """(compute + transfer - both) / min(compute, transfer) in [0, 1], each the slowest rank's
+    median (the same on every rank)."""
+    c, t, b = (_rank_times(fn, reps, dev) for fn in (compute, transfer, both))
+    share = _round(min(1.0, max(0.0, (c + t - b) / min(c, t))))
+    if dist.get_rank() == 0:
+        _say(
+            f"overlap {kind}: compute {c * 1e3:.1f} ms, transfer {t * 1e3:.1f} ms, both {b * 1e3:.1f} ms: "
+            f"hides {share:.2f}"
+        )
+    return share
+
+
+def _overlap_cp(dev: str, quick: bool) -> float:
+    """Ring attention (``runtime.ring_attention``) forward and backward: as it runs, without its
+    transfers (each rotation hands back copies of its own blocks), and its transfers alone (the
+    same rotations: K/V forward, K/V with their fp32 gradients backward, the gradients home)."""
+    n, group = dist.get_world_size(), dist.group.WORLD
+    q, k, v = (torch.randn(1, 8, 256 if quick else 512, 64, device=dev, requires_grad=True) for _ in range(3))
+
+    def both():
+        ra.ring_attention(q, k, v, group).sum().backward()
+
+    def compute():
+        real = ra._rotate
+        ra._rotate = lambda tensors, group: ([], [t.clone() for t in tensors])
+        try:
+            both()
+        finally:
+            ra._rotate = real
+
+    kv = [k.detach(), v.detach()]
+    grads = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
+    forward, backward, home = _ring_send(kv), _ring_send(kv + grads), _ring_send(grads)
+
+    def transfer():
+        for _ in range(n - 1):
+            forward()
+            backward()
+        home()
+
+    return _hidden_share(compute, transfer, both, 3 if quick else 5, dev, "cp")
+
+
+def _overlap_pp(dev: str, quick: bool) -> float:
+    """A pipeline's activation send and receive (``batch_isend_irecv``, as
+    ``torch.distributed.pipelining`` posts them) beside the next micro-batch's GEMMs, which it
+    waits for only after them; the GEMMs sized to take about as long as the transfer."""
+    act = [torch.randn((2**18 if quick else 2**20), device=dev)]
+    a = torch.randn(256, 256, device=dev)
+    transfer = _ring_send(act)
+    once = _rank_times(lambda: a @ a, 5, dev)
+    count = torch.tensor([max(1, round(_rank_times(transfer, 5, dev) / once))], device=dev)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    gemms = int(count.item())
+
+    def compute():
+        for _ in range(gemms):
+            a @ a
+
+    def both():
+        works, _ = ra._rotate(act, dist.group.WORLD)
+        compute()
+        for w in works:
+            w.wait()
+
+    return _hidden_share(compute, transfer, both, 3 if quick else 5, dev, "pp")
