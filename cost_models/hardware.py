@@ -16,6 +16,8 @@ Fields (all per GPU; GB = 1e9 bytes):
 ``matmul_efficiency_fp8`` float optional (default: matmul_efficiency): the same for FP8 GEMMs
 ``attention_efficiency`` float optional (default 0.5): share of bf16 peak flash attention reaches
                               on long sequences (shorter ones are slower, see cost_models.compute)
+``attention_backward`` float  optional (default 2.5): backward / forward time of the attention
+                              kernel (flash attention reruns QK^T: 2.5x the forward's FLOPs)
 ``sm_count``         int      optional (default 132): streaming multiprocessors, for GEMM wave
                               quantisation (H100/H800/H200 132; DeepSeek-V3 §3.2.2 "20 of 132 SMs")
 ``link_efficiency``  float    optional (default 0.8): share of nvlink_gbps / network_gbps collectives
@@ -27,6 +29,15 @@ Fields (all per GPU; GB = 1e9 bytes):
                               bandwidth; arXiv 2507.03114 measured 18.9% on average)
 ``memory_reserve_gb`` float   optional (default 6): HBM kept free for the allocator, CUDA context,
                               NCCL buffers and fragmentation
+``op_overhead_us``   float    optional (default 0): host time per operation of the traced graph
+                              that no roofline term counts (dispatch, autograd bookkeeping; the
+                              backward counted as two operations per forward one). 0 on GPUs,
+                              where kernels launch asynchronously ahead of the device; on CPUs each
+                              op's dispatch runs in line with its arithmetic
+``cores``            int      optional (default 0): compute cores one host shares among all of its
+                              ranks (CPU runs, one thread per rank); when more ranks than cores run
+                              on a host, each rank's compute, memory bandwidth and op overhead scale
+                              by ranks / cores. 0: every rank has a device of its own (GPUs)
 ``memory_headroom``  float    optional (default 0): a further share of HBM a plan leaves free, for
                               what no tracker sees (the caching allocator's fragmentation grows
                               with the memory in use; CUDA-graph pools); ``compile --memory-headroom``
@@ -43,7 +54,7 @@ from __future__ import annotations
 import difflib
 import math
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
@@ -64,6 +75,7 @@ _OPTIONAL = {
     "matmul_efficiency": (float, 0.8),
     "matmul_efficiency_fp8": (float, None),
     "attention_efficiency": (float, 0.5),
+    "attention_backward": (float, 2.5),
     "link_efficiency": (float, 0.8),
     "sm_count": (int, 132),
     "nvlink_latency_us": (float, 3.0),
@@ -71,6 +83,8 @@ _OPTIONAL = {
     "memory_reserve_gb": (float, 6.0),
     "memory_headroom": (float, 0.0),
     "overlap_slowdown": (float, 0.19),
+    "op_overhead_us": (float, 0.0),
+    "cores": (int, 0),
 }
 
 # fields that are a share of a peak (no kernel or link beats its peak)
@@ -90,6 +104,7 @@ class Hardware:
     matmul_efficiency: float = 0.8
     matmul_efficiency_fp8: float | None = None
     attention_efficiency: float = 0.5
+    attention_backward: float = 2.5
     link_efficiency: float = 0.8
     sm_count: int = 132
     nvlink_latency_us: float = 3.0
@@ -97,6 +112,8 @@ class Hardware:
     memory_reserve_gb: float = 6.0
     memory_headroom: float = 0.0
     overlap_slowdown: float = 0.19
+    op_overhead_us: float = 0.0
+    cores: int = 0
     source: str = ""
 
     def peak_flops(self, dtype: str = "bf16") -> float:
@@ -122,6 +139,27 @@ class Hardware:
         return (
             f"{self.hbm_gb:g} GB HBM - {self.memory_reserve_gb:g} GB reserve{headroom} = "
             f"{self.usable_bytes / 1e9:.1f} GB a plan may fill"
+        )
+
+    def sharing(self, ranks: int) -> float:
+        """How many ranks share one rank's compute when ``ranks`` run (``cores``): the ranks on
+        one host (at most ``nvlink_domain``) over its cores, at least 1."""
+        if not self.cores:
+            return 1.0
+        return max(1.0, min(ranks, self.nvlink_domain) / self.cores)
+
+    def shared(self, ranks: int) -> Hardware:
+        """This profile as one of ``ranks`` ranks sees its compute: peaks and memory bandwidth
+        divided, op overhead multiplied, by ``sharing`` (links unchanged). Itself where nothing
+        is shared."""
+        share = self.sharing(ranks)
+        if share == 1:
+            return self
+        return replace(
+            self,
+            peak_tflops={k: v / share for k, v in self.peak_tflops.items()},
+            hbm_gbps=self.hbm_gbps / share,
+            op_overhead_us=self.op_overhead_us * share,
         )
 
     def to_dict(self) -> dict:
@@ -217,7 +255,15 @@ def _typed(key: str, value, kind, path: Path):
     if value < 0 or (
         value == 0
         and key
-        not in ("price_per_gpu_hour", "memory_reserve_gb", "memory_headroom", "nvlink_latency_us", "network_latency_us")
+        not in (
+            "price_per_gpu_hour",
+            "memory_reserve_gb",
+            "memory_headroom",
+            "nvlink_latency_us",
+            "network_latency_us",
+            "op_overhead_us",
+            "cores",
+        )
     ):
         raise AutoshardError(f"{path}: field {key!r} must be positive, got {value!r}")
     if key in _SHARES and value > 1:
