@@ -267,6 +267,48 @@ def metrics(results: list[Result], busy: bool = False) -> dict:
 
 
 # -------------------------------------------------------------------------------------------
+# the machine's own fields
+
+
+def op_overhead_us(ops: int = 200, seconds: float = 1.0) -> float:
+    """Host microseconds per forward op of a chain of ops on 16 elements, forward and backward
+    (three ops per forward op, as ``LayerCosts.op_overhead`` counts them), one thread: what an
+    op costs whatever its size. The median of repeated timings."""
+    import torch
+
+    torch.set_num_threads(1)
+    x = torch.randn(16, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 5:
+        start = time.perf_counter()
+        chain()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / (3 * (ops + 1)) * 1e6
+
+
+def write_profile(base: str, path: Path) -> None:
+    """A profile extending ``base`` with this host's ``cores`` and measured ``op_overhead_us``."""
+    name = Path(base).stem if base.endswith(".toml") else base
+    text = f'name = "{path.stem}"\nextends = "{name}"\ncores = {os.cpu_count() or 1}\n'
+    text += f"op_overhead_us = {op_overhead_us():.2f}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if base.endswith(".toml"):
+        import shutil
+
+        shutil.copy(base, path.parent / Path(base).name)
+    path.write_text(text)
+    print(text, end="")
+
+
+# -------------------------------------------------------------------------------------------
 # the command
 
 
@@ -326,7 +368,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="the reduced set CI runs")
     p.add_argument("--only", nargs="*", help="run only these plan names")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--write-profile",
+        type=Path,
+        metavar="PATH",
+        help="write a profile extending --hardware with this host's cores and measured op_overhead_us, and stop",
+    )
     args = p.parse_args(argv)
+    if args.write_profile:
+        return write_profile(args.hardware, args.write_profile)
     if args.steps < WARMUP + 2:
         p.error(f"--steps must be at least {WARMUP + 2} (warm-up, one timed step, the memory step)")
     results = run(args.hardware, args.steps, args.quick, args.only)
