@@ -62,9 +62,11 @@ def test_plans_cover_the_parallel_dimensions():
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
-def test_quick_set_predicts_its_runs():
+def test_quick_set_predicts_its_runs(tmp_path):
+    profile = tmp_path / "here.toml"  # the shipped CPU profile, with this host's cores and op overhead
+    acc.write_profile("cpu", profile)
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--json", "--steps", "5"],
+        [sys.executable, str(SCRIPT), "--quick", "--json", "--steps", "5", "--hardware", str(profile)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -76,8 +78,8 @@ def test_quick_set_predicts_its_runs():
         assert len(p["measured_memory_bytes"]) == p["gpus"] == len(p["predicted_memory_bytes"])
         for meas, pred in zip(p["measured_memory_bytes"], p["predicted_memory_bytes"]):
             assert pred / 1.5 <= meas <= pred * 1.5, (p["plan"], meas, pred)
-    # the default profile need not describe this machine's speed, but the plans' step times
-    # must keep the proportions the model gives them: the predicted / measured (busy) ratios
-    # agree within a factor of 2.5
+    # the shipped profile's rates need not be this machine's, but the plans' step times must keep
+    # the proportions the model gives them: the predicted / measured (busy) ratios of dense TP,
+    # PP and DP and of EP agree within a factor of 2
     ratios = [p["predicted_step_s"] / p["measured_busy_s"] for p in plans]
-    assert max(ratios) / min(ratios) <= 2.5, ratios
+    assert max(ratios) / min(ratios) <= 2.0, ratios
