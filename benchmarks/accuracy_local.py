@@ -277,19 +277,22 @@ def metrics(results: list[Result], busy: bool = False) -> dict:
 
 
 def op_overhead_us(ops: int = 200, seconds: float = 1.0) -> float:
-    """Host microseconds per forward op of a chain of ops on 16 elements, forward and backward
-    (three ops per forward op, as ``LayerCosts.op_overhead`` counts them), one thread: what an
-    op costs whatever its size. The median of repeated timings."""
+    """Host microseconds per forward op of a chain of ops on 16 x 16 elements (a linear and a
+    scale in turn, under bf16 autocast as the programs run), forward and backward (three ops per
+    forward op, as ``LayerCosts.op_overhead`` counts them), one thread: what an op costs
+    whatever its size. The median of repeated timings."""
     import torch
 
     torch.set_num_threads(1)
-    x = torch.randn(16, requires_grad=True)
+    x = torch.randn(16, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
 
     def chain():
-        y = x
-        for _ in range(ops):
-            y = y * 1.0001
-        y.sum().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = x
+            for _ in range(ops // 2):
+                y = torch.nn.functional.linear(y, w) * 1.0001
+        y.float().sum().backward()
 
     times = []
     end = time.perf_counter() + seconds
