@@ -137,7 +137,7 @@ def _compile(problem: Problem, pins: str, hardware: str, out: Path) -> dict:
     return json.loads((out / "plan.json").read_text())
 
 
-def _run(out: Path, gpus: int, steps: int) -> tuple[float, float, dict[int, dict]]:
+def _run(out: Path, gpus: int, steps: int, dtype: str = "bf16") -> tuple[float, float, dict[int, dict]]:
     """The program in ``out``: its median step time, its median busy time (``Result.measured_busy_s``)
     and each rank's record of its peak tensor bytes (``peak_bytes``, ``parts``)."""
     memory = out / "memory"
@@ -145,7 +145,7 @@ def _run(out: Path, gpus: int, steps: int) -> tuple[float, float, dict[int, dict
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
         __file__, "--program", str(out), "--memory-dir", str(memory),
-        "--", "--steps", str(steps), "--compute-dtype", "bf16",
+        "--", "--steps", str(steps), "--compute-dtype", dtype,
     ]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -202,10 +202,10 @@ def _predicted_memory(plan: dict) -> list[float]:
     return [by_pp[coordinates(mesh, rank)["pp"]] for rank in range(plan["gpus"])]
 
 
-def measure(problem: Problem, name: str, hardware: str, steps: int, work: Path) -> Result:
+def measure(problem: Problem, name: str, hardware: str, steps: int, work: Path, dtype: str = "bf16") -> Result:
     out = work / f"{problem.name}-{name}"
     plan = _compile(problem, problem.plans[name], hardware, out)
-    seconds, busy, records = _run(out, problem.gpus, steps)
+    seconds, busy, records = _run(out, problem.gpus, steps, dtype)
     mesh = plan["mesh"]
     layout = " ".join(f"{k}{mesh[k]}" for k in ("tp", "pp", "cp", "ep", "dp") if mesh[k] > 1)
     layout += f" z{plan['zero_stage']}" + (f" {plan['schedule']}" if mesh["pp"] > 1 else "")
@@ -344,7 +344,13 @@ def _table(results: list[Result], summary: dict) -> str:
 
 
 def run(
-    hardware: str, steps: int, quick: bool, only: list[str] | None = None, work: Path | None = None, log=sys.stderr
+    hardware: str,
+    steps: int,
+    quick: bool,
+    only: list[str] | None = None,
+    work: Path | None = None,
+    dtype: str = "bf16",
+    log=sys.stderr,
 ) -> tuple[list[Result], list[dict]]:
     """Every plan measured (in ``work``, kept, or a temporary directory), and the plans that
     failed to compile or run, with why."""
@@ -355,7 +361,7 @@ def run(
                 if only and name not in only:
                     continue
                 try:
-                    r = measure(problem, name, hardware, steps, work or Path(tmp))
+                    r = measure(problem, name, hardware, steps, work or Path(tmp), dtype)
                 except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
                     failed.append({"problem": problem.name, "plan": name, "error": str(e)})
                     print(f"{problem.name} {name}: FAILED {e}", file=log, flush=True)
@@ -387,6 +393,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--work", type=Path, help="keep each plan's program and measurements here")
     p.add_argument(
+        "--compute-dtype",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="the programs' compute (bf16: the plan's precision, as its memory counts bytes; fp32: as the "
+        "trainer runs on CPUs by default, for a profile whose bf16 peak is an fp32 rate)",
+    )
+    p.add_argument(
         "--write-profile",
         type=Path,
         metavar="PATH",
@@ -397,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
         return write_profile(args.hardware, args.write_profile)
     if args.steps < WARMUP + 2:
         p.error(f"--steps must be at least {WARMUP + 2} (warm-up, one timed step, the memory step)")
-    results, failed = run(args.hardware, args.steps, args.quick, args.only, args.work)
+    results, failed = run(args.hardware, args.steps, args.quick, args.only, args.work, args.compute_dtype)
     summary = {**metrics(results), "busy": metrics(results, busy=True)}
     if args.json:
         print(json.dumps({"plans": [asdict(r) for r in results], **summary, "failed": failed}))
