@@ -16,6 +16,8 @@ Fields (all per GPU; GB = 1e9 bytes):
 ``matmul_efficiency_fp8`` float optional (default: matmul_efficiency): the same for FP8 GEMMs
 ``attention_efficiency`` float optional (default 0.5): share of bf16 peak flash attention reaches
                               on long sequences (shorter ones are slower, see cost_models.compute)
+``attention_backward`` float  optional (default 2.5): backward / forward time of the attention
+                              kernel (flash attention reruns QK^T: 2.5x the forward's FLOPs)
 ``sm_count``         int      optional (default 132): streaming multiprocessors, for GEMM wave
                               quantisation (H100/H800/H200 132; DeepSeek-V3 §3.2.2 "20 of 132 SMs")
 ``link_efficiency``  float    optional (default 0.8): share of nvlink_gbps / network_gbps collectives
@@ -27,6 +29,15 @@ Fields (all per GPU; GB = 1e9 bytes):
                               bandwidth; arXiv 2507.03114 measured 18.9% on average)
 ``memory_reserve_gb`` float   optional (default 6): HBM kept free for the allocator, CUDA context,
                               NCCL buffers and fragmentation
+``op_overhead_us``   float    optional (default 0): host time per operation of the traced graph
+                              that no roofline term counts (dispatch, autograd bookkeeping; the
+                              backward counted as two operations per forward one). 0 on GPUs,
+                              where kernels launch asynchronously ahead of the device; on CPUs each
+                              op's dispatch runs in line with its arithmetic
+``cores``            int      optional (default 0): compute cores one host shares among all of its
+                              ranks (CPU runs, one thread per rank); when more ranks than cores run
+                              on a host, each rank's compute, memory bandwidth and op overhead scale
+                              by ranks / cores. 0: every rank has a device of its own (GPUs)
 ``memory_headroom``  float    optional (default 0): a further share of HBM a plan leaves free, for
                               what no tracker sees (the caching allocator's fragmentation grows
                               with the memory in use; CUDA-graph pools); ``compile --memory-headroom``
@@ -78,6 +89,7 @@ _OPTIONAL = {
     "matmul_efficiency": (float, 0.8),
     "matmul_efficiency_fp8": (float, None),
     "attention_efficiency": (float, 0.5),
+    "attention_backward": (float, 2.5),
     "link_efficiency": (float, 0.8),
     "sm_count": (int, 132),
     "nvlink_latency_us": (float, 3.0),
@@ -87,12 +99,14 @@ _OPTIONAL = {
     "overlap_slowdown": (float, 0.19),
     "collectives": (dict, None),
     "overlap": (dict, None),
+    "op_overhead_us": (float, 0.0),
+    "cores": (int, 0),
 }
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 OVERLAP_KINDS = ("dp", "tp", "cp", "pp", "ep")
 
-_MAY_BE_ZERO = ("price_per_gpu_hour", "memory_reserve_gb", "memory_headroom")
+_MAY_BE_ZERO = ("price_per_gpu_hour", "memory_reserve_gb", "memory_headroom", "op_overhead_us", "cores")
 # fields that are a share of a peak (no kernel or link beats its peak)
 _SHARES = ("matmul_efficiency", "matmul_efficiency_fp8", "attention_efficiency", "link_efficiency")
 
@@ -110,6 +124,7 @@ class Hardware:
     matmul_efficiency: float = 0.8
     matmul_efficiency_fp8: float | None = None
     attention_efficiency: float = 0.5
+    attention_backward: float = 2.5
     link_efficiency: float = 0.8
     sm_count: int = 132
     nvlink_latency_us: float = 3.0
@@ -119,6 +134,8 @@ class Hardware:
     overlap_slowdown: float = 0.19
     collectives: dict[str, dict[str, float]] | None = None
     overlap: dict[str, float] | None = None
+    op_overhead_us: float = 0.0
+    cores: int = 0
     source: str = ""
 
     def peak_flops(self, dtype: str = "bf16") -> float:
@@ -149,9 +166,10 @@ class Hardware:
         return self.overlap.get(kind, 1.0) if self.overlap else 1.0
 
     def without_latency(self) -> Hardware:
-        """This profile with every collective's per-step latency zero (the search's floor costs)."""
+        """This profile with every collective's per-step latency and the per-op overhead zero (the
+        search's floor costs: what is left is linear in the tokens)."""
         table = {k: {**v, "latency_us": 0.0} for k, v in self.collectives.items()} if self.collectives else None
-        return replace(self, nvlink_latency_us=0.0, network_latency_us=0.0, collectives=table)
+        return replace(self, nvlink_latency_us=0.0, network_latency_us=0.0, op_overhead_us=0.0, collectives=table)
 
     @property
     def hbm_bytes(self) -> float:
@@ -168,6 +186,27 @@ class Hardware:
         return (
             f"{self.hbm_gb:g} GB HBM - {self.memory_reserve_gb:g} GB reserve{headroom} = "
             f"{self.usable_bytes / 1e9:.1f} GB a plan may fill"
+        )
+
+    def sharing(self, ranks: int) -> float:
+        """How many ranks share one rank's compute when ``ranks`` run (``cores``): the ranks on
+        one host (at most ``nvlink_domain``) over its cores, at least 1."""
+        if not self.cores:
+            return 1.0
+        return max(1.0, min(ranks, self.nvlink_domain) / self.cores)
+
+    def shared(self, ranks: int) -> Hardware:
+        """This profile as one of ``ranks`` ranks sees its compute: peaks and memory bandwidth
+        divided, op overhead multiplied, by ``sharing`` (links unchanged). Itself where nothing
+        is shared."""
+        share = self.sharing(ranks)
+        if share == 1:
+            return self
+        return replace(
+            self,
+            peak_tflops={k: v / share for k, v in self.peak_tflops.items()},
+            hbm_gbps=self.hbm_gbps / share,
+            op_overhead_us=self.op_overhead_us * share,
         )
 
     def to_dict(self) -> dict:

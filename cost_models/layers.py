@@ -10,8 +10,12 @@ Modelling choices (each can be checked against the formula it names):
   wave quantisation (``compute.gemm_time``). Backward = input gradient (same FLOPs) + weight
   gradient (same FLOPs).
 - Attention core: FLOPs at ``attention_efficiency`` of the bf16 peak; flash backward reruns the
-  forward's QK^T, so it costs 2.5x the forward (``compute.attention_time``).
+  forward's QK^T, so it costs 2.5x the forward (``compute.attention_time``; the profile's
+  ``attention_backward``, where a machine's kernel differs: CPU attention's backward is slower).
 - Everything else is memory-bound: bytes moved / HBM bandwidth; backward moves about twice as much.
+- Per-op host time (the profile's ``op_overhead_us``, 0 on GPUs, where launches run ahead of the
+  device): each traced op of a layer costs it once forward and twice backward
+  (``LayerCosts.op_overhead``).
 - Recomputation reruns the closure of the dropped tensors' producers (``BlockCost.recompute_flops``),
   and of those of the tensors kept as FP8 copies (``ModelCost.fp8_saved``).
 - TP with sequence parallelism: all-gather before and reduce-scatter after each TP region in forward
@@ -289,15 +293,26 @@ class LayerCosts:
         routed = self._gemms(block, mbs, tp, cp, fp8, ep, True) if blk.params_experts else (0.0,) * 4
         f_gemm = dense + routed[0]
         attn, pointwise, fwd_flops, model_flops = self._rest(block, mbs, tp, cp)
-        f = f_gemm + attn + pointwise
+        ops = self.op_overhead(block)
+        f = f_gemm + attn + pointwise + ops
         # the producers of what is kept as FP8 copies rerun too (their outputs are not kept)
         rerun = recompute | self.fp8_saved(recompute, fp8, tp)
         extra = blk.recompute_fn(rerun)(mbs, self.seq / cp) if recompute else 0.0
         rc = f * (extra / fwd_flops) if fwd_flops else 0.0
-        b = dense_b + routed[2] + FLASH_BACKWARD * attn + 2 * pointwise + rc
+        b = dense_b + routed[2] + self.hw.attention_backward * attn + 2 * pointwise + 2 * ops + rc
         w = dense_w + routed[3]
         act = self.activation(block, mbs, tp, cp, recompute, fp8)
         return f, b, w, rc, act, model_flops, column
+
+    @cache  # noqa: B019
+    def op_overhead(self, block: int) -> float:
+        """Forward seconds of host time per op (the profile's ``op_overhead_us``) over the
+        block's traced operations, whatever their size; the backward runs about two ops per
+        forward op. TP and CP leave the count as it is: each rank runs every op on its shard."""
+        if not self.hw.op_overhead_us:
+            return 0.0
+        ops = sum(n.op in ("call_function", "call_method", "call_module") for n in self.block(block)._nodes)
+        return ops * self.hw.op_overhead_us * 1e-6
 
     @cache  # noqa: B019
     def p2p(self, block: int, mbs: int, tp: int, cp: int, where_pp: Where) -> float:
@@ -415,7 +430,7 @@ class LayerCosts:
             step = comm.p2p(kvb, span, hw)
             fwd = (cp - 1) * max(0.0, step - attn_f / cp)
             both, home = comm.p2p(3 * kvb, span, hw), comm.p2p(2 * kvb, span, hw)
-            bwd = (cp - 1) * max(0.0, both - FLASH_BACKWARD * attn_f / cp) + home
+            bwd = (cp - 1) * max(0.0, both - hw.attention_backward * attn_f / cp) + home
             total = (cp - 1) * (step + both) + home
             # what the program does not hide of the hidden part is exposed too
             exposed = fwd + bwd + (1 - hw.overlap_share("cp")) * (total - fwd - bwd)

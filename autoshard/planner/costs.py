@@ -76,8 +76,9 @@ class CandidateCosts:
         self.p = problem
         sp = problem.sequence_parallel  # with TP, unless pinned off or refused by the passes
         if share is None:
-            self.layers = LayerCosts(problem.cost, problem.seq, problem.hw, sp)
-            self.floor = LayerCosts(problem.cost, problem.seq, problem.hw, sp, floor=True)
+            hw = problem.hw.shared(problem.gpus)  # ranks sharing a host's cores (CPU runs)
+            self.layers = LayerCosts(problem.cost, problem.seq, hw, sp)
+            self.floor = LayerCosts(problem.cost, problem.seq, hw, sp, floor=True)
             self.memo = Memo()
         else:
             self.layers, self.floor, self.memo = share.layers, share.floor, share.memo
