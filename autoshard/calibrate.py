@@ -2,15 +2,20 @@
 
 What is measured, one progress line each, and which profile field it becomes:
 
-- GEMMs at shapes plans produce (tokens x hidden x ffn, small to large), in the dtype the emitted
-  program computes in (fp32 on CPUs, bf16 on GPUs): ``peak_tflops`` is the best rate measured.
-  Without ``--extends`` that rate is the peak and ``matmul_efficiency`` is 1 (the cost model's
-  peak x efficiency is then the measured best); extending a profile keeps its peak and writes
-  ``matmul_efficiency`` = best / that peak.
+- GEMMs at shapes plans produce (tokens x hidden x ffn, small to large), in each dtype the
+  emitted program may compute in (bf16 on GPUs; fp32 and bf16 on CPUs, where the program
+  computes in fp32 unless run with ``--compute-dtype bf16``): ``peak_tflops`` per dtype is the
+  best rate measured. Without ``--extends`` that rate is the peak and ``matmul_efficiency`` is 1
+  (the cost model's peak x efficiency is then the measured best); extending a profile keeps its
+  bf16 peak and writes ``matmul_efficiency`` = best / that peak.
+- Host costs: ``op_overhead_us``, the host time of one op whatever its size (a chain of tiny ops
+  forward and backward; it matters where kernels do not run ahead of the host, on CPUs); on CPUs
+  ``cores``, the cores the ranks of one host share.
 - Memory bandwidth: a large tensor copy (read + write) -> ``hbm_gbps``.
 - Attention: torch SDPA, causal -> ``attention_efficiency``, the measured rate over the peak and
   over the share of its long-sequence speed ``cost_models.compute.attention_time`` grants that
-  key length, so that the cost model reproduces the measured time.
+  key length, so that the cost model reproduces the measured time; its backward over its forward
+  -> ``attention_backward``.
 - Every collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, and the
   ring send/receive of ``batch_isend_irecv`` that ring attention and the pipeline use) over each
   rank count of ``--ranks``, processes on this host (gloo on CPUs, NCCL where there is a GPU per
@@ -74,16 +79,17 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
     device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()
     _say(f"calibrating on {device} ({_machine(device)}), ranks {', '.join(map(str, ranks))}")
-    gemm = measure_gemms(device, quick)
-    peak = max(gemm.values())
+    gemm = {dtype: measure_gemms(device, quick, dtype) for dtype in _dtypes(device)}
+    peaks = {dtype: max(rates.values()) for dtype, rates in gemm.items()}
     mem = measure_memory(device, quick)
-    attn = measure_attention(device, peak, quick)
+    attn = measure_attention(device, peaks["bf16"], quick)
+    host = measure_host(device, quick)
     points, overlap = measure_distributed(ranks, device, quick)
     fields = {"name": path.stem} | ({"extends": extends} if extends else {})
-    fields |= _fields(device, peak, mem, attn, fit_collectives(points), overlap, parent, ranks)
+    fields |= _fields(device, peaks, mem, attn, fit_collectives(points), overlap, parent, ranks) | host
     elapsed = time.perf_counter() - start
     backends = sorted({p["backend"] for p in points})
-    _write(path, fields, _header(device, ranks, elapsed, gemm, extends, backends))
+    _write(path, fields, _header(device, ranks, elapsed, gemm["bf16"], extends, backends))
     _say(f"wrote {out} in {elapsed:.0f} s")
     return fields
 
@@ -128,19 +134,23 @@ def _median_time(fn, device: str, min_s: float = 0.2, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def _dtype(device: str):
-    return torch.bfloat16 if device == "cuda" else torch.float32
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def measure_gemms(device: str, quick: bool) -> dict[tuple[int, int, int], float]:
-    """FLOP/s of (m x k) @ (k x n) per plan-like shape."""
+def _dtypes(device: str) -> tuple[str, ...]:
+    """The dtypes the emitted program computes in here (CPUs: fp32 by default, bf16 on request)."""
+    return ("bf16",) if device == "cuda" else ("bf16", "fp32")
+
+
+def measure_gemms(device: str, quick: bool, dtype: str = "bf16") -> dict[tuple[int, int, int], float]:
+    """FLOP/s of (m x k) @ (k x n) in ``dtype`` per plan-like shape."""
     out = {}
     for m, k, n in QUICK_GEMM_SHAPES if quick else GEMM_SHAPES:
-        a = torch.randn(m, k, device=device, dtype=_dtype(device))
-        b = torch.randn(k, n, device=device, dtype=_dtype(device))
+        a = torch.randn(m, k, device=device, dtype=DTYPES[dtype])
+        b = torch.randn(k, n, device=device, dtype=DTYPES[dtype])
         t = _median_time(lambda a=a, b=b: a @ b, device, 0.05 if quick else 0.2)
         out[(m, k, n)] = 2 * m * k * n / t
-        _say(f"gemm {m}x{k}x{n}: {out[(m, k, n)] / 1e9:.1f} GFLOP/s")
+        _say(f"gemm {dtype} {m}x{k}x{n}: {out[(m, k, n)] / 1e9:.1f} GFLOP/s")
     return out
 
 
@@ -159,12 +169,68 @@ def measure_attention(device: str, peak: float, quick: bool) -> float:
     """``attention_efficiency``: causal SDPA's FLOP/s (FLOPs counted as ``cost_models.flops``
     does) over the peak and over the key-length factor the cost model applies."""
     b, h, s, d = 1, 8, 512 if quick else 1024, 64
-    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=_dtype(device)) for _ in range(3))
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))
     t = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, 0.05 if quick else 0.2)
     rate = 2 * b * h * s * s * (d + d) / 2 / t
     eff = min(1.0, rate / (peak * s / (s + ATTENTION_HALF_LENGTH)))
     _say(f"attention causal {s} tokens: {rate / 1e9:.1f} GFLOP/s, efficiency {eff:.2f}")
     return eff
+
+
+def measure_host(device: str, quick: bool) -> dict:
+    """``op_overhead_us``, ``attention_backward`` and, on CPUs, ``cores``."""
+    out = {
+        "op_overhead_us": _round(measure_op_overhead(device, quick)),
+        "attention_backward": _attention_backward(device, quick),
+    }
+    if device == "cpu":
+        out["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        _say(f"cores the ranks share: {out['cores']}")
+    return out
+
+
+def measure_op_overhead(device: str, quick: bool, ops: int = 200) -> float:
+    """Microseconds per forward op of a chain of ops on 16 x 16 elements (a linear and a scale in
+    turn, under bf16 autocast as the programs run), forward and backward: three ops per forward
+    op, as ``cost_models.layers.LayerCosts.op_overhead`` counts them. One thread on CPUs: each
+    rank of an emitted program runs with one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    x, w = (torch.randn(16, 16, device=device, requires_grad=True) for _ in range(2))
+
+    def chain():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = x
+            for _ in range(ops // 2):
+                y = F.linear(y, w) * 1.0001
+        y.float().sum().backward()
+
+    try:
+        t = _median_time(chain, device, 0.2 if quick else 1.0, reps=5)
+    finally:
+        torch.set_num_threads(threads)
+    us = t / (3 * (ops + 1)) * 1e6
+    _say(f"host time per op: {us:.1f} us")
+    return us
+
+
+def _attention_backward(device: str, quick: bool) -> float:
+    """Causal SDPA's backward time over its forward time (flash attention reruns QK^T: 2.5 on
+    GPUs; CPU kernels differ)."""
+    s = 512 if quick else 1024
+    q, k, v = (torch.randn(1, 8, s, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+    forward = _median_time(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, 0.05 if quick else 0.2
+    )
+
+    def both():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    ratio = max(0.1, _median_time(both, device, 0.05 if quick else 0.2) / forward - 1)
+    _say(f"attention backward / forward: {ratio:.2f}")
+    return _round(ratio)
 
 
 def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tuple[list[dict], dict]:
@@ -224,17 +290,15 @@ def _round(x: float) -> float:
     return float(f"{x:.4g}") if x else 0.0
 
 
-def _fields(device, peak, mem, attn, collectives, overlap, parent, ranks) -> dict:
+def _fields(device, peaks, mem, attn, collectives, overlap, parent, ranks) -> dict:
     """The profile's fields: the measured ones, and without a parent the ones it needs besides
     (this host's memory and core count; its loopback as its only link)."""
     fields: dict = {"hbm_gbps": _round(mem / 1e9), "attention_efficiency": _round(attn)}
-    dtype = "bf16" if device == "cuda" else "fp32"
-    spec = parent.peak_tflops.get(dtype) if parent else None
-    if spec and spec * 1e12 >= peak:
-        fields["matmul_efficiency"] = _round(peak / (spec * 1e12))
-    else:  # the measured best is the peak (emitted CPU programs compute in fp32: bf16 names it too)
-        tflops = _round(peak / 1e12)
-        fields["peak_tflops"] = {dtype: tflops} if device == "cuda" else {"fp32": tflops, "bf16": tflops}
+    spec = parent.peak_tflops.get("bf16") if parent else None
+    if spec and spec * 1e12 >= peaks["bf16"]:
+        fields["matmul_efficiency"] = _round(peaks["bf16"] / (spec * 1e12))
+    else:  # the measured best is the peak
+        fields["peak_tflops"] = {dtype: _round(rate / 1e12) for dtype, rate in peaks.items()}
         fields["matmul_efficiency"] = 1.0
     fields["collectives"] = collectives
     fields["overlap"] = {k: overlap.get(k, 0.0) for k in hardware.OVERLAP_KINDS}

@@ -276,38 +276,15 @@ def metrics(results: list[Result], busy: bool = False) -> dict:
 # the machine's own fields
 
 
-def op_overhead_us(ops: int = 200, seconds: float = 1.0) -> float:
-    """Host microseconds per forward op of a chain of ops on 16 x 16 elements (a linear and a
-    scale in turn, under bf16 autocast as the programs run), forward and backward (three ops per
-    forward op, as ``LayerCosts.op_overhead`` counts them), one thread: what an op costs
-    whatever its size. The median of repeated timings."""
-    import torch
-
-    torch.set_num_threads(1)
-    x = torch.randn(16, 16, requires_grad=True)
-    w = torch.randn(16, 16, requires_grad=True)
-
-    def chain():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = x
-            for _ in range(ops // 2):
-                y = torch.nn.functional.linear(y, w) * 1.0001
-        y.float().sum().backward()
-
-    times = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(times) < 5:
-        start = time.perf_counter()
-        chain()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / (3 * (ops + 1)) * 1e6
-
-
 def write_profile(base: str, path: Path) -> None:
-    """A profile extending ``base`` with this host's ``cores`` and measured ``op_overhead_us``."""
+    """A profile extending ``base`` with this host's costs ``autoshard calibrate`` measures in
+    seconds (``cores``, ``op_overhead_us``, ``attention_backward``), without the minutes its
+    collectives take: for a base profile measured on a machine of this kind."""
+    from autoshard.calibrate import measure_host
+
     name = Path(base).stem if base.endswith(".toml") else base
-    text = f'name = "{path.stem}"\nextends = "{name}"\ncores = {os.cpu_count() or 1}\n'
-    text += f"op_overhead_us = {op_overhead_us():.2f}\n"
+    text = f'name = "{path.stem}"\nextends = "{name}"\n'
+    text += "".join(f"{k} = {v}\n" for k, v in measure_host("cpu", quick=True).items())
     path.parent.mkdir(parents=True, exist_ok=True)
     if base.endswith(".toml"):
         import shutil

@@ -22,7 +22,8 @@ def profile(tmp_path_factory):
 def test_a_quick_calibration_writes_a_sane_profile(profile, capsys):
     hw = hardware.load(str(profile))
     assert hw.name == "here"
-    assert hw.peak_flops("bf16") > 0 and hw.hbm_gbps > 0
+    assert hw.peak_flops("bf16") > 0 and hw.peak_flops("fp32") > 0 and hw.hbm_gbps > 0
+    assert hw.op_overhead_us > 0 and hw.attention_backward > 0 and hw.cores >= 1
     for share in (hw.matmul_efficiency, hw.attention_efficiency):
         assert 0 < share <= 1
     assert set(hw.collectives) == set(hardware.COLLECTIVES)
@@ -46,8 +47,9 @@ def test_extends_writes_only_measured_fields(tmp_path, monkeypatch):
     """With ``--extends`` the profile inherits what was not measured and keeps the parent's peak,
     the measured best becoming its matmul efficiency."""
     cpu = hardware.load("cpu")
-    best = cpu.peak_flops("fp32") / 2
-    monkeypatch.setattr(calibrate, "measure_gemms", lambda device, quick: {(1, 1, 1): best})
+    best = cpu.peak_flops("bf16") / 2
+    monkeypatch.setattr(calibrate, "measure_gemms", lambda device, quick, dtype="bf16": {(1, 1, 1): best})
+    monkeypatch.setattr(calibrate, "measure_host", lambda device, quick: {"op_overhead_us": 7.0, "cores": 3})
     monkeypatch.setattr(calibrate, "measure_memory", lambda device, quick: 2e12)
     monkeypatch.setattr(calibrate, "measure_attention", lambda device, peak, quick: 0.4)
     points = [_point(kind, 2, 1e6, 1e-3) | {"backend": "gloo"} for kind in hardware.COLLECTIVES]
@@ -60,6 +62,7 @@ def test_extends_writes_only_measured_fields(tmp_path, monkeypatch):
     assert hw.hbm_gb == cpu.hbm_gb and hw.peak_tflops == cpu.peak_tflops
     assert hw.matmul_efficiency == pytest.approx(0.5, rel=1e-3)
     assert hw.overlap == {"dp": 0.0, "tp": 0.0, "cp": 0.5, "pp": 0.25, "ep": 0.0}
+    assert hw.op_overhead_us == 7.0 and hw.cores == 3
 
 
 def _point(kind, ranks, volume, seconds, steps=1):
