@@ -27,7 +27,10 @@ Buckets follow the order gradients become final: the reverse of the parameters' 
 backward runs the model backwards) at first; after the first step every rank takes the order
 group rank 0 observed (DDP rebuilds its buckets so), and buckets are always started in bucket
 order, so every rank issues the same collectives in the same order. The first bucket is small
-(``FIRST_BUCKET_BYTES``), so the first reduction starts early, as DDP's is.
+(``FIRST_BUCKET_BYTES``), so the first reduction starts early, as DDP's is; the others hold at
+most a ``MIN_BUCKETS``-th of the gradients (and ``BUCKET_BYTES``): what is left to reduce once the
+backward is done is the last bucket, so a small model's gradients in one or two buckets of
+DDP's size would leave most of their reduction exposed.
 """
 
 from __future__ import annotations
@@ -40,10 +43,21 @@ from autoshard.runtime import fake
 from autoshard.runtime.zero import BUCKET_BYTES, ShardedAdamW
 
 FIRST_BUCKET_BYTES = 2**20
+MIN_BUCKETS = 8
 
 
 def _grad_dtype(p: nn.Parameter) -> torch.dtype:
     return getattr(p, "grad_dtype", None) or p.dtype
+
+
+def _grad_bytes(p: nn.Parameter) -> int:
+    return p.numel() * torch.empty((), dtype=_grad_dtype(p)).element_size()
+
+
+def bucket_cap(params: list[nn.Parameter]) -> int:
+    """Bytes a bucket after the first holds at most: a ``MIN_BUCKETS``-th of the gradients,
+    between ``FIRST_BUCKET_BYTES`` and ``BUCKET_BYTES``."""
+    return int(min(BUCKET_BYTES, max(FIRST_BUCKET_BYTES, sum(map(_grad_bytes, params)) / MIN_BUCKETS)))
 
 
 def plan_buckets(params: list[nn.Parameter], first: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_BYTES) -> list[list]:
@@ -51,7 +65,7 @@ def plan_buckets(params: list[nn.Parameter], first: int = FIRST_BUCKET_BYTES, ca
     ``first`` bytes, the others of at most ``cap`` (a larger parameter alone)."""
     out, size, limit = [[]], 0, first
     for p in params:
-        n = p.numel() * torch.empty((), dtype=_grad_dtype(p)).element_size()
+        n = _grad_bytes(p)
         if out[-1] and (size + n > limit or _grad_dtype(out[-1][0]) != _grad_dtype(p)):
             out.append([])
             size, limit = 0, cap
@@ -84,7 +98,8 @@ class BucketedReduction:
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params if id(p) in self.early]
 
     def _set_buckets(self, ordered: list[nn.Parameter]) -> None:
-        self.buckets = plan_buckets(ordered) if self.sharded is None else self._rows_buckets(ordered)
+        cap = bucket_cap(ordered)
+        self.buckets = plan_buckets(ordered, cap=cap) if self.sharded is None else self._rows_buckets(ordered, cap)
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._reset()
 
@@ -94,9 +109,9 @@ class BucketedReduction:
         self.armed.clear()
         self.done.clear()
 
-    def _rows_buckets(self, ordered: list[nn.Parameter]) -> list[list]:
+    def _rows_buckets(self, ordered: list[nn.Parameter], cap: int) -> list[list]:
         head = plan_buckets(ordered)[0] if ordered else []  # ZeRO-1: a small first bucket too
-        return [head, *self.sharded._buckets(4, ordered[len(head) :])] if head else []
+        return [head, *self.sharded._buckets(4, ordered[len(head) :], cap)] if head else []
 
     def arm(self, params=None) -> None:
         """The next backward is the step's last one for ``params`` (default: all): their

@@ -50,8 +50,10 @@ def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 class ShardedAdamW:
     """AdamW over this rank's rows of ``params``, the rows split over ``group`` (see the module
-    docstring). Used as the program's ZeRO-1 optimizer part: ``reduce_gradients`` once per step
-    after the backward, then ``step``."""
+    docstring). Used as the program's ZeRO-1 optimizer part: its gradients reduced bucket by bucket
+    (``launch_reduce`` as a bucket's gradients are final, during the last backward, ``finish_reduce``
+    before the step: ``reduction.BucketedReduction``; or ``reduce_gradients`` after the backward),
+    then ``step``."""
 
     def __init__(self, params: list[nn.Parameter], group, **kwargs):
         self.params = list(params)
@@ -115,12 +117,12 @@ class ShardedAdamW:
 
     # a step
 
-    def _buckets(self, itemsize: int, params: list[nn.Parameter] | None = None) -> list[list[nn.Parameter]]:
-        """``params`` (default: all, in order) in consecutive groups of at most ``BUCKET_BYTES``."""
+    def _buckets(self, itemsize: int, params: list | None = None, cap: int = BUCKET_BYTES) -> list[list[nn.Parameter]]:
+        """``params`` (default: all, in order) in consecutive groups of at most ``cap`` bytes."""
         out, size = [[]], 0
         for p in self.params if params is None else params:
             n = self.spans[id(p)][0] * self._width(p) * self.size * itemsize
-            if out[-1] and size + n > BUCKET_BYTES:
+            if out[-1] and size + n > cap:
                 out.append([])
                 size = 0
             out[-1].append(p)
