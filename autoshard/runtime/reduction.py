@@ -51,7 +51,7 @@ def _grad_dtype(p: nn.Parameter) -> torch.dtype:
 
 
 def _grad_bytes(p: nn.Parameter) -> int:
-    return p.numel() * torch.empty((), dtype=_grad_dtype(p)).element_size()
+    return p.numel() * _grad_dtype(p).itemsize
 
 
 def bucket_cap(params: list[nn.Parameter]) -> int:
@@ -153,10 +153,10 @@ class BucketedReduction:
             return self.sharded.launch_reduce(bucket)
         grads = [p.grad for p in bucket]
         if self.size == 1:  # nothing to sum: each gradient is only divided
-            return None, None, grads
+            return None, None, bucket
         single = len(grads) == 1 and grads[0].is_contiguous()
         flat = grads[0] if single else torch.cat([g.reshape(-1) for g in grads])
-        return dist.all_reduce(flat, group=self.group, async_op=True), flat, grads
+        return dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket
 
     def finish(self) -> None:
         """Make every gradient not final yet final, wait for every bucket and divide by
@@ -176,19 +176,20 @@ class BucketedReduction:
         if self.sharded is not None:
             self.sharded.finish_reduce(handle, self.divide)
             return
-        work, flat, grads = handle
+        work, flat, bucket = handle
         if work is None:
-            for g in grads:
-                g.div_(self.divide)
+            for p in bucket:
+                p.grad.div_(self.divide)
             return
         work.wait()
         if self.divide != 1:
             flat.div_(self.divide)
-        if flat is not grads[0]:
+        if flat is not bucket[0].grad:  # the parameters take their pieces of the sum (no copy back)
             offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for p in bucket:
+                n = p.grad.numel()
+                p.grad = flat[offset : offset + n].view_as(p.grad)
+                offset += n
 
     def _rebuild(self) -> None:
         """After the first step: buckets in the order group rank 0 saw the gradients become
