@@ -178,8 +178,9 @@ class BucketedReduction:
             return
         work, flat, bucket = handle
         if work is None:
-            for p in bucket:
-                p.grad.div_(self.divide)
+            if self.divide != 1:
+                for p in bucket:
+                    p.grad.div_(self.divide)
             return
         work.wait()
         if self.divide != 1:
