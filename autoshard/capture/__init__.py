@@ -29,6 +29,7 @@ from autoshard import modelfile, passes
 from autoshard.capture import dtypes, shapes, structure
 from autoshard.capture.init import Init, lifted, record_build
 from autoshard.capture.structure import LayerKind
+from autoshard.capture.timing import phase
 from autoshard.capture.trace import BATCH_HINT, TrainingForward, causal_lm_loss, trace
 from autoshard.runtime.stages import replay
 
@@ -66,9 +67,10 @@ class Captured:
 def capture_file(spec: str, config: str | None, seq: int, batch: int = BATCH_HINT, observe=None) -> Captured:
     """Load ``model.py[:builder]``, build ``config`` on the meta device and capture it
     (``observe``: see ``capture``)."""
-    mf = modelfile.load(spec)
-    model, inits = record_build(mf.build, config)
-    inputs = mf.sample_inputs(config, batch, seq)
+    with phase("build on meta + init recorder"):
+        mf = modelfile.load(spec)
+        model, inits = record_build(mf.build, config)
+        inputs = mf.sample_inputs(config, batch, seq)
     return capture(model, inputs, loss=mf.loss, source=str(mf.path), inits=inits, observe=observe)
 
 
@@ -88,25 +90,30 @@ def capture(
         (``passes.contract.Observer``) sees the graph before and after canonicalisation."""
     if inputs is None:
         inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
-    gm, tracer, names = trace(model, inputs, loss, source)
-    if inits is not None:
-        inits = {**_traced_names(inits), **_lifted(gm, model)}
-    if tracer == "export":
-        _follow_bf16(gm, model, inputs, loss, source)
-    gm = passes.canonical(gm, inputs, observe, _recorded_values(inits, gm))
-    # what nothing reads (a mask built for a kind of layer the model has none of, as Gemma3's
-    # global-attention mask with only sliding layers) would be run, and sharded, for nothing
-    if gm.graph.eliminate_dead_code():
-        gm.recompile()
-    stack = structure.layer_stack(model)
-    structure.annotate_modules(gm, model, stack)
-    layer_nodes = structure.layer_nodes(gm)
-    if tracer == "symbolic_trace":
-        keys, notes = shapes.propagate(gm, inputs, layer_nodes, model)
-    else:
-        keys, notes = shapes.read_export_shapes(gm, layer_nodes)
-    shapes.requires_grad(gm)
-    structure.annotate_ops(gm)
+    with phase("trace"):
+        gm, tracer, names = trace(model, inputs, loss, source)
+        if inits is not None:
+            inits = {**_traced_names(inits), **_lifted(gm, model)}
+        if tracer == "export":
+            _follow_bf16(gm, model, inputs, loss, source)
+    with phase("canonicalise"):
+        gm = passes.canonical(gm, inputs, observe, _recorded_values(inits, gm))
+        # what nothing reads (a mask built for a kind of layer the model has none of, as Gemma3's
+        # global-attention mask with only sliding layers) would be run, and sharded, for nothing
+        if gm.graph.eliminate_dead_code():
+            gm.recompile()
+    with phase("structure"):
+        stack = structure.layer_stack(model)
+        structure.annotate_modules(gm, model, stack)
+        layer_nodes = structure.layer_nodes(gm)
+    with phase("shape propagation"):
+        if tracer == "symbolic_trace":
+            keys, notes = shapes.propagate(gm, inputs, layer_nodes, model)
+        else:
+            keys, notes = shapes.read_export_shapes(gm, layer_nodes)
+        shapes.requires_grad(gm)
+    with phase("structure"):
+        structure.annotate_ops(gm)
     return Captured(
         graph_module=gm,
         model=model,
