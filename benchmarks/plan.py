@@ -17,6 +17,7 @@ under 15 s for the transformers models on a 2-core machine.
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -51,27 +52,33 @@ PHASES = (
     "search",
     "dry-run passes",
 )
-SHORT = {"build on meta + init recorder": "build+init", "build on meta": "build", "shape propagation": "shapes"}
+SHORT = {"build on meta + init recorder": "build+init"}
 
 
 def child(name: str) -> None:
     path, config, hw, gpus, seq, batch, precision = {**CASES, **HF_CASES}[name]
-    start = time.perf_counter()
+    start = time.perf_counter(), _cpu()
     from autoshard.capture import timing
     from autoshard.compiler import compile_file
 
-    imported = time.perf_counter()
+    imported = time.perf_counter(), timing.cpu_seconds()
     with timing.collect() as phases:
         compiled = compile_file(
             str(path), config, hardware=hw, gpus=gpus, seq_len=seq, global_batch=batch, precision=precision,
             plan_only=True,
         )  # fmt: skip
-    done = time.perf_counter()
-    phases = {"imports": imported - start, **phases}
-    total = done - start
-    out = {"phases": phases, "total": total, "capture+search": total - phases.get("dry-run passes", 0.0)}
+    done = time.perf_counter(), timing.cpu_seconds()
+    phases = {"imports": [imported[0] - start[0], imported[1] - start[1]], **phases}
+    total = [done[0] - start[0], done[1] - start[1]]
+    dry = phases.get("dry-run passes", [0.0, 0.0])
+    out = {"phases": phases, "total": total, "capture+search": [total[0] - dry[0], total[1] - dry[1]]}
     out["plan"] = compiled.plan.mesh.product_form()
     print(json.dumps(out))
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def main() -> None:
@@ -79,35 +86,33 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--hf", action="store_true", help="also the transformers models (slower)")
     parser.add_argument("--only", help="run the cases whose name contains this")
+    parser.add_argument("--cpu", action="store_true", help="CPU seconds (this process and the search's helper)")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
         child(args.child)
         return
+    clock = 1 if args.cpu else 0
     cases = [n for n in {**CASES, **(HF_CASES if args.hf else {})} if not args.only or args.only in n]
-    results = {name: [_run(name) for _ in range(args.runs)] for name in cases}
-    shown = [p for p in PHASES if any(p in r["phases"] for runs in results.values() for r in runs)]
-    heads = [SHORT.get(p, p) for p in shown]
-    print(f"seconds, median of {args.runs} fresh processes per case")
-    print(f"{'problem':35s} " + " ".join(f"{h:>{max(len(h), 6)}s}" for h in heads), end="")
-    print(f" {'capt+search':>11s} {'total':>6s} {'min-max':>11s}  plan")
-    for name, runs in results.items():
-        cells = [_median(runs, p) for p in shown]
-        print(f"{name:35s} " + " ".join(f"{c:>{max(len(h), 6)}.2f}" for c, h in zip(cells, heads)), end="")
-        totals = [r["total"] for r in runs]
-        both = statistics.median(r["capture+search"] for r in runs)
+    print(f"{'CPU' if args.cpu else 'wall'} seconds, median of {args.runs} fresh processes per case")
+    results = {}
+    for name in cases:
+        results[name] = runs = [_run(name) for _ in range(args.runs)]
+        shown = [p for p in PHASES if any(p in r["phases"] for r in runs)]
+        cells = [f"{SHORT.get(p, p)} {statistics.median(r['phases'].get(p, [0, 0])[clock] for r in runs):.2f}"
+                 for p in shown]  # fmt: skip
+        totals = [r["total"][clock] for r in runs]
+        both = statistics.median(r["capture+search"][clock] for r in runs)
         print(
-            f" {both:11.2f} {statistics.median(totals):6.2f} {min(totals):5.2f}-{max(totals):5.2f}  {runs[0]['plan']}"
+            f"{name}: capture + search {both:.2f}, total {statistics.median(totals):.2f} "
+            f"({min(totals):.2f}-{max(totals):.2f}), {runs[0]['plan']}\n    " + ", ".join(cells),
+            flush=True,
         )
 
 
 def _run(name: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _median(runs: list[dict], phase: str) -> float:
-    return statistics.median(r["phases"].get(phase, 0.0) for r in runs)
 
 
 if __name__ == "__main__":

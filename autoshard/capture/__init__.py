@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -47,9 +48,9 @@ class Captured:
     input_names: list[str]
     source: str | None = None
     layer_nodes: dict[int, list[fx.Node]] = field(default_factory=dict)
-    # traced parameter/buffer name -> how the model initialises it (``init.record_build``);
-    # None where the model was not built by the recorder
-    inits: dict[str, Init] | None = None
+    # traced parameter/buffer name -> how the model initialises it (``init.record_build``),
+    # recorded when first read (``RecordedInits``); None where no recording was asked for
+    inits: Mapping[str, Init] | None = None
     # assumptions capture made, for the plan to state (how a data-dependent size was estimated)
     notes: list[str] = field(default_factory=list)
 
@@ -67,11 +68,55 @@ class Captured:
 def capture_file(spec: str, config: str | None, seq: int, batch: int = BATCH_HINT, observe=None) -> Captured:
     """Load ``model.py[:builder]``, build ``config`` on the meta device and capture it
     (``observe``: see ``capture``)."""
-    with phase("build on meta + init recorder"):
+    with phase("build on meta"):
         mf = modelfile.load(spec)
-        model, inits = record_build(mf.build, config)
+        model = mf.build(config)
         inputs = mf.sample_inputs(config, batch, seq)
+
+    def record() -> dict[str, Init]:
+        with phase("init recorder"):
+            return record_build(mf.build, config)[1]
+
+    inits = RecordedInits(record)
     return capture(model, inputs, loss=mf.loss, source=str(mf.path), inits=inits, observe=observe)
+
+
+class RecordedInits(Mapping):
+    """``name -> Init``, recorded on first read. Recording the initialisation means building the
+    model again under the recorder (``init.record_build``), seconds for a model of hundreds of
+    billions of parameters, which planning never needs: only emitting a program reads every
+    entry, and canonicalisation reads one where a mask is held in a buffer. ``record`` returns
+    the table; the builder is deterministic, so the second build names its tensors as the
+    first."""
+
+    def __init__(self, record: Callable[[], Mapping[str, Init]]):
+        self._record: Callable[[], Mapping[str, Init]] | None = record
+        self._table: Mapping[str, Init] | None = None
+
+    @property
+    def recorded(self) -> bool:
+        return self._table is not None
+
+    def _get(self) -> Mapping[str, Init]:
+        if self._table is None:
+            self._table = dict(self._record())
+            self._record = None
+        return self._table
+
+    def __getitem__(self, name: str) -> Init:
+        return self._get()[name]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __deepcopy__(self, memo) -> RecordedInits:
+        return self  # its entries are never changed, only read
+
+    def __reduce__(self):
+        return dict, (dict(self._get()),)  # pickled (a cached problem, a process) as the table
 
 
 def capture(
@@ -81,7 +126,7 @@ def capture(
     seq: int = 128,
     loss=None,
     source: str | None = None,
-    inits: dict[str, Init] | None = None,
+    inits: Mapping[str, Init] | None = None,
     observe=None,
 ) -> Captured:
     """Trace ``model`` (live or on meta) with ``inputs`` (default: token ids of shape (2, seq));
@@ -93,7 +138,7 @@ def capture(
     with phase("trace"):
         gm, tracer, names = trace(model, inputs, loss, source)
         if inits is not None:
-            inits = {**_traced_names(inits), **_lifted(gm, model)}
+            inits = _traced(inits, _lifted(gm, model))
         if tracer == "export":
             _follow_bf16(gm, model, inputs, loss, source)
     with phase("canonicalise"):
@@ -147,7 +192,7 @@ def _follow_bf16(gm, model: nn.Module, inputs: tuple, loss, source: str | None) 
         dtypes.follow(gm, low)
 
 
-def _recorded_values(inits: dict[str, Init] | None, gm: fx.GraphModule):
+def _recorded_values(inits: Mapping[str, Init] | None, gm: fx.GraphModule):
     """``name -> value`` of a buffer the model built on meta, replayed from its recorded
     initialisation on CPU where that has no randomness (two seeds give one value); None
     otherwise. What canonicalisation's mask checks read (``passes.canonical``)."""
@@ -184,7 +229,13 @@ def _lifted(gm: fx.GraphModule, model: nn.Module) -> dict[str, Init]:
     return {k: lifted(v) for k, v in gm.named_buffers() if k not in held}
 
 
-def _traced_names(inits: dict[str, Init]) -> dict[str, Init]:
+def _traced(inits: Mapping[str, Init], lifted_: dict[str, Init]) -> RecordedInits:
+    """The model's ``inits`` (recorded when first read) named as the graph names them, with the
+    constants ``lifted_`` from its forward."""
+    return RecordedInits(lambda: {**_traced_names(inits), **lifted_})
+
+
+def _traced_names(inits: Mapping[str, Init]) -> dict[str, Init]:
     """``inits`` named as the traced graph names the model's tensors (``TrainingForward.model``)."""
     prefix = structure._WRAPPER_PREFIX
     return {
@@ -197,6 +248,7 @@ __all__ = [
     "Captured",
     "Init",
     "LayerKind",
+    "RecordedInits",
     "TrainingForward",
     "capture",
     "capture_file",
