@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
+
 from autoshard.cost_models.hardware import Hardware
 from autoshard.cost_models.memory import GRAD_REDUCE_BYTES
 
@@ -83,14 +85,15 @@ def _placement(size: int, per_domain: int, domains: int) -> Placement:
 
 @cache
 def _grid(axes, domain, take, every) -> Where:
-    ranks = [0]
+    # the group's ranks, innermost axis fastest, as arrays: a group can hold every one of 16,384
+    # ranks, and the search lays out a few thousand groups
+    ranks = np.zeros(1, dtype=np.int64)
     for size, stride in axes:
-        ranks = [r + i * stride for i in range(size) for r in ranks]
+        ranks = (np.arange(size, dtype=np.int64)[:, None] * stride + ranks[None, :]).ravel()
     ranks = ranks[::every][:take]
-    counts: dict[int, int] = {}
-    for r in ranks:
-        counts[r // domain] = counts.get(r // domain, 0) + 1
-    value = (len(ranks), max(counts.values()), len(counts))
+    counts = np.bincount(ranks // domain)
+    counts = counts[counts > 0]
+    value = (len(ranks), int(counts.max()), len(counts))
     if value not in _WHERE:
         _WHERE[value] = Where(*value)
     return _WHERE[value]
