@@ -56,6 +56,7 @@ from autoshard.cost_models.compute import ATTENTION_HALF_LENGTH
 from autoshard.errors import AutoshardError
 from autoshard.runtime import ring_attention as ra
 from autoshard.runtime.collectives import _gather_into, _scatter_from
+from autoshard.runtime.reduction import BucketedReduction
 
 GEMM_SHAPES = ((256, 256, 256), (512, 1024, 512), (1024, 1024, 1024), (2048, 1024, 4096), (2048, 2048, 2048))
 QUICK_GEMM_SHAPES = GEMM_SHAPES[:3]
@@ -64,7 +65,6 @@ QUICK_MESSAGE_BYTES = (2**14, 2**20)
 
 # Kinds of communication the emitted program runs blocking: what it waits on before computing on.
 SYNCHRONOUS = {
-    "dp": "runtime.program.reduce_gradients all-reduces the gradients after the whole backward, blocking",
     "tp": "runtime.collectives runs each TP collective blocking, inside the autograd function needing it",
     "ep": "runtime.moe's expert GEMMs read each all-to-all's rows at once, and torch's DualPipeV runs its "
     "overlapped forward and backward pairs one after the other",
@@ -394,7 +394,8 @@ def _rank_main(rank: int, n: int, port: int, result: str, device: str, quick: bo
         _say(f"{n} processes over {backend}{'' if nccl or device == 'cpu' else ' (fewer GPUs than processes)'}")
     try:
         points = [p for kind in hardware.COLLECTIVES for p in _time_collective(kind, n, dev, quick)]
-        overlap = {"cp": _overlap_cp(dev, quick), "pp": _overlap_pp(dev, quick)} if overlaps else {}
+        overlap = {"cp": _overlap_cp(dev, quick), "pp": _overlap_pp(dev, quick), "dp": _overlap_dp(dev, quick)}
+        overlap = overlap if overlaps else {}
         if rank == 0:
             Path(result).write_text(json.dumps({"points": points, "overlap": overlap}))
     finally:
@@ -532,3 +533,33 @@ def _overlap_pp(dev: str, quick: bool) -> float:
             w.wait()
 
     return _hidden_share(compute, transfer, both, 3 if quick else 5, dev, "pp")
+
+
+def _overlap_dp(dev: str, quick: bool) -> float:
+    """Data-parallel gradient reduction as the program runs it (``runtime.reduction``: buckets
+    all-reduced as the step's last backward makes their gradients final) beside that backward:
+    the backward alone, the same buckets reduced after it, and both as the program runs them."""
+    width = 256 if quick else 512
+    layers = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]).to(dev)
+    x = torch.randn(128 if quick else 512, width, device=dev)
+    params = list(layers.parameters())
+    reduction = BucketedReduction(params, dist.group.WORLD, divide=dist.get_world_size())
+
+    def compute():
+        for p in params:
+            p.grad = None
+        layers(x).sum().backward()
+
+    def transfer():
+        reduction.arm()
+        reduction.finish()
+
+    def both():
+        for p in params:
+            p.grad = None
+        reduction.arm()
+        layers(x).sum().backward()
+        reduction.finish()
+
+    compute()  # gradients for ``transfer`` to reduce
+    return _hidden_share(compute, transfer, both, 3 if quick else 5, dev, "dp")
