@@ -245,9 +245,13 @@ def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tup
             try:
                 mp.spawn(_rank_main, args=args, nprocs=n, join=True)
             except Exception as e:  # a rank failed: its own traceback is already on stderr
-                raise AutoshardError(
-                    f"calibrate: the {n}-process measurement failed ({e}); see the output above"
-                ) from e
+                if not result.is_file():
+                    raise AutoshardError(
+                        f"calibrate: the {n}-process measurement failed ({e}); see the output above"
+                    ) from e
+                # rank 0 wrote every measurement; a rank that fails while its process group is
+                # torn down (gloo aborts at exit now and then) loses nothing measured
+                _say(f"{n} processes: a rank failed at exit after the measurements ({e})")
             data = json.loads(result.read_text())
         points += data["points"]
         overlap |= data["overlap"]
@@ -397,7 +401,10 @@ def _rank_main(rank: int, n: int, port: int, result: str, device: str, quick: bo
         overlap = {"cp": _overlap_cp(dev, quick), "pp": _overlap_pp(dev, quick), "dp": _overlap_dp(dev, quick)}
         overlap = overlap if overlaps else {}
         if rank == 0:
-            Path(result).write_text(json.dumps({"points": points, "overlap": overlap}))
+            tmp = Path(result).with_suffix(".part")
+            tmp.write_text(json.dumps({"points": points, "overlap": overlap}))
+            tmp.replace(result)  # whole or absent: the parent reads it even if a rank fails at exit
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -562,4 +569,7 @@ def _overlap_dp(dev: str, quick: bool) -> float:
         reduction.finish()
 
     compute()  # gradients for ``transfer`` to reduce
-    return _hidden_share(compute, transfer, both, 3 if quick else 5, dev, "dp")
+    try:
+        return _hidden_share(compute, transfer, both, 3 if quick else 5, dev, "dp")
+    finally:
+        reduction.remove()
