@@ -2,6 +2,8 @@
 
 What is measured, one progress line each, and which profile field it becomes:
 
+- On CPUs every rate below is one thread's, as each rank of an emitted program runs one
+  (torchrun sets ``OMP_NUM_THREADS=1``); ``cores`` says how many such ranks run at once.
 - GEMMs at shapes plans produce (tokens x hidden x ffn, small to large), in each dtype the
   emitted program may compute in (bf16 on GPUs; fp32 and bf16 on CPUs, where the program
   computes in fp32 unless run with ``--compute-dtype bf16``): ``peak_tflops`` per dtype is the
@@ -79,11 +81,18 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
     device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()
     _say(f"calibrating on {device} ({_machine(device)}), ranks {', '.join(map(str, ranks))}")
-    gemm = {dtype: measure_gemms(device, quick, dtype) for dtype in _dtypes(device)}
-    peaks = {dtype: max(rates.values()) for dtype, rates in gemm.items()}
-    mem = measure_memory(device, quick)
-    attn = measure_attention(device, peaks["bf16"], quick)
-    host = measure_host(device, quick)
+    # on CPUs one thread: each rank of an emitted program runs one (torchrun's OMP_NUM_THREADS=1),
+    # so the rates are one core's, and ``cores`` says how many ranks run at those rates at once
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if device == "cpu" else threads)
+    try:
+        gemm = {dtype: measure_gemms(device, quick, dtype) for dtype in _dtypes(device)}
+        peaks = {dtype: max(rates.values()) for dtype, rates in gemm.items()}
+        mem = measure_memory(device, quick)
+        attn = measure_attention(device, peaks["bf16"], quick)
+        host = measure_host(device, quick)
+    finally:
+        torch.set_num_threads(threads)
     points, overlap = measure_distributed(ranks, device, quick)
     fields = {"name": path.stem} | ({"extends": extends} if extends else {})
     fields |= _fields(device, peaks, mem, attn, fit_collectives(points), overlap, parent, ranks) | host
