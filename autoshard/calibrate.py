@@ -4,7 +4,8 @@ What is measured, one progress line each, and which profile field it becomes:
 
 - On CPUs every rate below is one thread's, as each rank of an emitted program runs one
   (torchrun sets ``OMP_NUM_THREADS=1``); ``cores`` says how many such ranks run at once.
-- GEMMs at shapes plans produce (tokens x hidden x ffn, small to large), in each dtype the
+- GEMMs at shapes plans produce (tokens x hidden x ffn, small to large), a linear layer's
+  forward and backward from fp32 weights under autocast, as the program runs them, in each dtype the
   emitted program may compute in (bf16 on GPUs; fp32 and bf16 on CPUs, where the program
   computes in fp32 unless run with ``--compute-dtype bf16``): ``peak_tflops`` per dtype is the
   best rate measured. Without ``--extends`` that rate is the peak and ``matmul_efficiency`` is 1
@@ -152,14 +153,23 @@ def _dtypes(device: str) -> tuple[str, ...]:
 
 
 def measure_gemms(device: str, quick: bool, dtype: str = "bf16") -> dict[tuple[int, int, int], float]:
-    """FLOP/s of (m x k) @ (k x n) in ``dtype`` per plan-like shape."""
+    """FLOP/s of a linear layer's three GEMMs (forward, input and weight gradients: m x k x n
+    each) per plan-like shape, as the program runs them: fp32 weights, computed in ``dtype``
+    under autocast (its casts included). A standalone bf16 GEMM is 2-3x faster than that on a
+    CPU core (measured here: 1.1 against 0.1-0.5 TFLOP/s), which the programs never see."""
     out = {}
     for m, k, n in QUICK_GEMM_SHAPES if quick else GEMM_SHAPES:
-        a = torch.randn(m, k, device=device, dtype=DTYPES[dtype])
-        b = torch.randn(k, n, device=device, dtype=DTYPES[dtype])
-        t = _median_time(lambda a=a, b=b: a @ b, device, 0.05 if quick else 0.2)
-        out[(m, k, n)] = 2 * m * k * n / t
-        _say(f"gemm {dtype} {m}x{k}x{n}: {out[(m, k, n)] / 1e9:.1f} GFLOP/s")
+        x = torch.randn(m, k, device=device, requires_grad=True)
+        w = torch.randn(n, k, device=device, requires_grad=True)
+
+        def step(x=x, w=w):
+            with torch.autocast(device, dtype=DTYPES[dtype], enabled=dtype != "fp32"):
+                y = F.linear(x, w)
+            y.float().sum().backward()
+
+        t = _median_time(step, device, 0.05 if quick else 0.2)
+        out[(m, k, n)] = 3 * 2 * m * k * n / t
+        _say(f"gemm {dtype} {m}x{k}x{n} forward and backward: {out[(m, k, n)] / 1e9:.1f} GFLOP/s")
     return out
 
 
