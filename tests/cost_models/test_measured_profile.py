@@ -2,8 +2,6 @@
 cost is today's; present, the cost model reads them (comm per collective; the hidden part of each
 kind of communication scaled by its share), and the search's bounds stay lower bounds."""
 
-import os
-import tempfile
 from dataclasses import replace
 
 import pytest
@@ -18,17 +16,9 @@ from autoshard.planner.search import Planner
 from tests.planner import test_search
 
 from conftest import captured
+from conftest import extended_profile as _profile
 
 SEQ = 8192
-
-
-def _profile(**fields) -> hardware.Hardware:
-    path = os.path.join(tempfile.mkdtemp(), "custom.toml")
-    base = fields.pop("extends", "h100")
-    body = "".join(f"{k} = {v}\n" for k, v in fields.items())
-    with open(path, "w") as f:
-        f.write(f'name = "custom"\nextends = "{base}"\n{body}')
-    return hardware.load(path)
 
 
 @pytest.mark.parametrize(
