@@ -14,11 +14,16 @@ What is measured, one progress line each, and which profile field it becomes:
 - Host costs: ``op_overhead_us``, the host time of one op whatever its size (a chain of tiny ops
   forward and backward; it matters where kernels do not run ahead of the host, on CPUs); on CPUs
   ``cores``, the cores the ranks of one host share.
+- The optimizer step: the program's own AdamW (fp32 masters of bf16 weights) on layer-sized
+  weights, its time per parameter at the measured memory bandwidth ->
+  ``optimizer_bytes_per_param``.
 - Memory bandwidth: a large tensor copy (read + write) -> ``hbm_gbps``.
-- Attention: torch SDPA, causal -> ``attention_efficiency``, the measured rate over the peak and
-  over the share of its long-sequence speed ``cost_models.compute.attention_time`` grants that
-  key length, so that the cost model reproduces the measured time; its backward over its forward
-  -> ``attention_backward``.
+- Attention: torch SDPA, causal, forward and backward at a short and a long key length, each
+  direction fitted to ``cost_models.compute.attention_time``'s form (rate = best x keys / (keys
+  + half length)) -> ``attention_efficiency`` (best forward rate over the peak),
+  ``attention_half_length``, ``attention_backward`` (the backward's time over the forward's at
+  long lengths) and ``attention_backward_half_length``: a CPU's backward kernel is far slower on
+  short sequences than its forward.
 - Every collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, and the
   ring send/receive of ``batch_isend_irecv`` that ring attention and the pipeline use) over each
   rank count of ``--ranks``, processes on this host (gloo on CPUs, NCCL where there is a GPU per
@@ -55,7 +60,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from autoshard.cost_models import hardware
-from autoshard.cost_models.compute import ATTENTION_HALF_LENGTH
 from autoshard.errors import AutoshardError
 from autoshard.runtime import ring_attention as ra
 from autoshard.runtime.collectives import _gather_into, _scatter_from
@@ -92,6 +96,7 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
         mem = measure_memory(device, quick)
         attn = measure_attention(device, peaks["bf16"], quick)
         host = measure_host(device, quick)
+        host["optimizer_bytes_per_param"] = measure_optimizer(device, quick, mem)
     finally:
         torch.set_num_threads(threads)
     points, overlap = measure_distributed(ranks, device, quick)
@@ -184,27 +189,83 @@ def measure_memory(device: str, quick: bool) -> float:
     return rate
 
 
-def measure_attention(device: str, peak: float, quick: bool) -> float:
-    """``attention_efficiency``: causal SDPA's FLOP/s (FLOPs counted as ``cost_models.flops``
-    does) over the peak and over the key-length factor the cost model applies."""
-    b, h, s, d = 1, 8, 512 if quick else 1024, 64
-    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))
-    t = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, 0.05 if quick else 0.2)
-    rate = 2 * b * h * s * s * (d + d) / 2 / t
-    eff = min(1.0, rate / (peak * s / (s + ATTENTION_HALF_LENGTH)))
-    _say(f"attention causal {s} tokens: {rate / 1e9:.1f} GFLOP/s, efficiency {eff:.2f}")
-    return eff
+def measure_attention(device: str, peak: float, quick: bool) -> dict:
+    """``attention_efficiency``, ``attention_half_length``, ``attention_backward`` and
+    ``attention_backward_half_length``: causal SDPA forward and backward (bf16, 16 heads x
+    sequences, head dim 64) at a short and a long key length, each direction's rate fitted to
+    ``cost_models.compute.attention_time``'s form, rate = best x keys / (keys + half length)
+    (FLOPs counted as ``cost_models.flops`` does), so that the cost model reproduces both."""
+    lengths = (128, 512 if quick else 1024)
+    forward, backward = [], []
+    for s in lengths:
+        q, k, v = (torch.randn(2, 8, s, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.randn_like(q)
+
+        def attend(q=q, k=k, v=v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def both(grad=grad, attend=attend):
+            attend().backward(grad)
+
+        t_f = _median_time(attend, device, 0.05 if quick else 0.2)
+        t_b = max(_median_time(both, device, 0.05 if quick else 0.2) - t_f, 1e-3 * t_f)
+        flops = 2 * 2 * 8 * s * s * (64 + 64) / 2
+        forward.append(flops / t_f)
+        backward.append(flops / t_b)
+        _say(f"attention causal {s} keys: forward {forward[-1] / 1e9:.1f}, backward {backward[-1] / 1e9:.1f} GFLOP/s")
+    rate, half = _half_speed_fit(lengths, forward)
+    rate_b, half_b = _half_speed_fit(lengths, backward)
+    out = {
+        "attention_efficiency": _round(min(1.0, rate / peak)),
+        "attention_half_length": _round(half),
+        "attention_backward": _round(rate / rate_b),
+        "attention_backward_half_length": _round(half_b),
+    }
+    _say(
+        f"attention: efficiency {out['attention_efficiency']:.2f}, half speed at {half:.0f} keys; "
+        f"backward {out['attention_backward']:.2f}x the forward's time, half speed at {half_b:.0f} keys"
+    )
+    return out
+
+
+def _half_speed_fit(lengths: tuple[int, int], rates: list[float]) -> tuple[float, float]:
+    """(long-length rate, half length) of rate = best x keys / (keys + half) through two
+    measurements: 1 / rate is linear in 1 / keys. A rate that does not grow with length fits as
+    flat at the long length's rate."""
+    (s1, s2), (r1, r2) = lengths, rates
+    slope = (1 / r1 - 1 / r2) / (1 / s1 - 1 / s2)
+    intercept = 1 / r2 - slope / s2
+    if slope <= 0 or intercept <= 0:  # no growth, or growth no half length expresses
+        return r2, 0.0
+    return 1 / intercept, slope / intercept
 
 
 def measure_host(device: str, quick: bool) -> dict:
-    """``op_overhead_us``, ``attention_backward`` and, on CPUs, ``cores``."""
-    out = {
-        "op_overhead_us": _round(measure_op_overhead(device, quick)),
-        "attention_backward": _attention_backward(device, quick),
-    }
+    """``op_overhead_us`` and, on CPUs, ``cores``."""
+    out = {"op_overhead_us": _round(measure_op_overhead(device, quick))}
     if device == "cpu":
         out["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         _say(f"cores the ranks share: {out['cores']}")
+    return out
+
+
+def measure_optimizer(device: str, quick: bool, bandwidth: float) -> float:
+    """``optimizer_bytes_per_param``: the program's own optimizer step (``runtime.program``'s
+    AdamW over bf16 weights with fp32 gradients and masters, as a plan's bf16 program steps them)
+    on weights of layer-like sizes, its time per parameter at the measured memory bandwidth, so
+    that the cost model's bytes / bandwidth reproduces it (per-tensor host time included)."""
+    from autoshard.runtime.program import _adamw, lower_parameters
+
+    tensors, rows = (12, 512) if quick else (24, 512)  # well beyond the caches either way
+    params = [torch.nn.Parameter(torch.randn(rows, 512, device=device)) for _ in range(tensors)]
+    lower_parameters(params, "bf16")
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device)
+    optim = _adamw(params, False, None, {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})
+    t = _median_time(optim.step, device, 0.1 if quick else 0.4)
+    count = sum(p.numel() for p in params)
+    out = _round(t / count * bandwidth)
+    _say(f"optimizer step {count / 1e6:.1f}M parameters: {t * 1e3:.1f} ms, {out:.0f} bytes per parameter")
     return out
 
 
@@ -231,25 +292,6 @@ def measure_op_overhead(device: str, quick: bool, ops: int = 200) -> float:
     us = t / (3 * (ops + 1)) * 1e6
     _say(f"host time per op: {us:.1f} us")
     return us
-
-
-def _attention_backward(device: str, quick: bool) -> float:
-    """Causal SDPA's backward time over its forward time (flash attention reruns QK^T: 2.5 on
-    GPUs; CPU kernels differ)."""
-    s = 512 if quick else 1024
-    q, k, v = (torch.randn(1, 8, s, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    grad = torch.randn_like(out)
-    forward = _median_time(
-        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, 0.05 if quick else 0.2
-    )
-
-    def both():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-
-    ratio = max(0.1, _median_time(both, device, 0.05 if quick else 0.2) / forward - 1)
-    _say(f"attention backward / forward: {ratio:.2f}")
-    return _round(ratio)
 
 
 def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tuple[list[dict], dict]:
@@ -316,7 +358,7 @@ def _round(x: float) -> float:
 def _fields(device, peaks, mem, attn, collectives, overlap, parent, ranks) -> dict:
     """The profile's fields: the measured ones, and without a parent the ones it needs besides
     (this host's memory and core count; its loopback as its only link)."""
-    fields: dict = {"hbm_gbps": _round(mem / 1e9), "attention_efficiency": _round(attn)}
+    fields: dict = {"hbm_gbps": _round(mem / 1e9), **attn}
     spec = parent.peak_tflops.get("bf16") if parent else None
     if spec and spec * 1e12 >= peaks["bf16"]:
         fields["matmul_efficiency"] = _round(peaks["bf16"] / (spec * 1e12))

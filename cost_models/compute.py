@@ -19,7 +19,6 @@ def roofline(
 
 TILE = 128  # GEMM output tile edge
 FLASH_BACKWARD = 2.5  # backward / forward time of flash attention (recomputes QK^T)
-ATTENTION_HALF_LENGTH = 180  # tokens at which a flash kernel runs at half its long-sequence speed
 
 
 def gemm_time(batch: float, m: float, n: float, k: float, hw: Hardware, fp8: bool) -> float:
@@ -50,10 +49,17 @@ def gemm_floor(batch: float, m: float, n: float, k: float, hw: Hardware, fp8: bo
     return 2.0 * batch * m * n * k / (peak * edge)
 
 
-def attention_time(flops: float, keys: float, hw: Hardware) -> float:
-    """Flash attention forward time. Its speed grows with the key length each kernel call sees:
-    FlashAttention-3 on H100 (head dim 128) runs at 72% of its long-sequence speed at 512 keys,
-    87% at 1K and 96% at 2K (Shah et al. 2024, Fig. 5), which keys / (keys + 180) matches."""
+def attention_time(flops: float, keys: float, hw: Hardware, backward: bool = False) -> float:
+    """Flash attention forward time, or with ``backward`` its backward's. Its speed grows with the
+    key length each kernel call sees: FlashAttention-3 on H100 (head dim 128) runs at 72% of its
+    long-sequence speed at 512 keys, 87% at 1K and 96% at 2K (Shah et al. 2024, Fig. 5), which
+    keys / (keys + 180) matches (the profile's ``attention_half_length``; the backward's own,
+    ``attention_backward_half_length``, where its kernel differs, as CPU ones do). The backward
+    runs ``attention_backward`` times the forward's time at long lengths."""
     if flops <= 0:
         return 0.0
-    return flops / (hw.peak_flops("bf16") * hw.attention_efficiency * keys / (keys + ATTENTION_HALF_LENGTH))
+    half = hw.attention_half_length
+    if backward and hw.attention_backward_half_length is not None:
+        half = hw.attention_backward_half_length
+    t = flops / (hw.peak_flops("bf16") * hw.attention_efficiency * keys / (keys + half))
+    return hw.attention_backward * t if backward else t

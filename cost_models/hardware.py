@@ -18,6 +18,10 @@ Fields (all per GPU; GB = 1e9 bytes):
                               on long sequences (shorter ones are slower, see cost_models.compute)
 ``attention_backward`` float  optional (default 2.5): backward / forward time of the attention
                               kernel (flash attention reruns QK^T: 2.5x the forward's FLOPs)
+``attention_half_length`` float optional (default 180): key length at which the attention kernel
+                              runs at half its long-sequence speed (``cost_models.compute``)
+``attention_backward_half_length`` float optional (default: attention_half_length): the same for
+                              its backward
 ``sm_count``         int      optional (default 132): streaming multiprocessors, for GEMM wave
                               quantisation (H100/H800/H200 132; DeepSeek-V3 §3.2.2 "20 of 132 SMs")
 ``link_efficiency``  float    optional (default 0.8): share of nvlink_gbps / network_gbps collectives
@@ -34,6 +38,12 @@ Fields (all per GPU; GB = 1e9 bytes):
                               backward counted as two operations per forward one). 0 on GPUs,
                               where kernels launch asynchronously ahead of the device; on CPUs each
                               op's dispatch runs in line with its arithmetic
+``optimizer_bytes_per_param`` float optional (default 34): memory traffic of the optimizer step
+                              per parameter a rank steps: the program's fused AdamW over fp32
+                              masters reads weight, gradient and both moments and writes weight
+                              and moments (28 B), then rounds the master into the bf16 weight
+                              (6 B). ``autoshard calibrate`` measures it (a CPU's per-tensor AdamW
+                              moves more, and pays host time per tensor)
 ``cores``            int      optional (default 0): compute cores one host shares among all of its
                               ranks (CPU runs, one thread per rank); when more ranks than cores run
                               on a host, each rank's compute, memory bandwidth and op overhead scale
@@ -90,6 +100,8 @@ _OPTIONAL = {
     "matmul_efficiency_fp8": (float, None),
     "attention_efficiency": (float, 0.5),
     "attention_backward": (float, 2.5),
+    "attention_half_length": (float, 180.0),
+    "attention_backward_half_length": (float, None),
     "link_efficiency": (float, 0.8),
     "sm_count": (int, 132),
     "nvlink_latency_us": (float, 3.0),
@@ -101,12 +113,21 @@ _OPTIONAL = {
     "overlap": (dict, None),
     "op_overhead_us": (float, 0.0),
     "cores": (int, 0),
+    "optimizer_bytes_per_param": (float, 34.0),
 }
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 OVERLAP_KINDS = ("dp", "tp", "cp", "pp", "ep")
 
-_MAY_BE_ZERO = ("price_per_gpu_hour", "memory_reserve_gb", "memory_headroom", "op_overhead_us", "cores")
+_MAY_BE_ZERO = (
+    "price_per_gpu_hour",
+    "memory_reserve_gb",
+    "memory_headroom",
+    "op_overhead_us",
+    "cores",
+    "attention_half_length",
+    "attention_backward_half_length",
+)
 # fields that are a share of a peak (no kernel or link beats its peak)
 _SHARES = ("matmul_efficiency", "matmul_efficiency_fp8", "attention_efficiency", "link_efficiency")
 
@@ -125,6 +146,8 @@ class Hardware:
     matmul_efficiency_fp8: float | None = None
     attention_efficiency: float = 0.5
     attention_backward: float = 2.5
+    attention_half_length: float = 180.0
+    attention_backward_half_length: float | None = None
     link_efficiency: float = 0.8
     sm_count: int = 132
     nvlink_latency_us: float = 3.0
@@ -136,6 +159,7 @@ class Hardware:
     overlap: dict[str, float] | None = None
     op_overhead_us: float = 0.0
     cores: int = 0
+    optimizer_bytes_per_param: float = 34.0
     source: str = ""
 
     def peak_flops(self, dtype: str = "bf16") -> float:

@@ -24,6 +24,7 @@ def test_a_quick_calibration_writes_a_sane_profile(profile, capsys):
     assert hw.name == "here"
     assert hw.peak_flops("bf16") > 0 and hw.peak_flops("fp32") > 0 and hw.hbm_gbps > 0
     assert hw.op_overhead_us > 0 and hw.attention_backward > 0 and hw.cores >= 1
+    assert hw.optimizer_bytes_per_param > 0 and hw.attention_half_length >= 0
     for share in (hw.matmul_efficiency, hw.attention_efficiency):
         assert 0 < share <= 1
     assert set(hw.collectives) == set(hardware.COLLECTIVES)
@@ -52,7 +53,10 @@ def test_extends_writes_only_measured_fields(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "measure_gemms", lambda device, quick, dtype="bf16": {(1, 1, 1): best})
     monkeypatch.setattr(calibrate, "measure_host", lambda device, quick: {"op_overhead_us": 7.0, "cores": 3})
     monkeypatch.setattr(calibrate, "measure_memory", lambda device, quick: 2e12)
-    monkeypatch.setattr(calibrate, "measure_attention", lambda device, peak, quick: 0.4)
+    attention = {"attention_efficiency": 0.4, "attention_half_length": 100.0}
+    attention |= {"attention_backward": 3.0, "attention_backward_half_length": 900.0}
+    monkeypatch.setattr(calibrate, "measure_attention", lambda device, peak, quick: attention)
+    monkeypatch.setattr(calibrate, "measure_optimizer", lambda device, quick, bandwidth: 70.0)
     points = [_point(kind, 2, 1e6, 1e-3) | {"backend": "gloo"} for kind in hardware.COLLECTIVES]
     monkeypatch.setattr(calibrate, "measure_distributed", lambda r, d, q: (points, {"cp": 0.5, "pp": 0.25}))
     out = tmp_path / "mine.toml"
@@ -64,6 +68,8 @@ def test_extends_writes_only_measured_fields(tmp_path, monkeypatch):
     assert hw.matmul_efficiency == pytest.approx(0.5, rel=1e-3)
     assert hw.overlap == {"dp": 0.0, "tp": 0.0, "cp": 0.5, "pp": 0.25, "ep": 0.0}
     assert hw.op_overhead_us == 7.0 and hw.cores == 3
+    assert hw.attention_half_length == 100.0 and hw.attention_backward_half_length == 900.0
+    assert hw.attention_backward == 3.0 and hw.optimizer_bytes_per_param == 70.0
 
 
 def _point(kind, ranks, volume, seconds, steps=1):
@@ -81,6 +87,16 @@ def test_the_fit_recovers_bandwidth_and_latency():
     assert set(fit) == {"all_gather"}
     assert fit["all_gather"]["gbps"] == pytest.approx(gbps, rel=1e-3)
     assert fit["all_gather"]["latency_us"] == pytest.approx(lat_us, rel=1e-3)
+
+
+def test_the_half_speed_fit_recovers_rate_and_half_length():
+    """Rates made by ``attention_time``'s form come back as its rate and half length; rates that
+    fall with length fit as flat at the best one."""
+    best, half = 2e11, 300.0
+    lengths = (128, 1024)
+    rates = [best * s / (s + half) for s in lengths]
+    assert calibrate._half_speed_fit(lengths, rates) == pytest.approx((best, half), rel=1e-9)
+    assert calibrate._half_speed_fit(lengths, [5e10, 4e10]) == pytest.approx((4e10, 0.0))
 
 
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys):

@@ -67,6 +67,7 @@ class Predicted:
     recompute_s: float  # of which recomputation
     memory_limit_bytes: float  # usable HBM: capacity minus the profile's reserve
     overlap_s: float = 0.0  # compute lost to communication running beside it (hidden is not free)
+    optimizer_s: float = 0.0  # the optimizer step, busiest GPU (memory-bound: bytes per parameter stepped)
     # per pipeline rank, what one optimizer step holds and does there (``planner.promises``):
     # memory_bytes by part, matmul-class flops, comm_bytes by dimension and collective, and the
     # bytes each dimension sends on the wire; what ``autoshard verify --at-scale`` checks

@@ -150,6 +150,7 @@ def _predicted(problem: Problem, ev: Evaluation) -> Predicted:
         compute_s=b["compute_s"],
         recompute_s=b["recompute_s"],
         overlap_s=b["overlap_s"],
+        optimizer_s=b["optimizer_s"],
         memory_limit_bytes=problem.hw.usable_bytes,
         ranks=rank_promises(Evaluator(CandidateCosts(problem)), ev),
     )

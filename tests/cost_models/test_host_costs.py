@@ -59,3 +59,15 @@ def test_attention_backward_ratio_is_the_profiles(analysed):
     b0 = base.compute(0, 1, 1, 1, (), frozenset())[1]
     b1 = slow.compute(0, 1, 1, 1, (), frozenset())[1]
     assert b1 - b0 == pytest.approx((5.0 - 2.5) * attn)
+
+
+def test_the_backward_half_length_is_the_profiles(analysed):
+    """Without its own half length the backward is ``attention_backward`` times the forward at
+    every length; with one, short sequences slow the backward by (keys + half) / keys."""
+    base = LayerCosts(analysed, SEQ, CPU, False)
+    attn = base._rest(0, 1, 1, 1)[0]
+    assert base._attention_backward(0, 1, 1, 1) == pytest.approx(CPU.attention_backward * attn)
+    own = replace(CPU, attention_backward_half_length=1000.0)
+    slow = LayerCosts(analysed, SEQ, own, False)
+    flat = attn * SEQ / (SEQ + CPU.attention_half_length)  # the forward at its long-length rate
+    assert slow._attention_backward(0, 1, 1, 1) == pytest.approx(CPU.attention_backward * flat * (SEQ + 1000) / SEQ)
