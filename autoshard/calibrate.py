@@ -14,8 +14,8 @@ What is measured, one progress line each, and which profile field it becomes:
 - Host costs: ``op_overhead_us``, the host time of one op whatever its size (a chain of tiny ops
   forward and backward; it matters where kernels do not run ahead of the host, on CPUs); on CPUs
   ``cores``, the cores the ranks of one host share.
-- The optimizer step: the program's own AdamW (fp32 masters of bf16 weights) on layer-sized
-  weights, its time per parameter at the measured memory bandwidth ->
+- The optimizer step: the gradient norm and the program's own AdamW (fp32 masters of bf16
+  weights) on layer-sized weights, their time per parameter at the measured memory bandwidth ->
   ``optimizer_bytes_per_param``.
 - Memory bandwidth: a large tensor copy (read + write) -> ``hbm_gbps``.
 - Attention: torch SDPA, causal, forward and backward at a short and a long key length, each
@@ -250,10 +250,12 @@ def measure_host(device: str, quick: bool) -> dict:
 
 
 def measure_optimizer(device: str, quick: bool, bandwidth: float) -> float:
-    """``optimizer_bytes_per_param``: the program's own optimizer step (``runtime.program``'s
-    AdamW over bf16 weights with fp32 gradients and masters, as a plan's bf16 program steps them)
-    on weights of layer-like sizes, its time per parameter at the measured memory bandwidth, so
-    that the cost model's bytes / bandwidth reproduces it (per-tensor host time included)."""
+    """``optimizer_bytes_per_param``: what the program does once a step per parameter, on
+    weights of layer-like sizes: the gradient norm it clips by (``state.clip_gradients``, one
+    norm per tensor) and its own AdamW step (``runtime.program``'s, over bf16 weights with fp32
+    gradients and masters, as a plan's bf16 program steps them); their time per parameter at the
+    measured memory bandwidth, so that the cost model's bytes / bandwidth reproduces it
+    (per-tensor host time included)."""
     from autoshard.runtime.program import _adamw, lower_parameters
 
     tensors, rows = (12, 512) if quick else (24, 512)  # well beyond the caches either way
@@ -262,7 +264,14 @@ def measure_optimizer(device: str, quick: bool, bandwidth: float) -> float:
     for p in params:
         p.grad = torch.randn(p.shape, device=device)
     optim = _adamw(params, False, None, {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})
-    t = _median_time(optim.step, device, 0.1 if quick else 0.4)
+
+    def step():
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for p in params:
+            total += torch.linalg.vector_norm(p.grad).double() ** 2
+        optim.step()
+
+    t = _median_time(step, device, 0.1 if quick else 0.4)
     count = sum(p.numel() for p in params)
     out = _round(t / count * bandwidth)
     _say(f"optimizer step {count / 1e6:.1f}M parameters: {t * 1e3:.1f} ms, {out:.0f} bytes per parameter")

@@ -38,12 +38,13 @@ Fields (all per GPU; GB = 1e9 bytes):
                               backward counted as two operations per forward one). 0 on GPUs,
                               where kernels launch asynchronously ahead of the device; on CPUs each
                               op's dispatch runs in line with its arithmetic
-``optimizer_bytes_per_param`` float optional (default 34): memory traffic of the optimizer step
-                              per parameter a rank steps: the program's fused AdamW over fp32
-                              masters reads weight, gradient and both moments and writes weight
-                              and moments (28 B), then rounds the master into the bf16 weight
-                              (6 B). ``autoshard calibrate`` measures it (a CPU's per-tensor AdamW
-                              moves more, and pays host time per tensor)
+``optimizer_bytes_per_param`` float optional (default 38): memory traffic of the optimizer step
+                              per parameter a rank steps: the gradient norm it clips by reads the
+                              fp32 gradient (4 B); the program's fused AdamW over fp32 masters
+                              reads weight, gradient and both moments and writes weight and
+                              moments (28 B), then rounds the master into the bf16 weight (6 B).
+                              ``autoshard calibrate`` measures it (a CPU's per-tensor AdamW moves
+                              more, and pays host time per tensor)
 ``cores``            int      optional (default 0): compute cores one host shares among all of its
                               ranks (CPU runs, one thread per rank); when more ranks than cores run
                               on a host, each rank's compute, memory bandwidth and op overhead scale
@@ -113,7 +114,7 @@ _OPTIONAL = {
     "overlap": (dict, None),
     "op_overhead_us": (float, 0.0),
     "cores": (int, 0),
-    "optimizer_bytes_per_param": (float, 34.0),
+    "optimizer_bytes_per_param": (float, 38.0),
 }
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -159,7 +160,7 @@ class Hardware:
     overlap: dict[str, float] | None = None
     op_overhead_us: float = 0.0
     cores: int = 0
-    optimizer_bytes_per_param: float = 34.0
+    optimizer_bytes_per_param: float = 38.0
     source: str = ""
 
     def peak_flops(self, dtype: str = "bf16") -> float:

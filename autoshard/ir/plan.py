@@ -110,6 +110,10 @@ class Plan:
     # why the program emitter would refuse this plan (empty when ``compile`` can emit it); only a
     # plan searched over the whole space (``--plan-only``) can have reasons here
     not_emitted: list[str] = field(default_factory=list)
+    # bytes per bucket of the data-parallel gradient reduction the program overlaps with the last
+    # backward (ZeRO-0/1; ``runtime.reduction``), from the cost model's latency and bandwidth of
+    # that collective (``cost_models.comm.bucket_bytes``); 0: the program's own rule
+    dp_bucket_bytes: int = 0
 
     # -- serialisation ---------------------------------------------------------------------
 
@@ -130,7 +134,8 @@ class Plan:
                 "recompile the plan with this version"
             )
         names = {f.name for f in fields(cls)}
-        missing = [n for n in names if n not in data and n not in ("alternatives", "forced", "notes", "not_emitted")]
+        optional = ("alternatives", "forced", "notes", "not_emitted", "dp_bucket_bytes")
+        missing = [n for n in names if n not in data and n not in optional]
         if missing:
             raise AutoshardError(f"{source}: missing field(s) {', '.join(sorted(missing))}; recompile the plan")
         unknown = set(data) - names
