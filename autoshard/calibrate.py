@@ -13,11 +13,15 @@ What is measured, one progress line each, and which profile field it becomes:
   bf16 peak and writes ``matmul_efficiency`` = best / that peak.
 - Host costs: ``op_overhead_us``, the host time of one op whatever its size (a chain of tiny ops
   forward and backward; it matters where kernels do not run ahead of the host, on CPUs); on CPUs
-  ``cores``, the cores the ranks of one host share.
+  ``cores``, how many ranks' worth of work the host's CPUs do at once (measured: one process
+  against one per CPU running together).
 - The optimizer step: the gradient norm and the program's own AdamW (fp32 masters of bf16
   weights) on layer-sized weights, their time per parameter at the measured memory bandwidth ->
   ``optimizer_bytes_per_param``.
 - Memory bandwidth: a large tensor copy (read + write) -> ``hbm_gbps``.
+- The memory-bound ops (CPUs): a reference decoder's forward and backward
+  (``calibrate_reference``) against the cost model's prediction from the fields above; what it
+  lacks goes to its memory-bound ops -> ``pointwise_efficiency``.
 - Attention: torch SDPA, causal, forward and backward at a short and a long key length, each
   direction fitted to ``cost_models.compute.attention_time``'s form (rate = best x keys / (keys
   + half length)) -> ``attention_efficiency`` (best forward rate over the peak),
@@ -48,6 +52,8 @@ import math
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime, timedelta
@@ -102,6 +108,8 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
     points, overlap = measure_distributed(ranks, device, quick)
     fields = {"name": path.stem} | ({"extends": extends} if extends else {})
     fields |= _fields(device, peaks, mem, attn, fit_collectives(points), overlap, parent, ranks) | host
+    if device == "cpu":
+        fields["pointwise_efficiency"] = measure_pointwise(fields, parent, quick)
     elapsed = time.perf_counter() - start
     backends = sorted({p["backend"] for p in points})
     _write(path, fields, _header(device, ranks, elapsed, gemm["bf16"], extends, backends))
@@ -244,8 +252,7 @@ def measure_host(device: str, quick: bool) -> dict:
     """``op_overhead_us`` and, on CPUs, ``cores``."""
     out = {"op_overhead_us": _round(measure_op_overhead(device, quick))}
     if device == "cpu":
-        out["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        _say(f"cores the ranks share: {out['cores']}")
+        out["cores"] = measure_cores(quick)
     return out
 
 
@@ -275,6 +282,88 @@ def measure_optimizer(device: str, quick: bool, bandwidth: float) -> float:
     count = sum(p.numel() for p in params)
     out = _round(t / count * bandwidth)
     _say(f"optimizer step {count / 1e6:.1f}M parameters: {t * 1e3:.1f} ms, {out:.0f} bytes per parameter")
+    return out
+
+
+def measure_cores(quick: bool) -> float:
+    """``cores``: how many one-thread ranks' worth of work this host does at once, measured: a
+    rank-like workload (a linear layer's forward and backward under bf16 autocast, and a copy
+    beyond the caches) in one process, then in as many processes as there are CPUs, at the same
+    time; the work they do together over the work one does alone. Virtual CPUs that are
+    hyperthreads of one core, or cores that share the memory bus, count for less than one."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    seconds = 1.0 if quick else 3.0
+    alone = _spinning(1, seconds)
+    together = _spinning(cpus, seconds) if cpus > 1 else alone
+    out = _round(min(float(cpus), max(1.0, together / alone)))
+    _say(f"cores the ranks share: {cpus} CPUs do the work of {out:.2f} at once")
+    return out
+
+
+def _spinning(processes: int, seconds: float) -> float:
+    """Iterations of ``_spin`` that ``processes`` processes, started together once all have
+    loaded torch, complete in ``seconds``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    with tempfile.TemporaryDirectory() as tmp:
+        code = f"from autoshard.calibrate import _spin; _spin({tmp!r}, {processes}, {seconds!r})"
+        runs = [
+            subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+            for _ in range(processes)
+        ]
+        return sum(float(r.communicate()[0].split()[-1]) for r in runs)
+
+
+def _spin(tmp: str, processes: int, seconds: float) -> None:
+    """One process of ``_spinning``: ready, wait for the others, then count the work done in
+    ``seconds``."""
+    torch.set_num_threads(1)
+    x = torch.randn(256, 512, requires_grad=True)
+    w = torch.randn(512, 512, requires_grad=True)
+    a, b = torch.randn(2**21), torch.empty(2**21)
+
+    def work():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = F.linear(x, w)
+        y.float().sum().backward()
+        b.copy_(a)
+
+    work()
+    Path(tmp, f"ready-{os.getpid()}").touch()
+    while len(os.listdir(tmp)) < processes:
+        time.sleep(0.002)
+    count, end = 0, time.time() + seconds
+    while time.time() < end:
+        work()
+        count += 1
+    print(count)
+
+
+def measure_pointwise(fields: dict, parent, quick: bool) -> float:
+    """``pointwise_efficiency`` (CPUs): the reference model's forward and backward
+    (``calibrate_reference``) measured, and the cost model's prediction of it from the fields
+    measured so far; what the prediction lacks is put on its memory-bound ops, whose achieved
+    bandwidth share this is (at most 1: a prediction already slower leaves it at 1)."""
+    from dataclasses import fields as dataclass_fields
+    from dataclasses import replace
+
+    from autoshard.calibrate_reference import measured_step, predicted_step
+
+    names = {f.name for f in dataclass_fields(hardware.Hardware)}
+    hw = replace(parent or hardware.load("cpu"), **{k: v for k, v in fields.items() if k in names})
+    hw = replace(hw, pointwise_efficiency=1.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds, pointwise = predicted_step(hw)
+        measured = measured_step(lambda fn: _median_time(fn, "cpu", 0.3 if quick else 1.0))
+    finally:
+        torch.set_num_threads(threads)
+    rest = measured - (seconds - pointwise)
+    out = _round(min(1.0, max(0.01, pointwise / rest))) if rest > 0 else 1.0
+    _say(
+        f"reference model forward and backward: {measured * 1e3:.1f} ms, predicted {seconds * 1e3:.1f} ms "
+        f"({pointwise * 1e3:.1f} memory-bound): memory-bound ops at {out:.2f} of the copy bandwidth"
+    )
     return out
 
 

@@ -278,7 +278,7 @@ def metrics(results: list[Result], busy: bool = False) -> dict:
 
 def write_profile(base: str, path: Path) -> None:
     """A profile extending ``base`` with this host's costs ``autoshard calibrate`` measures in
-    seconds (``cores``, ``op_overhead_us``, ``attention_backward``), without the minutes its
+    seconds (``cores``, ``op_overhead_us``), without the minutes its
     collectives take: for a base profile measured on a machine of this kind."""
     from autoshard.calibrate import measure_host
 

@@ -18,6 +18,10 @@ Fields (all per GPU; GB = 1e9 bytes):
                               on long sequences (shorter ones are slower, see cost_models.compute)
 ``attention_backward`` float  optional (default 2.5): backward / forward time of the attention
                               kernel (flash attention reruns QK^T: 2.5x the forward's FLOPs)
+``pointwise_efficiency`` float optional (default 1): share of ``hbm_gbps`` the memory-bound ops
+                              (norms, activations, elementwise, the loss's softmax) reach; a CPU
+                              core's bf16 and transcendental arithmetic keeps them well below its
+                              copy bandwidth (``autoshard calibrate`` fits it on a reference model)
 ``attention_half_length`` float optional (default 180): key length at which the attention kernel
                               runs at half its long-sequence speed (``cost_models.compute``)
 ``attention_backward_half_length`` float optional (default: attention_half_length): the same for
@@ -45,10 +49,12 @@ Fields (all per GPU; GB = 1e9 bytes):
                               moments (28 B), then rounds the master into the bf16 weight (6 B).
                               ``autoshard calibrate`` measures it (a CPU's per-tensor AdamW moves
                               more, and pays host time per tensor)
-``cores``            int      optional (default 0): compute cores one host shares among all of its
-                              ranks (CPU runs, one thread per rank); when more ranks than cores run
-                              on a host, each rank's compute, memory bandwidth and op overhead scale
-                              by ranks / cores. 0: every rank has a device of its own (GPUs)
+``cores``            float    optional (default 0): how many one-thread ranks' worth of work one
+                              host does at once (CPU runs, one thread per rank; ``autoshard
+                              calibrate`` measures it, less than the CPU count where virtual CPUs
+                              share a core or the memory bus); when more ranks than that run on a
+                              host, each rank's compute, memory bandwidth and op overhead scale by
+                              ranks / cores. 0: every rank has a device of its own (GPUs)
 ``memory_headroom``  float    optional (default 0): a further share of HBM a plan leaves free, for
                               what no tracker sees (the caching allocator's fragmentation grows
                               with the memory in use; CUDA-graph pools); ``compile --memory-headroom``
@@ -101,6 +107,7 @@ _OPTIONAL = {
     "matmul_efficiency_fp8": (float, None),
     "attention_efficiency": (float, 0.5),
     "attention_backward": (float, 2.5),
+    "pointwise_efficiency": (float, 1.0),
     "attention_half_length": (float, 180.0),
     "attention_backward_half_length": (float, None),
     "link_efficiency": (float, 0.8),
@@ -113,7 +120,7 @@ _OPTIONAL = {
     "collectives": (dict, None),
     "overlap": (dict, None),
     "op_overhead_us": (float, 0.0),
-    "cores": (int, 0),
+    "cores": (float, 0.0),
     "optimizer_bytes_per_param": (float, 38.0),
 }
 
@@ -130,7 +137,13 @@ _MAY_BE_ZERO = (
     "attention_backward_half_length",
 )
 # fields that are a share of a peak (no kernel or link beats its peak)
-_SHARES = ("matmul_efficiency", "matmul_efficiency_fp8", "attention_efficiency", "link_efficiency")
+_SHARES = (
+    "matmul_efficiency",
+    "matmul_efficiency_fp8",
+    "attention_efficiency",
+    "link_efficiency",
+    "pointwise_efficiency",
+)
 
 
 @dataclass(frozen=True)
@@ -147,6 +160,7 @@ class Hardware:
     matmul_efficiency_fp8: float | None = None
     attention_efficiency: float = 0.5
     attention_backward: float = 2.5
+    pointwise_efficiency: float = 1.0
     attention_half_length: float = 180.0
     attention_backward_half_length: float | None = None
     link_efficiency: float = 0.8
@@ -159,7 +173,7 @@ class Hardware:
     collectives: dict[str, dict[str, float]] | None = None
     overlap: dict[str, float] | None = None
     op_overhead_us: float = 0.0
-    cores: int = 0
+    cores: float = 0.0
     optimizer_bytes_per_param: float = 38.0
     source: str = ""
 

@@ -13,7 +13,8 @@ Modelling choices (each can be checked against the formula it names):
   forward's QK^T, so it costs 2.5x the forward (``compute.attention_time``; the profile's
   ``attention_backward`` and ``attention_backward_half_length``, where a machine's kernel differs:
   CPU attention's backward is slower, most of all on short sequences).
-- Everything else is memory-bound: bytes moved / HBM bandwidth; backward moves about twice as much.
+- Everything else is memory-bound: bytes moved / HBM bandwidth (at the profile's
+  ``pointwise_efficiency``); backward moves about twice as much.
 - Per-op host time (the profile's ``op_overhead_us``, 0 on GPUs, where launches run ahead of the
   device): each traced op of a layer costs it once forward and twice backward
   (``LayerCosts.op_overhead``).
@@ -281,7 +282,7 @@ class LayerCosts:
         attn = attention_time(self._attention_flops(blk, mbs, tp, cp), s / cp, hw)
         pw_tp = blk.eval("bytes_pointwise_tp", mbs, sl)
         pw_rep = blk.eval("bytes_pointwise", mbs, sl) - pw_tp
-        pointwise = (pw_tp / tp + pw_rep / (tp if sp else 1)) / (hw.hbm_gbps * 1e9)
+        pointwise = (pw_tp / tp + pw_rep / (tp if sp else 1)) / (hw.hbm_gbps * 1e9 * hw.pointwise_efficiency)
         return attn, pointwise, blk.eval("flops", mbs, sl), 3 * (blk.eval("flops", mbs, s) / (tp * cp))
 
     def _attention_backward(self, block: int, mbs: int, tp: int, cp: int) -> float:

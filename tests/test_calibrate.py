@@ -25,6 +25,7 @@ def test_a_quick_calibration_writes_a_sane_profile(profile, capsys):
     assert hw.peak_flops("bf16") > 0 and hw.peak_flops("fp32") > 0 and hw.hbm_gbps > 0
     assert hw.op_overhead_us > 0 and hw.attention_backward > 0 and hw.cores >= 1
     assert hw.optimizer_bytes_per_param > 0 and hw.attention_half_length >= 0
+    assert 0 < hw.pointwise_efficiency <= 1 and hw.cores >= 1
     for share in (hw.matmul_efficiency, hw.attention_efficiency):
         assert 0 < share <= 1
     assert set(hw.collectives) == set(hardware.COLLECTIVES)
@@ -57,6 +58,7 @@ def test_extends_writes_only_measured_fields(tmp_path, monkeypatch):
     attention |= {"attention_backward": 3.0, "attention_backward_half_length": 900.0}
     monkeypatch.setattr(calibrate, "measure_attention", lambda device, peak, quick: attention)
     monkeypatch.setattr(calibrate, "measure_optimizer", lambda device, quick, bandwidth: 70.0)
+    monkeypatch.setattr(calibrate, "measure_pointwise", lambda fields, parent, quick: 0.5)
     points = [_point(kind, 2, 1e6, 1e-3) | {"backend": "gloo"} for kind in hardware.COLLECTIVES]
     monkeypatch.setattr(calibrate, "measure_distributed", lambda r, d, q: (points, {"cp": 0.5, "pp": 0.25}))
     out = tmp_path / "mine.toml"
@@ -70,6 +72,7 @@ def test_extends_writes_only_measured_fields(tmp_path, monkeypatch):
     assert hw.op_overhead_us == 7.0 and hw.cores == 3
     assert hw.attention_half_length == 100.0 and hw.attention_backward_half_length == 900.0
     assert hw.attention_backward == 3.0 and hw.optimizer_bytes_per_param == 70.0
+    assert hw.pointwise_efficiency == 0.5
 
 
 def _point(kind, ranks, volume, seconds, steps=1):
@@ -111,3 +114,17 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys):
     with pytest.raises(AutoshardError, match="overlap.cp"):
         calibrate._write(tmp_path / "x.toml", {"name": "x", "extends": "cpu", "overlap": {"cp": 2.0}}, [])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_reference_model_is_what_the_cost_model_prices():
+    """The reference model captures and prices (GEMMs, attention, memory-bound ops), and
+    halving the memory-bound share of the bandwidth doubles only that part."""
+    from dataclasses import replace
+
+    from autoshard.calibrate_reference import predicted_step
+
+    cpu = hardware.load("cpu")
+    seconds, pointwise = predicted_step(cpu)
+    assert 0 < pointwise < seconds
+    slower, pointwise2 = predicted_step(replace(cpu, pointwise_efficiency=0.5))
+    assert pointwise2 == pytest.approx(2 * pointwise) and slower == pytest.approx(seconds + pointwise)

@@ -71,3 +71,10 @@ def test_the_backward_half_length_is_the_profiles(analysed):
     slow = LayerCosts(analysed, SEQ, own, False)
     flat = attn * SEQ / (SEQ + CPU.attention_half_length)  # the forward at its long-length rate
     assert slow._attention_backward(0, 1, 1, 1) == pytest.approx(CPU.attention_backward * flat * (SEQ + 1000) / SEQ)
+
+
+def test_memory_bound_ops_run_at_the_profiles_share_of_the_bandwidth(analysed):
+    full = LayerCosts(analysed, SEQ, CPU, False)
+    half = LayerCosts(analysed, SEQ, replace(CPU, pointwise_efficiency=0.5), False)
+    assert half._rest(0, 1, 1, 1)[1] == pytest.approx(2 * full._rest(0, 1, 1, 1)[1])
+    assert half._rest(0, 1, 1, 1)[0] == full._rest(0, 1, 1, 1)[0]  # attention is not memory-bound here
