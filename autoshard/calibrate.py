@@ -22,12 +22,13 @@ What is measured, one progress line each, and which profile field it becomes:
 - The memory-bound ops (CPUs): a reference decoder's forward and backward
   (``calibrate_reference``) against the cost model's prediction from the fields above; what it
   lacks goes to its memory-bound ops -> ``pointwise_efficiency``.
-- Attention: torch SDPA, causal, forward and backward at a short and a long key length, each
-  direction fitted to ``cost_models.compute.attention_time``'s form (rate = best x keys / (keys
-  + half length)) -> ``attention_efficiency`` (best forward rate over the peak),
-  ``attention_half_length``, ``attention_backward`` (the backward's time over the forward's at
-  long lengths) and ``attention_backward_half_length``: a CPU's backward kernel is far slower on
-  short sequences than its forward.
+- Attention: torch SDPA, causal, forward and backward at a short length with head dimensions 32
+  and 64 and at a long length, each direction fitted to ``cost_models.compute.attention_time``'s
+  form (matmuls at a rate, the softmax's work per score, both slowed on short sequences by
+  (keys + half length) / keys) -> ``attention_efficiency``, ``attention_score_ns``,
+  ``attention_half_length`` and the backward's ``attention_backward`` (its matmuls' time over
+  the forward's), ``attention_backward_score_ns``, ``attention_backward_half_length``: a CPU's
+  kernels spend most of a short sequence's time per score, whatever the head dimension.
 - Every collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, and the
   ring send/receive of ``batch_isend_irecv`` that ring attention and the pipeline use) over each
   rank count of ``--ranks``, processes on this host (gloo on CPUs, NCCL where there is a GPU per
@@ -197,16 +198,18 @@ def measure_memory(device: str, quick: bool) -> float:
     return rate
 
 
+ATTENTION_SHAPES = ((128, 32), (128, 64))  # (keys, head dim): a small and a larger head, short
+
+
 def measure_attention(device: str, peak: float, quick: bool) -> dict:
-    """``attention_efficiency``, ``attention_half_length``, ``attention_backward`` and
-    ``attention_backward_half_length``: causal SDPA forward and backward (bf16, 16 heads x
-    sequences, head dim 64) at a short and a long key length, each direction's rate fitted to
-    ``cost_models.compute.attention_time``'s form, rate = best x keys / (keys + half length)
-    (FLOPs counted as ``cost_models.flops`` does), so that the cost model reproduces both."""
-    lengths = (128, 512 if quick else 1024)
+    """The attention fields of ``cost_models.compute.attention_time`` (efficiency, half length
+    and per-score time, forward and backward): causal SDPA (bf16, 2 sequences x 8 heads) at a
+    short length with two head dimensions, which sets the matmuls' share against the per-score
+    work, and at a long length, which sets the half length; the fit reproduces all three."""
+    shapes = (*ATTENTION_SHAPES, (512 if quick else 1024, 64))
     forward, backward = [], []
-    for s in lengths:
-        q, k, v = (torch.randn(2, 8, s, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    for s, d in shapes:
+        q, k, v = (torch.randn(2, 8, s, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         grad = torch.randn_like(q)
 
         def attend(q=q, k=k, v=v):
@@ -217,35 +220,49 @@ def measure_attention(device: str, peak: float, quick: bool) -> dict:
 
         t_f = _median_time(attend, device, 0.05 if quick else 0.2)
         t_b = max(_median_time(both, device, 0.05 if quick else 0.2) - t_f, 1e-3 * t_f)
-        flops = 2 * 2 * 8 * s * s * (64 + 64) / 2
-        forward.append(flops / t_f)
-        backward.append(flops / t_b)
-        _say(f"attention causal {s} keys: forward {forward[-1] / 1e9:.1f}, backward {backward[-1] / 1e9:.1f} GFLOP/s")
-    rate, half = _half_speed_fit(lengths, forward)
-    rate_b, half_b = _half_speed_fit(lengths, backward)
+        forward.append(t_f)
+        backward.append(t_b)
+        _say(f"attention causal {s} keys, head dim {d}: forward {t_f * 1e3:.2f} ms, backward {t_b * 1e3:.2f} ms")
+    rate, half, per_score = _attention_fit(shapes, forward)
+    rate_b, half_b, per_score_b = _attention_fit(shapes, backward)
+    eff = min(1.0, rate / peak)
     out = {
-        "attention_efficiency": _round(min(1.0, rate / peak)),
+        "attention_efficiency": _round(eff),
         "attention_half_length": _round(half),
-        "attention_backward": _round(rate / rate_b),
+        "attention_score_ns": _round(per_score * 1e9),
+        "attention_backward": _round(peak * eff / rate_b),
         "attention_backward_half_length": _round(half_b),
+        "attention_backward_score_ns": _round(per_score_b * 1e9),
     }
     _say(
-        f"attention: efficiency {out['attention_efficiency']:.2f}, half speed at {half:.0f} keys; "
-        f"backward {out['attention_backward']:.2f}x the forward's time, half speed at {half_b:.0f} keys"
+        f"attention: matmuls at {eff:.2f} of the peak, {out['attention_score_ns']:.3g} ns per score, half speed at "
+        f"{half:.0f} keys; backward matmuls {out['attention_backward']:.2f}x, {out['attention_backward_score_ns']:.3g} "
+        f"ns per score, half speed at {half_b:.0f} keys"
     )
     return out
 
 
-def _half_speed_fit(lengths: tuple[int, int], rates: list[float]) -> tuple[float, float]:
-    """(long-length rate, half length) of rate = best x keys / (keys + half) through two
-    measurements: 1 / rate is linear in 1 / keys. A rate that does not grow with length fits as
-    flat at the long length's rate."""
-    (s1, s2), (r1, r2) = lengths, rates
-    slope = (1 / r1 - 1 / r2) / (1 / s1 - 1 / s2)
-    intercept = 1 / r2 - slope / s2
-    if slope <= 0 or intercept <= 0:  # no growth, or growth no half length expresses
-        return r2, 0.0
-    return 1 / intercept, slope / intercept
+def _attention_fit(shapes, seconds: list[float]) -> tuple[float, float, float]:
+    """(matmul FLOP/s, half length, seconds per score) of t = (F / rate + S x per_score) x
+    (s + half) / s through the three measurements of ``measure_attention``: the two head
+    dimensions at one length split the time into matmuls (which grow with the head dimension)
+    and per-score work; the long length gives the half length. Where the matmuls do not show
+    (no growth with the head dimension) their rate is taken as infinite (a huge number); where
+    nothing slows short sequences the half length is 0."""
+    (s1, d1), (_, d2), (s3, d3) = shapes
+    flops = [2 * 2 * 8 * s * s * (d + d) / 2 for s, d in shapes]
+    scores = [2 * 8 * s * s / 2 for s, _ in shapes]
+    t1, t2, t3 = seconds
+    # at length s1: t = k1 (F / rate + S c), F doubling with the head dimension, S the same
+    matmul1 = max(0.0, (t2 - t1) / (flops[1] / flops[0] - 1))  # k1 F1 / rate
+    score1 = max(0.0, t1 - matmul1)  # k1 S1 c
+    at3 = matmul1 * flops[2] / flops[0] + score1 * scores[2] / scores[0]  # k1 (F3 / rate + S3 c)
+    ratio = t3 / at3  # k3 / k1 = ((s3 + h) / s3) / ((s1 + h) / s1)
+    r = s3 / s1
+    half = 0.0 if ratio >= 1 else (s3 * (1 - ratio) / (ratio * r - 1) if ratio * r > 1 else 1e6)
+    k1 = (s1 + half) / s1
+    rate = k1 * flops[0] / matmul1 if matmul1 > 0 else 1e30
+    return rate, half, score1 / (k1 * scores[0])
 
 
 def measure_host(device: str, quick: bool) -> dict:

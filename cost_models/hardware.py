@@ -26,6 +26,10 @@ Fields (all per GPU; GB = 1e9 bytes):
                               runs at half its long-sequence speed (``cost_models.compute``)
 ``attention_backward_half_length`` float optional (default: attention_half_length): the same for
                               its backward
+``attention_score_ns`` float  optional (default 0): nanoseconds of the attention kernel's softmax
+                              per score (query x key pair), beside its matmuls; a small head
+                              dimension is slower per FLOP by it
+``attention_backward_score_ns`` float optional (default 0): the same in its backward
 ``sm_count``         int      optional (default 132): streaming multiprocessors, for GEMM wave
                               quantisation (H100/H800/H200 132; DeepSeek-V3 §3.2.2 "20 of 132 SMs")
 ``link_efficiency``  float    optional (default 0.8): share of nvlink_gbps / network_gbps collectives
@@ -110,6 +114,8 @@ _OPTIONAL = {
     "pointwise_efficiency": (float, 1.0),
     "attention_half_length": (float, 180.0),
     "attention_backward_half_length": (float, None),
+    "attention_score_ns": (float, 0.0),
+    "attention_backward_score_ns": (float, 0.0),
     "link_efficiency": (float, 0.8),
     "sm_count": (int, 132),
     "nvlink_latency_us": (float, 3.0),
@@ -135,6 +141,8 @@ _MAY_BE_ZERO = (
     "cores",
     "attention_half_length",
     "attention_backward_half_length",
+    "attention_score_ns",
+    "attention_backward_score_ns",
 )
 # fields that are a share of a peak (no kernel or link beats its peak)
 _SHARES = (
@@ -163,6 +171,8 @@ class Hardware:
     pointwise_efficiency: float = 1.0
     attention_half_length: float = 180.0
     attention_backward_half_length: float | None = None
+    attention_score_ns: float = 0.0
+    attention_backward_score_ns: float = 0.0
     link_efficiency: float = 0.8
     sm_count: int = 132
     nvlink_latency_us: float = 3.0

@@ -279,16 +279,22 @@ class LayerCosts:
         blk = self.block(block)
         hw, s = self.hw, self.seq
         sl, sp = s / cp, tp > 1 and self.sp
-        attn = attention_time(self._attention_flops(blk, mbs, tp, cp), s / cp, hw)
+        attn = self._attention(block, mbs, tp, cp)
         pw_tp = blk.eval("bytes_pointwise_tp", mbs, sl)
         pw_rep = blk.eval("bytes_pointwise", mbs, sl) - pw_tp
         pointwise = (pw_tp / tp + pw_rep / (tp if sp else 1)) / (hw.hbm_gbps * 1e9 * hw.pointwise_efficiency)
         return attn, pointwise, blk.eval("flops", mbs, sl), 3 * (blk.eval("flops", mbs, s) / (tp * cp))
 
+    def _attention(self, block: int, mbs: int, tp: int, cp: int, backward: bool = False) -> float:
+        """Forward (or backward) time of ``block``'s attention core on one GPU."""
+        blk = self.block(block)
+        flops = self._attention_flops(blk, mbs, tp, cp)
+        scores = flops * blk.scores_per_attention_flop
+        return attention_time(flops, self.seq / cp, self.hw, backward=backward, scores=scores)
+
     def _attention_backward(self, block: int, mbs: int, tp: int, cp: int) -> float:
         """Backward time of ``block``'s attention core on one GPU."""
-        flops = self._attention_flops(self.block(block), mbs, tp, cp)
-        return attention_time(flops, self.seq / cp, self.hw, backward=True)
+        return self._attention(block, mbs, tp, cp, backward=True)
 
     @cache  # noqa: B019
     def compute(self, block: int, mbs: int, tp: int, cp: int, fp8: tuple, recompute: frozenset, ep: int = 1) -> tuple:
@@ -428,7 +434,7 @@ class LayerCosts:
         blk, hw, s = self.block(block), self.hw, self.seq
         sp = tp > 1 and self.sp
         kv_bytes = 2 * blk.eval("kv_elems", mbs, s / cp)
-        attn_f = attention_time(self._attention_flops(blk, mbs, tp, cp), s / cp, hw)
+        attn_f = self._attention(block, mbs, tp, cp)
         if attention == "ring":
             # forward: cp - 1 steps of the K/V block, each behind a block's attention; backward:
             # the block and its gradients (accumulated, and sent, in fp32: twice its bytes)

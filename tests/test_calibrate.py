@@ -54,7 +54,7 @@ def test_extends_writes_only_measured_fields(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "measure_gemms", lambda device, quick, dtype="bf16": {(1, 1, 1): best})
     monkeypatch.setattr(calibrate, "measure_host", lambda device, quick: {"op_overhead_us": 7.0, "cores": 3})
     monkeypatch.setattr(calibrate, "measure_memory", lambda device, quick: 2e12)
-    attention = {"attention_efficiency": 0.4, "attention_half_length": 100.0}
+    attention = {"attention_efficiency": 0.4, "attention_half_length": 100.0, "attention_score_ns": 2.0}
     attention |= {"attention_backward": 3.0, "attention_backward_half_length": 900.0}
     monkeypatch.setattr(calibrate, "measure_attention", lambda device, peak, quick: attention)
     monkeypatch.setattr(calibrate, "measure_optimizer", lambda device, quick, bandwidth: 70.0)
@@ -92,14 +92,17 @@ def test_the_fit_recovers_bandwidth_and_latency():
     assert fit["all_gather"]["latency_us"] == pytest.approx(lat_us, rel=1e-3)
 
 
-def test_the_half_speed_fit_recovers_rate_and_half_length():
-    """Rates made by ``attention_time``'s form come back as its rate and half length; rates that
-    fall with length fit as flat at the best one."""
-    best, half = 2e11, 300.0
-    lengths = (128, 1024)
-    rates = [best * s / (s + half) for s in lengths]
-    assert calibrate._half_speed_fit(lengths, rates) == pytest.approx((best, half), rel=1e-9)
-    assert calibrate._half_speed_fit(lengths, [5e10, 4e10]) == pytest.approx((4e10, 0.0))
+def test_the_attention_fit_recovers_rate_half_length_and_score_time():
+    """Times made by ``attention_time``'s form at calibrate's three shapes come back as its
+    matmul rate, half length and time per score."""
+    rate, half, per_score = 2e11, 300.0, 1e-9
+    shapes = (*calibrate.ATTENTION_SHAPES, (1024, 64))
+
+    def seconds(s, d):
+        return (2 * 2 * 8 * s * s * 2 * d / 2 / rate + 2 * 8 * s * s / 2 * per_score) * (s + half) / s
+
+    fit = calibrate._attention_fit(shapes, [seconds(s, d) for s, d in shapes])
+    assert fit == pytest.approx((rate, half, per_score), rel=1e-9)
 
 
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys):

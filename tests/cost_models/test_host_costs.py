@@ -78,3 +78,18 @@ def test_memory_bound_ops_run_at_the_profiles_share_of_the_bandwidth(analysed):
     half = LayerCosts(analysed, SEQ, replace(CPU, pointwise_efficiency=0.5), False)
     assert half._rest(0, 1, 1, 1)[1] == pytest.approx(2 * full._rest(0, 1, 1, 1)[1])
     assert half._rest(0, 1, 1, 1)[0] == full._rest(0, 1, 1, 1)[0]  # attention is not memory-bound here
+
+
+def test_the_softmax_costs_per_score_beside_the_matmuls(analysed):
+    """``attention_score_ns`` adds its time per score (1 / (2 (d + dv)) per attention FLOP) to
+    the attention's, forward and backward, at the same length factor."""
+    blk = analysed.blocks[0]
+    head = 2 * (2 * 16)  # llama3 tiny: head dim 16 for q, k and v
+    assert blk.scores_per_attention_flop == pytest.approx(1 / head)
+    base = LayerCosts(analysed, SEQ, CPU, False)
+    scored = LayerCosts(analysed, SEQ, replace(CPU, attention_score_ns=3.0, attention_backward_score_ns=5.0), False)
+    flops = base._attention_flops(blk, 1, 1, 1)
+    length = (SEQ + CPU.attention_half_length) / SEQ
+    assert scored._attention(0, 1, 1, 1) - base._attention(0, 1, 1, 1) == pytest.approx(flops / head * 3e-9 * length)
+    extra = scored._attention_backward(0, 1, 1, 1) - base._attention_backward(0, 1, 1, 1)
+    assert extra == pytest.approx(flops / head * 5e-9 * length)
