@@ -285,7 +285,7 @@ class Bounds:
             st_avg = sum(n * st for n, _, st in items) / layers
             everything = costs.states(c, w, zero)  # with gradients: the step's end, no activations
             states = sum(n * st for n, st in zip(costs.kind_counts, everything[0])) + everything[1] + everything[2]
-            profile = (items, act_avg, st_avg, costs.buffers(c, w, zero)[0], states)
+            profile = (items, act_avg, st_avg, self._buffers(c, w, zero)[0], states)
             self.memo.memory_layout[layout] = profile
         items, act_avg, st_avg, buffers, states = profile
         total = sum(1.0 / max(act_avg * i + st_avg, 1e-9) for i in in_flight)
@@ -297,6 +297,15 @@ class Bounds:
         value = max(bound, states / c.pp if lazy else 0.0) + buffers
         self.memo.memory[key] = value
         return value
+
+    def _buffers(self, c: Candidate, w: Work, zero: int) -> tuple[float, float]:
+        """``CandidateCosts.buffers``, memoised: the memory bounds of every schedule, in-flight
+        count and recompute set of a ``Work`` read the same buffers."""
+        key = (id(w), zero)
+        table = self.memo.buffers
+        if key not in table:
+            table[key] = self.costs.buffers(c, w, zero)
+        return table[key]
 
     def tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zeros: tuple, in_flight, overlap) -> float:
         """Lower bound on the slowest rank's time per micro-batch over all partitions and every
@@ -317,7 +326,7 @@ class Bounds:
             return table[key]
         per, pre_state, post_state = self.costs.states(c, w, zero, grads=False)
         per_all, pre_all, post_all = self.costs.states(c, w, zero)
-        buffers, post_buffers = self.costs.buffers(c, w, zero)
+        buffers, post_buffers = self._buffers(c, w, zero)
         layers = self.p.num_layers
         first, last = ends
         t_min = min(k.time(overlap) for k in w.kinds)
