@@ -178,6 +178,15 @@ class Bounds:
             table[key] = list(best.values())
         return table[key]
 
+    def _buffers(self, c: Candidate, w: Work, zero: int) -> tuple[float, float]:
+        """``CandidateCosts.buffers``, memoised: the memory bounds of every schedule, in-flight
+        count and recompute set of a ``Work`` read the same buffers."""
+        key = (id(w), zero)
+        table = self.memo.buffers
+        if key not in table:
+            table[key] = self.costs.buffers(c, w, zero)
+        return table[key]
+
     def family_floor(self, family: tuple) -> float:
         """A lower bound on ``quick_bound`` of every root in ``family``, whatever its pipeline
         depth and micro-batch size.
@@ -297,15 +306,6 @@ class Bounds:
         value = max(bound, states / c.pp if lazy else 0.0) + buffers
         self.memo.memory[key] = value
         return value
-
-    def _buffers(self, c: Candidate, w: Work, zero: int) -> tuple[float, float]:
-        """``CandidateCosts.buffers``, memoised: the memory bounds of every schedule, in-flight
-        count and recompute set of a ``Work`` read the same buffers."""
-        key = (id(w), zero)
-        table = self.memo.buffers
-        if key not in table:
-            table[key] = self.costs.buffers(c, w, zero)
-        return table[key]
 
     def tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zeros: tuple, in_flight, overlap) -> float:
         """Lower bound on the slowest rank's time per micro-batch over all partitions and every
