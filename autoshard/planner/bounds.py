@@ -23,6 +23,8 @@ is proved by the exhaustive-enumeration tests (``tests/planner/test_search.py``)
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 
 from autoshard.cost_models.comm import data_parallel
@@ -43,6 +45,26 @@ def _least_memory_stages(zeros: tuple[int, ...]) -> tuple[int, ...]:
 def _ends(schedule: Schedule, v: int, pp: int) -> tuple[int, int]:
     """The ranks holding the first and the last chunk (embedding and head)."""
     return schedule.chunk_rank(0, pp), schedule.chunk_rank(pp * v - 1, pp)
+
+
+def _least_height(caps: list[int], lead: list[int], layers: int) -> int:
+    """The least k with sum_r min(cap_r, max(0, k - lead_r)) >= ``layers`` (``sum(caps)`` is at
+    least ``layers``), by bisection. The ranks leading nothing (all but the embedding's and the
+    head's) count as sorted caps with prefix sums, so a step costs a lookup, not a pass over the
+    ranks: the search bounds many thousands of nodes."""
+    plain = sorted(cap for cap, d in zip(caps, lead) if d == 0)
+    sums = list(itertools.accumulate(plain, initial=0))
+    others = [(cap, d) for cap, d in zip(caps, lead) if d != 0]
+    lo, hi = 0, layers + max(lead)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        whole = bisect.bisect_left(plain, mid)  # the caps below mid count whole, the rest mid each
+        held = sums[whole] + mid * (len(plain) - whole) + sum(min(cap, max(0, mid - d)) for cap, d in others)
+        if held >= layers:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class Bounds:
@@ -301,8 +323,11 @@ class Bounds:
         # l_r x (a i_r + st) = (a i_r + st) / (act_avg i_r + st_avg) / total is monotone in i_r
         # (a ratio of linear functions), so its least over the ranks is at the fewest or the most
         # in-flight micro-batches
-        ends = (min(in_flight), max(in_flight))
-        bound = sum(n * min((a * i + st) / max(act_avg * i + st_avg, 1e-9) for i in ends) / total for n, a, st in items)
+        fewest, most = min(in_flight), max(in_flight)
+        under_fewest, under_most = max(act_avg * fewest + st_avg, 1e-9), max(act_avg * most + st_avg, 1e-9)
+        bound = sum(
+            n * min((a * fewest + st) / under_fewest, (a * most + st) / under_most) / total for n, a, st in items
+        )
         value = max(bound, states / c.pp if lazy else 0.0) + buffers
         self.memo.memory[key] = value
         return value
@@ -356,13 +381,7 @@ class Bounds:
             if sum(caps) < layers:
                 value = math.inf
             else:
-                lo, hi = 0, layers + max(lead)
-                while lo < hi:  # least k with sum_r min(cap_r, k - lead_r) >= layers
-                    mid = (lo + hi) // 2
-                    if sum(min(cap, max(0, mid - d)) for cap, d in zip(caps, lead)) >= layers:
-                        hi = mid
-                    else:
-                        lo = mid + 1
+                lo = _least_height(caps, lead, layers)
                 value = max(w.total / c.pp, lo * t_min, w.pre.time(overlap), w.post.time(overlap))
         table[key] = value
         return value
