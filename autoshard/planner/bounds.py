@@ -23,8 +23,6 @@ is proved by the exhaustive-enumeration tests (``tests/planner/test_search.py``)
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import math
 
 from autoshard.cost_models.comm import data_parallel
@@ -45,26 +43,6 @@ def _least_memory_stages(zeros: tuple[int, ...]) -> tuple[int, ...]:
 def _ends(schedule: Schedule, v: int, pp: int) -> tuple[int, int]:
     """The ranks holding the first and the last chunk (embedding and head)."""
     return schedule.chunk_rank(0, pp), schedule.chunk_rank(pp * v - 1, pp)
-
-
-def _least_height(caps: list[int], lead: list[int], layers: int) -> int:
-    """The least k with sum_r min(cap_r, max(0, k - lead_r)) >= ``layers`` (``sum(caps)`` is at
-    least ``layers``), by bisection. The ranks leading nothing (all but the embedding's and the
-    head's) count as sorted caps with prefix sums, so a step costs a lookup, not a pass over the
-    ranks: the search bounds many thousands of nodes."""
-    plain = sorted(cap for cap, d in zip(caps, lead) if d == 0)
-    sums = list(itertools.accumulate(plain, initial=0))
-    others = [(cap, d) for cap, d in zip(caps, lead) if d != 0]
-    lo, hi = 0, layers + max(lead)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        whole = bisect.bisect_left(plain, mid)  # the caps below mid count whole, the rest mid each
-        held = sums[whole] + mid * (len(plain) - whole) + sum(min(cap, max(0, mid - d)) for cap, d in others)
-        if held >= layers:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 class Bounds:
@@ -202,7 +180,7 @@ class Bounds:
 
     def _buffers(self, c: Candidate, w: Work, zero: int) -> tuple[float, float]:
         """``CandidateCosts.buffers``, memoised: the memory bounds of every schedule, in-flight
-        count and recompute set of a ``Work`` read the same buffers."""
+        count and recompute set of a ``Work`` read the same buffers (``tmax_bound`` may too)."""
         key = (id(w), zero)
         table = self.memo.buffers
         if key not in table:
@@ -351,7 +329,7 @@ class Bounds:
             return table[key]
         per, pre_state, post_state = self.costs.states(c, w, zero, grads=False)
         per_all, pre_all, post_all = self.costs.states(c, w, zero)
-        buffers, post_buffers = self._buffers(c, w, zero)
+        buffers, post_buffers = self.costs.buffers(c, w, zero)
         layers = self.p.num_layers
         first, last = ends
         t_min = min(k.time(overlap) for k in w.kinds)
@@ -381,7 +359,13 @@ class Bounds:
             if sum(caps) < layers:
                 value = math.inf
             else:
-                lo = _least_height(caps, lead, layers)
+                lo, hi = 0, layers + max(lead)
+                while lo < hi:  # least k with sum_r min(cap_r, k - lead_r) >= layers
+                    mid = (lo + hi) // 2
+                    if sum(min(cap, max(0, mid - d)) for cap, d in zip(caps, lead)) >= layers:
+                        hi = mid
+                    else:
+                        lo = mid + 1
                 value = max(w.total / c.pp, lo * t_min, w.pre.time(overlap), w.post.time(overlap))
         table[key] = value
         return value
