@@ -57,6 +57,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import fields as dataclass_fields
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -66,10 +68,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from autoshard.calibrate_reference import measured_step, predicted_step
 from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
 from autoshard.runtime import ring_attention as ra
 from autoshard.runtime.collectives import _gather_into, _scatter_from
+from autoshard.runtime.program import _adamw, lower_parameters
 from autoshard.runtime.reduction import BucketedReduction
 
 GEMM_SHAPES = ((256, 256, 256), (512, 1024, 512), (1024, 1024, 1024), (2048, 1024, 4096), (2048, 2048, 2048))
@@ -280,8 +284,6 @@ def measure_optimizer(device: str, quick: bool, bandwidth: float) -> float:
     gradients and masters, as a plan's bf16 program steps them); their time per parameter at the
     measured memory bandwidth, so that the cost model's bytes / bandwidth reproduces it
     (per-tensor host time included)."""
-    from autoshard.runtime.program import _adamw, lower_parameters
-
     tensors, rows = (12, 512) if quick else (24, 512)  # well beyond the caches either way
     params = [torch.nn.Parameter(torch.randn(rows, 512, device=device)) for _ in range(tensors)]
     lower_parameters(params, "bf16")
@@ -360,11 +362,6 @@ def measure_pointwise(fields: dict, parent, quick: bool) -> float:
     (``calibrate_reference``) measured, and the cost model's prediction of it from the fields
     measured so far; what the prediction lacks is put on its memory-bound ops, whose achieved
     bandwidth share this is (at most 1: a prediction already slower leaves it at 1)."""
-    from dataclasses import fields as dataclass_fields
-    from dataclasses import replace
-
-    from autoshard.calibrate_reference import measured_step, predicted_step
-
     names = {f.name for f in dataclass_fields(hardware.Hardware)}
     hw = replace(parent or hardware.load("cpu"), **{k: v for k, v in fields.items() if k in names})
     hw = replace(hw, pointwise_efficiency=1.0)

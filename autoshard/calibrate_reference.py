@@ -11,9 +11,16 @@ arithmetic, transcendental functions, norms and the loss's softmax in fp32).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from autoshard.capture import capture, causal_lm_loss
+from autoshard.cost_models.analyze import analyze
+from autoshard.cost_models.layers import POST, PRE, LayerCosts
+from autoshard.runtime.program import lower_parameters
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB, LAYERS = 384, 6, 2, 1024, 2048, 2
 BATCH, SEQ = 2, 256
@@ -60,12 +67,6 @@ def predicted_step(hw) -> tuple[float, float]:
     """(seconds, memory-bound seconds): the cost model's forward and backward of the reference
     model on ``hw`` (``op_overhead_us`` included, ranks alone on the host), and the part of it
     that is memory-bound ops' bytes over the bandwidth (``pointwise_efficiency`` divides it)."""
-    from dataclasses import replace
-
-    from autoshard.capture import capture
-    from autoshard.cost_models.analyze import analyze
-    from autoshard.cost_models.layers import POST, PRE, LayerCosts
-
     with torch.device("meta"):
         model = Reference()
     cost = analyze(capture(model, (torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),), seq=SEQ))
@@ -81,9 +82,6 @@ def predicted_step(hw) -> tuple[float, float]:
 def measured_step(timer) -> float:
     """Median seconds of the reference model's forward, loss and backward as a bf16 program
     runs them on a CPU (``timer``: calibrate's median timer over a function)."""
-    from autoshard.capture import causal_lm_loss
-    from autoshard.runtime.program import lower_parameters
-
     torch.manual_seed(0)
     model = Reference()
     lower_parameters(list(model.parameters()), "bf16")
