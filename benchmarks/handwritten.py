@@ -103,7 +103,16 @@ def main():
                 schedule.step(target=tokens, losses=losses)
         # what a training loop does besides (and the emitted one does): clip the gradients by their
         # global norm, and average the loss over the data-parallel replicas for its log line
-        nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+        if args.mode == "dp":
+            nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+        else:  # the global norm: each stage's squares summed over the stages
+            square = torch.stack([p.grad.norm() ** 2 for p in params if p.grad is not None]).sum()
+            dist.all_reduce(square)
+            coef = MAX_GRAD_NORM / (float(square.sqrt()) + 1e-6)
+            if coef < 1:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
         if args.mode == "dp":
             dist.all_reduce(loss)  # (gloo has no average: the sum, then divided)
             loss /= world
