@@ -314,8 +314,8 @@ class LayerCosts:
         rerun = recompute | self.fp8_saved(recompute, fp8, tp)
         extra = blk.recompute_fn(rerun)(mbs, self.seq / cp) if recompute else 0.0
         rc = f * (extra / fwd_flops) if fwd_flops else 0.0
-        if recompute:  # the checkpoint's policy sees every op, forward and replay (host time)
-            rc += self._ops(block) * self.hw.checkpoint_op_overhead_us * 1e-6
+        if recompute and self._selective(block, recompute, rerun != recompute, tp > 1 or cp > 1 or ep > 1):
+            rc += self._ops(block) * self.hw.checkpoint_op_overhead_us * 1e-6  # the policy's host time
         attn_b = self._attention_backward(block, mbs, tp, cp)
         b = dense_b + routed[2] + attn_b + 2 * pointwise + 2 * ops + rc
         w = dense_w + routed[3]
@@ -330,6 +330,13 @@ class LayerCosts:
         if not self.hw.op_overhead_us:
             return 0.0
         return self._ops(block) * self.hw.op_overhead_us * 1e-6
+
+    def _selective(self, block: int, recompute: frozenset, fp8_kept: bool, collectives: bool) -> bool:
+        """Whether a layer recomputing ``recompute`` runs under the selective checkpoint's policy,
+        which sees every op of its forward and replay: where it keeps some of its own outputs (a
+        category it has and does not recompute, FP8 copies) or its collectives'. A layer keeping
+        nothing runs under plain checkpointing (``runtime.checkpoint.Checkpoint``)."""
+        return fp8_kept or collectives or bool(set(self.block(block).categories) - recompute)
 
     @cache  # noqa: B019
     def _ops(self, block: int) -> int:

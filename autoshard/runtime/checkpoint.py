@@ -265,6 +265,7 @@ class _Region:
         self.skipped: set[int] = set()  # the ``collective``s the recomputation skips
         self.replayed = 0  # ``collective``s the recomputation has met
         self.units_met = 0  # ``unit``s the recomputation has met
+        self.kept_any = False  # whether the policy kept any op's output
 
     def policy(self, ctx, func, *args, **kwargs):
         packet = getattr(func, "overloadpacket", func)
@@ -283,6 +284,7 @@ class _Region:
             self._note(self.normed, st)
         self._sort_saves(packet, args)
         keep = _keeps(self.kept, self.saved, func, args)
+        self.kept_any |= keep
         if packet in _GEMMS and self.calls is not None:
             self._note_kept_inputs(packet, args)
         if self.calls is not None:
@@ -758,6 +760,8 @@ class Checkpoint(nn.Module):
         self._keeps = bool(saved) or bool(self.fp8_saved)
         self._kept, self._saved = kept, saved
         self._region: _Region | None = None
+        self._first: _Region | None = None  # the region of the first forward (``_recomputes_all``)
+        self._plain = False  # a layer found to keep nothing: plain checkpointing
 
     def _context(self):
         region = _Region(self._kept, self._saved)
@@ -766,7 +770,7 @@ class Checkpoint(nn.Module):
         if self.split_backward and isinstance(region.cache, defaultdict):
             region.cache.default_factory = _EveryCall
         caching.autoshard_region = cached.autoshard_region = region
-        self._region = region
+        self._region = self._first = region
         return caching, cached
 
     def _run(self, *args):
@@ -784,9 +788,22 @@ class Checkpoint(nn.Module):
         return out
 
     def forward(self, *args):
-        if not self._keeps:  # full recomputation: plain checkpointing (no selective cache)
+        if not self._keeps or self._plain:  # full recomputation: plain checkpointing (no selective cache)
             return checkpoint(self._run, *args, use_reentrant=False)
-        return checkpoint(self._run, *args, use_reentrant=False, context_fn=self._context)
+        out = checkpoint(self._run, *args, use_reentrant=False, context_fn=self._context)
+        self._plain = self._recomputes_all(self._first)
+        return out
+
+    def _recomputes_all(self, region) -> bool:
+        """Whether the forward just run under the policy kept nothing of its own: no op output
+        (the kinds the plan keeps did not occur in the layer, as a dense layer has no experts),
+        no collective's (which the recomputation would otherwise run again), no ``unit``. Such
+        a layer runs under plain checkpointing from then on: the same recomputation, without the
+        policy's host time per op. (A split backward's two passes keep the policy's cache.)"""
+        self._first = None
+        if region is None or self.split_backward:
+            return False
+        return not (region.kept_any or region.collectives or region.units or region.kept_inputs)
 
     def extra_repr(self) -> str:
         return f"recompute={self.recompute}" + (f", fp8_saved={self.fp8_saved}" if self.fp8_saved else "")

@@ -74,6 +74,13 @@ def test_selective_checkpointing_costs_host_time_per_op(analysed):
         ops * 20e-6
     )
     assert costed.compute(0, 1, 1, 1, (), frozenset()) == plain.compute(0, 1, 1, 1, (), frozenset())
+    # recomputing every category it has, a layer keeps nothing: plain checkpointing, unless TP
+    # collectives run inside it (the policy keeps their outputs)
+    full = frozenset(analysed.blocks[0].categories)
+    assert costed.compute(0, 1, 1, 1, (), full)[3] == plain.compute(0, 1, 1, 1, (), full)[3]
+    assert costed.compute(0, 1, 2, 1, (), full)[3] - plain.compute(0, 1, 2, 1, (), full)[3] == pytest.approx(
+        ops * 20e-6
+    )
     floor = LayerCosts(analysed, SEQ, hw, False, floor=True)
     assert (
         floor.compute(0, 1, 1, 1, (), kinds)[3]
