@@ -224,6 +224,23 @@ def _from_weight(t: torch.Tensor) -> bool:
     return False
 
 
+def _leaves(x, out: list | None = None) -> list:
+    """The leaves of an op's arguments or outputs, as ``tree_leaves`` gives them for what ops
+    take and return (tuples, lists, dicts, return-type tuples; ``torch.Size`` a leaf), without
+    the general pytree's per-node lookups: the policy walks every op of every checkpointed layer
+    twice (forward and replay), where that host time shows."""
+    out = [] if out is None else out
+    if isinstance(x, (tuple, list)) and not isinstance(x, torch.Size):
+        for y in x:
+            _leaves(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _leaves(y, out)
+    else:
+        out.append(x)
+    return out
+
+
 def _storage(t):
     try:
         return t.untyped_storage()
@@ -276,7 +293,7 @@ class _Region:
         elif packet in _KEEP_NO_INPUT or namespace in _COLLECTIVES:
             read = []
         else:
-            read = tree_leaves((args, kwargs))
+            read = _leaves((args, kwargs))
         for t in read:
             if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None and id(st) not in self.read:
                 self._note(self.read, st)
@@ -304,11 +321,12 @@ class _Region:
     def _record(self, func, packet, collective: bool, inputs, out) -> None:
         idx = self._counts[func]
         self._counts[func] += 1
-        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in _leaves(inputs) if isinstance(t, torch.Tensor)]
         reads = [m for t in tensors if (m := self._maker(t)) is not None]
         read_ids = {id(_storage(t)) for t in tensors}
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        fresh = bool(outs) and len(outs) == len(tree_leaves(out))
+        leaves = _leaves(out)
+        outs = [t for t in leaves if isinstance(t, torch.Tensor)]
+        fresh = bool(outs) and len(outs) == len(leaves)
         call = len(self.calls)
         for i, t in enumerate(outs):
             st = _storage(t)
