@@ -77,6 +77,7 @@ from autoshard.errors import AutoshardError
 from autoshard.runtime import ring_attention as ra
 from autoshard.runtime.checkpoint import Checkpoint
 from autoshard.runtime.collectives import _gather_into, _scatter_from
+from autoshard.runtime.host import keep_freed_memory
 from autoshard.runtime.program import _adamw, lower_parameters
 from autoshard.runtime.reduction import BucketedReduction
 
@@ -355,6 +356,7 @@ def _spin(tmp: str, processes: int, seconds: float) -> None:
     """One process of ``_spinning``: ready, wait for the others, then print the steps per CPU
     second it completes over (about) ``seconds`` of wall time."""
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the program's ranks allocate
     step = training_step()[0]
     step()
     Path(tmp, f"ready-{os.getpid()}").touch()
