@@ -106,6 +106,8 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
     # so the rates are one core's, and ``cores`` says how many ranks run at those rates at once
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if device == "cpu" else threads)
+    if device == "cpu":
+        keep_freed_memory()  # the program's ranks allocate so (``runtime.host``): measure as they run
     try:
         gemm = {dtype: measure_gemms(device, quick, dtype) for dtype in _dtypes(device)}
         peaks = {dtype: max(rates.values()) for dtype, rates in gemm.items()}
