@@ -285,6 +285,7 @@ def measure_host(device: str, quick: bool, ranks: tuple[int, ...] = ()) -> dict:
     ``oversubscribed_cores``)."""
     out = {"op_overhead_us": _round(measure_op_overhead(device, quick))}
     out["checkpoint_op_overhead_us"] = _round(measure_checkpoint_overhead(device, quick))
+    out["fsdp_unit_overhead_us"] = _round(measure_fsdp_overhead(device, quick))
     if device == "cpu":
         out |= measure_cores(quick, ranks)
     return out
@@ -451,6 +452,49 @@ def measure_checkpoint_overhead(device: str, quick: bool, ops: int = 200) -> flo
     us = max(0.0, extra / (ops + 1) * 1e6)
     _say(f"selective checkpointing's host time per op: {us:.1f} us")
     return us
+
+
+def measure_fsdp_overhead(device: str, quick: bool, units: int = 8) -> float:
+    """Microseconds FSDP2 adds per unit per forward and backward beyond its collectives: a
+    chain of small linear layers, each its own ``fully_shard`` unit resharded after the forward
+    (ZeRO-3, as ``runtime.program`` wraps a layer), in a process group of one rank (whose
+    collectives are copies), against the chain alone."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "fsdp.json"
+        mp.spawn(_fsdp_main, args=(_free_port(), str(result), device, quick, units), nprocs=1, join=True)
+        us = json.loads(result.read_text())["us"]
+    _say(f"FSDP2's host time per unit, forward and backward: {us:.0f} us")
+    return us
+
+
+def _fsdp_main(rank: int, port: int, result: str, device: str, quick: bool, units: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # lazy: only this process
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1 if device == "cpu" else torch.get_num_threads())
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        dev = "cuda:0" if device == "cuda" else "cpu"
+        x = torch.randn(16, 64, device=dev)
+
+        def chain():
+            return torch.nn.Sequential(*(torch.nn.Linear(64, 64, device=dev) for _ in range(units)))
+
+        def timed(model):
+            def step():
+                model(x).float().sum().backward()
+
+            return _median_time(step, device, 0.2 if quick else 1.0, reps=5)
+
+        plain, sharded = chain(), chain()
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in sharded:
+            fully_shard(layer, reshard_after_forward=True, mp_policy=mp_policy)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            extra = timed(sharded) - timed(plain)
+        Path(result).write_text(json.dumps({"us": max(0.0, extra / units * 1e6)}))
+    finally:
+        dist.destroy_process_group()
 
 
 def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tuple[list[dict], dict]:

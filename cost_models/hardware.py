@@ -57,6 +57,9 @@ Fields (all per GPU; GB = 1e9 bytes):
                               selective recomputation beyond the FLOPs it recomputes (the
                               checkpoint policy sees every op of the forward and of its replay);
                               0 on GPUs, where launches run ahead of the kernels
+``fsdp_unit_overhead_us`` float optional (default 0): host time FSDP2 spends per unit (a layer)
+                              per micro-batch at ZeRO-2/3 beyond its collectives (hooks, copies
+                              in and out); 0 on GPUs, where the host runs ahead of the kernels
 ``cores``            float    optional (default 0): how many one-thread ranks' worth of work one
                               host does at once (CPU runs, one thread per rank; ``autoshard
                               calibrate`` measures it, less than the CPU count where virtual CPUs
@@ -135,6 +138,7 @@ _OPTIONAL = {
     "overlap": (dict, None),
     "op_overhead_us": (float, 0.0),
     "checkpoint_op_overhead_us": (float, 0.0),
+    "fsdp_unit_overhead_us": (float, 0.0),
     "cores": (float, 0.0),
     "oversubscribed_cores": (float, 0.0),
     "optimizer_bytes_per_param": (float, 38.0),
@@ -149,6 +153,7 @@ _MAY_BE_ZERO = (
     "memory_headroom",
     "op_overhead_us",
     "checkpoint_op_overhead_us",
+    "fsdp_unit_overhead_us",
     "cores",
     "oversubscribed_cores",
     "attention_half_length",
@@ -196,6 +201,7 @@ class Hardware:
     overlap: dict[str, float] | None = None
     op_overhead_us: float = 0.0
     checkpoint_op_overhead_us: float = 0.0
+    fsdp_unit_overhead_us: float = 0.0
     cores: float = 0.0
     oversubscribed_cores: float = 0.0
     optimizer_bytes_per_param: float = 38.0
@@ -283,6 +289,7 @@ class Hardware:
             hbm_gbps=self.hbm_gbps / share,
             op_overhead_us=self.op_overhead_us * share,
             checkpoint_op_overhead_us=self.checkpoint_op_overhead_us * share,
+            fsdp_unit_overhead_us=self.fsdp_unit_overhead_us * share,
             attention_score_ns=self.attention_score_ns * share,
             attention_backward_score_ns=self.attention_backward_score_ns * share,
         )
