@@ -117,9 +117,10 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
         host["optimizer_bytes_per_param"] = measure_optimizer(device, quick, mem)
     finally:
         torch.set_num_threads(threads)
-    points, overlap = measure_distributed(ranks, device, quick)
+    points, overlap, wait = measure_distributed(ranks, device, quick)
     fields = {"name": path.stem} | ({"extends": extends} if extends else {})
     fields |= _fields(device, peaks, mem, attn, fit_collectives(points), overlap, parent, ranks) | host
+    fields["blocking_wait_us"] = _round(wait)
     if device == "cpu":
         fields["pointwise_efficiency"] = measure_pointwise(fields, parent, quick)
     elapsed = time.perf_counter() - start
@@ -497,9 +498,10 @@ def _fsdp_main(rank: int, port: int, result: str, device: str, quick: bool, unit
         dist.destroy_process_group()
 
 
-def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tuple[list[dict], dict]:
+def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tuple[list[dict], dict, float]:
     """Per world size in ``ranks``, processes spawned on this host time every collective (and, in
-    the smallest world, the overlap of the asynchronous kinds): (timing points, overlap shares)."""
+    the smallest world, the overlap of the asynchronous kinds, in the largest the wait of a
+    blocking one between computations): (timing points, overlap shares, microseconds)."""
     points: list[dict] = []
     overlap: dict = {}
     for n in ranks:
@@ -519,7 +521,9 @@ def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tup
             data = json.loads(result.read_text())
         points += data["points"]
         overlap |= data["overlap"]
-    return points, overlap
+        wait = data["wait_us"]  # the largest world's: where the ranks outnumber the CPUs, if anywhere
+    _say(f"a blocking collective between computations waits {wait:.0f} us more with {ranks[-1]} ranks")
+    return points, overlap, wait
 
 
 def _free_port() -> int:
@@ -664,9 +668,10 @@ def _rank_main(rank: int, n: int, port: int, result: str, device: str, quick: bo
         points = [p for kind in hardware.COLLECTIVES for p in _time_collective(kind, n, dev, quick)]
         overlap = {"cp": _overlap_cp(dev, quick), "pp": _overlap_pp(dev, quick), "dp": _overlap_dp(dev, quick)}
         overlap = overlap if overlaps else {}
+        wait = _blocking_wait(dev, quick)
         if rank == 0:
             tmp = Path(result).with_suffix(".part")
-            tmp.write_text(json.dumps({"points": points, "overlap": overlap}))
+            tmp.write_text(json.dumps({"points": points, "overlap": overlap, "wait_us": wait}))
             tmp.replace(result)  # whole or absent: the parent reads it even if a rank fails at exit
         dist.barrier()
     finally:
@@ -779,6 +784,33 @@ def _overlap_cp(dev: str, quick: bool) -> float:
         home()
 
     return _hidden_share(compute, transfer, both, 3 if quick else 5, dev, "cp")
+
+
+def _blocking_wait(dev: str, quick: bool, reps: int = 40) -> float:
+    """Microseconds a blocking collective costs beyond its own time when the ranks compute
+    between collectives, as tensor-parallel layers do: a small all-reduce after a few
+    milliseconds of GEMMs, against the GEMMs alone and the all-reduce alone (every rank at once
+    in each). Where ranks outnumber the cores, the partner a rank waits for may not be running:
+    the scheduler has to give it a core first."""
+    a = torch.randn(256, 256, device=dev)
+    msg = torch.randn(2**14, device=dev)
+
+    def compute():
+        for _ in range(8):
+            a @ a
+
+    def reduce():
+        dist.all_reduce(msg)
+
+    def both():
+        compute()
+        reduce()
+
+    def loop(fn):
+        return lambda: [fn() for _ in range(reps // 4 if quick else reps)]
+
+    t_c, t_r, t_b = (_rank_times(loop(fn), 3, dev) for fn in (compute, reduce, both))
+    return max(0.0, (t_b - t_c - t_r) / (reps // 4 if quick else reps) * 1e6)
 
 
 def _overlap_pp(dev: str, quick: bool) -> float:
