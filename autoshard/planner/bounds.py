@@ -6,6 +6,9 @@ where it is not:
 - before the axis order is fixed, every axis is priced at the fastest placement any order can
   give it (its ranks consecutive);
 - until the recompute set is chosen: nothing recomputed for time, everything for memory;
+  once it is, that set is the cheapest any pipeline rank uses (``evaluate.stage_choices``: each
+  rank may recompute more), so it bounds time, the least memory of the sets a rank may take
+  bounds memory, and the most recomputation hides the most data-parallel traffic;
 - until the schedule is chosen: the cheapest over the schedules of each one's fill/drain and EP
   exposure (only a schedule that overlaps it hides the all-to-all); once the recompute set is
   known, only over the schedules it runs with and fits under, before, for memory, the fewest
@@ -30,6 +33,7 @@ from autoshard.cost_models.layers import POST
 from autoshard.ir.schedules import SCHEDULES, Schedule
 from autoshard.planner.candidates import Candidate, runnable
 from autoshard.planner.costs import CandidateCosts, Work
+from autoshard.planner.evaluate import stage_choices
 
 
 def _least_memory_stages(zeros: tuple[int, ...]) -> tuple[int, ...]:
@@ -63,15 +67,31 @@ class Bounds:
             return self._schedule_open(c, level, m, where_key, where, zeros)
         sched = SCHEDULES[c.schedule]
         w = costs.work(c, where_key, where, sched.overlaps_ep)
-        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros)
+        sets = stage_choices(costs, c, c.schedule, c.zero if level >= 4 else None)
+        most = self._most_recompute(c, sets, where_key, where, sched.overlaps_ep)
+        dp = min(self.dp_bound(c, z, most, where_key, where, m) for z in zeros)
         m_flight = costs.in_flight(sched, c.v, c.pp, m)
         bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
-        if self.memory_bound(c, zeros, w, m_flight, lazy=c.v > 1) > self.p.hw.usable_bytes:
+        kept = tuple(sets) if len(sets) > 1 else None
+        if self.memory_bound(c, zeros, w, m_flight, kept, lazy=c.v > 1) > self.p.hw.usable_bytes:
             return math.inf
-        t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep)
+        acts = self._least_acts(c, sets) if kept else None
+        t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep, acts)
         if t_max == math.inf:
             return math.inf
         return m * t_max + bubble + dp
+
+    def _most_recompute(self, c: Candidate, sets: list, where_key, where, overlap: bool) -> Work:
+        """The ``Work`` of the union of ``sets``: the longest backward any rank's choice among
+        them gives (the most data-parallel traffic hidden behind it); ``c``'s own with one set."""
+        rc = frozenset().union(*sets)
+        return self.costs.work(c, where_key, where, overlap, None if rc == c.recompute else rc)
+
+    def _least_acts(self, c: Candidate, sets: list) -> tuple[float, float, float]:
+        """(the least bytes any layer kind keeps, the embedding's, the head's) under any of ``sets``."""
+        layers, blocks = self.costs.layers, self.costs.blocks
+        least = [min(layers.activation(b, c.mbs, c.tp, c.cp, rc, c.fp8) for rc in sets) for b in blocks]
+        return min(least[:-2]), least[-2], least[-1]
 
     def _schedule_open(self, c: Candidate, level: int, m: int, where_key, where, zeros: tuple) -> float:
         """``bound`` above the schedule: the cheapest fill/drain over the schedules, the average
@@ -84,7 +104,8 @@ class Bounds:
             return math.inf
         # memory first: it needs only the activations, not the layers' times
         w0 = costs.work(c, where_key, where, True, frozenset())
-        rc = c.recompute if level >= 2 else costs.all_categories
+        sets = stage_choices(costs, c) if level >= 2 else [costs.all_categories]
+        rc = (tuple(sets) if len(sets) > 1 else sets[0]) if level >= 2 else costs.all_categories
         if self.memory_bound(c, zeros, w0, least, rc) > usable:
             return math.inf
         # Overlapping EP traffic (as DualPipeV does) only ever lowers a layer's time, so the
@@ -95,6 +116,9 @@ class Bounds:
             works[False] = costs.work(c, where_key, where, False, None if level >= 2 else frozenset())
         else:
             works[False] = works[True]
+        hiding = list(works.values())
+        if level >= 2 and len(sets) > 1:  # a rank recomputing more hides more data-parallel traffic
+            hiding = [self._most_recompute(c, sets, where_key, where, overlap) for overlap in works]
         if level == 2:
             layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, c.recompute, zeros, m)
             fitting = self.memo.fitting_shapes.get(layout)
@@ -108,7 +132,7 @@ class Bounds:
             shapes = fitting
             if not shapes:
                 return math.inf
-        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros for w in works.values())
+        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros for w in hiding)
         key = (tuple(id(w) for w in works.values()), c.pp, m, level == 2)
         best = self.memo.open_schedule.get(key)
         if best is None:
@@ -133,7 +157,9 @@ class Bounds:
             flight, lazy = costs.in_flight(SCHEDULES[c.schedule], c.v, c.pp, m), c.v > 1
         else:
             flight, lazy = costs.schedule_shapes(c.pp, m)[1], True
-        return self.memory_bound(c, zeros, w0, flight, c.recompute, lazy) <= self.p.hw.usable_bytes
+        sets = stage_choices(costs, c, c.schedule if level == 3 else None)
+        rc = tuple(sets) if len(sets) > 1 else c.recompute
+        return self.memory_bound(c, zeros, w0, flight, rc, lazy) <= self.p.hw.usable_bytes
 
     def quick_bound(self, c: Candidate) -> float:
         """A cheap root bound: compute and TP/CP/EP traffic at their best placements (EP hidden as
@@ -238,12 +264,13 @@ class Bounds:
         zeros: tuple[int, ...],
         w: Work,
         in_flight: tuple,
-        recompute: frozenset | None = None,
+        recompute: frozenset | tuple | None = None,
         lazy: bool = True,
     ) -> float:
         """A lower bound on the busiest rank's memory over every stage partition and every ZeRO
         stage in ``zeros``, with ``w``'s activations or, given ``recompute``, the activations that
-        recompute set keeps (model states and buffers do not depend on it). ``lazy``: the
+        recompute set keeps (a tuple of sets: per block the least any of them keeps, as ranks may
+        choose among them); model states and buffers do not depend on it. ``lazy``: the
         schedule may run several chunks per rank, so a chunk's gradients may not exist yet at
         the rank's activation peak (``Schedule.occupancy``); the bound is then the larger of the
         activations at the peak beside the states without gradients, and all states with none."""
@@ -272,7 +299,10 @@ class Bounds:
             if recompute is None:
                 acts = [k.activation_bytes for k in w.kinds] + [w.pre.activation_bytes, w.post.activation_bytes]
             else:
-                acts = [costs.layers.activation(b, c.mbs, c.tp, c.cp, recompute, c.fp8) for b in costs.blocks]
+                sets = recompute if isinstance(recompute, tuple) else (recompute,)
+                acts = [
+                    min(costs.layers.activation(b, c.mbs, c.tp, c.cp, rc, c.fp8) for rc in sets) for b in costs.blocks
+                ]
             items = [(n, a, st) for n, a, st in zip(costs.kind_counts, acts, per)]
             items += [(1, acts[-2], pre), (1, acts[-1], post)]
             layers = sum(n for n, _, _ in items)
@@ -293,20 +323,23 @@ class Bounds:
         self.memo.memory[key] = value
         return value
 
-    def tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zeros: tuple, in_flight, overlap) -> float:
+    def tmax_bound(
+        self, c: Candidate, w: Work, ends: tuple[int, int], zeros: tuple, in_flight, overlap, acts=None
+    ) -> float:
         """Lower bound on the slowest rank's time per micro-batch over all partitions and every
         ZeRO stage in ``zeros``, with whole layers and each rank's memory limit (inf when no split
-        fits), the embedding on rank ``ends[0]`` and the head on ``ends[1]``."""
-        return min(self._tmax_bound(c, w, ends, z, in_flight, overlap) for z in _least_memory_stages(zeros))
+        fits), the embedding on rank ``ends[0]`` and the head on ``ends[1]``. ``acts``: (least
+        bytes a layer keeps, the embedding's, the head's) where ranks may keep less than ``w``."""
+        return min(self._tmax_bound(c, w, ends, z, in_flight, overlap, acts) for z in _least_memory_stages(zeros))
 
-    def _tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap) -> float:
+    def _tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap, acts) -> float:
         """``tmax_bound`` at one ZeRO stage. Every layer is given the smallest time and memory of
         any layer kind, and the embedding/head time is rounded down to whole layers, which can
         only lower the bound. ``in_flight`` is a memoised tuple (its identity keys the memo). A
         rank's gradients may not exist yet at its activation peak (``memory_bound``), so its
         layers are capped both by their activations beside the states without gradients and by
         all their states alone."""
-        key = (id(w), zero, ends, id(in_flight), overlap)
+        key = (id(w), zero, ends, id(in_flight), overlap, acts)
         table = self.memo.tmax
         if key in table:
             return table[key]
@@ -316,18 +349,22 @@ class Bounds:
         layers = self.p.num_layers
         first, last = ends
         t_min = min(k.time(overlap) for k in w.kinds)
-        a_min = min(k.activation_bytes for k in w.kinds)
+        a_min, pre_act, post_act = acts or (
+            min(k.activation_bytes for k in w.kinds),
+            w.pre.activation_bytes,
+            w.post.activation_bytes,
+        )
         s_min, s_all = min(per), min(per_all)
         caps, lead = [], []
         value = None
         for r in range(c.pp):
             fixed, everything, t_fixed = buffers, buffers, 0.0
             if r == first:
-                fixed += w.pre.activation_bytes * in_flight[r] + pre_state
+                fixed += pre_act * in_flight[r] + pre_state
                 everything += pre_all
                 t_fixed += w.pre.time(overlap)
             if r == last:
-                fixed += w.post.activation_bytes * in_flight[r] + post_state + post_buffers
+                fixed += post_act * in_flight[r] + post_state + post_buffers
                 everything += post_all + post_buffers
                 t_fixed += w.post.time(overlap)
             room, room_all = self.p.hw.usable_bytes - fixed, self.p.hw.usable_bytes - everything

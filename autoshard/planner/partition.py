@@ -52,6 +52,13 @@ class Quantities:
     occupancy: list[tuple[Point, ...]] = field(default_factory=list)
     boundary: float = 0.0  # bytes of the output a chunk keeps per micro-batch in flight (all but the last)
     rank_buffers: list[float] = field(default_factory=list)  # per rank: bytes besides ``buffers``
+    # what each rank may use instead, one per other recompute set (``Partition.rank_option``):
+    # the same fields under that set; empty where every rank takes this one
+    options: list[Quantities] = field(default_factory=list)
+
+    def choices(self) -> list[Quantities]:
+        """Option 0 (this one) and the alternatives a rank may take instead."""
+        return [self, *self.options]
 
     def buffers_of(self, r: int, last: int) -> float:
         """Rank ``r``'s bytes besides states and activations (``last``: the rank of the head)."""
@@ -69,6 +76,7 @@ class Partition:
     dp_exposed: float  # slowest rank's exposed data-parallel time per step
     memory: list[float]  # bytes per rank
     optimal: bool
+    rank_option: list[int] = field(default_factory=list)  # per rank: its ``Quantities.choices`` index
 
 
 def _runs(kinds: list[int]) -> list[tuple[int, int, int]]:
@@ -107,6 +115,7 @@ def solve(
     else:
         split.add_even_spread()
     split.add_clamps()
+    split.add_choices()
     split.add_maxima()
     # rank by rank, each family in turn: the constraint order (and so the search) CP-SAT has always had
     for r, cs in split.ranks.items():
@@ -115,6 +124,8 @@ def solve(
         split.add_rank_exposure(r, cs)
     split.set_objective()
     found = split.solve(time_limit_s)
+    if found is not None and split.pick:
+        found = split.least_recompute(*found, time_limit_s)
     return None if found is None else split.read_partition(*found)
 
 
@@ -130,6 +141,9 @@ class _SplitModel:
         self.cp_model = cp_model
         self.model = cp_model.CpModel()
         self.kinds, self.q, self.microbatches = kinds, q, microbatches
+        self.choices = q.choices()
+        self.pick: dict[int, list] = {}  # per rank: one boolean per choice, where there are several
+        self.chosen: dict[tuple[int, str], object] = {}  # (chunk, key) -> its quantity under the rank's choice
         self.layers = len(kinds)
         self.chunks = pp * v
         self.runs = _runs(kinds)
@@ -179,31 +193,74 @@ class _SplitModel:
                 model.AddMinEquality(y, [pos, length])
                 row.append(y)
             clamps.append(row)
-        self.prefix = {}  # key -> linear expression per boundary: the scaled sum over the layers before it
-        for key in KEYS:
-            coef = [round(getattr(self.q, key)[kind] * _SCALE[key]) for kind, _, _ in self.runs]
-            self.prefix[key] = [sum(a * y for a, y in zip(coef, row)) for row in clamps]
+        # per choice: key -> linear expression per boundary, the scaled sum over the layers before it
+        self.prefixes = []
+        for q in self.choices:
+            prefix = {}
+            for key in KEYS:
+                coef = [round(getattr(q, key)[kind] * _SCALE[key]) for kind, _, _ in self.runs]
+                prefix[key] = [sum(a * y for a, y in zip(coef, row)) for row in clamps]
+            self.prefixes.append(prefix)
+        self.prefix = self.prefixes[0]
+
+    def add_choices(self) -> None:
+        """Where ranks may choose among recompute sets (``Quantities.options``): one boolean per
+        rank and choice, exactly one true, and per chunk and quantity that differs between the
+        choices an integer equal to the chosen one's (``rank_total`` reads those)."""
+        if len(self.choices) == 1:
+            return
+        # exposure as under the first choice (``_best_counts_choice`` says why): forward and
+        # backward windows do not vary
+        varying = [
+            key
+            for key in ("time", "act", "held")
+            if any(
+                [getattr(o, key), o.pre[key], o.post[key]] != [getattr(self.q, key), self.q.pre[key], self.q.post[key]]
+                for o in self.choices
+            )
+        ]
+        for r, cs in self.ranks.items():
+            bools = self.pick[r] = [self.model.NewBoolVar(f"pick{r}_{i}") for i in range(len(self.choices))]
+            self.model.AddExactlyOne(bools)
+            for c in cs:
+                for key in varying:
+                    top = max(self._most(o, key) for o in self.choices)
+                    y = self.chosen[(c, key)] = self.model.NewIntVar(0, top, f"q{c}_{key}")
+                    for i, b in enumerate(bools):
+                        expr = self.prefixes[i][key][c + 1] - self.prefixes[i][key][c] + self._extra(c, key, i)
+                        self.model.Add(y == expr).OnlyEnforceIf(b)
+
+    def _most(self, q: Quantities, key: str) -> int:
+        """An upper bound on one chunk's scaled ``key`` under ``q``: every layer, both ends."""
+        per = max(getattr(q, key)) * self.layers + q.pre[key] + q.post[key]
+        return int(per * _SCALE[key]) + 2 * len(self.runs) + 2
 
     def add_maxima(self) -> None:
         """t_max and d_max, the slowest rank's time and exposed data-parallel time, up to a safe horizon."""
-        q = self.q
-        self.horizon = (
+        self.horizon = max(
             int(sum(q.time) * US * self.layers + (q.pre["time"] + q.post["time"]) * US + q.p2p * US * self.chunks) + 1
+            for q in self.choices
         )
         self.t_max = self.model.NewIntVar(0, self.horizon, "t_max")
         self.d_max = self.model.NewIntVar(0, self.horizon * max(1, self.microbatches), "d_max")
 
     def rank_total(self, cs: list[int], key: str):
-        """Linear expression: one quantity summed over the chunks ``cs``, embedding and head included."""
-        return sum(self.prefix[key][c + 1] - self.prefix[key][c] + self._extra(c, key) for c in cs)
+        """Linear expression: one quantity summed over the chunks ``cs``, embedding and head
+        included (under each rank's chosen recompute set, where ranks choose)."""
+        return sum(
+            self.chosen[(c, key)]
+            if (c, key) in self.chosen
+            else self.prefix[key][c + 1] - self.prefix[key][c] + self._extra(c, key)
+            for c in cs
+        )
 
-    def _extra(self, c: int, key: str) -> int:
+    def _extra(self, c: int, key: str, choice: int = 0) -> int:
         """The embedding's and the head's share of a quantity on chunk c, scaled."""
-        val = 0.0
+        q, val = self.choices[choice], 0.0
         if c == 0:
-            val += self.q.pre[key]
+            val += q.pre[key]
         if c == self.chunks - 1:
-            val += self.q.post[key]
+            val += q.post[key]
         return round(val * _SCALE[key])
 
     def add_rank_time(self, r: int, cs: list[int]) -> None:
@@ -263,13 +320,26 @@ class _SplitModel:
             return None
         return solver, status == cp_model.OPTIMAL
 
+    def least_recompute(self, solver, optimal: bool, time_limit_s: float):
+        """Among the splits and choices as good as the one found, one that spends the least
+        time on the ranks in all (no rank recomputes more than the step needs); falls back to
+        the first solution should the second search find nothing in time."""
+        best = solver.Value(self.t_max) * self.microbatches + solver.Value(self.d_max)
+        self.model.Add(self.microbatches * self.t_max + self.d_max <= best)
+        for var in [*self.bound, *(b for bools in self.pick.values() for b in bools)]:
+            self.model.AddHint(var, solver.Value(var))
+        self.model.Minimize(sum(self.rank_total(cs, "time") for cs in self.ranks.values()))
+        again = self.solve(time_limit_s)
+        return (solver, optimal) if again is None else (again[0], optimal and again[1])
+
     def read_partition(self, solver, optimal: bool) -> Partition:
-        """Layers per chunk from the solved boundaries, with each rank's memory in bytes."""
-        q, chunks = self.q, self.chunks
+        """Layers per chunk from the solved boundaries and choices, with each rank's memory in bytes."""
+        chunks = self.chunks
         cuts = [solver.Value(e) for e in self.bound]
         stage_layers = [cuts[c + 1] - cuts[c] for c in range(chunks)]
+        picks = {r: next((i for i, b in enumerate(bools) if solver.Value(b)), 0) for r, bools in self.pick.items()}
         memory = [
-            rank_memory(q, r, sorted(cs), self.kinds, stage_layers, self.last_rank)
+            rank_memory(self.choices[picks.get(r, 0)], r, sorted(cs), self.kinds, stage_layers, self.last_rank)
             for r, cs in sorted(self.ranks.items())
         ]
         return Partition(
@@ -278,6 +348,7 @@ class _SplitModel:
             dp_exposed=solver.Value(self.d_max) / US,
             memory=memory,
             optimal=optimal,
+            rank_option=[picks.get(r, 0) for r in sorted(self.ranks)],
         )
 
 
@@ -383,11 +454,14 @@ def _spread_table(chunks: int, order: tuple[int, ...], most: int):
     return table
 
 
-def _per_rank_terms(layers, layout: _Layout, q: Quantities, pp, v, chunk_rank, microbatches, extras, closed):
+def _per_rank_terms(
+    layers, layout: _Layout, q: Quantities, pp, v, chunk_rank, microbatches, extras, closed, soft=False
+):
     """Per-rank functions of n (layers of ``layout.kind`` on the rank), in integer microseconds /
     bytes: the fixed time, the memory cap on n, and the exposed data-parallel time D(n).
     ``extras[r]`` adds fixed quantities to rank r (embedding, head, a prefix of other layers);
-    ranks in ``closed`` take none of these layers."""
+    ranks in ``closed`` take none of these layers. A rank whose fixed part alone does not fit
+    makes it None, or with ``soft`` gets the cap -1 (another recompute set may fit there)."""
     kind = layout.kind
     t_layer = round(q.time[kind] * US)
     ranks = []
@@ -396,7 +470,7 @@ def _per_rank_terms(layers, layout: _Layout, q: Quantities, pp, v, chunk_rank, m
         sends = v - (1 if r == layout.last else 0)
         const_t = round((fixed["time"] + q.p2p * sends) * US)
         memories = layout.memories(r, 0 if r in closed else layers, fixed["state"])
-        if memories[0] > q.capacity:
+        if memories[0] > q.capacity and not soft:
             return None
         cap = int((memories <= q.capacity).sum()) - 1  # the most layers that fit: memory only grows with n
         f_per, b_per = round(q.fwd[kind] * US), round(q.bwd[kind] * US)
@@ -428,6 +502,13 @@ def _base_extras(q: Quantities, pp: int, chunks: int, chunk_rank) -> list[dict]:
 def _solve_per_rank(layers, q: Quantities, pp, v, chunk_rank, microbatches, time_limit_s) -> Partition | None:
     """All layers alike: only how many each rank holds is chosen (``_spread`` places them)."""
     chunks = pp * v
+    if q.options:
+        built = [
+            (o, _base_extras(o, pp, chunks, chunk_rank), _Layout(o, pp, chunks, chunk_rank, 0, {}, 0))
+            for o in q.choices()
+        ]
+        found = _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, set())
+        return None if found is None else _chosen_partition(found, built, pp, chunks, chunk_rank, {}, 0)
     extras = _base_extras(q, pp, chunks, chunk_rank)
     layout = _Layout(q, pp, chunks, chunk_rank, 0, {}, 0)
     found = _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, set())
@@ -448,21 +529,32 @@ def _solve_prefix(kinds, q: Quantities, pp, v, chunk_rank, microbatches) -> Part
     head_kind, rest_kind = kinds[0], kinds[-1]
     prefix = sum(1 for k in kinds if k == head_kind)
     rest = len(kinds) - prefix
-    base = _base_extras(q, pp, chunks, chunk_rank)
     best = None
     for split in _compositions(prefix, min(chunks, prefix + 1)):
         j = len(split) - 1  # the last chunk holding prefix layers
-        extras = [dict(e) for e in base]
-        for chunk, count in enumerate(split):
-            for key in KEYS:
-                extras[chunk_rank(chunk)][key] += count * getattr(q, key)[head_kind]
         closed = {r for r in range(pp) if all(c < j for c in range(chunks) if chunk_rank(c) == r)}
-        layout = _Layout(q, pp, chunks, chunk_rank, rest_kind, {c: {head_kind: n} for c, n in enumerate(split)}, j)
+        built = []
+        for o in q.choices():
+            extras = _base_extras(o, pp, chunks, chunk_rank)
+            for chunk, count in enumerate(split):
+                for key in KEYS:
+                    extras[chunk_rank(chunk)][key] += count * getattr(o, key)[head_kind]
+            layout = _Layout(o, pp, chunks, chunk_rank, rest_kind, {c: {head_kind: n} for c, n in enumerate(split)}, j)
+            built.append((o, extras, layout))
+        if q.options:
+            found = _best_counts_choice(rest, built, pp, v, chunk_rank, microbatches, closed)
+            if found is not None and (best is None or found[0] < best[0][0]):
+                best = (found, built, split)
+            continue
+        _, extras, layout = built[0]
         found = _best_counts(rest, layout, q, pp, v, chunk_rank, microbatches, extras, closed)
         if found is not None and (best is None or found[0] < best[0]):
             best = (*found, split, extras, layout)
     if best is None:
         return None
+    if q.options:
+        found, built, split = best
+        return _chosen_partition(found, built, pp, chunks, chunk_rank, dict(enumerate(split)), len(split) - 1)
     _, t_max, d_max, counts, split, extras, layout = best
     stage_layers = _spread(counts, pp, chunks, chunk_rank, dict(enumerate(split)), first_open=len(split) - 1)
     memory = [layout.memory(r, counts[r], extras[r]["state"]) for r in range(pp)]
@@ -553,6 +645,139 @@ def _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, clo
         if best is None or value < best[0]:
             best = (value, t_max, d_max, counts)
     return best
+
+
+def _chosen_partition(found, built, pp, chunks, chunk_rank, prefix: dict, first_open: int) -> Partition:
+    """The Partition of ``_best_counts_choice``'s answer (``built``: per choice its quantities,
+    per-rank extras and layout)."""
+    _, t_max, d_max, counts, picks = found
+    stage_layers = _spread(counts, pp, chunks, chunk_rank, prefix, first_open=first_open)
+    memory = [built[picks[r]][2].memory(r, counts[r], built[picks[r]][1][r]["state"]) for r in range(pp)]
+    return Partition(
+        stage_layers=stage_layers,
+        t_max=t_max / US,
+        dp_exposed=d_max / US,
+        memory=memory,
+        optimal=True,
+        rank_option=list(picks),
+    )
+
+
+def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed):
+    """``_best_counts`` where each rank also chooses its recompute set (``built``: per choice its
+    quantities, per-rank extras and layout). Exact by the same scan: a rank's time under choice
+    s is const_rs + n * t_s, so the slowest rank's time is one of those values; under a bound T
+    each choice allows the counts 0..top_rs (memory and time), and the least exposure is found
+    by bisection over the exposure values, the counts each rank may take under a bound now a
+    union of intervals (one per choice), summed by a bitset. Returns (objective, t_max, d_max,
+    counts, choice per rank), or None."""
+    import numpy as np
+
+    terms = [
+        _per_rank_terms(layers, layout, o, pp, v, chunk_rank, microbatches, extras, closed, soft=True)
+        for o, extras, layout in built
+    ]
+    t_layer = np.array([t for t, _ in terms], dtype=np.int64)
+    const = np.array([[ranks[r]["const_t"] for _, ranks in terms] for r in range(pp)], dtype=np.int64)
+    cap = np.array([[ranks[r]["cap"] for _, ranks in terms] for r in range(pp)], dtype=np.int64)
+    if int(cap.max(axis=1).clip(min=0).sum()) < layers or (cap.max(axis=1) < 0).any():
+        return None
+    # exposure as under the first choice: recomputing more lengthens a rank's backward, which
+    # hides more data-parallel traffic, but also the fill and drain (``bubble``), which this
+    # objective leaves out; so no rank recomputes more but to fit or to shorten the slowest rank
+    exposure = np.full((pp, len(terms), layers + 1), np.inf)
+    for r in range(pp):
+        base = [_exposed(terms[0][1][r]["terms"], n) for n in range(int(cap[r].max()) + 1)]
+        for s in range(len(terms)):
+            exposure[r, s, : cap[r, s] + 1] = base[: cap[r, s] + 1]
+    times = sorted(
+        {int(const[r, s] + n * t_layer[s]) for r in range(pp) for s in range(len(terms)) for n in range(cap[r, s] + 1)}
+    )
+
+    def tops(t_max: int):
+        room = np.where(t_layer > 0, (t_max - const) // np.maximum(t_layer, 1), cap)
+        return np.where((t_max >= const) & (cap >= 0), np.minimum(cap, room), -1)
+
+    def enough(t_max: int) -> bool:
+        return int(tops(t_max).max(axis=1).clip(min=0).sum()) >= layers
+
+    if not enough(times[-1]):
+        return None
+    lo, hi = 0, len(times) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if enough(times[mid]) else (mid + 1, hi)
+    best = None
+    for t_max in times[lo:]:
+        if best is not None and microbatches * t_max >= best[0]:
+            break
+        top = tops(t_max)
+        if (top.max(axis=1) < 0).any():
+            continue
+        found = _least_exposure_choice(exposure, top, layers)
+        if found is None:
+            continue
+        d_max, counts = found
+        value = microbatches * t_max + d_max
+        if best is None or value < best[0]:
+            picks = _least_time_choice(exposure, top, const, t_layer, counts, d_max)
+            best = (value, t_max, d_max, counts, picks)
+    if best is not None:  # the exposure under the sets chosen, no more than the first's
+        value, t_max, _, counts, picks = best
+        d_max = max(_exposed(terms[s][1][r]["terms"], n) for r, (n, s) in enumerate(zip(counts, picks)))
+        best = (microbatches * t_max + d_max, t_max, d_max, counts, picks)
+    return best
+
+
+def _least_exposure_choice(exposure, top, layers: int):
+    """Smallest max_r D_r(n_r) with sum n_r = layers, where rank r may take n under choice s if
+    n <= top[r, s] (D_r(n): the least exposure of those choices), and the counts achieving it,
+    the earliest ranks taking as many as they may."""
+    import numpy as np
+
+    n = np.arange(layers + 1)
+    least = np.where(n[None, None, :] <= top[:, :, None], exposure, np.inf).min(axis=1)
+    values = np.unique(least[np.isfinite(least)])
+    full = (1 << (layers + 1)) - 1
+
+    def reach(bound: float):
+        """Per rank r, the bitset of totals ranks r.. can make under ``bound``; the allowed counts."""
+        allowed = [np.flatnonzero(row <= bound).tolist() for row in least]
+        sums = [1]
+        for counts in reversed(allowed):
+            after, now = sums[0], 0
+            for k in counts:
+                now |= after << k
+            sums.insert(0, now & full)
+        return sums, allowed
+
+    lo, hi, found = 0, len(values) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        sums, allowed = reach(values[mid])
+        if sums[0] >> layers & 1:
+            found, hi = (values[mid], sums, allowed), mid - 1
+        else:
+            lo = mid + 1
+    if found is None:
+        return None
+    bound, sums, allowed = found
+    counts, need = [], layers
+    for r, options in enumerate(allowed):
+        k = max(k for k in options if k <= need and sums[r + 1] >> (need - k) & 1)
+        counts.append(k)
+        need -= k
+    return int(bound), counts
+
+
+def _least_time_choice(exposure, top, const, t_layer, counts: list[int], d_max: int) -> list[int]:
+    """Per rank, among the choices that allow its count within the exposure ``d_max``, the one
+    taking the least time (the least recomputation); the first among equals."""
+    picks = []
+    for r, n in enumerate(counts):
+        ok = [s for s in range(top.shape[1]) if top[r, s] >= n and exposure[r, s, n] <= d_max]
+        picks.append(min(ok, key=lambda s: (int(const[r, s] + n * t_layer[s]), s)))
+    return picks
 
 
 def _least_exposure(ranks, tops: list[int], layers: int):
