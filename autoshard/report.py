@@ -7,7 +7,7 @@ from __future__ import annotations
 from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
-from autoshard.ir.schedules import schedule
+from autoshard.ir.schedules import SCHEDULES, schedule
 from autoshard.planner.explain import rationale
 
 GB = 1e9
@@ -124,8 +124,21 @@ def _memory(plan: Plan) -> list[str]:
 
 
 def _checkpointing(plan: Plan) -> list[str]:
-    rows = [[k, _kept(plan, k, v)] for k, v in sorted(plan.checkpoint.items())]
-    return _table(["saved-tensor category", "decision"], rows)
+    """The decision per saved-tensor category; per pipeline rank where the ranks differ (a rank
+    holding more micro-batches in flight recomputes more)."""
+    if not plan.stage_checkpoint:
+        rows = [[k, _kept(plan, k, v)] for k, v in sorted(plan.checkpoint.items())]
+        return _table(["saved-tensor category", "decision"], rows)
+    ranks = sorted(
+        {SCHEDULES[plan.schedule].chunk_rank(s, plan.mesh.pp): s for s in range(len(plan.stage_layers))}.items()
+    )
+    rows = [
+        [k] + [_kept(plan, k, plan.stage_checkpoint[s][k], plan.stage_recompute(s)) for _, s in ranks]
+        for k in sorted(plan.checkpoint)
+    ]
+    return [f"Per pipeline rank: {plan.rank_recompute_text()}.", ""] + _table(
+        ["saved-tensor category"] + [f"rank {r}" for r, _ in ranks], rows
+    )
 
 
 _SECTIONS = (
@@ -199,8 +212,10 @@ def _stages_text(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _kept(plan, category: str, decision: str) -> str:
-    """A category's checkpoint decision, saying where the layers keep FP8 copies instead."""
-    if decision == "save" and category in plan.precision.get("fp8_saved", ()):
+def _kept(plan, category: str, decision: str, recompute: frozenset | None = None) -> str:
+    """A category's checkpoint decision, saying where the layers keep FP8 copies instead (only
+    under a checkpoint: where ``recompute``, the stage's set, is given, a non-empty one)."""
+    under = plan.recompute if recompute is None else recompute
+    if decision == "save" and under and category in plan.precision.get("fp8_saved", ()):
         return "save as fp8 copy (only FP8 matmuls read it; its op reruns in backward)"
     return decision

@@ -266,6 +266,31 @@ class Plan:
         entry = self.stage_checkpoint[stage] if self.stage_checkpoint else self.checkpoint
         return frozenset(k for k, v in entry.items() if v == "recompute")
 
+    def rank_recompute_text(self) -> str:
+        """Which pipeline ranks recompute what, runs of alike ranks together: "rank 0 recomputes
+        attention+mlp; ranks 1-3 save everything" (one clause for all ranks without
+        ``stage_checkpoint``)."""
+        from autoshard.ir.schedules import SCHEDULES as TABLE
+
+        def what(rc: frozenset, one: bool) -> str:
+            if rc:
+                return f"recompute{'s' if one else ''} {'+'.join(sorted(rc))}"
+            return f"save{'s' if one else ''} everything"
+
+        pp = self.mesh.pp
+        if not self.stage_checkpoint:
+            return f"every rank: {what(self.recompute, False)}" if pp > 1 else what(self.recompute, False)
+        sets: dict[int, frozenset] = {}
+        for stage in range(len(self.stage_checkpoint)):
+            sets.setdefault(TABLE[self.schedule].chunk_rank(stage, pp), self.stage_recompute(stage))
+        runs, start = [], 0
+        for r in range(1, pp + 1):
+            if r == pp or sets[r] != sets[start]:
+                who = f"rank {start}" if r - start == 1 else f"ranks {start}-{r - 1}"
+                runs.append(f"{who} {what(sets[start], r - start == 1)}")
+                start = r
+        return "; ".join(runs)
+
     def layer_recompute(self, layer: int) -> frozenset[str]:
         """The categories layer ``layer`` recomputes: its stage's."""
         for stage, (start, end) in enumerate(self.stage_ranges()):

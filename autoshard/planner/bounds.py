@@ -75,7 +75,7 @@ class Bounds:
         kept = tuple(sets) if len(sets) > 1 else None
         if self.memory_bound(c, zeros, w, m_flight, kept, lazy=c.v > 1) > self.p.hw.usable_bytes:
             return math.inf
-        acts = self._least_acts(c, sets) if kept else None
+        acts = self._choice_costs(c, sets, where_key, where, sched.overlaps_ep) if kept else None
         t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep, acts)
         if t_max == math.inf:
             return math.inf
@@ -87,11 +87,15 @@ class Bounds:
         rc = frozenset().union(*sets)
         return self.costs.work(c, where_key, where, overlap, None if rc == c.recompute else rc)
 
-    def _least_acts(self, c: Candidate, sets: list) -> tuple[float, float, float]:
-        """(the least bytes any layer kind keeps, the embedding's, the head's) under any of ``sets``."""
-        layers, blocks = self.costs.layers, self.costs.blocks
-        least = [min(layers.activation(b, c.mbs, c.tp, c.cp, rc, c.fp8) for rc in sets) for b in blocks]
-        return min(least[:-2]), least[-2], least[-1]
+    def _choice_costs(self, c: Candidate, sets: list, where_key, where, overlap: bool) -> tuple:
+        """Per set a rank may take: (the least time of a layer kind, the least bytes one keeps,
+        the embedding's, the head's)."""
+        out = []
+        for rc in sets:
+            w = self.costs.work(c, where_key, where, overlap, rc)
+            t = min(k.time(overlap) for k in w.kinds)
+            out.append((t, min(k.activation_bytes for k in w.kinds), w.pre.activation_bytes, w.post.activation_bytes))
+        return tuple(out)
 
     def _schedule_open(self, c: Candidate, level: int, m: int, where_key, where, zeros: tuple) -> float:
         """``bound`` above the schedule: the cheapest fill/drain over the schedules, the average
@@ -343,28 +347,27 @@ class Bounds:
         table = self.memo.tmax
         if key in table:
             return table[key]
+        if acts is not None:
+            table[key] = self._tmax_choice(c, w, ends, zero, in_flight, overlap, acts)
+            return table[key]
         per, pre_state, post_state = self.costs.states(c, w, zero, grads=False)
         per_all, pre_all, post_all = self.costs.states(c, w, zero)
         buffers, post_buffers = self.costs.buffers(c, w, zero)
         layers = self.p.num_layers
         first, last = ends
         t_min = min(k.time(overlap) for k in w.kinds)
-        a_min, pre_act, post_act = acts or (
-            min(k.activation_bytes for k in w.kinds),
-            w.pre.activation_bytes,
-            w.post.activation_bytes,
-        )
+        a_min = min(k.activation_bytes for k in w.kinds)
         s_min, s_all = min(per), min(per_all)
         caps, lead = [], []
         value = None
         for r in range(c.pp):
             fixed, everything, t_fixed = buffers, buffers, 0.0
             if r == first:
-                fixed += pre_act * in_flight[r] + pre_state
+                fixed += w.pre.activation_bytes * in_flight[r] + pre_state
                 everything += pre_all
                 t_fixed += w.pre.time(overlap)
             if r == last:
-                fixed += post_act * in_flight[r] + post_state + post_buffers
+                fixed += w.post.activation_bytes * in_flight[r] + post_state + post_buffers
                 everything += post_all + post_buffers
                 t_fixed += w.post.time(overlap)
             room, room_all = self.p.hw.usable_bytes - fixed, self.p.hw.usable_bytes - everything
@@ -389,3 +392,50 @@ class Bounds:
                 value = max(w.total / c.pp, lo * t_min, w.pre.time(overlap), w.post.time(overlap))
         table[key] = value
         return value
+
+    def _tmax_choice(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap, acts) -> float:
+        """``_tmax_bound`` where each rank may take any of several recompute sets (``acts``: per
+        set, a layer's least time and least kept bytes, the embedding's and the head's kept
+        bytes; ``w``'s set the quickest). Under set s rank r holds at most cap_rs layers (memory)
+        in time at least fixed_r + n t_s; so the slowest rank takes at least the least T at which
+        the layers the ranks can hold, each under its best set for T, cover the model. The
+        candidate T are the values fixed_r + n t_s, and the count held only grows with T."""
+        per, pre_state, post_state = self.costs.states(c, w, zero, grads=False)
+        per_all, pre_all, post_all = self.costs.states(c, w, zero)
+        buffers, post_buffers = self.costs.buffers(c, w, zero)
+        layers, usable = self.p.num_layers, self.p.hw.usable_bytes
+        s_min, s_all = min(per), min(per_all)
+        ranks = []  # per rank: (fixed time, [(t_s, cap_rs)])
+        for r in range(c.pp):
+            everything, t_fixed, opts = buffers, 0.0, []
+            everything += (pre_all if r == ends[0] else 0.0) + (post_all + post_buffers if r == ends[1] else 0.0)
+            t_fixed += (w.pre.time(overlap) if r == ends[0] else 0.0) + (w.post.time(overlap) if r == ends[1] else 0.0)
+            for t_s, a_s, pre_a, post_a in acts:
+                fixed = buffers + (pre_a * in_flight[r] + pre_state if r == ends[0] else 0.0)
+                fixed += post_a * in_flight[r] + post_state + post_buffers if r == ends[1] else 0.0
+                room, room_all = usable - fixed, usable - everything
+                if min(room, room_all) < 0:
+                    continue
+                unit = a_s * in_flight[r] + s_min
+                cap = layers if unit <= 0 else min(layers, int(room // unit))
+                opts.append((t_s, cap if s_all <= 0 else min(cap, int(room_all // s_all))))
+            if not opts:
+                return math.inf
+            ranks.append((t_fixed, opts))
+
+        def held(t: float) -> int:
+            total = 0
+            for t_fixed, opts in ranks:
+                room = t - t_fixed
+                if room >= 0:
+                    total += max(cap if t_s <= 0 else min(cap, int(room // t_s + 1e-9)) for t_s, cap in opts)
+            return total
+
+        times = sorted({t_fixed + n * t_s for t_fixed, opts in ranks for t_s, cap in opts for n in range(cap + 1)})
+        if not times or held(times[-1]) < layers:
+            return math.inf
+        lo, hi = 0, len(times) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if held(times[mid]) >= layers else (mid + 1, hi)
+        return max(w.total / c.pp, times[lo] * (1 - 1e-12), w.pre.time(overlap), w.post.time(overlap))

@@ -667,117 +667,62 @@ def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed):
     """``_best_counts`` where each rank also chooses its recompute set (``built``: per choice its
     quantities, per-rank extras and layout). Exact by the same scan: a rank's time under choice
     s is const_rs + n * t_s, so the slowest rank's time is one of those values; under a bound T
-    each choice allows the counts 0..top_rs (memory and time), and the least exposure is found
-    by bisection over the exposure values, the counts each rank may take under a bound now a
-    union of intervals (one per choice), summed by a bitset. Returns (objective, t_max, d_max,
-    counts, choice per rank), or None."""
-    import numpy as np
-
+    a rank may take the counts 0..top_r, the most any choice allows it in time and memory.
+    Exposure is weighed as under the first choice: recomputing more lengthens a rank's backward,
+    which hides more data-parallel traffic, but also the fill and drain (``bubble``), which this
+    objective leaves out; so no rank recomputes more but to fit or to shorten the slowest rank,
+    and each takes the quickest choice that allows its count. Returns (objective, t_max, d_max,
+    counts, choice per rank) with the exposure under the choices, or None."""
     terms = [
         _per_rank_terms(layers, layout, o, pp, v, chunk_rank, microbatches, extras, closed, soft=True)
         for o, extras, layout in built
     ]
-    t_layer = np.array([t for t, _ in terms], dtype=np.int64)
-    const = np.array([[ranks[r]["const_t"] for _, ranks in terms] for r in range(pp)], dtype=np.int64)
-    cap = np.array([[ranks[r]["cap"] for _, ranks in terms] for r in range(pp)], dtype=np.int64)
-    if int(cap.max(axis=1).clip(min=0).sum()) < layers or (cap.max(axis=1) < 0).any():
+    options = [[(t, ranks[r]["const_t"], ranks[r]["cap"]) for t, ranks in terms] for r in range(pp)]
+    if sum(max(0, max(cap for _, _, cap in opts)) for opts in options) < layers:
         return None
-    # exposure as under the first choice: recomputing more lengthens a rank's backward, which
-    # hides more data-parallel traffic, but also the fill and drain (``bubble``), which this
-    # objective leaves out; so no rank recomputes more but to fit or to shorten the slowest rank
-    exposure = np.full((pp, len(terms), layers + 1), np.inf)
-    for r in range(pp):
-        base = [_exposed(terms[0][1][r]["terms"], n) for n in range(int(cap[r].max()) + 1)]
-        for s in range(len(terms)):
-            exposure[r, s, : cap[r, s] + 1] = base[: cap[r, s] + 1]
-    times = sorted(
-        {int(const[r, s] + n * t_layer[s]) for r in range(pp) for s in range(len(terms)) for n in range(cap[r, s] + 1)}
-    )
+    times = sorted({const + n * t for opts in options for t, const, cap in opts for n in range(cap + 1)})
 
-    def tops(t_max: int):
-        room = np.where(t_layer > 0, (t_max - const) // np.maximum(t_layer, 1), cap)
-        return np.where((t_max >= const) & (cap >= 0), np.minimum(cap, room), -1)
+    def tops(t_max: int) -> list[list[int]]:
+        return [
+            [
+                -1 if cap < 0 or t_max < const else cap if t == 0 else min(cap, (t_max - const) // t)
+                for t, const, cap in opts
+            ]
+            for opts in options
+        ]
 
-    def enough(t_max: int) -> bool:
-        return int(tops(t_max).max(axis=1).clip(min=0).sum()) >= layers
+    def allowed(t_max: int) -> list[int]:
+        return [max(row) for row in tops(t_max)]
 
-    if not enough(times[-1]):
-        return None
     lo, hi = 0, len(times) - 1
+    if sum(max(0, a) for a in allowed(times[hi])) < layers:
+        return None
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if enough(times[mid]) else (mid + 1, hi)
-    best = None
+        lo, hi = (lo, mid) if sum(max(0, a) for a in allowed(times[mid])) >= layers else (mid + 1, hi)
+    base, best = terms[0][1], None
     for t_max in times[lo:]:
         if best is not None and microbatches * t_max >= best[0]:
             break
-        top = tops(t_max)
-        if (top.max(axis=1) < 0).any():
+        top = allowed(t_max)
+        if any(x < 0 for x in top):
             continue
-        found = _least_exposure_choice(exposure, top, layers)
-        if found is None:
+        exposure = _least_exposure(base, top, layers)
+        if exposure is None:
             continue
-        d_max, counts = found
-        value = microbatches * t_max + d_max
-        if best is None or value < best[0]:
-            picks = _least_time_choice(exposure, top, const, t_layer, counts, d_max)
-            best = (value, t_max, d_max, counts, picks)
-    if best is not None:  # the exposure under the sets chosen, no more than the first's
-        value, t_max, _, counts, picks = best
-        d_max = max(_exposed(terms[s][1][r]["terms"], n) for r, (n, s) in enumerate(zip(counts, picks)))
-        best = (microbatches * t_max + d_max, t_max, d_max, counts, picks)
-    return best
-
-
-def _least_exposure_choice(exposure, top, layers: int):
-    """Smallest max_r D_r(n_r) with sum n_r = layers, where rank r may take n under choice s if
-    n <= top[r, s] (D_r(n): the least exposure of those choices), and the counts achieving it,
-    the earliest ranks taking as many as they may."""
-    import numpy as np
-
-    n = np.arange(layers + 1)
-    least = np.where(n[None, None, :] <= top[:, :, None], exposure, np.inf).min(axis=1)
-    values = np.unique(least[np.isfinite(least)])
-    full = (1 << (layers + 1)) - 1
-
-    def reach(bound: float):
-        """Per rank r, the bitset of totals ranks r.. can make under ``bound``; the allowed counts."""
-        allowed = [np.flatnonzero(row <= bound).tolist() for row in least]
-        sums = [1]
-        for counts in reversed(allowed):
-            after, now = sums[0], 0
-            for k in counts:
-                now |= after << k
-            sums.insert(0, now & full)
-        return sums, allowed
-
-    lo, hi, found = 0, len(values) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        sums, allowed = reach(values[mid])
-        if sums[0] >> layers & 1:
-            found, hi = (values[mid], sums, allowed), mid - 1
-        else:
-            lo = mid + 1
-    if found is None:
+        d_max, counts = exposure
+        if best is None or microbatches * t_max + d_max < best[0]:
+            best = (microbatches * t_max + d_max, t_max, d_max, counts)
+    if best is None:
         return None
-    bound, sums, allowed = found
-    counts, need = [], layers
-    for r, options in enumerate(allowed):
-        k = max(k for k in options if k <= need and sums[r + 1] >> (need - k) & 1)
-        counts.append(k)
-        need -= k
-    return int(bound), counts
-
-
-def _least_time_choice(exposure, top, const, t_layer, counts: list[int], d_max: int) -> list[int]:
-    """Per rank, among the choices that allow its count within the exposure ``d_max``, the one
-    taking the least time (the least recomputation); the first among equals."""
-    picks = []
-    for r, n in enumerate(counts):
-        ok = [s for s in range(top.shape[1]) if top[r, s] >= n and exposure[r, s, n] <= d_max]
-        picks.append(min(ok, key=lambda s: (int(const[r, s] + n * t_layer[s]), s)))
-    return picks
+    _, t_max, _, counts = best
+    rows = tops(t_max)
+    picks = [
+        min((s for s in range(len(opts)) if row[s] >= n), key=lambda s: (opts[s][1] + n * opts[s][0], s))
+        for n, row, opts in zip(counts, rows, options)
+    ]
+    d_max = max(_exposed(terms[s][1][r]["terms"], n) for r, (n, s) in enumerate(zip(counts, picks)))
+    return microbatches * t_max + d_max, t_max, d_max, counts, picks
 
 
 def _least_exposure(ranks, tops: list[int], layers: int):
