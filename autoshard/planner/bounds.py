@@ -7,8 +7,9 @@ where it is not:
   give it (its ranks consecutive);
 - until the recompute set is chosen: nothing recomputed for time, everything for memory;
   once it is, that set is the cheapest any pipeline rank uses (``evaluate.stage_choices``: each
-  rank may recompute more), so it bounds time, the least memory of the sets a rank may take
-  bounds memory, and the most recomputation hides the most data-parallel traffic;
+  rank may recompute more), so it bounds time and, as the partition weighs every rank's exposed
+  data-parallel time under it, exposure; the least memory of the sets a rank may take bounds
+  memory, and each rank's best set under a time bound its layers (``tmax_bound``);
 - until the schedule is chosen: the cheapest over the schedules of each one's fill/drain and EP
   exposure (only a schedule that overlaps it hides the all-to-all); once the recompute set is
   known, only over the schedules it runs with and fits under, before, for memory, the fewest
@@ -68,8 +69,7 @@ class Bounds:
         sched = SCHEDULES[c.schedule]
         w = costs.work(c, where_key, where, sched.overlaps_ep)
         sets = stage_choices(costs, c, c.schedule, c.zero if level >= 4 else None)
-        most = self._most_recompute(c, sets, where_key, where, sched.overlaps_ep)
-        dp = min(self.dp_bound(c, z, most, where_key, where, m) for z in zeros)
+        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros)
         m_flight = costs.in_flight(sched, c.v, c.pp, m)
         bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
         kept = tuple(sets) if len(sets) > 1 else None
@@ -80,12 +80,6 @@ class Bounds:
         if t_max == math.inf:
             return math.inf
         return m * t_max + bubble + dp
-
-    def _most_recompute(self, c: Candidate, sets: list, where_key, where, overlap: bool) -> Work:
-        """The ``Work`` of the union of ``sets``: the longest backward any rank's choice among
-        them gives (the most data-parallel traffic hidden behind it); ``c``'s own with one set."""
-        rc = frozenset().union(*sets)
-        return self.costs.work(c, where_key, where, overlap, None if rc == c.recompute else rc)
 
     def _choice_costs(self, c: Candidate, sets: list, where_key, where, overlap: bool) -> tuple:
         """Per set a rank may take: (the least time of a layer kind, the least bytes one keeps,
@@ -120,9 +114,6 @@ class Bounds:
             works[False] = costs.work(c, where_key, where, False, None if level >= 2 else frozenset())
         else:
             works[False] = works[True]
-        hiding = list(works.values())
-        if level >= 2 and len(sets) > 1:  # a rank recomputing more hides more data-parallel traffic
-            hiding = [self._most_recompute(c, sets, where_key, where, overlap) for overlap in works]
         if level == 2:
             layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, c.recompute, zeros, m)
             fitting = self.memo.fitting_shapes.get(layout)
@@ -136,7 +127,7 @@ class Bounds:
             shapes = fitting
             if not shapes:
                 return math.inf
-        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros for w in hiding)
+        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros for w in works.values())
         key = (tuple(id(w) for w in works.values()), c.pp, m, level == 2)
         best = self.memo.open_schedule.get(key)
         if best is None:

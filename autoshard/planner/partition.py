@@ -668,11 +668,12 @@ def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed):
     quantities, per-rank extras and layout). Exact by the same scan: a rank's time under choice
     s is const_rs + n * t_s, so the slowest rank's time is one of those values; under a bound T
     a rank may take the counts 0..top_r, the most any choice allows it in time and memory.
-    Exposure is weighed as under the first choice: recomputing more lengthens a rank's backward,
-    which hides more data-parallel traffic, but also the fill and drain (``bubble``), which this
-    objective leaves out; so no rank recomputes more but to fit or to shorten the slowest rank,
-    and each takes the quickest choice that allows its count. Returns (objective, t_max, d_max,
-    counts, choice per rank) with the exposure under the choices, or None."""
+    Exposure is weighed (and reported) as under the first choice: recomputing more lengthens a
+    rank's backward, which could hide more data-parallel traffic, but also the fill and drain
+    (``bubble``), which this objective leaves out; so no rank recomputes more but to fit or to
+    shorten the slowest rank, each takes the quickest choice that allows its count, and the
+    search's exposure bound under the first choice holds. Returns (objective, t_max, d_max,
+    counts, choice per rank), or None."""
     terms = [
         _per_rank_terms(layers, layout, o, pp, v, chunk_rank, microbatches, extras, closed, soft=True)
         for o, extras, layout in built
@@ -715,14 +716,13 @@ def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed):
             best = (microbatches * t_max + d_max, t_max, d_max, counts)
     if best is None:
         return None
-    _, t_max, _, counts = best
+    value, t_max, d_max, counts = best
     rows = tops(t_max)
     picks = [
         min((s for s in range(len(opts)) if row[s] >= n), key=lambda s: (opts[s][1] + n * opts[s][0], s))
         for n, row, opts in zip(counts, rows, options)
     ]
-    d_max = max(_exposed(terms[s][1][r]["terms"], n) for r, (n, s) in enumerate(zip(counts, picks)))
-    return microbatches * t_max + d_max, t_max, d_max, counts, picks
+    return value, t_max, d_max, counts, picks
 
 
 def _least_exposure(ranks, tops: list[int], layers: int):
