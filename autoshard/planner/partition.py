@@ -7,6 +7,14 @@ the first layer of the next stage) enters every per-layer sum through ``clamp(e 
 per run, so all sums stay linear and one set of auxiliary variables serves every quantity.
 The embedding sits on the first virtual stage and the output head with the loss on the last; they
 may hold no layers at all (LLaMA-3 put only the embedding on its first chunk).
+
+Each pipeline rank may also choose its recompute set (``Quantities.options``), jointly with the
+split: in 1F1B-like orders the first rank holds the most micro-batches in flight and the last the
+fewest, so one set for all wastes compute on the later ranks. The choice is per rank, not per
+layer: a rank's chunks share its memory, and a per-rank set is what the emitted program's
+checkpoint wrappers take per stage. CP-SAT gets one boolean per rank and set, exactly one true,
+and per chunk its quantities under the chosen set; the exact paths take, per rank and time
+bound, the most layers any set allows (``_best_counts_choice``).
 """
 
 from __future__ import annotations
