@@ -124,20 +124,24 @@ def _memory(plan: Plan) -> list[str]:
 
 
 def _checkpointing(plan: Plan) -> list[str]:
-    """The decision per saved-tensor category; per pipeline rank where the ranks differ (a rank
-    holding more micro-batches in flight recomputes more)."""
+    """The decision per saved-tensor category; per run of pipeline ranks alike where the ranks
+    differ (a rank holding more micro-batches in flight recomputes more)."""
     if not plan.stage_checkpoint:
         rows = [[k, _kept(plan, k, v)] for k, v in sorted(plan.checkpoint.items())]
         return _table(["saved-tensor category", "decision"], rows)
-    ranks = sorted(
-        {SCHEDULES[plan.schedule].chunk_rank(s, plan.mesh.pp): s for s in range(len(plan.stage_layers))}.items()
-    )
+    pp = plan.mesh.pp
+    stage = {SCHEDULES[plan.schedule].chunk_rank(s, pp): s for s in reversed(range(len(plan.stage_layers)))}
+    runs, start = [], 0  # (header, a stage of those ranks)
+    for r in range(1, pp + 1):
+        if r == pp or plan.stage_checkpoint[stage[r]] != plan.stage_checkpoint[stage[start]]:
+            runs.append((f"rank {start}" if r - start == 1 else f"ranks {start}-{r - 1}", stage[start]))
+            start = r
     rows = [
-        [k] + [_kept(plan, k, plan.stage_checkpoint[s][k], plan.stage_recompute(s)) for _, s in ranks]
+        [k] + [_kept(plan, k, plan.stage_checkpoint[s][k], plan.stage_recompute(s)) for _, s in runs]
         for k in sorted(plan.checkpoint)
     ]
     return [f"Per pipeline rank: {plan.rank_recompute_text()}.", ""] + _table(
-        ["saved-tensor category"] + [f"rank {r}" for r, _ in ranks], rows
+        ["saved-tensor category"] + [head for head, _ in runs], rows
     )
 
 
