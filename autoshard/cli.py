@@ -163,7 +163,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("hardware", parents=[common], help="list hardware profiles")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_hardware)
+
+    p = sub.add_parser("calibrate", parents=[common], help="measure this machine into a hardware profile")
+    p.add_argument("-o", "--out", required=True, help="profile to write, PROFILE.toml (--hardware accepts it)")
+    p.add_argument("--ranks", type=_rank_counts, default=(2, 4), help="process counts to time collectives over (2,4)")
+    p.add_argument("--extends", help="profile the written one extends; only measured fields are written")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller measurements (a test's minute)")
+    p.set_defaults(run=_calibrate)
     return parser
+
+
+def _rank_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected process counts like 2,4,8, got {text!r}") from None
+    if any(n < 2 for n in counts):
+        raise argparse.ArgumentTypeError(f"process counts must be 2 or more, got {text}")
+    return counts
+
+
+def _calibrate(args) -> int:
+    from autoshard.calibrate import calibrate
+
+    calibrate(args.out, args.ranks, args.extends, args.quick)
+    return 0
 
 
 def _inspect(args) -> int:

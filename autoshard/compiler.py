@@ -38,6 +38,7 @@ from pathlib import Path
 
 from autoshard import codegen, passes, planner
 from autoshard.capture import Captured, capture_file
+from autoshard.capture.timing import phase
 from autoshard.codegen import write_plan
 from autoshard.cost_models import hardware as hw
 from autoshard.cost_models.analyze import analyze
@@ -113,7 +114,9 @@ def problem(
     check_run(gpus, seq_len, global_batch)
     profile = _hardware(hardware)
     name = name or type(captured.model).__name__
-    return planner.Problem(analyze(captured), profile, gpus, seq_len, global_batch, precision, pins or {}, name)
+    with phase("analysis"):
+        cost = analyze(captured)
+    return planner.Problem(cost, profile, gpus, seq_len, global_batch, precision, pins or {}, name)
 
 
 def check_run(gpus, seq_len, global_batch) -> None:
@@ -138,12 +141,14 @@ def compile_plan(
     problem.emit = not plan_only
     observe = passes.dump_to(dump_passes) if isinstance(dump_passes, (str, Path)) else dump_passes
     for _ in range(MAX_ROUNDS):
-        plan, result = planner.solve(problem)
+        with phase("search"):
+            plan, result = planner.solve(problem)
         comparison = planner.compare(problem, result, compare) if compare is not None else None
         if comparison:
             plan.notes.append(comparison)
         if plan_only:
-            _dry_run(plan, captured)
+            with phase("dry-run passes"):
+                _dry_run(plan, captured)
             return Compiled(plan, result, None, comparison)
         left_out = _left_out(problem)
         if left_out:

@@ -13,13 +13,17 @@ Formulas, for B bytes (the full tensor on each rank) and n ranks:
   all-to-all       (n-1)/n * B           (B = what one rank sends), split by where the peers are
   p2p              B
 each plus a per-step latency (one step per ring hop). Bandwidths are the profile's link rates
-times its ``link_efficiency`` (what NCCL achieves of the nominal rate).
+times its ``link_efficiency`` (what NCCL achieves of the nominal rate); inside one domain a
+profile's measured figures for a collective (``Hardware.collectives``, written by ``autoshard
+calibrate``: the bytes these formulas count per second, and the per-step latency) replace them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+
+import numpy as np
 
 from autoshard.cost_models.hardware import Hardware
 from autoshard.cost_models.memory import GRAD_REDUCE_BYTES
@@ -81,14 +85,15 @@ def _placement(size: int, per_domain: int, domains: int) -> Placement:
 
 @cache
 def _grid(axes, domain, take, every) -> Where:
-    ranks = [0]
+    # the group's ranks, innermost axis fastest, as arrays: a group can hold every one of 16,384
+    # ranks, and the search lays out a few thousand groups
+    ranks = np.zeros(1, dtype=np.int64)
     for size, stride in axes:
-        ranks = [r + i * stride for i in range(size) for r in ranks]
+        ranks = (np.arange(size, dtype=np.int64)[:, None] * stride + ranks[None, :]).ravel()
     ranks = ranks[::every][:take]
-    counts: dict[int, int] = {}
-    for r in ranks:
-        counts[r // domain] = counts.get(r // domain, 0) + 1
-    value = (len(ranks), max(counts.values()), len(counts))
+    counts = np.bincount(ranks // domain)
+    counts = counts[counts > 0]
+    value = (len(ranks), int(counts.max()), len(counts))
     if value not in _WHERE:
         _WHERE[value] = Where(*value)
     return _WHERE[value]
@@ -113,33 +118,36 @@ class _Laid(Placement):
         return self._k
 
 
-def _ring(volume: float, steps: int, where: Placement, hw: Hardware) -> float:
+def _ring(volume: float, steps: int, where: Placement, hw: Hardware, kind: str) -> float:
     if where.size <= 1 or volume <= 0:
         return 0.0
     m = where.per_domain(hw)
-    nvlink, network = _bandwidths(hw)
+    nvlink, network = _bandwidths(hw, kind)
     if where.domains(hw) == 1:
-        return volume / nvlink + steps * hw.nvlink_latency_us * 1e-6
+        return volume / nvlink + steps * hw.link_latency_us(kind) * 1e-6
     bandwidth_time = max(volume / m / network, volume * (m - 1) / m / nvlink)
     return bandwidth_time + steps * hw.network_latency_us * 1e-6
 
 
-def _bandwidths(hw: Hardware) -> tuple[float, float]:
-    """Achievable NVLink and network bytes/s per GPU per direction."""
-    return hw.nvlink_gbps * 1e9 * hw.link_efficiency, hw.network_gbps * 1e9 * hw.link_efficiency
+def _bandwidths(hw: Hardware, kind: str) -> tuple[float, float]:
+    """Achievable bytes/s per GPU per direction of a ``kind`` collective inside a domain and
+    across the network."""
+    return hw.link_rate(kind), hw.network_gbps * 1e9 * hw.link_efficiency
 
 
 def all_reduce(nbytes: float, where: Placement, hw: Hardware) -> float:
     n = where.size
-    return _ring(2 * (n - 1) / n * nbytes, 2 * (n - 1), where, hw) if n > 1 else 0.0
+    return _ring(2 * (n - 1) / n * nbytes, 2 * (n - 1), where, hw, "all_reduce") if n > 1 else 0.0
 
 
 def all_gather(nbytes: float, where: Placement, hw: Hardware) -> float:
     n = where.size
-    return _ring((n - 1) / n * nbytes, n - 1, where, hw) if n > 1 else 0.0
+    return _ring((n - 1) / n * nbytes, n - 1, where, hw, "all_gather") if n > 1 else 0.0
 
 
-reduce_scatter = all_gather
+def reduce_scatter(nbytes: float, where: Placement, hw: Hardware) -> float:
+    n = where.size
+    return _ring((n - 1) / n * nbytes, n - 1, where, hw, "reduce_scatter") if n > 1 else 0.0
 
 
 def all_to_all(nbytes: float, where: Placement, hw: Hardware) -> float:
@@ -147,10 +155,10 @@ def all_to_all(nbytes: float, where: Placement, hw: Hardware) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     m = where.per_domain(hw)
-    nvlink, network = _bandwidths(hw)
+    nvlink, network = _bandwidths(hw, "all_to_all")
     inside = (m - 1) / n * nbytes / nvlink
     outside = (n - m) / n * nbytes / network
-    latency = hw.nvlink_latency_us if m == n else hw.network_latency_us
+    latency = hw.link_latency_us("all_to_all") if m == n else hw.network_latency_us
     return max(inside, outside) + (n - 1) * latency * 1e-6
 
 
@@ -160,9 +168,9 @@ def p2p(nbytes: float, span: int, hw: Hardware) -> float:
     network."""
     if nbytes <= 0:
         return 0.0
-    nvlink, network = _bandwidths(hw)
+    nvlink, network = _bandwidths(hw, "send")
     if span < hw.nvlink_domain:
-        return nbytes / nvlink + hw.nvlink_latency_us * 1e-6
+        return nbytes / nvlink + hw.link_latency_us("send") * 1e-6
     return nbytes / network + hw.network_latency_us * 1e-6
 
 

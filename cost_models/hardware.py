@@ -16,6 +16,8 @@ Fields (all per GPU; GB = 1e9 bytes):
 ``matmul_efficiency_fp8`` float optional (default: matmul_efficiency): the same for FP8 GEMMs
 ``attention_efficiency`` float optional (default 0.5): share of bf16 peak flash attention reaches
                               on long sequences (shorter ones are slower, see cost_models.compute)
+``attention_backward`` float  optional (default 2.5): backward / forward time of the attention
+                              kernel (flash attention reruns QK^T: 2.5x the forward's FLOPs)
 ``sm_count``         int      optional (default 132): streaming multiprocessors, for GEMM wave
                               quantisation (H100/H800/H200 132; DeepSeek-V3 §3.2.2 "20 of 132 SMs")
 ``link_efficiency``  float    optional (default 0.8): share of nvlink_gbps / network_gbps collectives
@@ -27,9 +29,32 @@ Fields (all per GPU; GB = 1e9 bytes):
                               bandwidth; arXiv 2507.03114 measured 18.9% on average)
 ``memory_reserve_gb`` float   optional (default 6): HBM kept free for the allocator, CUDA context,
                               NCCL buffers and fragmentation
+``op_overhead_us``   float    optional (default 0): host time per operation of the traced graph
+                              that no roofline term counts (dispatch, autograd bookkeeping; the
+                              backward counted as two operations per forward one). 0 on GPUs,
+                              where kernels launch asynchronously ahead of the device; on CPUs each
+                              op's dispatch runs in line with its arithmetic
+``cores``            int      optional (default 0): compute cores one host shares among all of its
+                              ranks (CPU runs, one thread per rank); when more ranks than cores run
+                              on a host, each rank's compute, memory bandwidth and op overhead scale
+                              by ranks / cores. 0: every rank has a device of its own (GPUs)
 ``memory_headroom``  float    optional (default 0): a further share of HBM a plan leaves free, for
                               what no tracker sees (the caching allocator's fragmentation grows
                               with the memory in use; CUDA-graph pools); ``compile --memory-headroom``
+``collectives``      table    optional (default: none): measured figures per collective inside one
+                              NVLink domain, ``{ all_reduce = { gbps = 1.2, latency_us = 90 }, ...}``
+                              for ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
+                              ``send``: ``gbps`` the bytes ``cost_models.comm``'s formula counts per
+                              second (bus bandwidth, efficiency included) and ``latency_us`` its
+                              per-step latency; a kind listed replaces ``nvlink_gbps`` x
+                              ``link_efficiency`` and ``nvlink_latency_us`` for that collective
+                              (``autoshard calibrate`` measures them)
+``overlap``          table    optional (default 1 each): per kind of communication (``dp`` gradient
+                              reduction and ZeRO gathers, ``tp`` collectives, ``cp`` ring, ``pp``
+                              sends, ``ep`` all-to-all) the share of what the cost model would hide
+                              behind compute that the emitted program really hides: 1 is the model's
+                              overlap, 0 runs it all exposed (a program that waits on each
+                              collective); ``autoshard calibrate`` measures them
 ==================== ======== =====================================================================
 
 The efficiencies describe the program as it runs on GPUs: each layer compiled with
@@ -43,7 +68,7 @@ from __future__ import annotations
 import difflib
 import math
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
@@ -64,6 +89,7 @@ _OPTIONAL = {
     "matmul_efficiency": (float, 0.8),
     "matmul_efficiency_fp8": (float, None),
     "attention_efficiency": (float, 0.5),
+    "attention_backward": (float, 2.5),
     "link_efficiency": (float, 0.8),
     "sm_count": (int, 132),
     "nvlink_latency_us": (float, 3.0),
@@ -71,8 +97,16 @@ _OPTIONAL = {
     "memory_reserve_gb": (float, 6.0),
     "memory_headroom": (float, 0.0),
     "overlap_slowdown": (float, 0.19),
+    "collectives": (dict, None),
+    "overlap": (dict, None),
+    "op_overhead_us": (float, 0.0),
+    "cores": (int, 0),
 }
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+OVERLAP_KINDS = ("dp", "tp", "cp", "pp", "ep")
+
+_MAY_BE_ZERO = ("price_per_gpu_hour", "memory_reserve_gb", "memory_headroom", "op_overhead_us", "cores")
 # fields that are a share of a peak (no kernel or link beats its peak)
 _SHARES = ("matmul_efficiency", "matmul_efficiency_fp8", "attention_efficiency", "link_efficiency")
 
@@ -90,6 +124,7 @@ class Hardware:
     matmul_efficiency: float = 0.8
     matmul_efficiency_fp8: float | None = None
     attention_efficiency: float = 0.5
+    attention_backward: float = 2.5
     link_efficiency: float = 0.8
     sm_count: int = 132
     nvlink_latency_us: float = 3.0
@@ -97,6 +132,10 @@ class Hardware:
     memory_reserve_gb: float = 6.0
     memory_headroom: float = 0.0
     overlap_slowdown: float = 0.19
+    collectives: dict[str, dict[str, float]] | None = None
+    overlap: dict[str, float] | None = None
+    op_overhead_us: float = 0.0
+    cores: int = 0
     source: str = ""
 
     def peak_flops(self, dtype: str = "bf16") -> float:
@@ -106,6 +145,31 @@ class Hardware:
                 f"hardware {self.name!r} lists no peak for {dtype}; add it to peak_tflops in {self.source}"
             )
         return self.peak_tflops[dtype] * 1e12
+
+    def link_rate(self, kind: str) -> float:
+        """Bytes/s a ``kind`` collective (one of ``COLLECTIVES``) moves inside an NVLink domain:
+        its measured figure where the profile lists one, else the NVLink rate at
+        ``link_efficiency``."""
+        if self.collectives and kind in self.collectives:
+            return self.collectives[kind]["gbps"] * 1e9
+        return self.nvlink_gbps * 1e9 * self.link_efficiency
+
+    def link_latency_us(self, kind: str) -> float:
+        """Microseconds per step of a ``kind`` collective inside an NVLink domain."""
+        if self.collectives and kind in self.collectives:
+            return self.collectives[kind]["latency_us"]
+        return self.nvlink_latency_us
+
+    def overlap_share(self, kind: str) -> float:
+        """The share of what the cost model hides of ``kind`` (one of ``OVERLAP_KINDS``) that the
+        emitted program hides on this machine (1 where the profile says nothing)."""
+        return self.overlap.get(kind, 1.0) if self.overlap else 1.0
+
+    def without_latency(self) -> Hardware:
+        """This profile with every collective's per-step latency and the per-op overhead zero (the
+        search's floor costs: what is left is linear in the tokens)."""
+        table = {k: {**v, "latency_us": 0.0} for k, v in self.collectives.items()} if self.collectives else None
+        return replace(self, nvlink_latency_us=0.0, network_latency_us=0.0, op_overhead_us=0.0, collectives=table)
 
     @property
     def hbm_bytes(self) -> float:
@@ -124,8 +188,33 @@ class Hardware:
             f"{self.usable_bytes / 1e9:.1f} GB a plan may fill"
         )
 
+    def sharing(self, ranks: int) -> float:
+        """How many ranks share one rank's compute when ``ranks`` run (``cores``): the ranks on
+        one host (at most ``nvlink_domain``) over its cores, at least 1."""
+        if not self.cores:
+            return 1.0
+        return max(1.0, min(ranks, self.nvlink_domain) / self.cores)
+
+    def shared(self, ranks: int) -> Hardware:
+        """This profile as one of ``ranks`` ranks sees its compute: peaks and memory bandwidth
+        divided, op overhead multiplied, by ``sharing`` (links unchanged). Itself where nothing
+        is shared."""
+        share = self.sharing(ranks)
+        if share == 1:
+            return self
+        return replace(
+            self,
+            peak_tflops={k: v / share for k, v in self.peak_tflops.items()},
+            hbm_gbps=self.hbm_gbps / share,
+            op_overhead_us=self.op_overhead_us * share,
+        )
+
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "source" and getattr(self, f.name) is not None
+        }
 
 
 def known() -> list[str]:
@@ -196,7 +285,43 @@ def _validate(data: dict, path: Path) -> dict:
     if not out["peak_tflops"]:
         raise AutoshardError(f"{path}: peak_tflops is empty; give at least one dtype, e.g. {{ bf16 = 989 }}")
     out["peak_tflops"] = {k: _typed(f"peak_tflops.{k}", v, float, path) for k, v in out["peak_tflops"].items()}
+    if "collectives" in out:
+        out["collectives"] = _collectives(out["collectives"], path)
+    if "overlap" in out:
+        out["overlap"] = _overlap(out["overlap"], path)
     return out
+
+
+def _named_table(table: dict, names: tuple[str, ...], field: str, path: Path) -> None:
+    for key in table:
+        if key not in names:
+            raise AutoshardError(f"{path}: {field} lists unknown kind {key!r}; known kinds: {', '.join(names)}")
+
+
+def _collectives(table: dict, path: Path) -> dict[str, dict[str, float]]:
+    """The ``collectives`` table: per kind a ``gbps`` above zero and a ``latency_us`` of zero or more."""
+    _named_table(table, COLLECTIVES, "collectives", path)
+    out = {}
+    for kind, entry in table.items():
+        if not isinstance(entry, dict) or set(entry) != {"gbps", "latency_us"}:
+            raise AutoshardError(
+                f"{path}: collectives.{kind} must be a table {{ gbps = ..., latency_us = ... }}, got {entry!r}"
+            )
+        out[kind] = {
+            key: _typed(f"collectives.{kind}.{key}", entry[key], float, path) for key in ("gbps", "latency_us")
+        }
+    return out
+
+
+def _overlap(table: dict, path: Path) -> dict[str, float]:
+    """The ``overlap`` table: per kind a share in [0, 1]."""
+    _named_table(table, OVERLAP_KINDS, "overlap", path)
+    return {kind: _typed(f"overlap.{kind}", value, float, path) for kind, value in table.items()}
+
+
+def _may_be_zero(key: str) -> bool:
+    """Fields where zero means something (free, none kept, nothing hidden, no latency)."""
+    return key in _MAY_BE_ZERO or key.startswith("overlap.") or key.endswith("latency_us")
 
 
 def _typed(key: str, value, kind, path: Path):
@@ -214,14 +339,10 @@ def _typed(key: str, value, kind, path: Path):
         raise AutoshardError(f"{path}: field {key!r} must be a finite number, got {value!r}")
     if kind is int and value != int(value):
         raise AutoshardError(f"{path}: field {key!r} must be a whole number, got {value!r}")
-    if value < 0 or (
-        value == 0
-        and key
-        not in ("price_per_gpu_hour", "memory_reserve_gb", "memory_headroom", "nvlink_latency_us", "network_latency_us")
-    ):
+    if value < 0 or (value == 0 and not _may_be_zero(key)):
         raise AutoshardError(f"{path}: field {key!r} must be positive, got {value!r}")
-    if key in _SHARES and value > 1:
-        raise AutoshardError(f"{path}: field {key!r} is a share of a peak, at most 1 (0.8 is 80%), got {value!r}")
+    if (key in _SHARES or key.startswith("overlap.")) and value > 1:
+        raise AutoshardError(f"{path}: field {key!r} is a share, at most 1 (0.8 is 80%), got {value!r}")
     if key == "memory_headroom" and value >= 1:
         raise AutoshardError(
             f"{path}: field 'memory_headroom' is a share of HBM below 1 (0.05 keeps 5% free), got {value!r}"

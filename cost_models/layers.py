@@ -10,8 +10,12 @@ Modelling choices (each can be checked against the formula it names):
   wave quantisation (``compute.gemm_time``). Backward = input gradient (same FLOPs) + weight
   gradient (same FLOPs).
 - Attention core: FLOPs at ``attention_efficiency`` of the bf16 peak; flash backward reruns the
-  forward's QK^T, so it costs 2.5x the forward (``compute.attention_time``).
+  forward's QK^T, so it costs 2.5x the forward (``compute.attention_time``; the profile's
+  ``attention_backward``, where a machine's kernel differs: CPU attention's backward is slower).
 - Everything else is memory-bound: bytes moved / HBM bandwidth; backward moves about twice as much.
+- Per-op host time (the profile's ``op_overhead_us``, 0 on GPUs, where launches run ahead of the
+  device): each traced op of a layer costs it once forward and twice backward
+  (``LayerCosts.op_overhead``).
 - Recomputation reruns the closure of the dropped tensors' producers (``BlockCost.recompute_flops``),
   and of those of the tensors kept as FP8 copies (``ModelCost.fp8_saved``).
 - TP with sequence parallelism: all-gather before and reduce-scatter after each TP region in forward
@@ -34,6 +38,10 @@ Modelling choices (each can be checked against the formula it names):
   a schedule that overlaps it (``Schedule.overlaps_ep``: DualPipeV, whose F&B chunks pair one
   micro-batch's forward with another's backward).
 - PP: one activation send per stage boundary per micro-batch each way (bsh/t with SP).
+- What the program really hides: the profile's ``overlap`` shares (``Hardware.overlap_share``,
+  measured by ``autoshard calibrate``) say per kind (tp, cp, ep) how much of what the overlaps
+  above hide the emitted program hides on that machine; the rest is exposed (exposed + (1 -
+  share) x hidden), and only what stays hidden slows compute.
 - Hidden is not free: while a collective runs beside compute, its kernels take SMs and HBM
   bandwidth from the GEMMs, so every second of communication hidden behind compute costs
   ``overlap_slowdown`` seconds of compute (the hardware profile; Lee et al. 2025, arXiv 2507.03114,
@@ -43,7 +51,7 @@ Modelling choices (each can be checked against the formula it names):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 
 from autoshard.cost_models import comm
@@ -89,6 +97,7 @@ class LayerCost:
     slowdown: float = 0.0  # compute lost per second of communication it hides (hardware profile)
     held_bytes: float = 0.0  # held from a split backward's input pass to its weight pass (``held_for_weights``)
     ep_replay: float = 0.0  # part of ``ep`` a recomputation spends exchanging tokens again (``replayed_payload``)
+    ep_share: float = 1.0  # share of the overlappable EP all-to-all the program hides (``Hardware.overlap``)
 
     @property
     def compute(self) -> float:
@@ -99,13 +108,25 @@ class LayerCost:
         and the EP all-to-all where the schedule overlaps it."""
         hidden = (self.tp_total - self.tp) + (self.cp_total - self.cp)
         if overlap_ep:
-            hidden += min(self.compute, self.ep)
+            hidden += self.ep_hidden
         return self.slowdown * hidden
+
+    @property
+    def ep_hidden(self) -> float:
+        """The EP all-to-all a schedule that overlaps it hides: as much as compute covers, times
+        the share the program really hides (``ep_share``)."""
+        return self.ep_share * min(self.compute, self.ep)
+
+    @property
+    def ep_unhidden(self) -> float:
+        """The part of the all-to-all an overlapping schedule would hide that the program does not."""
+        return min(self.compute, self.ep) - self.ep_hidden
 
     def time(self, overlap_ep: bool) -> float:
         """Per micro-batch critical-path time of this layer."""
         if overlap_ep:
-            return max(self.compute, self.ep) + self.tp + self.cp + self.interference(True)
+            both = max(self.compute, self.ep) if self.ep_share == 1 else self.compute + self.ep - self.ep_hidden
+            return both + self.tp + self.cp + self.interference(True)
         return self.compute + self.ep + self.tp + self.cp + self.interference(False)
 
 
@@ -121,7 +142,7 @@ class LayerCosts:
     def __init__(self, cost: ModelCost, seq: int, hw: Hardware, sp: bool, floor: bool = False):
         self.cost = cost
         self.seq = seq
-        self.hw = replace(hw, nvlink_latency_us=0.0, network_latency_us=0.0) if floor else hw
+        self.hw = hw.without_latency() if floor else hw
         self._gemm = gemm_floor if floor else gemm_time
         self.sp = sp
         self._layers: dict = {}
@@ -272,15 +293,26 @@ class LayerCosts:
         routed = self._gemms(block, mbs, tp, cp, fp8, ep, True) if blk.params_experts else (0.0,) * 4
         f_gemm = dense + routed[0]
         attn, pointwise, fwd_flops, model_flops = self._rest(block, mbs, tp, cp)
-        f = f_gemm + attn + pointwise
+        ops = self.op_overhead(block)
+        f = f_gemm + attn + pointwise + ops
         # the producers of what is kept as FP8 copies rerun too (their outputs are not kept)
         rerun = recompute | self.fp8_saved(recompute, fp8, tp)
         extra = blk.recompute_fn(rerun)(mbs, self.seq / cp) if recompute else 0.0
         rc = f * (extra / fwd_flops) if fwd_flops else 0.0
-        b = dense_b + routed[2] + FLASH_BACKWARD * attn + 2 * pointwise + rc
+        b = dense_b + routed[2] + self.hw.attention_backward * attn + 2 * pointwise + 2 * ops + rc
         w = dense_w + routed[3]
         act = self.activation(block, mbs, tp, cp, recompute, fp8)
         return f, b, w, rc, act, model_flops, column
+
+    @cache  # noqa: B019
+    def op_overhead(self, block: int) -> float:
+        """Forward seconds of host time per op (the profile's ``op_overhead_us``) over the
+        block's traced operations, whatever their size; the backward runs about two ops per
+        forward op. TP and CP leave the count as it is: each rank runs every op on its shard."""
+        if not self.hw.op_overhead_us:
+            return 0.0
+        ops = sum(n.op in ("call_function", "call_method", "call_module") for n in self.block(block)._nodes)
+        return ops * self.hw.op_overhead_us * 1e-6
 
     @cache  # noqa: B019
     def p2p(self, block: int, mbs: int, tp: int, cp: int, where_pp: Where) -> float:
@@ -398,8 +430,11 @@ class LayerCosts:
             step = comm.p2p(kvb, span, hw)
             fwd = (cp - 1) * max(0.0, step - attn_f / cp)
             both, home = comm.p2p(3 * kvb, span, hw), comm.p2p(2 * kvb, span, hw)
-            bwd = (cp - 1) * max(0.0, both - FLASH_BACKWARD * attn_f / cp) + home
-            return fwd + bwd, (cp - 1) * (step + both) + home, 2 * kv_bytes
+            bwd = (cp - 1) * max(0.0, both - hw.attention_backward * attn_f / cp) + home
+            total = (cp - 1) * (step + both) + home
+            # what the program does not hide of the hidden part is exposed too
+            exposed = fwd + bwd + (1 - hw.overlap_share("cp")) * (total - fwd - bwd)
+            return exposed, total, 2 * kv_bytes
         # all-gather K/V forward (``kv_gathers``), reduce-scatter their gradients (same dtype) backward
         full = self.gathered_kv(block, mbs, tp, cp)
         t_cp = kv_gathers(recompute) * comm.all_gather(full, where_cp.placement(), hw) + comm.reduce_scatter(
@@ -576,8 +611,11 @@ class LayerCosts:
             blk = self.block(block)
             transient = max(transient, blk.activation_bytes(mbs, self.seq / cp, tp=tp, sp=tp > 1 and self.sp))
         # the re-gather hides behind the input-gradient GEMMs, the gradient's reduce-scatter
-        # behind the weight-gradient GEMMs; what is longer than they are shows
-        exposed = t_tp + max(0.0, regather - column) + max(0.0, scatter - column)
+        # behind the weight-gradient GEMMs; what is longer than they are shows, and what the
+        # program does not hide of the rest
+        shows = max(0.0, regather - column), max(0.0, scatter - column)
+        hidden = regather - shows[0] + scatter - shows[1]
+        exposed = t_tp + shows[0] + shows[1] + (1 - self.hw.overlap_share("tp")) * hidden
         return LayerCost(
             f,
             b,
@@ -597,4 +635,5 @@ class LayerCosts:
             self.hw.overlap_slowdown,
             self.held_for_weights(block, mbs, tp, cp),
             ep_replay,
+            self.hw.overlap_share("ep"),
         )

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import operator
 
-import networkx as nx
 from torch import fx
 
 from autoshard import runtime
@@ -288,6 +287,8 @@ def _moe_islands(graph: fx.Graph) -> set[fx.Node]:
 
 def _post_dominators(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """Each node's immediate post-dominator: the nearest node every path from it to the output takes."""
+    import networkx as nx  # lazy: a third of a second to import, and only MoE islands under SP need it
+
     reverse = nx.DiGraph()
     for node in graph.nodes:
         reverse.add_node(node)

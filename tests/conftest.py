@@ -41,6 +41,21 @@ def captured(name: str, config: str, seq: int):
     return _CACHE[key]
 
 
+def extended_profile(**fields):
+    """A hardware profile extending ``extends`` (default h100) with ``fields`` (TOML values),
+    written to a temporary file and loaded as a user's would be."""
+    import tempfile
+
+    from autoshard.cost_models import hardware
+
+    path = os.path.join(tempfile.mkdtemp(), "custom.toml")
+    base = fields.pop("extends", "h100")
+    body = "".join(f"{k} = {v}\n" for k, v in fields.items())
+    with open(path, "w") as f:
+        f.write(f'name = "custom"\nextends = "{base}"\n{body}')
+    return hardware.load(path)
+
+
 def cache_storages(module) -> list:
     """The selective-checkpoint caches ``module`` (an ``rt.Checkpoint``) makes from now on, one per
     forward, as the list that fills while it runs (stays empty for any other module)."""

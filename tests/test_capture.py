@@ -1,5 +1,7 @@
 """Capture: every example and HuggingFace Llama/Mixtral trace, with the documented meta keys."""
 
+import sys
+
 import pytest
 import sympy
 import torch
@@ -147,6 +149,30 @@ def test_costs_scale_with_batch_and_sequence():
 def test_capture_file_uses_model_file_convention():
     cap = capture_file(str(EXAMPLES / "gpt.py:build"), "tiny", 32)
     assert cap.input_names == ["tokens"]
+
+
+def test_capture_file_records_the_initialisation_when_first_read(monkeypatch):
+    """Planning never reads the initialisation, so capture does not record it; the first read
+    records it once, the same table the recorder gives the model built under it."""
+    from autoshard.capture import init as init_module
+    from autoshard.modelfile import load
+
+    calls = []
+    record = init_module.record_build
+
+    def counted(fn, *args, **kwargs):
+        calls.append(args)
+        return record(fn, *args, **kwargs)
+
+    monkeypatch.setattr(sys.modules["autoshard.capture"], "record_build", counted)
+    cap = capture_file(str(EXAMPLES / "llama3.py"), "tiny", 32)
+    assert calls == [] and not cap.inits.recorded
+    name = "model.layers.0.attn.wq.weight"
+    steps = cap.inits[name].steps
+    assert calls == [("tiny",)] and cap.inits.recorded
+    _, eager = record(load(str(EXAMPLES / "llama3.py")).build, "tiny")
+    assert steps == eager[name.removeprefix("model.")].steps
+    assert len(cap.inits) == len(eager) and calls == [("tiny",)]
 
 
 def test_model_file_loss_replaces_the_default(tmp_path):

@@ -39,7 +39,10 @@ def test_compile_writes_the_program_files(program):
     assert "class Chunk0(nn.Module)" in (program / "stage0.py").read_text()
     text = (program / "stage1.py").read_text()
     assert "class Chunk1(nn.Module)" in text and "from .layers import Block" in text
-    assert 'nn.ModuleDict({"0": Block()})' in text and 'self.model.layers["0"](' in text
+    # a layer is an instance of the layer class, keyed by its index in the model (which layer this
+    # chunk holds depends on the schedule the search picks for this profile)
+    held = re.search(r'nn.ModuleDict\(\{"(\d+)": Block\(\)\}\)', text)
+    assert held and f'self.model.layers["{held.group(1)}"](' in text
     layers = (program / "layers.py").read_text()
     assert layers.count("class Block(nn.Module)") == 1 and "INIT = {" in layers
     import ast

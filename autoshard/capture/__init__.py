@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,7 @@ from autoshard import modelfile, passes
 from autoshard.capture import dtypes, shapes, structure
 from autoshard.capture.init import Init, lifted, record_build
 from autoshard.capture.structure import LayerKind
+from autoshard.capture.timing import phase
 from autoshard.capture.trace import BATCH_HINT, TrainingForward, causal_lm_loss, trace
 from autoshard.runtime.stages import replay
 
@@ -46,9 +48,9 @@ class Captured:
     input_names: list[str]
     source: str | None = None
     layer_nodes: dict[int, list[fx.Node]] = field(default_factory=dict)
-    # traced parameter/buffer name -> how the model initialises it (``init.record_build``);
-    # None where the model was not built by the recorder
-    inits: dict[str, Init] | None = None
+    # traced parameter/buffer name -> how the model initialises it (``init.record_build``),
+    # recorded when first read (``RecordedInits``); None where no recording was asked for
+    inits: Mapping[str, Init] | None = None
     # assumptions capture made, for the plan to state (how a data-dependent size was estimated)
     notes: list[str] = field(default_factory=list)
 
@@ -66,10 +68,55 @@ class Captured:
 def capture_file(spec: str, config: str | None, seq: int, batch: int = BATCH_HINT, observe=None) -> Captured:
     """Load ``model.py[:builder]``, build ``config`` on the meta device and capture it
     (``observe``: see ``capture``)."""
-    mf = modelfile.load(spec)
-    model, inits = record_build(mf.build, config)
-    inputs = mf.sample_inputs(config, batch, seq)
+    with phase("build on meta"):
+        mf = modelfile.load(spec)
+        model = mf.build(config)
+        inputs = mf.sample_inputs(config, batch, seq)
+
+    def record() -> dict[str, Init]:
+        with phase("init recorder"):
+            return record_build(mf.build, config)[1]
+
+    inits = RecordedInits(record)
     return capture(model, inputs, loss=mf.loss, source=str(mf.path), inits=inits, observe=observe)
+
+
+class RecordedInits(Mapping):
+    """``name -> Init``, recorded on first read. Recording the initialisation means building the
+    model again under the recorder (``init.record_build``), seconds for a model of hundreds of
+    billions of parameters, which planning never needs: only emitting a program reads every
+    entry, and canonicalisation reads one where a mask is held in a buffer. ``record`` returns
+    the table; the builder is deterministic, so the second build names its tensors as the
+    first."""
+
+    def __init__(self, record: Callable[[], Mapping[str, Init]]):
+        self._record: Callable[[], Mapping[str, Init]] | None = record
+        self._table: Mapping[str, Init] | None = None
+
+    @property
+    def recorded(self) -> bool:
+        return self._table is not None
+
+    def _get(self) -> Mapping[str, Init]:
+        if self._table is None:
+            self._table = dict(self._record())
+            self._record = None
+        return self._table
+
+    def __getitem__(self, name: str) -> Init:
+        return self._get()[name]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __deepcopy__(self, memo) -> RecordedInits:
+        return self  # its entries are never changed, only read
+
+    def __reduce__(self):
+        return dict, (dict(self._get()),)  # pickled (a cached problem, a process) as the table
 
 
 def capture(
@@ -79,7 +126,7 @@ def capture(
     seq: int = 128,
     loss=None,
     source: str | None = None,
-    inits: dict[str, Init] | None = None,
+    inits: Mapping[str, Init] | None = None,
     observe=None,
 ) -> Captured:
     """Trace ``model`` (live or on meta) with ``inputs`` (default: token ids of shape (2, seq));
@@ -88,25 +135,30 @@ def capture(
         (``passes.contract.Observer``) sees the graph before and after canonicalisation."""
     if inputs is None:
         inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
-    gm, tracer, names = trace(model, inputs, loss, source)
-    if inits is not None:
-        inits = {**_traced_names(inits), **_lifted(gm, model)}
-    if tracer == "export":
-        _follow_bf16(gm, model, inputs, loss, source)
-    gm = passes.canonical(gm, inputs, observe, _recorded_values(inits, gm))
-    # what nothing reads (a mask built for a kind of layer the model has none of, as Gemma3's
-    # global-attention mask with only sliding layers) would be run, and sharded, for nothing
-    if gm.graph.eliminate_dead_code():
-        gm.recompile()
-    stack = structure.layer_stack(model)
-    structure.annotate_modules(gm, model, stack)
-    layer_nodes = structure.layer_nodes(gm)
-    if tracer == "symbolic_trace":
-        keys, notes = shapes.propagate(gm, inputs, layer_nodes, model)
-    else:
-        keys, notes = shapes.read_export_shapes(gm, layer_nodes)
-    shapes.requires_grad(gm)
-    structure.annotate_ops(gm)
+    with phase("trace"):
+        gm, tracer, names = trace(model, inputs, loss, source)
+        if inits is not None:
+            inits = _traced(inits, _lifted(gm, model))
+        if tracer == "export":
+            _follow_bf16(gm, model, inputs, loss, source)
+    with phase("canonicalise"):
+        gm = passes.canonical(gm, inputs, observe, _recorded_values(inits, gm))
+        # what nothing reads (a mask built for a kind of layer the model has none of, as Gemma3's
+        # global-attention mask with only sliding layers) would be run, and sharded, for nothing
+        if gm.graph.eliminate_dead_code():
+            gm.recompile()
+    with phase("structure"):
+        stack = structure.layer_stack(model)
+        structure.annotate_modules(gm, model, stack)
+        layer_nodes = structure.layer_nodes(gm)
+    with phase("shape propagation"):
+        if tracer == "symbolic_trace":
+            keys, notes = shapes.propagate(gm, inputs, layer_nodes, model)
+        else:
+            keys, notes = shapes.read_export_shapes(gm, layer_nodes)
+        shapes.requires_grad(gm)
+    with phase("structure"):
+        structure.annotate_ops(gm)
     return Captured(
         graph_module=gm,
         model=model,
@@ -140,7 +192,7 @@ def _follow_bf16(gm, model: nn.Module, inputs: tuple, loss, source: str | None) 
         dtypes.follow(gm, low)
 
 
-def _recorded_values(inits: dict[str, Init] | None, gm: fx.GraphModule):
+def _recorded_values(inits: Mapping[str, Init] | None, gm: fx.GraphModule):
     """``name -> value`` of a buffer the model built on meta, replayed from its recorded
     initialisation on CPU where that has no randomness (two seeds give one value); None
     otherwise. What canonicalisation's mask checks read (``passes.canonical``)."""
@@ -177,7 +229,13 @@ def _lifted(gm: fx.GraphModule, model: nn.Module) -> dict[str, Init]:
     return {k: lifted(v) for k, v in gm.named_buffers() if k not in held}
 
 
-def _traced_names(inits: dict[str, Init]) -> dict[str, Init]:
+def _traced(inits: Mapping[str, Init], lifted_: dict[str, Init]) -> RecordedInits:
+    """The model's ``inits`` (recorded when first read) named as the graph names them, with the
+    constants ``lifted_`` from its forward."""
+    return RecordedInits(lambda: {**_traced_names(inits), **lifted_})
+
+
+def _traced_names(inits: Mapping[str, Init]) -> dict[str, Init]:
     """``inits`` named as the traced graph names the model's tensors (``TrainingForward.model``)."""
     prefix = structure._WRAPPER_PREFIX
     return {
@@ -190,6 +248,7 @@ __all__ = [
     "Captured",
     "Init",
     "LayerKind",
+    "RecordedInits",
     "TrainingForward",
     "capture",
     "capture_file",

@@ -205,16 +205,18 @@ class Bounds:
 
         ``quick_bound`` is m x (per-micro-batch time) / pp plus a bubble >= 0, and m x mbs x pp x dp
         = global batch x tp x cp / gpus, so per-sequence time bounds it. Per block that time is
-        max(C, E) + s x min(C, E) + T + [exposed + s x hidden] of the backward re-gather, the
+        C + E - e(1 - s) x min(C, E) + T + [exposed + s x hidden] of the backward re-gather, the
         gradient reduce-scatter and the CP traffic (C compute, E all-to-all, T forward TP traffic,
-        s the overlap slowdown). Each bracket is at least min(s, 1) x its traffic, and the whole is
-        nondecreasing in C, E, T and the traffic, so the floor costs (``LayerCosts(floor=True)``,
-        proportional to mbs and below the real ones) evaluated at one sequence bound it."""
+        s the overlap slowdown, e the share of the all-to-all the program hides; e = 1 gives
+        max(C, E) + s x min(C, E)). Each bracket is at least min(s, 1) x its traffic, whatever
+        share of it the program hides, and the whole is nondecreasing in C, E, T and the traffic,
+        so the floor costs (``LayerCosts(floor=True)``, proportional to mbs and below the real
+        ones) evaluated at one sequence bound it."""
         tp, cp, ep, fp8, attn = family
         c = Candidate(tp, 1, cp, ep, 1, 1, fp8, attn, frozenset())
         where = self.costs.where(c, False)[1]
         floor = self.costs.floor
-        s = self.p.hw.overlap_slowdown
+        s, e = self.p.hw.overlap_slowdown, self.p.hw.overlap_share("ep")
         total = 0.0
         for block, n in zip(self.costs.blocks, self.costs.block_counts):
             f, b, w, _, _, _, _ = floor.compute(block, 1, tp, cp, fp8, frozenset(), ep)
@@ -222,9 +224,11 @@ class Bounds:
                 block, 1, tp, cp, ep, attn, fp8, where["tp"], where["cp"], where["ep"]
             )
             compute = f + b + w
-            total += n * (
-                max(compute, t_ep) + s * min(compute, t_ep) + t_tp + min(s, 1.0) * (regather + scatter + cp_total)
-            )
+            if e == 1:
+                both = max(compute, t_ep) + s * min(compute, t_ep)
+            else:
+                both = compute + t_ep - e * (1 - s) * min(compute, t_ep)
+            total += n * (both + t_tp + min(s, 1.0) * (regather + scatter + cp_total))
         return self.p.global_batch * tp * cp / self.p.gpus * total
 
     def dp_bound(self, c: Candidate, zero: int, w: Work, where_key, where, m: int) -> float:
@@ -247,9 +251,10 @@ class Bounds:
                     )
                 traffic[traffic_key] = (d["after_backward"], d["before_forward"], micro)
             after, before, micro = traffic[traffic_key]
-            avg = max(0.0, after - w.b - w.w) + max(0.0, before - w.f)
+            share = self.p.hw.overlap_share("dp")
+            avg = _shown(after, w.b + w.w, share) + _shown(before, w.f, share)
             if micro > 0:
-                avg += m * max(0.0, micro - w.total)
+                avg += m * _shown(micro, w.total, share)
             table[key] = avg / c.pp
         return table[key]
 
@@ -430,3 +435,12 @@ class Bounds:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if held(times[mid]) >= layers else (mid + 1, hi)
         return max(w.total / c.pp, times[lo] * (1 - 1e-12), w.pre.time(overlap), w.post.time(overlap))
+
+
+def _shown(traffic: float, window: float, share: float) -> float:
+    """Seconds of ``traffic`` exposed beside a compute ``window`` when the program hides ``share``
+    of what the window would hide. Convex in (traffic, window) and proportional to both, so at
+    the ranks' average it is at most the average of the ranks' (the partition's ``dp_share``)."""
+    if share == 1:
+        return max(0.0, traffic - window)
+    return (1 - share) * traffic + share * max(0.0, traffic - window)

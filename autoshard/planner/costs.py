@@ -76,8 +76,9 @@ class CandidateCosts:
         self.p = problem
         sp = problem.sequence_parallel  # with TP, unless pinned off or refused by the passes
         if share is None:
-            self.layers = LayerCosts(problem.cost, problem.seq, problem.hw, sp)
-            self.floor = LayerCosts(problem.cost, problem.seq, problem.hw, sp, floor=True)
+            hw = problem.hw.shared(problem.gpus)  # ranks sharing a host's cores (CPU runs)
+            self.layers = LayerCosts(problem.cost, problem.seq, hw, sp)
+            self.floor = LayerCosts(problem.cost, problem.seq, hw, sp, floor=True)
             self.memo = Memo()
         else:
             self.layers, self.floor, self.memo = share.layers, share.floor, share.memo
@@ -160,7 +161,9 @@ class CandidateCosts:
             # pipeline sends (one per virtual stage) lie on it too; in the steady state they are
             # asynchronous and overlap the next micro-batch's compute (LLaMA-3 section 3.3.2).
             sends = c.v * c.pp * max(k.p2p for k in kinds)
-            half = (tot("tp") + tot("cp") + (0 if overlap else tot("ep")) + sends) / 2
+            # an overlapping schedule hides the all-to-all but for what the program does not hide
+            ep = tot("ep") if not overlap else tot("ep_unhidden")
+            half = (tot("tp") + tot("cp") + ep + sends) / 2
             w = Work(
                 kinds,
                 pre,

@@ -209,8 +209,11 @@ class Evaluator:
             **{key: [e[key] for e in entries] for key in partition.KEYS},
             pre=entry(w.pre, pre_state, pre_grad),
             post=entry(w.post, post_state, post_grad),
-            p2p=0.0,  # pipeline sends overlap compute in the steady state; fill/drain counts them
+            # pipeline sends overlap compute in the steady state but for what the program does not
+            # hide (``Hardware.overlap``); fill/drain counts them
+            p2p=(1 - hw.overlap_share("pp")) * w.p2p,
             dp_latency=_latency(c.zero, where, hw, w),
+            dp_share=hw.overlap_share("dp"),
             buffers=buffers,
             post_buffers=post_buffers,
             capacity=hw.usable_bytes,
@@ -239,11 +242,15 @@ class Evaluator:
         ep_total = per_rank("ep")
         ep_exposed = ep_total
         if overlap:
-            hidden = [sum(n * min(k.ep, k.compute) for n, k in zip(counts, x.kinds)) for x in works]
+            hidden = [sum(n * k.ep_hidden for n, k in zip(counts, x.kinds)) for x in works]
             ep_exposed -= m * sum(hidden) / len(works) / c.pp
         pp_total = m * c.v * w.p2p if c.pp > 1 else 0.0
         sends = c.v * w.p2p / 2 if c.pp > 1 else 0.0
         pp_exposed = bubble - sched.bubble(c.pp, m, c.v, w.f / c.pp - sends, w.b / c.pp - sends, w.w / c.pp)
+        # the steady-state sends the program does not hide (``Hardware.overlap``): in the slowest
+        # rank's time (``Quantities.p2p``), counted here rather than as imbalance
+        steady = m * c.v * (1 - self.p.hw.overlap_share("pp")) * w.p2p if c.pp > 1 else 0.0
+        pp_exposed += steady
         d = data_parallel(w.params_dense / c.pp, w.params_expert / c.pp, c.zero, where["dpcp"], where["edp"], self.p.hw)
         dp_total = d["after_backward"] + d["before_forward"] + m * d["per_microbatch"]
         interference = [
@@ -258,7 +265,7 @@ class Evaluator:
             "overlap_s": layers_overlap,
             "recompute_s": per_rank("recompute"),
             "bubble_s": bubble,
-            "imbalance_s": m * part.t_max - m * sum(x.total for x in works) / len(works) / c.pp,
+            "imbalance_s": m * part.t_max - m * sum(x.total for x in works) / len(works) / c.pp - steady,
             "comm_s": {
                 "tp": {"total": per_rank("tp_total"), "exposed": per_rank("tp")},
                 "cp": {"total": per_rank("cp_total"), "exposed": per_rank("cp")},

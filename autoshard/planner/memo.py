@@ -55,5 +55,11 @@ class Memo:
     """``memory_layout`` key + (id(in-flight tuple),) -> the memory lower bound."""
     tmax: dict = _table()
     """(id(Work), zero, (first, last) rank, id(in-flight tuple), EP overlapped) -> the t_max bound."""
+    node_bound: dict = _table()
+    """(candidate, level) -> its lower bound (``Bounds.bound``): the per-mesh searches for the
+    alternatives meet many of the nodes the main search bounded."""
+    leaf: dict = _table()
+    """(candidate, fixed stage layers) -> its ``Evaluation`` (CP-SAT's partition): likewise the
+    leaves of a neighbouring mesh the main search already evaluated."""
     recompute_keep: dict = _table()
     """(mbs, tp, cp, fp8) -> the recompute sets not dominated in (time, memory) by another."""

@@ -26,6 +26,7 @@ from autoshard.ir.schedules import Point, peak, point_matrix
 
 US = 1e6  # CP-SAT works in integers: times in microseconds
 MEM_UNIT = 2**20  # memory in MiB
+SHARE_UNIT = 1000  # overlap shares in thousandths
 PREFIX_ENUMERATION = 6  # a leading run this short is split by enumeration, not CP-SAT
 
 KEYS = ("time", "fwd", "bwd", "act", "held", "state", "grad", "dp_time", "dp_gather", "dp_micro")
@@ -60,6 +61,8 @@ class Quantities:
     occupancy: list[tuple[Point, ...]] = field(default_factory=list)
     boundary: float = 0.0  # bytes of the output a chunk keeps per micro-batch in flight (all but the last)
     rank_buffers: list[float] = field(default_factory=list)  # per rank: bytes besides ``buffers``
+    # share of the data-parallel traffic behind its window the program hides (``Hardware.overlap``)
+    dp_share: float = 1.0
     # what each rank may use instead, one per other recompute set (``Partition.rank_option``):
     # the same fields under that set; empty where every rank takes this one
     options: list[Quantities] = field(default_factory=list)
@@ -309,6 +312,10 @@ class _SplitModel:
                 continue
             x = self.model.NewIntVar(0, self.horizon, "")
             self.model.Add(x >= traffic + round(lat_s * US) - window)
+            if self.q.dp_share < 1:  # (1 - s) x traffic + s x (what shows) = shown + (1 - s) x hidden
+                shown, x = x, self.model.NewIntVar(0, self.horizon, "")
+                keep = round(SHARE_UNIT * self.q.dp_share)
+                self.model.Add(SHARE_UNIT * x >= (SHARE_UNIT - keep) * (traffic + round(lat_s * US)) + keep * shown)
             exposed.append(x * times if times > 1 else x)
         self.model.Add(self.d_max >= sum(exposed))
 
@@ -490,7 +497,14 @@ def _per_rank_terms(
             if per == 0 and extra == 0:
                 continue
             window_per, window0 = {"dp_time": (b_per, b0), "dp_gather": (f_per, f0)}.get(key, (f_per + b_per, f0 + b0))
-            terms.append((per - window_per, extra - window0, times))
+            s = q.dp_share  # shown + (1 - s) x hidden = s x max(0, traffic - window) + (1 - s) x traffic
+            if s < 1:
+                terms.append((round((1 - s) * per), round((1 - s) * extra), times))
+            terms.append(
+                (per - window_per, extra - window0, times)
+                if s == 1
+                else (round(s * (per - window_per)), round(s * (extra - window0)), times)
+            )
         ranks.append({"const_t": const_t, "cap": cap, "terms": terms})
     return t_layer, ranks
 

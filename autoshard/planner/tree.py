@@ -99,7 +99,7 @@ class Tree:
         """Best first over the families whose rank by floor is ``share[0]`` modulo ``share[1]``
         (dealt out like cards, so every share holds good families and prunes early): (best or
         None, infeasible leaves, nodes, leaves)."""
-        bounds, evaluator = self.bounds, self.evaluator
+        bounds = self.bounds
         heap: list = []
         tick = itertools.count()
         families = self.families()
@@ -125,7 +125,7 @@ class Tree:
                         heapq.heappush(heap, (quick, 1, next(tick), 0, root))  # fully bounded when popped
                 continue
             if needs_bound:  # pushed with its parent's bound: bound it now
-                own = bounds.bound(c, level)
+                own = self._bound(c, level)
                 if own < math.inf and (best is None or own < best.step_time_s):
                     heapq.heappush(heap, (own, 0, next(tick), level, c))
                 continue
@@ -142,10 +142,27 @@ class Tree:
             if memory_key in does_not_fit:
                 continue
             leaves += 1
-            ev = evaluator.evaluate(c, fixed)
+            ev = self._evaluate(c, fixed)
             if not ev.feasible:
                 does_not_fit.add(memory_key)
                 infeasible.append(ev)
             elif best is None or ev.step_time_s < best.step_time_s:
                 best = ev
         return best, infeasible, nodes, leaves
+
+    def _bound(self, c: Candidate, level: int) -> float:
+        """``Bounds.bound``, memoised for the whole search (the per-mesh searches share the memo)."""
+        table = self.costs.memo.node_bound
+        key = (c, level)
+        if key not in table:
+            table[key] = self.bounds.bound(c, level)
+        return table[key]
+
+    def _evaluate(self, c: Candidate, fixed) -> Evaluation:
+        """``Evaluator.evaluate``, memoised likewise (it depends on the candidate and the fixed
+        stages alone: the per-mesh searches differ from the main one only in the mesh pins)."""
+        table = self.costs.memo.leaf
+        key = (c, None if fixed is None else tuple(fixed))
+        if key not in table:
+            table[key] = self.evaluator.evaluate(c, fixed)
+        return table[key]

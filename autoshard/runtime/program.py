@@ -23,6 +23,7 @@ from autoshard.runtime import data as token_data
 from autoshard.runtime import fake, groups, moe, phase
 from autoshard.runtime.checkpoint import Checkpoint
 from autoshard.runtime.rebuild import Recipe
+from autoshard.runtime.reduction import BucketedReduction
 from autoshard.runtime.stages import load_stage_file, materialise, put_parameter, stage_tables
 from autoshard.runtime.state import kept
 from autoshard.runtime.zero import BUCKET_BYTES, ShardedAdamW
@@ -433,7 +434,7 @@ def _stage_class():
 
     lazy = all(hasattr(PipelineStage, name) for name in _LAZY_HOOKS)
     mixins = (_ReceiveOnDemand, _PlannedBackward) if lazy else ()
-    return type("Stage", (_ContiguousGradients, *mixins, PipelineStage), {})
+    return type("Stage", (_ContiguousGradients, _ReduceOnLastBackward, *mixins, PipelineStage), {})
 
 
 class _ContiguousGradients:
@@ -448,6 +449,32 @@ class _ContiguousGradients:
         for op in ops:
             op.tensor = op.tensor.contiguous()
         return ops
+
+
+class _ReduceOnLastBackward:
+    """A ``PipelineStage`` mixin: a chunk's gradient reductions (``BucketedReduction`` s, the
+    chunk's ``autoshard_reductions``) start during its last backward of the step (the schedule's
+    ``last_backward``: a full backward, or a split backward's weight pass), and the schedule's
+    division by the micro-batch count leaves their early parameters to them (they divide a
+    gradient once it is final, before reducing it, as the schedule would have)."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        final = last_backward and backward_type != "input"
+        reductions = getattr(self.submod, "autoshard_reductions", ()) if final else ()
+        params = list(self.submod.parameters()) if reductions else []
+        for r in reductions:
+            r.arm(params)
+        out = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        for r in reductions:
+            r.ready(params)  # (a weight pass adds into ``.grad`` itself, past the hooks)
+        return out
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        early = {i for r in getattr(self.submod, "autoshard_reductions", ()) for i in r.early}
+        if grad_scale_factor != 1:
+            for p in self.submod.parameters():
+                if p.grad is not None and id(p) not in early:
+                    p.grad.div_(grad_scale_factor)
 
 
 class _ReceiveOnDemand:
@@ -683,6 +710,45 @@ def reduce_gradients(params: list[nn.Parameter], group, divide: int, optimizer=N
         _all_reduce_flat(bucket, group, divide=divide)
 
 
+def gradient_reductions(
+    stages: list[nn.Module],
+    plan: Plan,
+    optim,
+    zero_group,
+    experts: Sequence[nn.Parameter],
+    ties: Sequence,
+    dense: bool,
+    scale: int = 1,
+) -> list[BucketedReduction]:
+    """The step's data-parallel gradient reductions that overlap its last backward
+    (``reduction.BucketedReduction``): the dense weights' over dp x cp (unless FSDP2 reduces them,
+    ``dense`` False), the stacked experts' over their expert-data-parallel ranks (unless FSDP2
+    shards them), both divided by dp: what ``reduce_gradients`` does after the backward. The
+    sequence-parallel partial gradients and the tied copies are summed after the backward (over
+    TP, over the pipeline ranks holding a copy) before their reduction: late. Each chunk is given
+    them (``autoshard_reductions``), so that its pipeline stage starts them
+    (``_ReduceOnLastBackward``); ``scale``: the schedule's division of the gradients."""
+    expert_ids = {id(p) for p in experts}
+    late = [p for t in ties for p in t.copies]
+    if groups.tp_group() is not None:
+        late += [p for m in stages for n, p in m.named_parameters() if n in set(m.stage_file.PARTIAL_GRADS)]
+    params = [p for m in stages for p in m.parameters()]
+    out = []
+    if dense:
+        mine = [p for p in params if id(p) not in expert_ids]
+        out.append(_reduction(mine, zero_group, plan.mesh.dp, optim.dense, late, scale))
+    if experts and not shards_experts(plan):
+        out.append(_reduction(list(experts), groups.edp_group(), plan.mesh.dp, optim.experts, late, scale))
+    for m in stages:
+        m.autoshard_reductions = out
+    return out
+
+
+def _reduction(params, group, divide: int, optimizer, late, scale: int) -> BucketedReduction:
+    sharded = optimizer if isinstance(optimizer, ShardedAdamW) else None
+    return BucketedReduction(params, group, divide, sharded=sharded, late=late, scale=scale)
+
+
 def routing_biases(stages: list[nn.Module]) -> dict[str, torch.Tensor]:
     """MoE layer -> the routing-bias buffer the chunks hold (their stage files' ``ROUTING``)."""
     out = {}
@@ -801,8 +867,23 @@ def shard_data_parallel(
             ignored = {p for p in module.parameters() if any(p is e for e in experts)} or None
             for unit in units:
                 shard(unit, mesh=dense_mesh, ignored_params=ignored)
+            prefetch_next_layer(layer_modules(module))
         module.autoshard_zero = zero  # read by the pipeline stage (``_stage_class``)
     return dense
+
+
+def prefetch_next_layer(layers: list[nn.Module]) -> None:
+    """Each FSDP layer's forward starts the next layer's all-gather before its own compute, one
+    layer ahead: the overlap and the gathered copies the cost model counts
+    (``ZERO3_GATHERED_LAYERS``: the layer at work, the next one's gather and its copy into that
+    layer's parameters). Without it FSDP gathers a layer when the forward reaches it (overlapped
+    only where the host runs ahead of the device). The backward keeps FSDP's own prefetch, one
+    layer ahead too (the previous one in the order of the forwards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in layers if isinstance(m, FSDPModule)]
+    for here, after in zip(units, units[1:]):
+        here.set_modules_to_forward_prefetch([after])
 
 
 def _fully_shard(fully_shard, unit, divide: int, **kwargs) -> None:

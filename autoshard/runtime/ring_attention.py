@@ -130,9 +130,12 @@ def _block_backward(q, k, v, do, out, lse, scale, rank, src, cp, causal, dq, dk,
                 dk[ki] += g[1].float()
                 dv[ki] += g[2].float()
         return
+    # the torch path computes in fp32 (the accumulators' dtype): backward runs outside autocast,
+    # so bf16 inputs would meet fp32 probabilities in one matmul
     heads = q.size(1)
-    k_parts = [_expand_kv(x, heads) for x in k_parts]
-    v_parts = [_expand_kv(x, heads) for x in v_parts]
+    q_parts, do_parts, o_parts = ([x.float() for x in xs] for xs in (q_parts, do_parts, o_parts))
+    k_parts = [_expand_kv(x.float(), heads) for x in k_parts]
+    v_parts = [_expand_kv(x.float(), heads) for x in v_parts]
     for qi, qc in enumerate(_chunks(rank, cp)):
         delta = (do_parts[qi] * o_parts[qi]).sum(-1, keepdim=True)
         for ki, kc in enumerate(_chunks(src, cp)):

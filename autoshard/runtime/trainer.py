@@ -659,6 +659,7 @@ class Trainer:
     experts: list[nn.Parameter]  # stacked expert weights (gradients summed over the EDP group)
     biases: dict[str, torch.Tensor]  # MoE layer -> routing bias, updated after each step
     zero_group: object  # the dp x cp ranks ZeRO shards over and the dense gradients are reduced over
+    reductions: list  # the gradient reductions overlapping the last backward (``rt.gradient_reductions``)
     entries: list[state.Entry] = field(default_factory=list)  # every tensor held, in full-tensor coordinates
     loads: dict = field(default_factory=dict)  # MoE layer -> (max, mean) expert load of the last step
     dropped: int | None = None  # routed rows the capacity dropped in the last step, all ranks
@@ -718,12 +719,17 @@ class Trainer:
             schedule = rt.pipeline_schedule(
                 plan, stages, ranks, device, microbatches, loss, out, program, args.compute_dtype
             )
+        # 5. the data-parallel gradient reductions not left to FSDP2, started in buckets during the
+        #    step's last backward (the pipeline schedule divides by the micro-batches: they do it
+        #    for the gradients they start early)
+        scale = microbatches if schedule is not None else 1
+        reductions = rt.gradient_reductions(stages, plan, optim, zero_group, experts, ties, not fsdp, scale)
         biases = rt.routing_biases(stages)
         held = state.entries(stages, chunk_ids, ranks, program.tied)
         state.use_stepped(held, optim)  # bf16 masters, ZeRO-1's rows: what checkpoints and the norm count
         return cls(
             args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule,
-            experts, biases, zero_group, held,
+            experts, biases, zero_group, reductions, held,
         )  # fmt: skip
 
     def expert_load(self) -> dict:
@@ -787,26 +793,27 @@ class Trainer:
             self.schedule.step(tokens, **kwargs) if self.first else self.schedule.step(**kwargs)
         else:
             m = self.microbatches
-            for mb in tokens.split(self.plan.microbatch_size):
+            for i, mb in enumerate(tokens.split(self.plan.microbatch_size)):
+                if i == m - 1:  # the last backward: its gradients are final, their reductions start
+                    for r in self.reductions:
+                        r.arm()
                 value = self.loss(self.stages[0](mb), mb)
                 (value / m).backward()
                 losses.append(value.detach())
         PROGRESS.mark(step, 1)
         rt.sum_partial_gradients(self.stages)  # sequence parallel: norms saw 1/tp of the tokens
         dp = self.plan.mesh.dp
-        if not self.fsdp:  # (FSDP reduces over dp x cp itself, in backward)
+        if not self.fsdp:
             # one parameter: its copies' gradients add up (Megatron's embedding group), before the
             # data-parallel reduction, which under ZeRO-1 reduces rows onto their ranks only
             rt.sum_tied_gradients(self.ties)
-            expert_ids = {id(p) for p in self.experts}
-            dense = [p for p in self.params if id(p) not in expert_ids]
-            # summed over dp x cp (each CP rank holds its share of every sequence's mean), averaged
-            # over the dp replicas: all-reduced, or under ZeRO-1 reduce-scattered onto the rows
-            # each rank steps
-            rt.reduce_gradients(dense, self.zero_group, dp, self.optim.dense)
-        if not rt.shards_experts(self.plan):  # (FSDP reduces the experts' over their EDP ranks itself)
-            # experts: summed over the ranks holding the same ones, divided by dp as the dense weights
-            rt.reduce_gradients(self.experts, groups.edp_group(), dp, self.optim.experts)
+        # dense weights (unless FSDP reduces them over dp x cp itself, in backward): summed over
+        # dp x cp (each CP rank holds its share of every sequence's mean), averaged over the dp
+        # replicas, all-reduced or under ZeRO-1 reduce-scattered onto the rows each rank steps;
+        # experts (unless FSDP shards them): summed over the ranks holding the same ones, divided
+        # by dp. Started during the backward; here the late ones start and all are waited for.
+        for r in self.reductions:
+            r.finish()
         if self.fsdp:
             rt.sum_tied_gradients(self.ties)
         norm = state.clip_gradients(self.entries, self.args.max_grad_norm)

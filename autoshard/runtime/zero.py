@@ -50,8 +50,10 @@ def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 class ShardedAdamW:
     """AdamW over this rank's rows of ``params``, the rows split over ``group`` (see the module
-    docstring). Used as the program's ZeRO-1 optimizer part: ``reduce_gradients`` once per step
-    after the backward, then ``step``."""
+    docstring). Used as the program's ZeRO-1 optimizer part: its gradients reduced bucket by bucket
+    (``launch_reduce`` as a bucket's gradients are final, during the last backward, ``finish_reduce``
+    before the step: ``reduction.BucketedReduction``; or ``reduce_gradients`` after the backward),
+    then ``step``."""
 
     def __init__(self, params: list[nn.Parameter], group, **kwargs):
         self.params = list(params)
@@ -115,11 +117,12 @@ class ShardedAdamW:
 
     # a step
 
-    def _buckets(self, itemsize: int) -> list[list[nn.Parameter]]:
+    def _buckets(self, itemsize: int, params: list | None = None, cap: int = BUCKET_BYTES) -> list[list[nn.Parameter]]:
+        """``params`` (default: all, in order) in consecutive groups of at most ``cap`` bytes."""
         out, size = [[]], 0
-        for p in self.params:
+        for p in self.params if params is None else params:
             n = self.spans[id(p)][0] * self._width(p) * self.size * itemsize
-            if out[-1] and size + n > BUCKET_BYTES:
+            if out[-1] and size + n > cap:
                 out.append([])
                 size = 0
             out[-1].append(p)
@@ -129,37 +132,50 @@ class ShardedAdamW:
     def reduce_gradients(self, divide: int = 1) -> None:
         """Sum the full gradients over the group onto this rank's rows, divided by ``divide``: the
         masters' gradients."""
-        grads = {}
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p, dtype=getattr(p, "grad_dtype", None) or p.dtype)
-            grads[id(p)] = self._view(p.grad, p)
         for bucket in self._buckets(4):
-            per = [self.spans[id(p)][0] for p in bucket]
-            width = [self._width(p) for p in bucket]
-            seg = sum(r * w for r, w in zip(per, width))
-            p0 = bucket[0]
-            g0 = grads[id(p0)]
-            if len(bucket) == 1 and self._exact(p0, p0.grad):
-                full = g0.view(-1)  # the rows divide exactly: the gradient itself is the input
-            else:
-                full = g0.new_zeros(self.size * seg)
-                at = 0
-                for r in range(self.size):
-                    for p, n, w in zip(bucket, per, width):
-                        piece = grads[id(p)][:, r * n : (r + 1) * n]
-                        full[at : at + piece.numel()].copy_(piece.reshape(-1))
-                        at += n * w
-            mine = full.new_empty(seg)
-            if self.size > 1:
-                _scatter_from(mine, full, group=self.group)
-            else:
-                mine.copy_(full)
+            self.finish_reduce(self.launch_reduce(bucket), divide)
+
+    def launch_reduce(self, bucket: list[nn.Parameter]) -> tuple:
+        """Start the reduce-scatter of the (final) gradients of ``bucket`` onto this rank's rows,
+        asynchronously: the handle ``finish_reduce`` completes. The bucket's gradients are read
+        now (copied into the collective's buffer, unless one parameter's rows tile it exactly)."""
+        per = [self.spans[id(p)][0] for p in bucket]
+        width = [self._width(p) for p in bucket]
+        seg = sum(r * w for r, w in zip(per, width))
+        grads = [self._view(p.grad, p) for p in bucket]
+        p0 = bucket[0]
+        if len(bucket) == 1 and self._exact(p0, p0.grad):
+            full = grads[0].view(-1)  # the rows divide exactly: the gradient itself is the input
+        else:
+            full = grads[0].new_zeros(self.size * seg)
             at = 0
-            for p, n, w in zip(bucket, per, width):
-                master = self.masters[id(p)]
-                master.grad = mine[at : at + master.numel()].view_as(master).div_(divide)
-                at += n * w
+            for r in range(self.size):
+                for g, n, w in zip(grads, per, width):
+                    piece = g[:, r * n : (r + 1) * n]
+                    full[at : at + piece.numel()].copy_(piece.reshape(-1))
+                    at += n * w
+        mine = full.new_empty(seg)
+        work = None
+        if self.size > 1:
+            work = _scatter_from(mine, full, group=self.group, async_op=True)
+        else:
+            mine.copy_(full)
+        return work, full, mine, bucket
+
+    def finish_reduce(self, handle: tuple, divide: int = 1) -> None:
+        """Wait for a ``launch_reduce`` and give the bucket's masters their gradients: the summed
+        rows divided by ``divide``."""
+        work, _, mine, bucket = handle  # (the full buffer is held until the collective is done)
+        if work is not None:
+            work.wait()
+        at = 0
+        for p in bucket:
+            master = self.masters[id(p)]
+            master.grad = mine[at : at + master.numel()].view_as(master).div_(divide)
+            at += self.spans[id(p)][0] * self._width(p)
 
     @torch.no_grad()
     def step(self) -> None:

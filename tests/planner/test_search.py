@@ -4,7 +4,6 @@ and behaves the way the hardware says it should (property tests)."""
 import itertools
 import math
 import os
-import tempfile
 from dataclasses import replace
 
 import pytest
@@ -15,15 +14,7 @@ from autoshard.planner.candidates import Candidate, divisors, meshes, orders, re
 from autoshard.planner.search import Planner
 
 from conftest import captured
-
-
-def _profile(**fields) -> hardware.Hardware:
-    path = os.path.join(tempfile.mkdtemp(), "custom.toml")
-    base = fields.pop("extends", "h100")
-    body = "".join(f"{k} = {v}\n" for k, v in fields.items())
-    with open(path, "w") as f:
-        f.write(f'name = "custom"\nextends = "{base}"\n{body}')
-    return hardware.load(path)
+from conftest import extended_profile as _profile
 
 
 def _plan(name, config, seq, hw, gpus, batch, **pins):

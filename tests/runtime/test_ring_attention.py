@@ -64,6 +64,27 @@ def test_value_head_size_may_differ_from_the_query_key_one(variant, dv):
             assert err < 1e-5, (name, err)
 
 
+def _bf16_worker(rank, world):
+    """Ring attention's torch path on bf16 inputs (what a bf16 program hands it on CPUs, where its
+    backward runs outside autocast): gradients as the fp32 reference's, to bf16's precision."""
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 8 * world, 16, generator=gen) for _ in range(3))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    _reference(*full, True).sum().backward()
+    local = [shard_sequence(t, world, rank).bfloat16().requires_grad_() for t in (q, k, v)]
+    ring_attention(*local, group=dist.group.WORLD, causal=True).float().sum().backward()
+    return [(p.grad.float() - shard_sequence(f.grad, world, rank)).abs().max().item() for p, f in zip(local, full)]
+
+
+def test_ring_attention_backward_takes_bf16_inputs():
+    from distributed import run
+
+    for errs in run(_bf16_worker, 2, timeout=120):
+        assert max(errs) < 0.1, errs
+
+
 @pytest.mark.parametrize("window", [3, 6, 13])
 @pytest.mark.parametrize("variant", ["ring", "allgather"])
 def test_sliding_window_attention_matches_full_attention_with_the_band(variant, window):

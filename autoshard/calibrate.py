@@ -1,0 +1,594 @@
+"""``autoshard calibrate``: measure the machine this runs on into a hardware profile.
+
+What is measured, one progress line each, and which profile field it becomes:
+
+- On CPUs every rate below is one thread's, as each rank of an emitted program runs one
+  (torchrun sets ``OMP_NUM_THREADS=1``); ``cores`` says how many such ranks run at once.
+- GEMMs at shapes plans produce (tokens x hidden x ffn, small to large), a linear layer's
+  forward and backward from fp32 weights under autocast, as the program runs them, in each dtype the
+  emitted program may compute in (bf16 on GPUs; fp32 and bf16 on CPUs, where the program
+  computes in fp32 unless run with ``--compute-dtype bf16``): ``peak_tflops`` per dtype is the
+  best rate measured. Without ``--extends`` that rate is the peak and ``matmul_efficiency`` is 1
+  (the cost model's peak x efficiency is then the measured best); extending a profile keeps its
+  bf16 peak and writes ``matmul_efficiency`` = best / that peak.
+- Host costs: ``op_overhead_us``, the host time of one op whatever its size (a chain of tiny ops
+  forward and backward; it matters where kernels do not run ahead of the host, on CPUs); on CPUs
+  ``cores``, the cores the ranks of one host share.
+- Memory bandwidth: a large tensor copy (read + write) -> ``hbm_gbps``.
+- Attention: torch SDPA, causal -> ``attention_efficiency``, the measured rate over the peak and
+  over the share of its long-sequence speed ``cost_models.compute.attention_time`` grants that
+  key length, so that the cost model reproduces the measured time; its backward over its forward
+  -> ``attention_backward``.
+- Every collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, and the
+  ring send/receive of ``batch_isend_irecv`` that ring attention and the pipeline use) over each
+  rank count of ``--ranks``, processes on this host (gloo on CPUs, NCCL where there is a GPU per
+  rank), at several message sizes. ``cost_models.comm`` prices one as (bytes its formula counts)
+  / bandwidth + steps x latency; a least-squares fit of that form over every (ranks, size) gives
+  ``collectives.<kind> = { gbps, latency_us }``.
+- Overlap (``overlap.<kind>``): how much of each kind of communication the emitted program hides
+  beside compute, measured with the runtime's own primitives where it launches the transfer
+  asynchronously: compute alone, transfer alone and both as the program runs them; the hidden
+  share is (compute + transfer - both) / min(compute, transfer), clipped to [0, 1]. Where the
+  program waits on each transfer before it computes on (``SYNCHRONOUS``) the share is 0 by
+  construction, and the profile says why instead of timing noise.
+
+Writing is atomic: the profile is loaded and validated from a temporary file beside the target,
+which then replaces it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from autoshard.cost_models import hardware
+from autoshard.cost_models.compute import ATTENTION_HALF_LENGTH
+from autoshard.errors import AutoshardError
+from autoshard.runtime import ring_attention as ra
+from autoshard.runtime.collectives import _gather_into, _scatter_from
+from autoshard.runtime.reduction import BucketedReduction
+
+GEMM_SHAPES = ((256, 256, 256), (512, 1024, 512), (1024, 1024, 1024), (2048, 1024, 4096), (2048, 2048, 2048))
+QUICK_GEMM_SHAPES = GEMM_SHAPES[:3]
+MESSAGE_BYTES = (2**14, 2**18, 2**21, 2**23)
+QUICK_MESSAGE_BYTES = (2**14, 2**20)
+
+# Kinds of communication the emitted program runs blocking: what it waits on before computing on.
+SYNCHRONOUS = {
+    "tp": "runtime.collectives runs each TP collective blocking, inside the autograd function needing it",
+    "ep": "runtime.moe's expert GEMMs read each all-to-all's rows at once, and torch's DualPipeV runs its "
+    "overlapped forward and backward pairs one after the other",
+}
+
+
+def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = None, quick: bool = False) -> dict:
+    """Measure this machine and write the profile to ``out``; returns the fields written."""
+    ranks = _check_ranks(ranks)
+    path = _check_out(Path(out))
+    parent = hardware.load(extends) if extends else None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    start = time.perf_counter()
+    _say(f"calibrating on {device} ({_machine(device)}), ranks {', '.join(map(str, ranks))}")
+    # on CPUs one thread: each rank of an emitted program runs one (torchrun's OMP_NUM_THREADS=1),
+    # so the rates are one core's, and ``cores`` says how many ranks run at those rates at once
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if device == "cpu" else threads)
+    try:
+        gemm = {dtype: measure_gemms(device, quick, dtype) for dtype in _dtypes(device)}
+        peaks = {dtype: max(rates.values()) for dtype, rates in gemm.items()}
+        mem = measure_memory(device, quick)
+        attn = measure_attention(device, peaks["bf16"], quick)
+        host = measure_host(device, quick)
+    finally:
+        torch.set_num_threads(threads)
+    points, overlap = measure_distributed(ranks, device, quick)
+    fields = {"name": path.stem} | ({"extends": extends} if extends else {})
+    fields |= _fields(device, peaks, mem, attn, fit_collectives(points), overlap, parent, ranks) | host
+    elapsed = time.perf_counter() - start
+    backends = sorted({p["backend"] for p in points})
+    _write(path, fields, _header(device, ranks, elapsed, gemm["bf16"], extends, backends))
+    _say(f"wrote {out} in {elapsed:.0f} s")
+    return fields
+
+
+def _check_ranks(ranks: tuple[int, ...]) -> tuple[int, ...]:
+    if not ranks or any(n < 2 for n in ranks):
+        raise AutoshardError(f"--ranks takes process counts of 2 or more, e.g. 2,4; got {','.join(map(str, ranks))}")
+    return tuple(sorted(set(ranks)))
+
+
+def _check_out(path: Path) -> Path:
+    """``path``, where a profile can be written (checked before minutes of measuring)."""
+    if path.suffix != ".toml":
+        raise AutoshardError(f"calibrate writes a .toml profile; give -o a path ending in .toml, not {path}")
+    if not path.parent.is_dir():
+        raise AutoshardError(f"calibrate: directory {path.parent} does not exist; create it or choose another -o")
+    return path
+
+
+def _say(line: str) -> None:
+    print(f"calibrate: {line}", flush=True)
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def _median_time(fn, device: str, min_s: float = 0.2, reps: int = 3) -> float:
+    """Median seconds of ``fn()`` over at least ``reps`` runs lasting ``min_s`` together, after
+    one warm-up run."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times: list[float] = []
+    while len(times) < reps or sum(times) < min_s:
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _dtypes(device: str) -> tuple[str, ...]:
+    """The dtypes the emitted program computes in here (CPUs: fp32 by default, bf16 on request)."""
+    return ("bf16",) if device == "cuda" else ("bf16", "fp32")
+
+
+def measure_gemms(device: str, quick: bool, dtype: str = "bf16") -> dict[tuple[int, int, int], float]:
+    """FLOP/s of a linear layer's three GEMMs (forward, input and weight gradients: m x k x n
+    each) per plan-like shape, as the program runs them: fp32 weights, computed in ``dtype``
+    under autocast (its casts included). A standalone bf16 GEMM is 2-3x faster than that on a
+    CPU core (measured here: 1.1 against 0.1-0.5 TFLOP/s), which the programs never see."""
+    out = {}
+    for m, k, n in QUICK_GEMM_SHAPES if quick else GEMM_SHAPES:
+        x = torch.randn(m, k, device=device, requires_grad=True)
+        w = torch.randn(n, k, device=device, requires_grad=True)
+
+        def step(x=x, w=w):
+            with torch.autocast(device, dtype=DTYPES[dtype], enabled=dtype != "fp32"):
+                y = F.linear(x, w)
+            y.float().sum().backward()
+
+        t = _median_time(step, device, 0.05 if quick else 0.2)
+        out[(m, k, n)] = 3 * 2 * m * k * n / t
+        _say(f"gemm {dtype} {m}x{k}x{n} forward and backward: {out[(m, k, n)] / 1e9:.1f} GFLOP/s")
+    return out
+
+
+def measure_memory(device: str, quick: bool) -> float:
+    """Bytes/s of a large copy (each element read once and written once)."""
+    elems = 2**23 if quick else 2**25
+    x = torch.randn(elems, device=device)
+    y = torch.empty_like(x)
+    t = _median_time(lambda: y.copy_(x), device, 0.05 if quick else 0.2)
+    rate = 2 * x.numel() * x.element_size() / t
+    _say(f"memory copy {x.numel() * x.element_size() / 2**20:.0f} MiB: {rate / 1e9:.1f} GB/s")
+    return rate
+
+
+def measure_attention(device: str, peak: float, quick: bool) -> float:
+    """``attention_efficiency``: causal SDPA's FLOP/s (FLOPs counted as ``cost_models.flops``
+    does) over the peak and over the key-length factor the cost model applies."""
+    b, h, s, d = 1, 8, 512 if quick else 1024, 64
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))
+    t = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, 0.05 if quick else 0.2)
+    rate = 2 * b * h * s * s * (d + d) / 2 / t
+    eff = min(1.0, rate / (peak * s / (s + ATTENTION_HALF_LENGTH)))
+    _say(f"attention causal {s} tokens: {rate / 1e9:.1f} GFLOP/s, efficiency {eff:.2f}")
+    return eff
+
+
+def measure_host(device: str, quick: bool) -> dict:
+    """``op_overhead_us``, ``attention_backward`` and, on CPUs, ``cores``."""
+    out = {
+        "op_overhead_us": _round(measure_op_overhead(device, quick)),
+        "attention_backward": _attention_backward(device, quick),
+    }
+    if device == "cpu":
+        out["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        _say(f"cores the ranks share: {out['cores']}")
+    return out
+
+
+def measure_op_overhead(device: str, quick: bool, ops: int = 200) -> float:
+    """Microseconds per forward op of a chain of ops on 16 x 16 elements (a linear and a scale in
+    turn, under bf16 autocast as the programs run), forward and backward: three ops per forward
+    op, as ``cost_models.layers.LayerCosts.op_overhead`` counts them. One thread on CPUs: each
+    rank of an emitted program runs with one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    x, w = (torch.randn(16, 16, device=device, requires_grad=True) for _ in range(2))
+
+    def chain():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = x
+            for _ in range(ops // 2):
+                y = F.linear(y, w) * 1.0001
+        y.float().sum().backward()
+
+    try:
+        t = _median_time(chain, device, 0.2 if quick else 1.0, reps=5)
+    finally:
+        torch.set_num_threads(threads)
+    us = t / (3 * (ops + 1)) * 1e6
+    _say(f"host time per op: {us:.1f} us")
+    return us
+
+
+def _attention_backward(device: str, quick: bool) -> float:
+    """Causal SDPA's backward time over its forward time (flash attention reruns QK^T: 2.5 on
+    GPUs; CPU kernels differ)."""
+    s = 512 if quick else 1024
+    q, k, v = (torch.randn(1, 8, s, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+    forward = _median_time(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, 0.05 if quick else 0.2
+    )
+
+    def both():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    ratio = max(0.1, _median_time(both, device, 0.05 if quick else 0.2) / forward - 1)
+    _say(f"attention backward / forward: {ratio:.2f}")
+    return _round(ratio)
+
+
+def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tuple[list[dict], dict]:
+    """Per world size in ``ranks``, processes spawned on this host time every collective (and, in
+    the smallest world, the overlap of the asynchronous kinds): (timing points, overlap shares)."""
+    points: list[dict] = []
+    overlap: dict = {}
+    for n in ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "result.json"
+            args = (n, _free_port(), str(result), device, quick, n == ranks[0])
+            try:
+                mp.spawn(_rank_main, args=args, nprocs=n, join=True)
+            except Exception as e:  # a rank failed: its own traceback is already on stderr
+                if not result.is_file():
+                    raise AutoshardError(
+                        f"calibrate: the {n}-process measurement failed ({e}); see the output above"
+                    ) from e
+                # rank 0 wrote every measurement; a rank that fails while its process group is
+                # torn down (gloo aborts at exit now and then) loses nothing measured
+                _say(f"{n} processes: a rank failed at exit after the measurements ({e})")
+            data = json.loads(result.read_text())
+        points += data["points"]
+        overlap |= data["overlap"]
+    return points, overlap
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fit_collectives(points: list[dict]) -> dict[str, dict[str, float]]:
+    """Per kind, the ``{gbps, latency_us}`` that fit seconds = volume / bandwidth + steps x
+    latency best in least squares over its points (``volume`` the bytes ``cost_models.comm``
+    counts, ``steps`` its latency steps), neither negative."""
+    out = {}
+    for kind in hardware.COLLECTIVES:
+        pts = [(p["volume"], p["steps"], p["seconds"]) for p in points if p["kind"] == kind]
+        if pts:
+            inv_bw, lat = _nonnegative_fit(pts)
+            out[kind] = {"gbps": _round(1 / inv_bw / 1e9), "latency_us": _round(lat * 1e6)}
+    return out
+
+
+def _nonnegative_fit(pts: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(seconds per byte, seconds per step) minimising the squared relative error, both >= 0
+    (a negative latency is refitted as zero)."""
+    a = np.array([[v / t, s / t] for v, s, t in pts])
+    y = np.ones(len(pts))
+    (inv_bw, lat), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if lat < 0 or inv_bw <= 0:
+        lat = 0.0
+        inv_bw = float(a[:, 0] @ y / (a[:, 0] @ a[:, 0]))
+    return float(inv_bw), float(lat)
+
+
+def _round(x: float) -> float:
+    """Four significant figures: what a timing on a shared machine can claim."""
+    return float(f"{x:.4g}") if x else 0.0
+
+
+def _fields(device, peaks, mem, attn, collectives, overlap, parent, ranks) -> dict:
+    """The profile's fields: the measured ones, and without a parent the ones it needs besides
+    (this host's memory and core count; its loopback as its only link)."""
+    fields: dict = {"hbm_gbps": _round(mem / 1e9), "attention_efficiency": _round(attn)}
+    spec = parent.peak_tflops.get("bf16") if parent else None
+    if spec and spec * 1e12 >= peaks["bf16"]:
+        fields["matmul_efficiency"] = _round(peaks["bf16"] / (spec * 1e12))
+    else:  # the measured best is the peak
+        fields["peak_tflops"] = {dtype: _round(rate / 1e12) for dtype, rate in peaks.items()}
+        fields["matmul_efficiency"] = 1.0
+    fields["collectives"] = collectives
+    fields["overlap"] = {k: overlap.get(k, 0.0) for k in hardware.OVERLAP_KINDS}
+    if parent is None:
+        fields |= _host_fields(device, collectives, ranks)
+    return fields
+
+
+def _host_fields(device: str, collectives: dict, ranks: tuple[int, ...]) -> dict:
+    """What a profile needs that calibrate does not measure: memory, link fall-backs (the
+    measured send), the domain (the most ranks measured), no price."""
+    if device == "cuda":
+        memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+        cores = torch.cuda.get_device_properties(0).multi_processor_count
+    else:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        cores = torch.get_num_threads()
+    send = collectives["send"]
+    return {
+        "hbm_gb": _round(memory_gb),
+        "nvlink_gbps": send["gbps"],
+        "nvlink_latency_us": send["latency_us"],
+        "nvlink_domain": max(ranks),
+        "network_gbps": send["gbps"],
+        "network_latency_us": send["latency_us"],
+        "link_efficiency": 1.0,
+        "sm_count": cores,
+        "price_per_gpu_hour": 0.0,
+    }
+
+
+def _header(device: str, ranks, elapsed: float, gemm: dict, extends: str | None, backends: list[str]) -> list[str]:
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    best = max(gemm, key=gemm.get)
+    lines = [
+        f"Measured by `autoshard calibrate` on {when}: {_machine(device)}, "
+        f"processes {', '.join(map(str, ranks))} ({', '.join(backends)}), {elapsed:.0f} s.",
+        f"GEMMs: best {gemm[best] / 1e9:.1f} GFLOP/s at {'x'.join(map(str, best))}; "
+        + ", ".join(f"{'x'.join(map(str, s))} {r / 1e9:.1f}" for s, r in gemm.items() if s != best),
+        "collectives: fitted bus bandwidth and per-step latency (cost_models.comm's formulas).",
+        "overlap: measured with the runtime's own primitives where it launches transfers asynchronously;",
+    ]
+    lines += [f"  {kind} = 0 by construction: {why}" for kind, why in SYNCHRONOUS.items()]
+    if extends:
+        lines.append(f"Fields not measured come from the profile {extends!r}.")
+    return lines
+
+
+def _write(path: Path, fields: dict, header: list[str]) -> None:
+    """Write the profile atomically: a temporary file beside ``path``, validated by loading it,
+    then renamed over it. Nothing is left behind on failure."""
+    _check_out(path)
+    text = "".join(f"# {line}\n" for line in header) + _toml(fields)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".toml", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        hardware.load(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _toml(fields: dict) -> str:
+    """The fields as TOML (flat values and inline tables, the profiles' own style)."""
+
+    def value(v) -> str:
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        if isinstance(v, str):
+            return json.dumps(v)
+        return repr(v) if isinstance(v, float) and math.isfinite(v) else str(v)
+
+    order = ["name", "extends"] + [k for k in fields if k not in ("name", "extends")]
+    return "".join(f"{k} = {value(fields[k])}\n" for k in order if k in fields)
+
+
+# ---- what each spawned rank runs ----
+
+
+def _rank_main(rank: int, n: int, port: int, result: str, device: str, quick: bool, overlaps: bool) -> None:
+    """One process of an ``n``-rank measurement: every collective at every size, and, where
+    ``overlaps``, the hidden shares of the asynchronous kinds; rank 0 writes them to ``result``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    nccl = device == "cuda" and torch.cuda.device_count() >= n
+    if nccl:
+        torch.cuda.set_device(rank)
+    dev = f"cuda:{rank}" if nccl else "cpu"
+    backend = "nccl" if nccl else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=n, timeout=timedelta(seconds=120))
+    if rank == 0:
+        _say(f"{n} processes over {backend}{'' if nccl or device == 'cpu' else ' (fewer GPUs than processes)'}")
+    try:
+        points = [p for kind in hardware.COLLECTIVES for p in _time_collective(kind, n, dev, quick)]
+        overlap = {"cp": _overlap_cp(dev, quick), "pp": _overlap_pp(dev, quick), "dp": _overlap_dp(dev, quick)}
+        overlap = overlap if overlaps else {}
+        if rank == 0:
+            tmp = Path(result).with_suffix(".part")
+            tmp.write_text(json.dumps({"points": points, "overlap": overlap}))
+            tmp.replace(result)  # whole or absent: the parent reads it even if a rank fails at exit
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_times(fn, reps: int, dev: str) -> float:
+    """The slowest rank's median seconds of ``fn()`` over ``reps`` runs after a warm-up (every rank
+    runs the same count: collectives must match)."""
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    fn()
+    sync()
+    dist.barrier()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
+def _collective_op(kind: str, nbytes: int, n: int, dev: str):
+    """(operation, volume, steps) of one ``kind`` collective handed ``nbytes`` as
+    ``cost_models.comm`` counts them (a gathered size, a size before scattering, what one rank
+    sends)."""
+    elems = max(n, nbytes // 4 // n * n)
+    x = torch.randn(elems, device=dev)
+    share = (n - 1) / n * elems * 4
+    if kind == "all_reduce":
+        return (lambda: dist.all_reduce(x)), 2 * share, 2 * (n - 1)
+    if kind == "all_gather":
+        part = x[: elems // n].clone()
+        return (lambda: _gather_into(x, part)), share, n - 1
+    if kind == "reduce_scatter":
+        part = x[: elems // n].clone()
+        return (lambda: _scatter_from(part, x)), share, n - 1
+    if kind == "all_to_all":
+        y = torch.empty_like(x)
+        return (lambda: dist.all_to_all_single(y, x)), share, n - 1
+    return _ring_send([x]), elems * 4, 1
+
+
+def _ring_send(tensors: list):
+    """One rotation of ``tensors`` around the ring with ``batch_isend_irecv`` (what ring attention
+    and the pipeline's sends run), waited."""
+
+    def op():
+        for w in ra._rotate(tensors, dist.group.WORLD)[0]:
+            w.wait()
+
+    return op
+
+
+def _time_collective(kind: str, n: int, dev: str, quick: bool) -> list[dict]:
+    out = []
+    for nbytes in QUICK_MESSAGE_BYTES if quick else MESSAGE_BYTES:
+        op, volume, steps = _collective_op(kind, nbytes, n, dev)
+        t = _rank_times(op, 3 if quick else 5, dev)
+        out.append(
+            {"kind": kind, "ranks": n, "backend": dist.get_backend(), "bytes": nbytes, "volume": volume, "steps": steps}
+            | {"seconds": t}
+        )
+        if dist.get_rank() == 0:
+            _say(f"{kind} {n} ranks {nbytes / 1024:.0f} KiB: {t * 1e6:.0f} us, {volume / t / 1e9:.2f} GB/s bus")
+    return out
+
+
+def _hidden_share(compute, transfer, both, reps: int, dev: str, kind: str) -> float:
+    """(compute + transfer - both) / min(compute, transfer) in [0, 1], each the slowest rank's
+    median (the same on every rank)."""
+    c, t, b = (_rank_times(fn, reps, dev) for fn in (compute, transfer, both))
+    share = _round(min(1.0, max(0.0, (c + t - b) / min(c, t))))
+    if dist.get_rank() == 0:
+        _say(
+            f"overlap {kind}: compute {c * 1e3:.1f} ms, transfer {t * 1e3:.1f} ms, both {b * 1e3:.1f} ms: "
+            f"hides {share:.2f}"
+        )
+    return share
+
+
+def _overlap_cp(dev: str, quick: bool) -> float:
+    """Ring attention (``runtime.ring_attention``) forward and backward: as it runs, without its
+    transfers (each rotation hands back copies of its own blocks), and its transfers alone (the
+    same rotations: K/V forward, K/V with their fp32 gradients backward, the gradients home)."""
+    n, group = dist.get_world_size(), dist.group.WORLD
+    q, k, v = (torch.randn(1, 8, 256 if quick else 512, 64, device=dev, requires_grad=True) for _ in range(3))
+
+    def both():
+        ra.ring_attention(q, k, v, group).sum().backward()
+
+    def compute():
+        real = ra._rotate
+        ra._rotate = lambda tensors, group: ([], [t.clone() for t in tensors])
+        try:
+            both()
+        finally:
+            ra._rotate = real
+
+    kv = [k.detach(), v.detach()]
+    grads = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
+    forward, backward, home = _ring_send(kv), _ring_send(kv + grads), _ring_send(grads)
+
+    def transfer():
+        for _ in range(n - 1):
+            forward()
+            backward()
+        home()
+
+    return _hidden_share(compute, transfer, both, 3 if quick else 5, dev, "cp")
+
+
+def _overlap_pp(dev: str, quick: bool) -> float:
+    """A pipeline's activation send and receive (``batch_isend_irecv``, as
+    ``torch.distributed.pipelining`` posts them) beside the next micro-batch's GEMMs, which it
+    waits for only after them; the GEMMs sized to take about as long as the transfer."""
+    act = [torch.randn((2**18 if quick else 2**20), device=dev)]
+    a = torch.randn(256, 256, device=dev)
+    transfer = _ring_send(act)
+    once = _rank_times(lambda: a @ a, 5, dev)
+    count = torch.tensor([max(1, round(_rank_times(transfer, 5, dev) / once))], device=dev)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    gemms = int(count.item())
+
+    def compute():
+        for _ in range(gemms):
+            a @ a
+
+    def both():
+        works, _ = ra._rotate(act, dist.group.WORLD)
+        compute()
+        for w in works:
+            w.wait()
+
+    return _hidden_share(compute, transfer, both, 3 if quick else 5, dev, "pp")
+
+
+def _overlap_dp(dev: str, quick: bool) -> float:
+    """Data-parallel gradient reduction as the program runs it (``runtime.reduction``: buckets
+    all-reduced as the step's last backward makes their gradients final) beside that backward:
+    the backward alone, the same buckets reduced after it, and both as the program runs them."""
+    width = 256 if quick else 512
+    layers = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]).to(dev)
+    x = torch.randn(128 if quick else 512, width, device=dev)
+    params = list(layers.parameters())
+    reduction = BucketedReduction(params, dist.group.WORLD, divide=dist.get_world_size())
+
+    def compute():
+        for p in params:
+            p.grad = None
+        layers(x).sum().backward()
+
+    def transfer():
+        reduction.arm()
+        reduction.finish()
+
+    def both():
+        for p in params:
+            p.grad = None
+        reduction.arm()
+        layers(x).sum().backward()
+        reduction.finish()
+
+    compute()  # gradients for ``transfer`` to reduce
+    try:
+        return _hidden_share(compute, transfer, both, 3 if quick else 5, dev, "dp")
+    finally:
+        reduction.remove()

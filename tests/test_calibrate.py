@@ -1,0 +1,97 @@
+"""``autoshard calibrate``: a quick run on this machine writes a profile that loads, whose figures
+are sane, and that a plan compiles with; the collective fit recovers known figures; bad input is
+one line and leaves nothing half-written."""
+
+import pytest
+
+from autoshard import calibrate
+from autoshard.cli import main
+from autoshard.cost_models import hardware
+from autoshard.errors import AutoshardError
+
+from conftest import EXAMPLES
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("calibrate") / "here.toml"
+    assert main(["calibrate", "-o", str(out), "--ranks", "2", "--quick"]) == 0
+    return out
+
+
+def test_a_quick_calibration_writes_a_sane_profile(profile, capsys):
+    hw = hardware.load(str(profile))
+    assert hw.name == "here"
+    assert hw.peak_flops("bf16") > 0 and hw.peak_flops("fp32") > 0 and hw.hbm_gbps > 0
+    assert hw.op_overhead_us > 0 and hw.attention_backward > 0 and hw.cores >= 1
+    for share in (hw.matmul_efficiency, hw.attention_efficiency):
+        assert 0 < share <= 1
+    assert set(hw.collectives) == set(hardware.COLLECTIVES)
+    for entry in hw.collectives.values():
+        assert entry["gbps"] > 0 and entry["latency_us"] >= 0
+    assert set(hw.overlap) == set(hardware.OVERLAP_KINDS)
+    assert all(0 <= s <= 1 for s in hw.overlap.values())
+    # the kinds the program runs blocking are 0 by construction, and the profile says why
+    assert hw.overlap["tp"] == hw.overlap["ep"] == 0
+    assert "tp = 0 by construction" in profile.read_text()
+    assert "dp = 0 by construction" not in profile.read_text()  # measured: reduced during backward
+
+
+def test_a_plan_compiles_with_the_calibrated_profile(profile, tmp_path):
+    args = ["compile", str(EXAMPLES / "llama3.py"), "--config", "tiny", "--hardware", str(profile)]
+    args += ["--gpus", "2", "--seq-len", "32", "--global-batch", "8", "-o", str(tmp_path / "out")]
+    assert main(args) == 0
+    assert (tmp_path / "out" / "plan.json").is_file()
+
+
+def test_extends_writes_only_measured_fields(tmp_path, monkeypatch):
+    """With ``--extends`` the profile inherits what was not measured and keeps the parent's peak,
+    the measured best becoming its matmul efficiency."""
+    cpu = hardware.load("cpu")
+    best = cpu.peak_flops("bf16") / 2
+    monkeypatch.setattr(calibrate, "measure_gemms", lambda device, quick, dtype="bf16": {(1, 1, 1): best})
+    monkeypatch.setattr(calibrate, "measure_host", lambda device, quick: {"op_overhead_us": 7.0, "cores": 3})
+    monkeypatch.setattr(calibrate, "measure_memory", lambda device, quick: 2e12)
+    monkeypatch.setattr(calibrate, "measure_attention", lambda device, peak, quick: 0.4)
+    points = [_point(kind, 2, 1e6, 1e-3) | {"backend": "gloo"} for kind in hardware.COLLECTIVES]
+    monkeypatch.setattr(calibrate, "measure_distributed", lambda r, d, q: (points, {"cp": 0.5, "pp": 0.25}))
+    out = tmp_path / "mine.toml"
+    calibrate.calibrate(str(out), (2,), extends="cpu")
+    text = out.read_text()
+    assert 'extends = "cpu"' in text and "hbm_gb " not in text and "peak_tflops" not in text
+    hw = hardware.load(str(out))
+    assert hw.hbm_gb == cpu.hbm_gb and hw.peak_tflops == cpu.peak_tflops
+    assert hw.matmul_efficiency == pytest.approx(0.5, rel=1e-3)
+    assert hw.overlap == {"dp": 0.0, "tp": 0.0, "cp": 0.5, "pp": 0.25, "ep": 0.0}
+    assert hw.op_overhead_us == 7.0 and hw.cores == 3
+
+
+def _point(kind, ranks, volume, seconds, steps=1):
+    return {"kind": kind, "ranks": ranks, "bytes": volume, "volume": volume, "steps": steps, "seconds": seconds}
+
+
+def test_the_fit_recovers_bandwidth_and_latency():
+    gbps, lat_us = 3.0, 40.0
+    points = [
+        _point("all_gather", n, v, v / (gbps * 1e9) + (n - 1) * lat_us * 1e-6, steps=n - 1)
+        for n in (2, 4)
+        for v in (1e4, 1e6, 1e7)
+    ]
+    fit = calibrate.fit_collectives(points)
+    assert set(fit) == {"all_gather"}
+    assert fit["all_gather"]["gbps"] == pytest.approx(gbps, rel=1e-3)
+    assert fit["all_gather"]["latency_us"] == pytest.approx(lat_us, rel=1e-3)
+
+
+def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys):
+    assert main(["calibrate", "-o", str(tmp_path / "x.json")]) == 2
+    assert "ending in .toml" in capsys.readouterr().err
+    assert main(["calibrate", "-o", str(tmp_path / "missing" / "x.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["calibrate", "-o", str(tmp_path / "x.toml"), "--ranks", "1"])
+    assert "2 or more" in capsys.readouterr().err
+    # a profile that does not validate is never put in place, and no temporary file stays
+    with pytest.raises(AutoshardError, match="overlap.cp"):
+        calibrate._write(tmp_path / "x.toml", {"name": "x", "extends": "cpu", "overlap": {"cp": 2.0}}, [])
+    assert list(tmp_path.iterdir()) == []
