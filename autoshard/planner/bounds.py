@@ -27,6 +27,7 @@ is proved by the exhaustive-enumeration tests (``tests/planner/test_search.py``)
 
 from __future__ import annotations
 
+import heapq
 import math
 
 from autoshard.cost_models.comm import data_parallel
@@ -55,6 +56,7 @@ class Bounds:
         self.costs = costs
         self.p = costs.p
         self.memo = costs.memo
+        self._caps: dict = {}  # ``_rank_caps`` by the bytes it reads (the axis orders share them)
 
     def bound(self, c: Candidate, level: int) -> float:
         """Lower bound on the step time of any plan below this node (inf: none can fit).
@@ -334,107 +336,71 @@ class Bounds:
 
     def _tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap, acts) -> float:
         """``tmax_bound`` at one ZeRO stage. Every layer is given the smallest time and memory of
-        any layer kind, and the embedding/head time is rounded down to whole layers, which can
-        only lower the bound. ``in_flight`` is a memoised tuple (its identity keys the memo). A
-        rank's gradients may not exist yet at its activation peak (``memory_bound``), so its
-        layers are capped both by their activations beside the states without gradients and by
-        all their states alone."""
+        any layer kind (under each set a rank may take, ``acts``; else ``w``'s), which can only
+        lower the bound; the embedding and the head take their time under ``w``'s set, the
+        quickest. ``in_flight`` is a memoised tuple (its identity keys the memo). The slowest
+        rank takes at least the least T by which the ranks, each under its best set, hold every
+        layer (``_least_cover``)."""
         key = (id(w), zero, ends, id(in_flight), overlap, acts)
         table = self.memo.tmax
         if key in table:
             return table[key]
-        if acts is not None:
-            table[key] = self._tmax_choice(c, w, ends, zero, in_flight, overlap, acts)
-            return table[key]
-        per, pre_state, post_state = self.costs.states(c, w, zero, grads=False)
-        per_all, pre_all, post_all = self.costs.states(c, w, zero)
-        buffers, post_buffers = self.costs.buffers(c, w, zero)
-        layers = self.p.num_layers
-        first, last = ends
-        t_min = min(k.time(overlap) for k in w.kinds)
-        a_min = min(k.activation_bytes for k in w.kinds)
-        s_min, s_all = min(per), min(per_all)
-        caps, lead = [], []
-        value = None
-        for r in range(c.pp):
-            fixed, everything, t_fixed = buffers, buffers, 0.0
-            if r == first:
-                fixed += w.pre.activation_bytes * in_flight[r] + pre_state
-                everything += pre_all
-                t_fixed += w.pre.time(overlap)
-            if r == last:
-                fixed += w.post.activation_bytes * in_flight[r] + post_state + post_buffers
-                everything += post_all + post_buffers
-                t_fixed += w.post.time(overlap)
-            room, room_all = self.p.hw.usable_bytes - fixed, self.p.hw.usable_bytes - everything
-            if min(room, room_all) < 0:
-                value = math.inf
-                break
-            unit = a_min * in_flight[r] + s_min
-            cap = layers if unit <= 0 else min(layers, int(room // unit))
-            caps.append(cap if s_all <= 0 else min(cap, int(room_all // s_all)))
-            lead.append(int(t_fixed // t_min) if t_min > 0 else 0)
-        if value is None:
-            if sum(caps) < layers:
-                value = math.inf
-            else:
-                lo, hi = 0, layers + max(lead)
-                while lo < hi:  # least k with sum_r min(cap_r, k - lead_r) >= layers
-                    mid = (lo + hi) // 2
-                    if sum(min(cap, max(0, mid - d)) for cap, d in zip(caps, lead)) >= layers:
-                        hi = mid
-                    else:
-                        lo = mid + 1
-                value = max(w.total / c.pp, lo * t_min, w.pre.time(overlap), w.post.time(overlap))
+        if acts is None:
+            least = (min(k.activation_bytes for k in w.kinds), w.pre.activation_bytes, w.post.activation_bytes)
+            acts = ((min(k.time(overlap) for k in w.kinds), *least),)
+        ranks = self._rank_caps(c, w, ends, zero, in_flight, acts)
+        pre_t, post_t = w.pre.time(overlap), w.post.time(overlap)
+        value = math.inf
+        if ranks is not None:
+            fixed_t = [(pre_t if r == ends[0] else 0.0) + (post_t if r == ends[1] else 0.0) for r in range(c.pp)]
+            layers = self.p.num_layers
+            times = [a[0] for a in acts]
+            if len(acts) == 1:  # one set: whole layers of its time (cheaper, a hair looser)
+                cover = _lattice_cover(ranks, times[0], fixed_t, layers)
+            else:  # a hair below the exact value, for rounding
+                cover = _least_cover(ranks, times, fixed_t, layers) * (1 - 1e-12)
+            value = max(w.total / c.pp, cover, pre_t, post_t)
         table[key] = value
         return value
 
-    def _tmax_choice(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap, acts) -> float:
-        """``_tmax_bound`` where each rank may take any of several recompute sets (``acts``: per
-        set, a layer's least time and least kept bytes, the embedding's and the head's kept
-        bytes; ``w``'s set the quickest). Under set s rank r holds at most cap_rs layers (memory)
-        in time at least fixed_r + n t_s; so the slowest rank takes at least the least T at which
-        the layers the ranks can hold, each under its best set for T, cover the model. The
-        candidate T are the values fixed_r + n t_s, and the count held only grows with T."""
+    def _rank_caps(self, c: Candidate, w: Work, ends, zero: int, in_flight, acts) -> list | None:
+        """Per rank, per set of ``acts`` (a layer's least time and least kept bytes, the
+        embedding's and the head's kept bytes) that fits it: (the set's index, the most layers it
+        fits); None where a rank fits under no set. A rank's gradients may not
+        exist yet at its activation peak (``memory_bound``), so its layers are capped both by
+        their activations beside the states without gradients and by all their states alone."""
         per, pre_state, post_state = self.costs.states(c, w, zero, grads=False)
         per_all, pre_all, post_all = self.costs.states(c, w, zero)
         buffers, post_buffers = self.costs.buffers(c, w, zero)
-        layers, usable = self.p.num_layers, self.p.hw.usable_bytes
         s_min, s_all = min(per), min(per_all)
-        ranks = []  # per rank: (fixed time, [(t_s, cap_rs)])
+        mem = tuple(a[1:] for a in acts)
+        key = (c.pp, ends, id(in_flight), s_min, s_all, pre_state, post_state, pre_all, post_all, buffers, post_buffers)
+        if (key, mem) not in self._caps:
+            self._caps[(key, mem)] = self._caps_of(c, ends, in_flight, mem, key)
+        return self._caps[(key, mem)]
+
+    def _caps_of(self, c: Candidate, ends, in_flight, mem: tuple, key: tuple) -> list | None:
+        """``_rank_caps`` per rank as (set index, cap) from the bytes in ``key``."""
+        _, _, _, s_min, s_all, pre_state, post_state, pre_all, post_all, buffers, post_buffers = key
+        layers, usable = self.p.num_layers, self.p.hw.usable_bytes
+        ranks = []
         for r in range(c.pp):
-            everything, t_fixed, opts = buffers, 0.0, []
-            everything += (pre_all if r == ends[0] else 0.0) + (post_all + post_buffers if r == ends[1] else 0.0)
-            t_fixed += (w.pre.time(overlap) if r == ends[0] else 0.0) + (w.post.time(overlap) if r == ends[1] else 0.0)
-            for t_s, a_s, pre_a, post_a in acts:
+            everything = (pre_all if r == ends[0] else 0.0) + (post_all + post_buffers if r == ends[1] else 0.0)
+            room_all = usable - buffers - everything
+            opts = []
+            for i, (a_s, pre_a, post_a) in enumerate(mem):
                 fixed = buffers + (pre_a * in_flight[r] + pre_state if r == ends[0] else 0.0)
                 fixed += post_a * in_flight[r] + post_state + post_buffers if r == ends[1] else 0.0
-                room, room_all = usable - fixed, usable - everything
+                room = usable - fixed
                 if min(room, room_all) < 0:
                     continue
                 unit = a_s * in_flight[r] + s_min
                 cap = layers if unit <= 0 else min(layers, int(room // unit))
-                opts.append((t_s, cap if s_all <= 0 else min(cap, int(room_all // s_all))))
+                opts.append((i, cap if s_all <= 0 else min(cap, int(room_all // s_all))))
             if not opts:
-                return math.inf
-            ranks.append((t_fixed, opts))
-
-        def held(t: float) -> int:
-            total = 0
-            for t_fixed, opts in ranks:
-                room = t - t_fixed
-                if room >= 0:
-                    total += max(cap if t_s <= 0 else min(cap, int(room // t_s + 1e-9)) for t_s, cap in opts)
-            return total
-
-        times = sorted({t_fixed + n * t_s for t_fixed, opts in ranks for t_s, cap in opts for n in range(cap + 1)})
-        if not times or held(times[-1]) < layers:
-            return math.inf
-        lo, hi = 0, len(times) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if held(times[mid]) >= layers else (mid + 1, hi)
-        return max(w.total / c.pp, times[lo] * (1 - 1e-12), w.pre.time(overlap), w.post.time(overlap))
+                return None
+            ranks.append(opts)
+        return ranks
 
 
 def _shown(traffic: float, window: float, share: float) -> float:
@@ -444,3 +410,57 @@ def _shown(traffic: float, window: float, share: float) -> float:
     if share == 1:
         return max(0.0, traffic - window)
     return (1 - share) * traffic + share * max(0.0, traffic - window)
+
+
+def _least_cover(ranks: list, times: list[float], fixed_t: list[float], layers: int) -> float:
+    """The least T by which the ranks hold ``layers`` layers, each rank r under its best set:
+    its n-th layer is done by g_r(n) = fixed_t[r] + n x times[s] for the quickest set s whose
+    memory cap (``ranks[r]``: (s, cap)) is at least n; g_r only grows with n, so T is the
+    ``layers``-th smallest of all g_r(n) (inf when the caps fall short). From a lower bound T0
+    (every rank at the quickest time with its largest cap, ``_lattice_cover``), the layers done
+    by T0 are counted, so only the rest come off a heap of each rank's next one."""
+    t_min = min(times)
+    most = [[(0, max(cap for _, cap in opts))] for opts in ranks]
+    t0 = _lattice_cover(most, t_min, fixed_t, layers)
+    if t0 == math.inf:
+        return math.inf
+    heap, done = [], 0
+    for r, opts in enumerate(ranks):
+        n = max(min(cap, math.floor((t0 - fixed_t[r]) / times[s] - 1e-9)) if times[s] > 0 else cap for s, cap in opts)
+        n = max(0, n)  # none past T0 counted: each counted layer is done by T0
+        done += n
+        heap.append((_done_by(opts, times, fixed_t[r], n + 1), r, n + 1))
+    if done >= layers:
+        return t0
+    heapq.heapify(heap)
+    t = t0
+    for _ in range(layers - done):
+        t, r, n = heapq.heappop(heap)
+        if t == math.inf:
+            return math.inf
+        heapq.heappush(heap, (_done_by(ranks[r], times, fixed_t[r], n + 1), r, n + 1))
+    return t
+
+
+def _lattice_cover(ranks: list, t_min: float, fixed_t: list[float], layers: int) -> float:
+    """``_least_cover`` for one set, its fixed times rounded down to whole layers: the least k
+    with sum_r min(cap_r, k - lead_r) >= ``layers``, times the layer time (a lower bound)."""
+    caps = [opts[0][1] for opts in ranks]
+    if sum(caps) < layers:
+        return math.inf
+    if t_min <= 0:
+        return 0.0
+    lead = [int(t // t_min) for t in fixed_t]
+    lo, hi = 0, layers + max(lead)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(min(cap, max(0, mid - d)) for cap, d in zip(caps, lead)) >= layers:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * t_min
+
+
+def _done_by(opts: list, times: list[float], fixed: float, n: int) -> float:
+    """g_r(n) of ``_least_cover``: inf where no set fits n layers."""
+    return min((fixed + n * times[s] for s, cap in opts if cap >= n), default=math.inf)

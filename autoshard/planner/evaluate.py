@@ -33,6 +33,10 @@ class Evaluation:
     # per pipeline rank: the recompute set its layers use (the partition's choice); empty for
     # an infeasible candidate
     rank_recompute: list[frozenset] = field(default_factory=list)
+    # inf, or the incumbent step time below which this is not searched: the ranks' recompute
+    # choice was skipped as nothing it finds beats that (``Evaluator._per_rank``); where the
+    # one set does not fit either, infeasible without proof that nothing fits
+    cut: float = math.inf
 
 
 def _dp_linear(layer: LayerCost, zero: int, where: dict[str, Where], hw: Hardware) -> tuple[float, float, float]:
@@ -103,16 +107,24 @@ def stage_choices(costs: CandidateCosts, c: Candidate, schedule: str | None = No
     return table[key]
 
 
+def _objective(part: partition.Partition, m: int) -> float:
+    """What the stage partition minimises: m x the slowest rank's time + the exposed DP time."""
+    return m * part.t_max + part.dp_exposed
+
+
 class Evaluator:
     def __init__(self, costs: CandidateCosts):
         self.costs = costs
         self.p = costs.p
         self.model_flops = 3 * self.p.cost.flops_forward(1, self.p.seq) * self.p.global_batch
 
-    def evaluate(self, c: Candidate, fixed_stages: tuple[int, ...] | None = None) -> Evaluation:
+    def evaluate(
+        self, c: Candidate, fixed_stages: tuple[int, ...] | None = None, incumbent: float = math.inf
+    ) -> Evaluation:
         """The best stage partition of ``c`` (or the one ``fixed_stages`` gives), each pipeline
         rank recomputing ``c.recompute`` or more (``stage_choices``), and what the cost model
-        predicts for it; infeasible, with the reason, where no split fits in memory."""
+        predicts for it; infeasible, with the reason, where no split fits in memory. The ranks'
+        choice is searched only where it could beat ``incumbent`` (``_per_rank``)."""
         costs, hw = self.costs, self.p.hw
         m = costs.microbatches(c)
         where_key, where = costs.where(c, True)
@@ -123,15 +135,17 @@ class Evaluator:
         w = choices[0]
         q = self._quantities(c, w, where, sched.overlaps_ep, sched, m)
         chunk_rank = lambda ch: sched.chunk_rank(ch, c.pp)  # noqa: E731
-        part = partition.solve(costs.kinds, q, c.pp, c.v, chunk_rank, m, fixed_stages)
+        part = free = None
+        if len(choices) > 1:  # the split with no memory limit: the per-rank choice's lower bound
+            unlimited = replace(q, capacity=partition.UNLIMITED)
+            free = partition.solve(costs.kinds, unlimited, c.pp, c.v, chunk_rank, m, fixed_stages)
+            if free is not None and partition.exact(costs.kinds, fixed_stages) and max(free.memory) <= q.capacity:
+                part = free  # it fits: the exact paths find this very split under the limit
+        if part is None:
+            part = partition.solve(costs.kinds, q, c.pp, c.v, chunk_rank, m, fixed_stages)
         ev = None if part is None else self._finish(c, sched, part, choices, m, where)
-        if len(choices) > 1 and (part is None or self._memory_binds(q, part, c, chunk_rank, m, fixed_stages)):
-            q.options = [self._quantities(c, x, where, sched.overlaps_ep, sched, m) for x in choices[1:]]
-            mixed = partition.solve(costs.kinds, q, c.pp, c.v, chunk_rank, m, fixed_stages)
-            q.options = []
-            if mixed is not None and any(mixed.rank_option):
-                other = self._finish(c, sched, mixed, choices, m, where)
-                ev = other if ev is None or other.step_time_s < ev.step_time_s else ev
+        if len(choices) > 1 and part is not free:
+            ev = self._per_rank(c, sched, q, part, ev, free, choices, m, where, fixed_stages, incumbent)
         if ev is None:
             in_flight = costs.in_flight(sched, c.v, c.pp, m)
             acts = sum(n * k.activation_bytes for n, k in zip(costs.kind_counts, w.kinds))
@@ -145,13 +159,36 @@ class Evaluator:
             )
         return ev
 
-    def _memory_binds(self, q: partition.Quantities, part, c: Candidate, chunk_rank, m: int, fixed) -> bool:
-        """Whether memory held the split back: with no memory limit the same recompute set would
-        do better. Where it did not, no rank gains by recomputing more (the partition weighs a
-        rank's exposure as under ``c.recompute``), so the per-rank choice is not searched."""
-        unlimited = replace(q, capacity=float(2**60))  # no limit, in integers CP-SAT takes
-        free = partition.solve(self.costs.kinds, unlimited, c.pp, c.v, chunk_rank, m, fixed)
-        return free is None or m * free.t_max + free.dp_exposed < m * part.t_max + part.dp_exposed - 1e-9
+    def _per_rank(self, c, sched, q, part, ev, free, choices, m, where, fixed, incumbent: float) -> Evaluation | None:
+        """``ev`` (one set for every rank, None where it does not fit) or the better plan with each
+        rank choosing its set. The choice is searched only where memory held the split back (with
+        no memory limit, ``free``, the one set would do better: else no rank gains by recomputing more, as
+        the partition weighs a rank's exposure as under ``c.recompute``) and where its lower
+        bound, that unlimited split's m x t_max + exposure (no rank is quicker under another
+        set) plus the fill/drain and tied sync under ``c.recompute``, beats both ``ev`` and
+        ``incumbent``. Skipped for ``incumbent`` alone, the answer says so (``Evaluation.cut``):
+        it is then no plan of ``c``'s best, only proof that none beats ``incumbent``."""
+        chunk_rank = lambda ch: sched.chunk_rank(ch, c.pp)  # noqa: E731
+        if part is not None and (free is None or _objective(free, m) >= _objective(part, m) - 1e-9):
+            return ev
+        if free is not None and free.optimal:
+            w = choices[0]
+            bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
+            floor = _objective(free, m) + bubble + self.costs.tied_sync(c, sched, where, c.zero)
+            if ev is not None and floor >= ev.step_time_s:
+                return ev
+            if floor >= incumbent:
+                if ev is None:
+                    ev = Evaluation(c, False, reason="cannot beat the plan already found")
+                ev.cut = incumbent
+                return ev
+        q.options = [self._quantities(c, x, where, sched.overlaps_ep, sched, m) for x in choices[1:]]
+        mixed = partition.solve(self.costs.kinds, q, c.pp, c.v, chunk_rank, m, fixed)
+        q.options = []
+        if mixed is not None and any(mixed.rank_option):
+            other = self._finish(c, sched, mixed, choices, m, where)
+            ev = other if ev is None or other.step_time_s < ev.step_time_s else ev
+        return ev
 
     def _finish(self, c: Candidate, sched: Schedule, part, choices: list[Work], m: int, where) -> Evaluation:
         """The Evaluation of ``c`` under the split ``part``, each rank under its chosen set."""

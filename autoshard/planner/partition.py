@@ -27,6 +27,7 @@ from autoshard.ir.schedules import Point, peak, point_matrix
 US = 1e6  # CP-SAT works in integers: times in microseconds
 MEM_UNIT = 2**20  # memory in MiB
 SHARE_UNIT = 1000  # overlap shares in thousandths
+UNLIMITED = float(2**60)  # a capacity meaning no memory limit (in integers CP-SAT takes)
 PREFIX_ENUMERATION = 6  # a leading run this short is split by enumeration, not CP-SAT
 
 KEYS = ("time", "fwd", "bwd", "act", "held", "state", "grad", "dp_time", "dp_gather", "dp_micro")
@@ -97,6 +98,14 @@ def _runs(kinds: list[int]) -> list[tuple[int, int, int]]:
             runs.append((kinds[start], start, i - start))
             start = i
     return runs
+
+
+def exact(kinds: list[int], fixed: tuple[int, ...] | None) -> bool:
+    """Whether ``solve`` takes an exact path (no CP-SAT): then, where the best split with no
+    memory limit fits, it is the very split found under the limit (the same scan, each count
+    no higher than memory allows)."""
+    runs = _runs(kinds)
+    return fixed is None and (len(runs) == 1 or (len(runs) == 2 and runs[0][2] <= PREFIX_ENUMERATION))
 
 
 def solve(
@@ -484,10 +493,13 @@ def _per_rank_terms(
         fixed = extras[r]
         sends = v - (1 if r == layout.last else 0)
         const_t = round((fixed["time"] + q.p2p * sends) * US)
-        memories = layout.memories(r, 0 if r in closed else layers, fixed["state"])
-        if memories[0] > q.capacity and not soft:
-            return None
-        cap = int((memories <= q.capacity).sum()) - 1  # the most layers that fit: memory only grows with n
+        if q.capacity >= UNLIMITED:  # no memory limit: skip the peaks (most of the cost)
+            cap = 0 if r in closed else layers
+        else:
+            memories = layout.memories(r, 0 if r in closed else layers, fixed["state"])
+            if memories[0] > q.capacity and not soft:
+                return None
+            cap = int((memories <= q.capacity).sum()) - 1  # the most layers that fit: memory only grows with n
         f_per, b_per = round(q.fwd[kind] * US), round(q.bwd[kind] * US)
         f0, b0 = round(fixed["fwd"] * US), round(fixed["bwd"] * US)
         terms = []  # (slope, offset, multiplier) of max(0, slope * n + offset)

@@ -142,7 +142,9 @@ class Tree:
             if memory_key in does_not_fit:
                 continue
             leaves += 1
-            ev = self._evaluate(c, fixed)
+            ev = self._evaluate(c, fixed, math.inf if best is None else best.step_time_s)
+            if ev.cut < math.inf:  # cannot beat ``best``; infeasible here proves nothing of memory
+                continue
             if not ev.feasible:
                 does_not_fit.add(memory_key)
                 infeasible.append(ev)
@@ -158,11 +160,12 @@ class Tree:
             table[key] = self.bounds.bound(c, level)
         return table[key]
 
-    def _evaluate(self, c: Candidate, fixed) -> Evaluation:
+    def _evaluate(self, c: Candidate, fixed, incumbent: float) -> Evaluation:
         """``Evaluator.evaluate``, memoised likewise (it depends on the candidate and the fixed
-        stages alone: the per-mesh searches differ from the main one only in the mesh pins)."""
+        stages alone: the per-mesh searches differ from the main one only in the mesh pins),
+        but for an answer cut short at a lower incumbent (``Evaluation.cut``)."""
         table = self.costs.memo.leaf
         key = (c, None if fixed is None else tuple(fixed))
-        if key not in table:
-            table[key] = self.evaluator.evaluate(c, fixed)
+        if key not in table or table[key].cut < incumbent:
+            table[key] = self.evaluator.evaluate(c, fixed, incumbent)
         return table[key]

@@ -224,3 +224,16 @@ def test_ranks_holding_more_micro_batches_recompute_more():
     q.options = []
     alone = partition.solve([0] * layers, q, pp, 1, lambda c: shape.chunk_rank(c, pp), m)
     assert alone is None or m * got.t_max + got.dp_exposed < m * alone.t_max + alone.dp_exposed
+
+
+@pytest.mark.parametrize("kinds", [[0] * 9, [0, 0, 1, 1, 1, 1, 1]], ids=["alike", "prefix"])
+def test_no_memory_limit_matches_a_capacity_nothing_reaches(kinds):
+    """``UNLIMITED`` skips the exact paths' memory peaks; the split is the one a capacity no
+    rank comes near gives (the per-rank choice's lower bound reads it)."""
+    rng = random.Random(11)
+    shape, pp, m = SCHEDULES["1f1b"], 3, 4
+    q = _quantities(2, rng, capacity=partition.UNLIMITED)
+    q.occupancy = list(shape.occupancy(pp, m, 1))
+    free = partition.solve(kinds, q, pp, 1, lambda c: shape.chunk_rank(c, pp), m)
+    roomy = partition.solve(kinds, replace(q, capacity=1e17), pp, 1, lambda c: shape.chunk_rank(c, pp), m)
+    assert (free.stage_layers, free.t_max, free.dp_exposed) == (roomy.stage_layers, roomy.t_max, roomy.dp_exposed)
