@@ -13,12 +13,22 @@ What is measured, one progress line each, and which profile field it becomes:
   bf16 peak and writes ``matmul_efficiency`` = best / that peak.
 - Host costs: ``op_overhead_us``, the host time of one op whatever its size (a chain of tiny ops
   forward and backward; it matters where kernels do not run ahead of the host, on CPUs); on CPUs
-  ``cores``, the cores the ranks of one host share.
+  ``cores``, how many ranks' worth of work the host's CPUs do at once (measured: one process
+  against one per CPU running together).
+- The optimizer step: the gradient norm and the program's own AdamW (fp32 masters of bf16
+  weights) on layer-sized weights, their time per parameter at the measured memory bandwidth ->
+  ``optimizer_bytes_per_param``.
 - Memory bandwidth: a large tensor copy (read + write) -> ``hbm_gbps``.
-- Attention: torch SDPA, causal -> ``attention_efficiency``, the measured rate over the peak and
-  over the share of its long-sequence speed ``cost_models.compute.attention_time`` grants that
-  key length, so that the cost model reproduces the measured time; its backward over its forward
-  -> ``attention_backward``.
+- The memory-bound ops (CPUs): a reference decoder's forward and backward
+  (``calibrate_reference``) against the cost model's prediction from the fields above; what it
+  lacks goes to its memory-bound ops -> ``pointwise_efficiency``.
+- Attention: torch SDPA, causal, forward and backward at a short length with head dimensions 32
+  and 64 and at a long length, each direction fitted to ``cost_models.compute.attention_time``'s
+  form (matmuls at a rate, the softmax's work per score, both slowed on short sequences by
+  (keys + half length) / keys) -> ``attention_efficiency``, ``attention_score_ns``,
+  ``attention_half_length`` and the backward's ``attention_backward`` (its matmuls' time over
+  the forward's), ``attention_backward_score_ns``, ``attention_backward_half_length``: a CPU's
+  kernels spend most of a short sequence's time per score, whatever the head dimension.
 - Every collective the runtime uses (all-reduce, all-gather, reduce-scatter, all-to-all, and the
   ring send/receive of ``batch_isend_irecv`` that ring attention and the pipeline use) over each
   rank count of ``--ranks``, processes on this host (gloo on CPUs, NCCL where there is a GPU per
@@ -43,8 +53,12 @@ import math
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from dataclasses import fields as dataclass_fields
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -54,11 +68,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from autoshard.calibrate_reference import measured_step, predicted_step
 from autoshard.cost_models import hardware
-from autoshard.cost_models.compute import ATTENTION_HALF_LENGTH
 from autoshard.errors import AutoshardError
 from autoshard.runtime import ring_attention as ra
 from autoshard.runtime.collectives import _gather_into, _scatter_from
+from autoshard.runtime.program import _adamw, lower_parameters
 from autoshard.runtime.reduction import BucketedReduction
 
 GEMM_SHAPES = ((256, 256, 256), (512, 1024, 512), (1024, 1024, 1024), (2048, 1024, 4096), (2048, 2048, 2048))
@@ -92,11 +107,14 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
         mem = measure_memory(device, quick)
         attn = measure_attention(device, peaks["bf16"], quick)
         host = measure_host(device, quick)
+        host["optimizer_bytes_per_param"] = measure_optimizer(device, quick, mem)
     finally:
         torch.set_num_threads(threads)
     points, overlap = measure_distributed(ranks, device, quick)
     fields = {"name": path.stem} | ({"extends": extends} if extends else {})
     fields |= _fields(device, peaks, mem, attn, fit_collectives(points), overlap, parent, ranks) | host
+    if device == "cpu":
+        fields["pointwise_efficiency"] = measure_pointwise(fields, parent, quick)
     elapsed = time.perf_counter() - start
     backends = sorted({p["backend"] for p in points})
     _write(path, fields, _header(device, ranks, elapsed, gemm["bf16"], extends, backends))
@@ -184,27 +202,182 @@ def measure_memory(device: str, quick: bool) -> float:
     return rate
 
 
-def measure_attention(device: str, peak: float, quick: bool) -> float:
-    """``attention_efficiency``: causal SDPA's FLOP/s (FLOPs counted as ``cost_models.flops``
-    does) over the peak and over the key-length factor the cost model applies."""
-    b, h, s, d = 1, 8, 512 if quick else 1024, 64
-    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))
-    t = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, 0.05 if quick else 0.2)
-    rate = 2 * b * h * s * s * (d + d) / 2 / t
-    eff = min(1.0, rate / (peak * s / (s + ATTENTION_HALF_LENGTH)))
-    _say(f"attention causal {s} tokens: {rate / 1e9:.1f} GFLOP/s, efficiency {eff:.2f}")
-    return eff
+ATTENTION_SHAPES = ((128, 32), (128, 64))  # (keys, head dim): a small and a larger head, short
+
+
+def measure_attention(device: str, peak: float, quick: bool) -> dict:
+    """The attention fields of ``cost_models.compute.attention_time`` (efficiency, half length
+    and per-score time, forward and backward): causal SDPA (bf16, 2 sequences x 8 heads) at a
+    short length with two head dimensions, which sets the matmuls' share against the per-score
+    work, and at a long length, which sets the half length; the fit reproduces all three."""
+    shapes = (*ATTENTION_SHAPES, (512 if quick else 1024, 64))
+    forward, backward = [], []
+    for s, d in shapes:
+        q, k, v = (torch.randn(2, 8, s, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.randn_like(q)
+
+        def attend(q=q, k=k, v=v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def both(grad=grad, attend=attend):
+            attend().backward(grad)
+
+        t_f = _median_time(attend, device, 0.05 if quick else 0.2)
+        t_b = max(_median_time(both, device, 0.05 if quick else 0.2) - t_f, 1e-3 * t_f)
+        forward.append(t_f)
+        backward.append(t_b)
+        _say(f"attention causal {s} keys, head dim {d}: forward {t_f * 1e3:.2f} ms, backward {t_b * 1e3:.2f} ms")
+    rate, half, per_score = _attention_fit(shapes, forward)
+    rate_b, half_b, per_score_b = _attention_fit(shapes, backward)
+    eff = min(1.0, rate / peak)
+    out = {
+        "attention_efficiency": _round(eff),
+        "attention_half_length": _round(half),
+        "attention_score_ns": _round(per_score * 1e9),
+        "attention_backward": _round(peak * eff / rate_b),
+        "attention_backward_half_length": _round(half_b),
+        "attention_backward_score_ns": _round(per_score_b * 1e9),
+    }
+    _say(
+        f"attention: matmuls at {eff:.2f} of the peak, {out['attention_score_ns']:.3g} ns per score, half speed at "
+        f"{half:.0f} keys; backward matmuls {out['attention_backward']:.2f}x, {out['attention_backward_score_ns']:.3g} "
+        f"ns per score, half speed at {half_b:.0f} keys"
+    )
+    return out
+
+
+def _attention_fit(shapes, seconds: list[float]) -> tuple[float, float, float]:
+    """(matmul FLOP/s, half length, seconds per score) of t = (F / rate + S x per_score) x
+    (s + half) / s through the three measurements of ``measure_attention``: the two head
+    dimensions at one length split the time into matmuls (which grow with the head dimension)
+    and per-score work; the long length gives the half length. Where the matmuls do not show
+    (no growth with the head dimension) their rate is taken as infinite (a huge number); where
+    nothing slows short sequences the half length is 0."""
+    (s1, d1), (_, d2), (s3, d3) = shapes
+    flops = [2 * 2 * 8 * s * s * (d + d) / 2 for s, d in shapes]
+    scores = [2 * 8 * s * s / 2 for s, _ in shapes]
+    t1, t2, t3 = seconds
+    # at length s1: t = k1 (F / rate + S c), F doubling with the head dimension, S the same
+    matmul1 = max(0.0, (t2 - t1) / (flops[1] / flops[0] - 1))  # k1 F1 / rate
+    score1 = max(0.0, t1 - matmul1)  # k1 S1 c
+    at3 = matmul1 * flops[2] / flops[0] + score1 * scores[2] / scores[0]  # k1 (F3 / rate + S3 c)
+    ratio = t3 / at3  # k3 / k1 = ((s3 + h) / s3) / ((s1 + h) / s1)
+    r = s3 / s1
+    half = 0.0 if ratio >= 1 else (s3 * (1 - ratio) / (ratio * r - 1) if ratio * r > 1 else 1e6)
+    k1 = (s1 + half) / s1
+    rate = k1 * flops[0] / matmul1 if matmul1 > 0 else 1e30
+    return rate, half, score1 / (k1 * scores[0])
 
 
 def measure_host(device: str, quick: bool) -> dict:
-    """``op_overhead_us``, ``attention_backward`` and, on CPUs, ``cores``."""
-    out = {
-        "op_overhead_us": _round(measure_op_overhead(device, quick)),
-        "attention_backward": _attention_backward(device, quick),
-    }
+    """``op_overhead_us`` and, on CPUs, ``cores``."""
+    out = {"op_overhead_us": _round(measure_op_overhead(device, quick))}
     if device == "cpu":
-        out["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        _say(f"cores the ranks share: {out['cores']}")
+        out["cores"] = measure_cores(quick)
+    return out
+
+
+def measure_optimizer(device: str, quick: bool, bandwidth: float) -> float:
+    """``optimizer_bytes_per_param``: what the program does once a step per parameter, on
+    weights of layer-like sizes: the gradient norm it clips by (``state.clip_gradients``, one
+    norm per tensor) and its own AdamW step (``runtime.program``'s, over bf16 weights with fp32
+    gradients and masters, as a plan's bf16 program steps them); their time per parameter at the
+    measured memory bandwidth, so that the cost model's bytes / bandwidth reproduces it
+    (per-tensor host time included)."""
+    tensors, rows = (12, 512) if quick else (24, 512)  # well beyond the caches either way
+    params = [torch.nn.Parameter(torch.randn(rows, 512, device=device)) for _ in range(tensors)]
+    lower_parameters(params, "bf16")
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device)
+    optim = _adamw(params, False, None, {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})
+
+    def step():
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for p in params:
+            total += torch.linalg.vector_norm(p.grad).double() ** 2
+        optim.step()
+
+    t = _median_time(step, device, 0.1 if quick else 0.4)
+    count = sum(p.numel() for p in params)
+    out = _round(t / count * bandwidth)
+    _say(f"optimizer step {count / 1e6:.1f}M parameters: {t * 1e3:.1f} ms, {out:.0f} bytes per parameter")
+    return out
+
+
+def measure_cores(quick: bool) -> float:
+    """``cores``: how many one-thread ranks' worth of work this host does at once, measured: a
+    rank-like workload (a linear layer's forward and backward under bf16 autocast, and a copy
+    beyond the caches) in one process, then in as many processes as there are CPUs, at the same
+    time; the work they do together over the work one does alone. Virtual CPUs that are
+    hyperthreads of one core, or cores that share the memory bus, count for less than one."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    seconds = 1.0 if quick else 3.0
+    alone = _spinning(1, seconds)
+    together = _spinning(cpus, seconds) if cpus > 1 else alone
+    out = _round(min(float(cpus), max(1.0, together / alone)))
+    _say(f"cores the ranks share: {cpus} CPUs do the work of {out:.2f} at once")
+    return out
+
+
+def _spinning(processes: int, seconds: float) -> float:
+    """Iterations of ``_spin`` that ``processes`` processes, started together once all have
+    loaded torch, complete in ``seconds``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    with tempfile.TemporaryDirectory() as tmp:
+        code = f"from autoshard.calibrate import _spin; _spin({tmp!r}, {processes}, {seconds!r})"
+        runs = [
+            subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+            for _ in range(processes)
+        ]
+        return sum(float(r.communicate()[0].split()[-1]) for r in runs)
+
+
+def _spin(tmp: str, processes: int, seconds: float) -> None:
+    """One process of ``_spinning``: ready, wait for the others, then count the work done in
+    ``seconds``."""
+    torch.set_num_threads(1)
+    x = torch.randn(256, 512, requires_grad=True)
+    w = torch.randn(512, 512, requires_grad=True)
+    a, b = torch.randn(2**21), torch.empty(2**21)
+
+    def work():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = F.linear(x, w)
+        y.float().sum().backward()
+        b.copy_(a)
+
+    work()
+    Path(tmp, f"ready-{os.getpid()}").touch()
+    while len(os.listdir(tmp)) < processes:
+        time.sleep(0.002)
+    count, end = 0, time.time() + seconds
+    while time.time() < end:
+        work()
+        count += 1
+    print(count)
+
+
+def measure_pointwise(fields: dict, parent, quick: bool) -> float:
+    """``pointwise_efficiency`` (CPUs): the reference model's forward and backward
+    (``calibrate_reference``) measured, and the cost model's prediction of it from the fields
+    measured so far; what the prediction lacks is put on its memory-bound ops, whose achieved
+    bandwidth share this is (at most 1: a prediction already slower leaves it at 1)."""
+    names = {f.name for f in dataclass_fields(hardware.Hardware)}
+    hw = replace(parent or hardware.load("cpu"), **{k: v for k, v in fields.items() if k in names})
+    hw = replace(hw, pointwise_efficiency=1.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds, pointwise = predicted_step(hw)
+        measured = measured_step(lambda fn: _median_time(fn, "cpu", 0.3 if quick else 1.0))
+    finally:
+        torch.set_num_threads(threads)
+    rest = measured - (seconds - pointwise)
+    out = _round(min(1.0, max(0.01, pointwise / rest))) if rest > 0 else 1.0
+    _say(
+        f"reference model forward and backward: {measured * 1e3:.1f} ms, predicted {seconds * 1e3:.1f} ms "
+        f"({pointwise * 1e3:.1f} memory-bound): memory-bound ops at {out:.2f} of the copy bandwidth"
+    )
     return out
 
 
@@ -231,25 +404,6 @@ def measure_op_overhead(device: str, quick: bool, ops: int = 200) -> float:
     us = t / (3 * (ops + 1)) * 1e6
     _say(f"host time per op: {us:.1f} us")
     return us
-
-
-def _attention_backward(device: str, quick: bool) -> float:
-    """Causal SDPA's backward time over its forward time (flash attention reruns QK^T: 2.5 on
-    GPUs; CPU kernels differ)."""
-    s = 512 if quick else 1024
-    q, k, v = (torch.randn(1, 8, s, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    grad = torch.randn_like(out)
-    forward = _median_time(
-        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, 0.05 if quick else 0.2
-    )
-
-    def both():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-
-    ratio = max(0.1, _median_time(both, device, 0.05 if quick else 0.2) / forward - 1)
-    _say(f"attention backward / forward: {ratio:.2f}")
-    return _round(ratio)
 
 
 def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tuple[list[dict], dict]:
@@ -316,7 +470,7 @@ def _round(x: float) -> float:
 def _fields(device, peaks, mem, attn, collectives, overlap, parent, ranks) -> dict:
     """The profile's fields: the measured ones, and without a parent the ones it needs besides
     (this host's memory and core count; its loopback as its only link)."""
-    fields: dict = {"hbm_gbps": _round(mem / 1e9), "attention_efficiency": _round(attn)}
+    fields: dict = {"hbm_gbps": _round(mem / 1e9), **attn}
     spec = parent.peak_tflops.get("bf16") if parent else None
     if spec and spec * 1e12 >= peaks["bf16"]:
         fields["matmul_efficiency"] = _round(peaks["bf16"] / (spec * 1e12))

@@ -96,6 +96,7 @@ def _step_time(plan: Plan) -> list[str]:
     rows = [
         ["compute (incl. recompute)", f"{p.compute_s:.3f}"],
         ["recompute", f"{p.recompute_s:.3f}"],
+        ["optimizer step", f"{p.optimizer_s:.3f}"],
         ["compute slowed by hidden communication", f"{p.overlap_s:.3f}"],
         ["pipeline bubble", f"{p.bubble_fraction * p.step_time_s:.3f}"],
     ]

@@ -74,9 +74,8 @@ PROBLEMS = (
             "dp4-zero1": "dp=4,zero=1",
             "dp4-zero2": "dp=4,zero=2",
             "dp4-zero3": "dp=4,zero=3",
-            # (ring attention's backward under bf16 autocast fails on CPU: a dtype mismatch in
-            # runtime/ring_attention.py's block backward; the all-gather variant runs)
-            "cp2-dp2": "cp=2,dp=2,attention=allgather-kv",
+            "cp2-ring-dp2": "cp=2,dp=2,attention=ring",
+            "cp2-allgather-dp2": "cp=2,dp=2,attention=allgather-kv",
             "dp4-recompute-full": "dp=4,zero=1,recompute=full",
             "tp2-dp2-recompute-act": "tp=2,sp=on,dp=2,recompute=activation",
             SEARCH: "",
@@ -278,7 +277,7 @@ def metrics(results: list[Result], busy: bool = False) -> dict:
 
 def write_profile(base: str, path: Path) -> None:
     """A profile extending ``base`` with this host's costs ``autoshard calibrate`` measures in
-    seconds (``cores``, ``op_overhead_us``, ``attention_backward``), without the minutes its
+    seconds (``cores``, ``op_overhead_us``), without the minutes its
     collectives take: for a base profile measured on a machine of this kind."""
     from autoshard.calibrate import measure_host
 

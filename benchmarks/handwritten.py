@@ -7,7 +7,8 @@ program of the same plan; what a person would write by hand with the standard to
 
 --mode dp: DistributedDataParallel (no_sync on all but the last micro-batch).
 --mode pp: the model cut by hand into two stages, torch.distributed.pipelining Schedule1F1B.
-Prints one JSON line per step with its wall time.
+Both clip the gradients by their global norm and (DP) average the loss over the replicas, as a
+training loop does and the emitted program does. Prints one JSON line per step with its wall time.
 """
 
 import argparse
@@ -22,6 +23,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import llama3  # noqa: E402
+
+MAX_GRAD_NORM = 1.0  # the emitted program runs with --max-grad-norm the same
 
 from autoshard.capture import causal_lm_loss  # noqa: E402
 from autoshard.runtime.program import global_batch  # noqa: E402
@@ -65,7 +68,7 @@ def main():
     vocab = plan["model"]["vocab"]
     if args.mode == "dp":
         net = nn.parallel.DistributedDataParallel(model)
-        params = net.parameters()
+        params = list(net.parameters())
     else:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -73,7 +76,7 @@ def main():
         part = First(model, half) if rank == 0 else Last(model, half)
         stage = PipelineStage(part, rank, world, torch.device("cpu"))
         schedule = Schedule1F1B(stage, m, loss_fn=lambda out, tokens: causal_lm_loss(out, tokens))
-        params = part.parameters()
+        params = list(part.parameters())
     optim = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     dp_rank = rank if args.mode == "dp" else 0
     rows = m * mbs
@@ -81,19 +84,38 @@ def main():
         start = time.perf_counter()
         tokens = global_batch(step, batch, seq, vocab, 0)[dp_rank * rows : (dp_rank + 1) * rows]
         optim.zero_grad(set_to_none=True)
+        loss = torch.zeros(())
         if args.mode == "dp":
             for i, mb in enumerate(tokens.split(mbs)):
                 if i < m - 1:
                     with net.no_sync():
-                        (causal_lm_loss(net(mb), mb) / m).backward()
+                        value = causal_lm_loss(net(mb), mb) / m
+                        value.backward()
                 else:
-                    (causal_lm_loss(net(mb), mb) / m).backward()
+                    value = causal_lm_loss(net(mb), mb) / m
+                    value.backward()
+                loss += value.detach()
         else:
             losses = []
             if rank == 0:
                 schedule.step(tokens)
             else:
                 schedule.step(target=tokens, losses=losses)
+        # what a training loop does besides (and the emitted one does): clip the gradients by their
+        # global norm, and average the loss over the data-parallel replicas for its log line
+        if args.mode == "dp":
+            nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+        else:  # the global norm: each stage's squares summed over the stages
+            square = torch.stack([p.grad.norm() ** 2 for p in params if p.grad is not None]).sum()
+            dist.all_reduce(square)
+            coef = MAX_GRAD_NORM / (float(square.sqrt()) + 1e-6)
+            if coef < 1:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        if args.mode == "dp":
+            dist.all_reduce(loss)  # (gloo has no average: the sum, then divided)
+            loss /= world
         optim.step()
         if rank == world - 1:
             print(json.dumps({"step": step, "seconds": time.perf_counter() - start}), flush=True)

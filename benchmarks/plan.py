@@ -1,6 +1,6 @@
 """Plan time of the large problems, phase by phase, each run in a fresh process.
 
-    python benchmarks/plan.py [--runs 3] [--hf] [--only NAME]
+    python benchmarks/plan.py [--runs 3] [--hf] [--only NAME] [--cpu] [--plans DIR]
 
 Each run is ``autoshard compile MODEL --plan-only`` (``compiler.compile_file``) in a new Python
 process, so imports count as a user sees them. Prints, per case, the median over the runs of each
@@ -12,7 +12,9 @@ and the total with its spread. A regression shows in the phase that caused it.
 The two example problems always run; ``--hf`` adds transformers' Llama 3.1 405B and DeepSeek-V3
 671B (``benchmarks/capture.py``'s configurations) and Mixtral 8x22B (``tests/models/hf_moe.py``),
 all three traced by torch.export. Targets (issue 28): capture + search under 5 s for the examples and
-under 15 s for the transformers models on a 2-core machine.
+under 15 s for the transformers models on a 2-core machine. ``--plans DIR`` writes each case's plan
+(``DIR/<case>.json``), so that a change meant only to be faster can be shown to leave every plan as
+it was: run it before and after, and diff the two folders.
 """
 
 import argparse
@@ -55,7 +57,7 @@ PHASES = (
 SHORT = {"build on meta + init recorder": "build+init"}
 
 
-def child(name: str) -> None:
+def child(name: str, plans: str | None = None) -> None:
     path, config, hw, gpus, seq, batch, precision = {**CASES, **HF_CASES}[name]
     start = time.perf_counter(), _cpu()
     from autoshard.capture import timing
@@ -72,7 +74,11 @@ def child(name: str) -> None:
     total = [done[0] - start[0], done[1] - start[1]]
     dry = phases.get("dry-run passes", [0.0, 0.0])
     out = {"phases": phases, "total": total, "capture+search": [total[0] - dry[0], total[1] - dry[1]]}
-    out["plan"] = compiled.plan.mesh.product_form()
+    out["plan"] = f"{compiled.plan.mesh.product_form()}, {compiled.plan.predicted.step_time_s:.4f} s/step"
+    if plans:
+        folder = Path(plans)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{'-'.join(name.split())}.json").write_text(compiled.plan.to_json())
     print(json.dumps(out))
 
 
@@ -87,17 +93,18 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true", help="also the transformers models (slower)")
     parser.add_argument("--only", help="run the cases whose name contains this")
     parser.add_argument("--cpu", action="store_true", help="CPU seconds (this process and the search's helper)")
+    parser.add_argument("--plans", help="write each case's plan as DIR/<case>.json (from its first run)")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.plans)
         return
     clock = 1 if args.cpu else 0
     cases = [n for n in {**CASES, **(HF_CASES if args.hf else {})} if not args.only or args.only in n]
     print(f"{'CPU' if args.cpu else 'wall'} seconds, median of {args.runs} fresh processes per case")
     results = {}
     for name in cases:
-        results[name] = runs = [_run(name) for _ in range(args.runs)]
+        results[name] = runs = [_run(name, args.plans if i == 0 else None) for i in range(args.runs)]
         shown = [p for p in PHASES if any(p in r["phases"] for r in runs)]
         cells = [f"{SHORT.get(p, p)} {statistics.median(r['phases'].get(p, [0, 0])[clock] for r in runs):.2f}"
                  for p in shown]  # fmt: skip
@@ -110,8 +117,9 @@ def main() -> None:
         )
 
 
-def _run(name: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True, check=True)
+def _run(name: str, plans: str | None) -> dict:
+    command = [sys.executable, __file__, "--child", name, *(["--plans", plans] if plans else [])]
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

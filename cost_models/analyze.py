@@ -141,6 +141,9 @@ class BlockCost:
     bytes_pointwise_tp: sympy.Expr = sympy.Integer(0)  # the part inside TP regions
     kv_elems: sympy.Expr = sympy.Integer(0)  # keys + values entering attention (context parallel traffic)
     flops_attention_whole: sympy.Expr = sympy.Integer(0)  # the attention core TP leaves whole on every rank
+    # score elements (query x key pairs, after the causal mask) per FLOP of the fused attention
+    # kernels (SDPA-like: their softmax runs inside the kernel, once per score): 1 / (2 (d + dv))
+    scores_per_attention_flop: float = 0.0
     # outputs of the ops other than weighted matmuls that read a parameter and an activation (a
     # norm's scale, a learned bias or gate): their gradients are what a weight-gradient pass
     # reads (``LayerCosts.held_for_weights``)
@@ -504,11 +507,26 @@ def _block(
         bytes_pointwise=sympy.expand(pointwise),
         bytes_pointwise_tp=sympy.expand(pointwise_tp),
         kv_elems=sympy.expand(_kv_elems(nodes)),
+        scores_per_attention_flop=_scores_per_flop(nodes),
         matmul=_matmul_parts(nodes),
         weighted_outputs=_weighted_outputs(nodes, gm),
     )
     blk._nodes = nodes
     return blk
+
+
+def _scores_per_flop(nodes: list[fx.Node]) -> float:
+    """Score elements per attention FLOP over the fused attention kernels among ``nodes``, the
+    FLOPs-weighted mean of 1 / (2 (d + dv)) (``flops.sdpa_flops``); 0 without any."""
+    weighted = total = 0.0
+    for n in nodes:
+        if n.meta.get("op_class") != "attention" or ops.rule(n.meta["op"]).flops != "sdpa":
+            continue
+        q, k, v = ops.tensor_args(n)[:3]
+        flops = float(n.meta["cost"].flops.subs({sym: 1024 for sym in n.meta["cost"].flops.free_symbols}))
+        weighted += flops / (2 * (int(q.meta["shape"][-1]) + int(v.meta["shape"][-1])))
+        total += flops
+    return weighted / total if total else 0.0
 
 
 def _work(nodes: list[fx.Node]) -> dict[str, sympy.Expr | dict[str, sympy.Expr]]:

@@ -20,6 +20,7 @@ calibrate``: the bytes these formulas count per second, and the per-step latency
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 
@@ -160,6 +161,23 @@ def all_to_all(nbytes: float, where: Placement, hw: Hardware) -> float:
     outside = (n - m) / n * nbytes / network
     latency = hw.link_latency_us("all_to_all") if m == n else hw.network_latency_us
     return max(inside, outside) + (n - 1) * latency * 1e-6
+
+
+def bucket_bytes(grad_bytes: float, zero: int, where: Where, hw: Hardware, least: float, most: float) -> int:
+    """Bytes per gradient bucket of a data-parallel reduction of ``grad_bytes`` (ZeRO-0: all-reduce,
+    ZeRO-1: reduce-scatter) over ``where``, between ``least`` and ``most``. What a step shows of it
+    is at least the last bucket's transfer (nothing is left to hide it behind) plus every
+    bucket's latency where the link's latency does not hide: k buckets of b = G / k bytes cost
+    about k x latency + b / bandwidth, least at b = sqrt(G x latency x bandwidth). A link with
+    a large latency per collective (processes on shared CPU cores) wants few large buckets, a
+    fast one many small ones."""
+    reduce = all_reduce if zero == 0 else reduce_scatter
+    place = where.placement()
+    latency = reduce(1.0, place, hw)
+    if latency <= 0 or grad_bytes <= 0:
+        return int(most)
+    per_byte = max(1e-30, (reduce(grad_bytes, place, hw) - latency) / grad_bytes)
+    return int(min(most, max(least, math.sqrt(grad_bytes * latency / per_byte))))
 
 
 def p2p(nbytes: float, span: int, hw: Hardware) -> float:

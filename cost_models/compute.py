@@ -19,7 +19,6 @@ def roofline(
 
 TILE = 128  # GEMM output tile edge
 FLASH_BACKWARD = 2.5  # backward / forward time of flash attention (recomputes QK^T)
-ATTENTION_HALF_LENGTH = 180  # tokens at which a flash kernel runs at half its long-sequence speed
 
 
 def gemm_time(batch: float, m: float, n: float, k: float, hw: Hardware, fp8: bool) -> float:
@@ -50,10 +49,24 @@ def gemm_floor(batch: float, m: float, n: float, k: float, hw: Hardware, fp8: bo
     return 2.0 * batch * m * n * k / (peak * edge)
 
 
-def attention_time(flops: float, keys: float, hw: Hardware) -> float:
-    """Flash attention forward time. Its speed grows with the key length each kernel call sees:
-    FlashAttention-3 on H100 (head dim 128) runs at 72% of its long-sequence speed at 512 keys,
-    87% at 1K and 96% at 2K (Shah et al. 2024, Fig. 5), which keys / (keys + 180) matches."""
+def attention_time(flops: float, keys: float, hw: Hardware, backward: bool = False, scores: float = 0.0) -> float:
+    """Flash attention forward time, or with ``backward`` its backward's. Its speed grows with the
+    key length each kernel call sees: FlashAttention-3 on H100 (head dim 128) runs at 72% of its
+    long-sequence speed at 512 keys, 87% at 1K and 96% at 2K (Shah et al. 2024, Fig. 5), which
+    keys / (keys + 180) matches (the profile's ``attention_half_length``; the backward's own,
+    ``attention_backward_half_length``, where its kernel differs, as CPU ones do). The backward's
+    matmuls run ``attention_backward`` times the forward's time. Besides the matmuls, the
+    softmax works once per score (``scores``: query x key pairs after the mask) at the
+    profile's ``attention_score_ns`` (``attention_backward_score_ns``): what makes a small head
+    dimension slower per FLOP (FlashAttention-3's exponentials; a CPU kernel's per-score work)."""
     if flops <= 0:
         return 0.0
-    return flops / (hw.peak_flops("bf16") * hw.attention_efficiency * keys / (keys + ATTENTION_HALF_LENGTH))
+    half, per_score = hw.attention_half_length, hw.attention_score_ns
+    if backward:
+        per_score = hw.attention_backward_score_ns
+        if hw.attention_backward_half_length is not None:
+            half = hw.attention_backward_half_length
+    matmuls = flops / (hw.peak_flops("bf16") * hw.attention_efficiency)
+    if backward:
+        matmuls *= hw.attention_backward
+    return (matmuls + scores * per_score * 1e-9) * (keys + half) / keys

@@ -18,6 +18,18 @@ Fields (all per GPU; GB = 1e9 bytes):
                               on long sequences (shorter ones are slower, see cost_models.compute)
 ``attention_backward`` float  optional (default 2.5): backward / forward time of the attention
                               kernel (flash attention reruns QK^T: 2.5x the forward's FLOPs)
+``pointwise_efficiency`` float optional (default 1): share of ``hbm_gbps`` the memory-bound ops
+                              (norms, activations, elementwise, the loss's softmax) reach; a CPU
+                              core's bf16 and transcendental arithmetic keeps them well below its
+                              copy bandwidth (``autoshard calibrate`` fits it on a reference model)
+``attention_half_length`` float optional (default 180): key length at which the attention kernel
+                              runs at half its long-sequence speed (``cost_models.compute``)
+``attention_backward_half_length`` float optional (default: attention_half_length): the same for
+                              its backward
+``attention_score_ns`` float  optional (default 0): nanoseconds of the attention kernel's softmax
+                              per score (query x key pair), beside its matmuls; a small head
+                              dimension is slower per FLOP by it
+``attention_backward_score_ns`` float optional (default 0): the same in its backward
 ``sm_count``         int      optional (default 132): streaming multiprocessors, for GEMM wave
                               quantisation (H100/H800/H200 132; DeepSeek-V3 §3.2.2 "20 of 132 SMs")
 ``link_efficiency``  float    optional (default 0.8): share of nvlink_gbps / network_gbps collectives
@@ -34,10 +46,19 @@ Fields (all per GPU; GB = 1e9 bytes):
                               backward counted as two operations per forward one). 0 on GPUs,
                               where kernels launch asynchronously ahead of the device; on CPUs each
                               op's dispatch runs in line with its arithmetic
-``cores``            int      optional (default 0): compute cores one host shares among all of its
-                              ranks (CPU runs, one thread per rank); when more ranks than cores run
-                              on a host, each rank's compute, memory bandwidth and op overhead scale
-                              by ranks / cores. 0: every rank has a device of its own (GPUs)
+``optimizer_bytes_per_param`` float optional (default 38): memory traffic of the optimizer step
+                              per parameter a rank steps: the gradient norm it clips by reads the
+                              fp32 gradient (4 B); the program's fused AdamW over fp32 masters
+                              reads weight, gradient and both moments and writes weight and
+                              moments (28 B), then rounds the master into the bf16 weight (6 B).
+                              ``autoshard calibrate`` measures it (a CPU's per-tensor AdamW moves
+                              more, and pays host time per tensor)
+``cores``            float    optional (default 0): how many one-thread ranks' worth of work one
+                              host does at once (CPU runs, one thread per rank; ``autoshard
+                              calibrate`` measures it, less than the CPU count where virtual CPUs
+                              share a core or the memory bus); when more ranks than that run on a
+                              host, each rank's compute, memory bandwidth and op overhead scale by
+                              ranks / cores. 0: every rank has a device of its own (GPUs)
 ``memory_headroom``  float    optional (default 0): a further share of HBM a plan leaves free, for
                               what no tracker sees (the caching allocator's fragmentation grows
                               with the memory in use; CUDA-graph pools); ``compile --memory-headroom``
@@ -90,6 +111,11 @@ _OPTIONAL = {
     "matmul_efficiency_fp8": (float, None),
     "attention_efficiency": (float, 0.5),
     "attention_backward": (float, 2.5),
+    "pointwise_efficiency": (float, 1.0),
+    "attention_half_length": (float, 180.0),
+    "attention_backward_half_length": (float, None),
+    "attention_score_ns": (float, 0.0),
+    "attention_backward_score_ns": (float, 0.0),
     "link_efficiency": (float, 0.8),
     "sm_count": (int, 132),
     "nvlink_latency_us": (float, 3.0),
@@ -100,15 +126,32 @@ _OPTIONAL = {
     "collectives": (dict, None),
     "overlap": (dict, None),
     "op_overhead_us": (float, 0.0),
-    "cores": (int, 0),
+    "cores": (float, 0.0),
+    "optimizer_bytes_per_param": (float, 38.0),
 }
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 OVERLAP_KINDS = ("dp", "tp", "cp", "pp", "ep")
 
-_MAY_BE_ZERO = ("price_per_gpu_hour", "memory_reserve_gb", "memory_headroom", "op_overhead_us", "cores")
+_MAY_BE_ZERO = (
+    "price_per_gpu_hour",
+    "memory_reserve_gb",
+    "memory_headroom",
+    "op_overhead_us",
+    "cores",
+    "attention_half_length",
+    "attention_backward_half_length",
+    "attention_score_ns",
+    "attention_backward_score_ns",
+)
 # fields that are a share of a peak (no kernel or link beats its peak)
-_SHARES = ("matmul_efficiency", "matmul_efficiency_fp8", "attention_efficiency", "link_efficiency")
+_SHARES = (
+    "matmul_efficiency",
+    "matmul_efficiency_fp8",
+    "attention_efficiency",
+    "link_efficiency",
+    "pointwise_efficiency",
+)
 
 
 @dataclass(frozen=True)
@@ -125,6 +168,11 @@ class Hardware:
     matmul_efficiency_fp8: float | None = None
     attention_efficiency: float = 0.5
     attention_backward: float = 2.5
+    pointwise_efficiency: float = 1.0
+    attention_half_length: float = 180.0
+    attention_backward_half_length: float | None = None
+    attention_score_ns: float = 0.0
+    attention_backward_score_ns: float = 0.0
     link_efficiency: float = 0.8
     sm_count: int = 132
     nvlink_latency_us: float = 3.0
@@ -135,7 +183,8 @@ class Hardware:
     collectives: dict[str, dict[str, float]] | None = None
     overlap: dict[str, float] | None = None
     op_overhead_us: float = 0.0
-    cores: int = 0
+    cores: float = 0.0
+    optimizer_bytes_per_param: float = 38.0
     source: str = ""
 
     def peak_flops(self, dtype: str = "bf16") -> float:

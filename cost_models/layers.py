@@ -11,8 +11,10 @@ Modelling choices (each can be checked against the formula it names):
   gradient (same FLOPs).
 - Attention core: FLOPs at ``attention_efficiency`` of the bf16 peak; flash backward reruns the
   forward's QK^T, so it costs 2.5x the forward (``compute.attention_time``; the profile's
-  ``attention_backward``, where a machine's kernel differs: CPU attention's backward is slower).
-- Everything else is memory-bound: bytes moved / HBM bandwidth; backward moves about twice as much.
+  ``attention_backward`` and ``attention_backward_half_length``, where a machine's kernel differs:
+  CPU attention's backward is slower, most of all on short sequences).
+- Everything else is memory-bound: bytes moved / HBM bandwidth (at the profile's
+  ``pointwise_efficiency``); backward moves about twice as much.
 - Per-op host time (the profile's ``op_overhead_us``, 0 on GPUs, where launches run ahead of the
   device): each traced op of a layer costs it once forward and twice backward
   (``LayerCosts.op_overhead``).
@@ -277,11 +279,22 @@ class LayerCosts:
         blk = self.block(block)
         hw, s = self.hw, self.seq
         sl, sp = s / cp, tp > 1 and self.sp
-        attn = attention_time(self._attention_flops(blk, mbs, tp, cp), s / cp, hw)
+        attn = self._attention(block, mbs, tp, cp)
         pw_tp = blk.eval("bytes_pointwise_tp", mbs, sl)
         pw_rep = blk.eval("bytes_pointwise", mbs, sl) - pw_tp
-        pointwise = (pw_tp / tp + pw_rep / (tp if sp else 1)) / (hw.hbm_gbps * 1e9)
+        pointwise = (pw_tp / tp + pw_rep / (tp if sp else 1)) / (hw.hbm_gbps * 1e9 * hw.pointwise_efficiency)
         return attn, pointwise, blk.eval("flops", mbs, sl), 3 * (blk.eval("flops", mbs, s) / (tp * cp))
+
+    def _attention(self, block: int, mbs: int, tp: int, cp: int, backward: bool = False) -> float:
+        """Forward (or backward) time of ``block``'s attention core on one GPU."""
+        blk = self.block(block)
+        flops = self._attention_flops(blk, mbs, tp, cp)
+        scores = flops * blk.scores_per_attention_flop
+        return attention_time(flops, self.seq / cp, self.hw, backward=backward, scores=scores)
+
+    def _attention_backward(self, block: int, mbs: int, tp: int, cp: int) -> float:
+        """Backward time of ``block``'s attention core on one GPU."""
+        return self._attention(block, mbs, tp, cp, backward=True)
 
     @cache  # noqa: B019
     def compute(self, block: int, mbs: int, tp: int, cp: int, fp8: tuple, recompute: frozenset, ep: int = 1) -> tuple:
@@ -299,7 +312,8 @@ class LayerCosts:
         rerun = recompute | self.fp8_saved(recompute, fp8, tp)
         extra = blk.recompute_fn(rerun)(mbs, self.seq / cp) if recompute else 0.0
         rc = f * (extra / fwd_flops) if fwd_flops else 0.0
-        b = dense_b + routed[2] + self.hw.attention_backward * attn + 2 * pointwise + 2 * ops + rc
+        attn_b = self._attention_backward(block, mbs, tp, cp)
+        b = dense_b + routed[2] + attn_b + 2 * pointwise + 2 * ops + rc
         w = dense_w + routed[3]
         act = self.activation(block, mbs, tp, cp, recompute, fp8)
         return f, b, w, rc, act, model_flops, column
@@ -420,7 +434,7 @@ class LayerCosts:
         blk, hw, s = self.block(block), self.hw, self.seq
         sp = tp > 1 and self.sp
         kv_bytes = 2 * blk.eval("kv_elems", mbs, s / cp)
-        attn_f = attention_time(self._attention_flops(blk, mbs, tp, cp), s / cp, hw)
+        attn_f = self._attention(block, mbs, tp, cp)
         if attention == "ring":
             # forward: cp - 1 steps of the K/V block, each behind a block's attention; backward:
             # the block and its gradients (accumulated, and sent, in fp32: twice its bytes)
@@ -430,7 +444,7 @@ class LayerCosts:
             step = comm.p2p(kvb, span, hw)
             fwd = (cp - 1) * max(0.0, step - attn_f / cp)
             both, home = comm.p2p(3 * kvb, span, hw), comm.p2p(2 * kvb, span, hw)
-            bwd = (cp - 1) * max(0.0, both - hw.attention_backward * attn_f / cp) + home
+            bwd = (cp - 1) * max(0.0, both - self._attention_backward(block, mbs, tp, cp) / cp) + home
             total = (cp - 1) * (step + both) + home
             # what the program does not hide of the hidden part is exposed too
             exposed = fwd + bwd + (1 - hw.overlap_share("cp")) * (total - fwd - bwd)

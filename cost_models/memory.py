@@ -66,3 +66,12 @@ def sharded_state_bytes(params_dense: float, params_expert: float, zero: int, dp
     dense = program_state_bytes(params_dense, zero, dpcp)
     expert = program_state_bytes(params_expert, zero, edp)
     return {k: dense[k] + expert[k] for k in dense}
+
+
+def stepped_params(params_dense: float, params_expert: float, zero: int, dpcp: int, edp: int) -> float:
+    """Parameters one rank's optimizer steps, of the ``params_dense`` and ``params_expert`` it
+    holds (``sharded_state_bytes``): from ZeRO-1 on, its shard of each over the ranks holding the
+    same copy; at ZeRO-0 all of them."""
+    if zero == 0:
+        return params_dense + params_expert
+    return params_dense / dpcp + params_expert / edp

@@ -72,14 +72,14 @@ def _explore(start: fx.Node, gm: fx.GraphModule):
     return region, rows, losses, True
 
 
-def _crossing(start: fx.Node, region: set[fx.Node]) -> str | None:
+def _crossing(start: fx.Node, region: set[fx.Node], order: dict[fx.Node, int]) -> str | None:
     """Does the region reduce over the column's output features themselves (not per head)?
     ``partial``: a sum or mean (OLMo2's q norm over all heads, written out), which the pass
     splits as partial sums all-reduced, but a pairing without one is preferred, so such columns
     are tried last; ``blocked``: a norm op or another reduction over them, which no split can run
-    (a low-rank projection's norm, after a split off of its rope part or not)."""
+    (a low-rank projection's norm, after a split off of its rope part or not). ``order``: each
+    node's position in the graph, made once per graph (per column, it was quadratic in its size)."""
     features = {start}  # tensors whose last dimension is (a part of) the column's features
-    order = {n: i for i, n in enumerate(start.graph.nodes)}
     found = None
     for n in sorted(region, key=order.__getitem__):
         src = next((a for a in n.all_input_nodes if a in features), None)
@@ -106,6 +106,7 @@ def annotate(gm: fx.GraphModule) -> None:
         n.meta["tp"] = "replicated"
         n.meta.pop("tp_role", None)
     deferred = []
+    order = {n: i for i, n in enumerate(nodes)}
     for n in nodes:
         if n.meta.get("op_class") == "embedding":
             indices = ops.tensor_args(n)
@@ -116,7 +117,7 @@ def annotate(gm: fx.GraphModule) -> None:
         if n.meta.get("op_class") == "router" or not _splittable(n, gm):
             n.meta["tp_role"] = "replicated"
             continue
-        crossing = _crossing(n, _explore(n, gm)[0])
+        crossing = _crossing(n, _explore(n, gm)[0], order)
         if crossing == "blocked":
             n.meta["tp_role"] = "replicated"
         elif crossing == "partial":

@@ -213,3 +213,25 @@ def test_a_model_no_pipeline_split_can_carry_is_a_refusal_of_pp_not_an_error(tmp
         compile_file(FLAT, None, **run, pins=planner.parse_force("tp=1,cp=1,dp=1"))
     whole = compile_file(FLAT, None, **run, pins=planner.parse_force("tp=1,cp=1,dp=1"), plan_only=True).plan
     assert whole.mesh.pp == 2 and any("pipeline parallelism cannot split" in r for r in whole.not_emitted)
+
+
+def test_a_plan_only_dry_run_rewrites_a_copy_unless_the_caller_gives_the_graph_up():
+    """``compile_file`` never reads its captured graph again, so --plan-only's dry run rewrites
+    it in place; ``compile_plan`` (the Python API's) rewrites a copy and leaves the caller's
+    graph as captured. The plan records the same refusal either way."""
+    from autoshard.capture import capture_file
+    from autoshard.compiler import problem
+
+    def graph_text(cap):
+        return [(n.op, str(n.target), str(n.args)) for n in cap.graph_module.graph.nodes]
+
+    cap = capture_file(FLAT, None, 32)
+    recipe = rebuild.for_file(FLAT, None, None)
+    pins = planner.parse_force("tp=1,cp=1,dp=1")
+    before = graph_text(cap)
+    kept = compile_plan(problem(cap, "cpu", 2, 32, 4, pins=pins), cap, recipe, plan_only=True).plan
+    assert graph_text(cap) == before
+    given = compile_plan(problem(cap, "cpu", 2, 32, 4, pins=pins), cap, recipe, plan_only=True, consume=True).plan
+    assert kept.not_emitted == given.not_emitted
+    assert any("pipeline parallelism cannot split" in r for r in kept.not_emitted)
+    assert graph_text(cap) != before  # the passes ran on it before the pipeline split refused

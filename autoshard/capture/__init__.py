@@ -27,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import modelfile, passes
-from autoshard.capture import dtypes, shapes, structure
+from autoshard.capture import shapes, structure
 from autoshard.capture.init import Init, lifted, record_build
 from autoshard.capture.structure import LayerKind
 from autoshard.capture.timing import phase
@@ -136,11 +136,9 @@ def capture(
     if inputs is None:
         inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
     with phase("trace"):
-        gm, tracer, names = trace(model, inputs, loss, source)
+        gm, tracer, names = trace(model, inputs, loss, source, follow_bf16=_on_meta(model))
         if inits is not None:
             inits = _traced(inits, _lifted(gm, model))
-        if tracer == "export":
-            _follow_bf16(gm, model, inputs, loss, source)
     with phase("canonicalise"):
         gm = passes.canonical(gm, inputs, observe, _recorded_values(inits, gm))
         # what nothing reads (a mask built for a kind of layer the model has none of, as Gemma3's
@@ -174,22 +172,12 @@ def capture(
     )
 
 
-def _follow_bf16(gm, model: nn.Module, inputs: tuple, loss, source: str | None) -> None:
-    """Give an exported graph the dtype flow the model has with bf16 parameters
-    (``dtypes.follow``), from a second trace of it on the meta device with its parameters bf16;
-    a model that does not trace so keeps its graph as traced. So does a live model (the Python
-    API's): traced on real tensors, its graph has views a meta trace does not, and the two do
-    not align node by node."""
-    if any(t.device.type != "meta" for t in (*model.parameters(), *model.buffers())):
-        return
-    meta = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-    try:
-        with dtypes.lowered(model):
-            low, tracer, _ = trace(model, meta, loss, source)
-    except Exception:  # noqa: BLE001 - the fp32 graph stands as traced
-        return
-    if tracer == "export":
-        dtypes.follow(gm, low)
+def _on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` lives on the meta device, where an exported graph takes the dtype flow
+    the model has with bf16 parameters (``trace``'s ``follow_bf16``). A live model (the Python
+    API's) keeps its graph as traced: traced on real tensors, its graph has views a meta trace
+    does not, and the two do not align node by node."""
+    return all(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
 
 
 def _recorded_values(inits: Mapping[str, Init] | None, gm: fx.GraphModule):

@@ -26,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode
 
 from autoshard import modelfile
-from autoshard.capture import repeat
+from autoshard.capture import dtypes, repeat
 from autoshard.errors import AutoshardError
 
 BATCH_HINT = 2  # the batch size of the example inputs capture builds (any size >= 2 traces the same graph)
@@ -82,9 +82,14 @@ class TrainingForward(nn.Module):
         return causal_lm_loss(out, inputs[0])
 
 
-def trace(model: nn.Module, inputs: tuple, loss=None, source: str | None = None) -> tuple[fx.GraphModule, str, list]:
+def trace(
+    model: nn.Module, inputs: tuple, loss=None, source: str | None = None, follow_bf16: bool = False
+) -> tuple[fx.GraphModule, str, list]:
     """The traced training forward of ``model`` on ``inputs``: the graph, the tracer that produced
-    it (``"symbolic_trace"`` or ``"export"``) and the names of the inputs."""
+    it (``"symbolic_trace"`` or ``"export"``) and the names of the inputs. ``follow_bf16`` (a
+    model on the meta device): an exported graph takes the dtype flow the model has with bf16
+    parameters (``dtypes.follow``, from a second export with its parameters bf16; where that
+    does not export, the graph stands as traced)."""
     _check_inputs(inputs)
     names = _input_names(model, len(inputs))
     kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
@@ -97,7 +102,7 @@ def trace(model: nn.Module, inputs: tuple, loss=None, source: str | None = None)
         except Exception as fx_error:
             try:
                 with made:
-                    gm, tracer = _export(wrapper, inputs, model), "export"
+                    gm, tracer = _export(wrapper, inputs, model, follow_bf16), "export"
             except Exception as export_error:
                 message = _data_dependent_loop(export_error, model) or _trace_failure(fx_error, export_error, source)
                 raise AutoshardError(message) from export_error
@@ -263,11 +268,13 @@ def _symbolic_trace(wrapper: nn.Module) -> fx.GraphModule:
         return _make_graph_module(tracer.root, graph, "TrainingForward")
 
 
-def _export(wrapper: nn.Module, inputs: tuple, model: nn.Module) -> fx.GraphModule:
+def _export(wrapper: nn.Module, inputs: tuple, model: nn.Module, follow_bf16: bool = False) -> fx.GraphModule:
     """torch.export of the training forward. With a layer stack whose layers repeat, the model
     is exported with one traced layer per kind and the rest copied (``repeat``); where the cut
     cannot stand for the whole model, or its export fails, the whole model is exported (and its
-    failure is the user's error)."""
+    failure is the user's error). ``follow_bf16``: see ``trace``; on the cut graph, before its
+    layers are copied, so that the copies carry it (following costs a second export, and
+    following the cut rather than the whole graph saves expanding and walking the second one)."""
     cut = repeat.plan(model)
     if cut is not None and cut.saves:
         try:
@@ -276,11 +283,30 @@ def _export(wrapper: nn.Module, inputs: tuple, model: nn.Module) -> fx.GraphModu
         except Exception:  # the cut model does not export (NotRepeated among the reasons)
             cut_gm = None
         if cut_gm is not None:
+            if follow_bf16:
+                with cut.passthrough():
+                    _follow_bf16(cut_gm, wrapper, inputs, model)
             try:
                 return cut.expand(cut_gm, wrapper)
             except repeat.NotRepeated:
                 pass
-    return _export_program(wrapper, inputs)
+    gm = _export_program(wrapper, inputs)
+    if follow_bf16:
+        _follow_bf16(gm, wrapper, inputs, model)
+    return gm
+
+
+def _follow_bf16(gm: fx.GraphModule, wrapper: nn.Module, inputs: tuple, model: nn.Module) -> None:
+    """Give the export ``gm`` of ``wrapper`` the dtype flow ``model`` has with bf16 parameters
+    (``dtypes.follow``), from a second export on the meta device with its parameters bf16; a
+    model that does not export so keeps its graph as traced."""
+    meta = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+    try:
+        with dtypes.lowered(model):
+            low = _export_program(wrapper, meta)
+    except Exception:  # noqa: BLE001 - the fp32 graph stands as traced
+        return
+    dtypes.follow(gm, low)
 
 
 def _export_program(wrapper: nn.Module, inputs: tuple) -> fx.GraphModule:

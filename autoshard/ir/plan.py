@@ -12,7 +12,8 @@ from autoshard.ir.categories import CHECKPOINT_CATEGORIES
 from autoshard.ir.schedules import NAMES
 
 PLAN_VERSION = 1
-OPTIONAL_FIELDS = ("alternatives", "forced", "notes", "not_emitted", "stage_checkpoint")  # plan.json may leave out
+# the fields plan.json may leave out
+OPTIONAL_FIELDS = ("alternatives", "forced", "notes", "not_emitted", "stage_checkpoint", "dp_bucket_bytes")
 AXES = ("tp", "pp", "cp", "ep", "dp")  # the mesh's degrees, in the order a mesh tuple lists them
 GRID_AXES = ("tp", "cp", "pp", "dp")  # the rank grid's axes (ep folds into cp x dp), innermost first by default
 SCHEDULES = NAMES  # the schedule table's rows (autoshard.ir.schedules)
@@ -68,6 +69,7 @@ class Predicted:
     recompute_s: float  # of which recomputation
     memory_limit_bytes: float  # usable HBM: capacity minus the profile's reserve
     overlap_s: float = 0.0  # compute lost to communication running beside it (hidden is not free)
+    optimizer_s: float = 0.0  # the optimizer step, busiest GPU (memory-bound: bytes per parameter stepped)
     # per pipeline rank, what one optimizer step holds and does there (``planner.promises``):
     # memory_bytes by part, matmul-class flops, comm_bytes by dimension and collective, and the
     # bytes each dimension sends on the wire; what ``autoshard verify --at-scale`` checks
@@ -116,6 +118,10 @@ class Plan:
     # alike): a rank holding more micro-batches in flight recomputes more; empty when every stage
     # uses ``checkpoint``
     stage_checkpoint: list[dict[str, str]] = field(default_factory=list)
+    # bytes per bucket of the data-parallel gradient reduction the program overlaps with the last
+    # backward (ZeRO-0/1; ``runtime.reduction``), from the cost model's latency and bandwidth of
+    # that collective (``cost_models.comm.bucket_bytes``); 0: the program's own rule
+    dp_bucket_bytes: int = 0
 
     # -- serialisation ---------------------------------------------------------------------
 

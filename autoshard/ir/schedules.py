@@ -212,7 +212,9 @@ def _frontier(points: set[Point]) -> tuple[Point, ...]:
 
     order = sorted(points)
     coords = np.array([hs + ps + gs for hs, ps, gs in order], dtype=np.int32)
-    covers = (coords[:, None, :] >= coords[None, :, :]).all(axis=2)  # [j, i]: j reaches i everywhere
+    covers = np.ones((len(order), len(order)), dtype=bool)  # [j, i]: j reaches i everywhere
+    for column in coords.T:  # one coordinate at a time: no points x points x coordinates array
+        covers &= column[:, None] >= column[None, :]
     np.fill_diagonal(covers, False)
     return tuple(pt for pt, beaten in zip(order, covers.any(axis=0)) if not beaten)
 

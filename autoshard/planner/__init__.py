@@ -3,6 +3,7 @@ FP8 and attention variant for one model on one machine, from the cost model alon
 
 from __future__ import annotations
 
+from autoshard.cost_models import comm
 from autoshard.cost_models.analyze import ModelCost
 from autoshard.errors import AutoshardError
 from autoshard.ir import capabilities
@@ -128,6 +129,7 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
         predicted=_predicted(problem, ev),
         forced={k: _jsonable(v) for k, v in problem.forced.items()},
         notes=_notes(problem, ev),
+        dp_bucket_bytes=_dp_bucket_bytes(problem, ev),
     )
     if not problem.emit:
         plan.not_emitted = capabilities.refusals(plan)
@@ -149,6 +151,17 @@ def _stage_checkpoint(problem: Problem, ev: Evaluation) -> list[dict[str, str]]:
     return [_checkpoint(problem, ev.rank_recompute[sched.chunk_rank(ch, c.pp)]) for ch in range(c.pp * c.v)]
 
 
+def _dp_bucket_bytes(problem: Problem, ev: Evaluation) -> int:
+    """The program's gradient bucket size (``comm.bucket_bytes``) for the busiest rank's
+    gradients; 0 where no bucketed reduction runs (one data-parallel rank, FSDP2 at ZeRO-2/3).
+    Between the program's first bucket (1 MiB) and its largest (64 MiB, ``runtime.zero``)."""
+    c = ev.candidate
+    if c.dp * c.cp == 1 or c.zero >= 2:
+        return 0
+    where = CandidateCosts(problem).where(c, True)[1]["dpcp"]
+    return comm.bucket_bytes(ev.memory["grads"], c.zero, where, problem.hw, 2**20, 64 * 2**20)
+
+
 def _predicted(problem: Problem, ev: Evaluation) -> Predicted:
     """What the cost model predicts for ``ev``: step time, throughput, memory, time by kind and
     each pipeline rank's promises."""
@@ -168,6 +181,7 @@ def _predicted(problem: Problem, ev: Evaluation) -> Predicted:
         compute_s=b["compute_s"],
         recompute_s=b["recompute_s"],
         overlap_s=b["overlap_s"],
+        optimizer_s=b["optimizer_s"],
         memory_limit_bytes=problem.hw.usable_bytes,
         ranks=rank_promises(Evaluator(CandidateCosts(problem)), ev),
     )

@@ -201,6 +201,15 @@ class Bounds:
             table[key] = list(best.values())
         return table[key]
 
+    def _buffers(self, c: Candidate, w: Work, zero: int) -> tuple[float, float]:
+        """``CandidateCosts.buffers``, memoised: the memory bounds of every schedule, in-flight
+        count and recompute set of a ``Work`` read the same buffers (``tmax_bound`` may too)."""
+        key = (id(w), zero)
+        table = self.memo.buffers
+        if key not in table:
+            table[key] = self.costs.buffers(c, w, zero)
+        return table[key]
+
     def family_floor(self, family: tuple) -> float:
         """A lower bound on ``quick_bound`` of every root in ``family``, whatever its pipeline
         depth and micro-batch size.
@@ -312,15 +321,18 @@ class Bounds:
             st_avg = sum(n * st for n, _, st in items) / layers
             everything = costs.states(c, w, zero)  # with gradients: the step's end, no activations
             states = sum(n * st for n, st in zip(costs.kind_counts, everything[0])) + everything[1] + everything[2]
-            profile = (items, act_avg, st_avg, costs.buffers(c, w, zero)[0], states)
+            profile = (items, act_avg, st_avg, self._buffers(c, w, zero)[0], states)
             self.memo.memory_layout[layout] = profile
         items, act_avg, st_avg, buffers, states = profile
         total = sum(1.0 / max(act_avg * i + st_avg, 1e-9) for i in in_flight)
         # l_r x (a i_r + st) = (a i_r + st) / (act_avg i_r + st_avg) / total is monotone in i_r
         # (a ratio of linear functions), so its least over the ranks is at the fewest or the most
         # in-flight micro-batches
-        ends = (min(in_flight), max(in_flight))
-        bound = sum(n * min((a * i + st) / max(act_avg * i + st_avg, 1e-9) for i in ends) / total for n, a, st in items)
+        fewest, most = min(in_flight), max(in_flight)
+        under_fewest, under_most = max(act_avg * fewest + st_avg, 1e-9), max(act_avg * most + st_avg, 1e-9)
+        bound = sum(
+            n * min((a * fewest + st) / under_fewest, (a * most + st) / under_most) / total for n, a, st in items
+        )
         value = max(bound, states / c.pp if lazy else 0.0) + buffers
         self.memo.memory[key] = value
         return value

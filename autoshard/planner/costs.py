@@ -11,7 +11,12 @@ from dataclasses import dataclass, field, replace
 from autoshard.cost_models.comm import Where, pipeline_ends_all_reduce
 from autoshard.cost_models.hardware import Hardware
 from autoshard.cost_models.layers import POST, PRE, LayerCost, LayerCosts
-from autoshard.cost_models.memory import GRAD_TRANSIENT_BYTES, ZERO3_GATHERED_LAYERS, sharded_state_bytes
+from autoshard.cost_models.memory import (
+    GRAD_TRANSIENT_BYTES,
+    ZERO3_GATHERED_LAYERS,
+    sharded_state_bytes,
+    stepped_params,
+)
 from autoshard.ir.plan import GRID_AXES
 from autoshard.ir.schedules import SCHEDULES, Schedule
 from autoshard.planner.candidates import Candidate, Problem, recompute_options, schedules
@@ -218,6 +223,15 @@ class CandidateCosts:
             kinds = [total(k, i) for i, k in enumerate(w.kinds)]
             w.states[key] = (kinds, total(w.pre, PRE), total(w.post, POST))
         return w.states[key]
+
+    def optimizer_time(self, c: Candidate, layer: LayerCost) -> float:
+        """Seconds of one copy of ``layer``'s share of the optimizer step on a rank: the
+        parameters it steps (``stepped_params``) times the bytes the program's AdamW moves for
+        each (``Hardware.optimizer_bytes_per_param``) over the memory bandwidth. It runs once a
+        step, after the last backward, on every rank."""
+        hw = self.layers.hw
+        n = stepped_params(layer.params_dense, layer.params_expert, c.zero, c.dp * c.cp, c.edp)
+        return n * hw.optimizer_bytes_per_param / (hw.hbm_gbps * 1e9)
 
     def grads(self, c: Candidate, w: Work, zero: int) -> tuple[list[float], float, float]:
         """(per-kind, embedding, head) gradient bytes at this ZeRO stage: ``states`` less

@@ -225,10 +225,14 @@ class Evaluator:
         per_state, pre_state, post_state = self.costs.states(c, w, c.zero, grads=False)
         per_grad, pre_grad, post_grad = self.costs.grads(c, w, c.zero)
 
+        m = self.costs.microbatches(c)
+
         def entry(layer: LayerCost, state: float, grad: float) -> dict:
             after, before, micro = _dp_linear(layer, c.zero, where, hw)
             return {
-                "time": layer.time(overlap),
+                # the optimizer step, once a step, spread over the micro-batches: a rank's step
+                # time is then its micro-batches' work and its optimizer step together
+                "time": layer.time(overlap) + self.costs.optimizer_time(c, layer) / m,
                 "fwd": layer.f,
                 "bwd": layer.b + layer.w,
                 "act": layer.activation_bytes,
@@ -297,12 +301,19 @@ class Evaluator:
             for x in works
         ]
         layers_overlap = m * sum(interference) / len(works) / c.pp
+        # the optimizer step steps the same parameters whatever a rank recomputes
+        optimizer = (
+            sum(n * self.costs.optimizer_time(c, k) for n, k in zip(counts, w.kinds))
+            + self.costs.optimizer_time(c, w.pre)
+            + self.costs.optimizer_time(c, w.post)
+        ) / c.pp
         return {
             "compute_s": per_rank("f") + per_rank("b") + per_rank("w"),
+            "optimizer_s": optimizer,
             "overlap_s": layers_overlap,
             "recompute_s": per_rank("recompute"),
             "bubble_s": bubble,
-            "imbalance_s": m * part.t_max - m * sum(x.total for x in works) / len(works) / c.pp - steady,
+            "imbalance_s": m * part.t_max - m * sum(x.total for x in works) / len(works) / c.pp - steady - optimizer,
             "comm_s": {
                 "tp": {"total": per_rank("tp_total"), "exposed": per_rank("tp")},
                 "cp": {"total": per_rank("cp_total"), "exposed": per_rank("cp")},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from autoshard.ir.plan import Plan
 
-COMPONENTS = ("compute", "recompute", "bubble", "imbalance", "overlap", "tp", "cp", "ep", "pp", "dp")
+COMPONENTS = ("compute", "recompute", "optimizer", "bubble", "imbalance", "overlap", "tp", "cp", "ep", "pp", "dp")
 
 
 def components(breakdown: dict) -> dict[str, float]:
@@ -13,6 +13,7 @@ def components(breakdown: dict) -> dict[str, float]:
     return {
         "compute": breakdown["compute_s"] - breakdown["recompute_s"],
         "recompute": breakdown["recompute_s"],
+        "optimizer": breakdown.get("optimizer_s", 0.0),
         "bubble": breakdown["bubble_s"],
         "imbalance": breakdown["imbalance_s"],
         "overlap": breakdown["overlap_s"],
@@ -32,6 +33,8 @@ def _phrase(part: str, extra: float, alt: dict, mesh: dict, links: dict) -> str:
         return f"its kernels are less efficient at their local shapes ({extra:.2f} s more compute)"
     if part == "recompute":
         return f"it must recompute {extra:.2f} s more to fit in memory"
+    if part == "optimizer":
+        return f"its optimizer steps more parameters per GPU ({extra:.2f} s more)"
     if part == "bubble":
         return f"its pipeline bubble costs {extra:.2f} s more"
     if part == "overlap":

@@ -51,6 +51,9 @@ class Memo:
     """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, zero, gradients made lazily) ->
     (per-block (count, activation bytes, state bytes), their averages, buffers, all states): the
     memory bound's profile."""
+    buffers: dict = _table()
+    """(id(Work), zero) -> ``CandidateCosts.buffers``: (bytes every rank needs besides states and
+    activations, the extra on the head's rank)."""
     memory: dict = _table()
     """``memory_layout`` key + (id(in-flight tuple),) -> the memory lower bound."""
     tmax: dict = _table()

@@ -734,19 +734,20 @@ def gradient_reductions(
         late += [p for m in stages for n, p in m.named_parameters() if n in set(m.stage_file.PARTIAL_GRADS)]
     params = [p for m in stages for p in m.parameters()]
     out = []
+    cap = plan.dp_bucket_bytes
     if dense:
         mine = [p for p in params if id(p) not in expert_ids]
-        out.append(_reduction(mine, zero_group, plan.mesh.dp, optim.dense, late, scale))
+        out.append(_reduction(mine, zero_group, plan.mesh.dp, optim.dense, late, scale, cap))
     if experts and not shards_experts(plan):
-        out.append(_reduction(list(experts), groups.edp_group(), plan.mesh.dp, optim.experts, late, scale))
+        out.append(_reduction(list(experts), groups.edp_group(), plan.mesh.dp, optim.experts, late, scale, cap))
     for m in stages:
         m.autoshard_reductions = out
     return out
 
 
-def _reduction(params, group, divide: int, optimizer, late, scale: int) -> BucketedReduction:
+def _reduction(params, group, divide: int, optimizer, late, scale: int, cap: int = 0) -> BucketedReduction:
     sharded = optimizer if isinstance(optimizer, ShardedAdamW) else None
-    return BucketedReduction(params, group, divide, sharded=sharded, late=late, scale=scale)
+    return BucketedReduction(params, group, divide, sharded=sharded, late=late, scale=scale, cap=cap)
 
 
 def routing_biases(stages: list[nn.Module]) -> dict[str, torch.Tensor]:

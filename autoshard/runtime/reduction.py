@@ -30,7 +30,9 @@ order, so every rank issues the same collectives in the same order. The first bu
 (``FIRST_BUCKET_BYTES``), so the first reduction starts early, as DDP's is; the others hold at
 most a ``MIN_BUCKETS``-th of the gradients (and ``BUCKET_BYTES``): what is left to reduce once the
 backward is done is the last bucket, so a small model's gradients in one or two buckets of
-DDP's size would leave most of their reduction exposed.
+DDP's size would leave most of their reduction exposed. A plan names its own bucket size
+(``Plan.dp_bucket_bytes``): from the cost model's latency and bandwidth of the collective, where
+every bucket's latency shows (processes sharing CPU cores) it takes fewer, larger buckets.
 """
 
 from __future__ import annotations
@@ -83,10 +85,13 @@ class BucketedReduction:
     its reduction (the micro-batch count a pipeline schedule's ``scale_grads`` divides by, which
     then must leave ``early`` to this)."""
 
-    def __init__(self, params, group, divide: int = 1, sharded: ShardedAdamW | None = None, late=(), scale: int = 1):
+    def __init__(
+        self, params, group, divide: int = 1, sharded: ShardedAdamW | None = None, late=(), scale: int = 1, cap: int = 0
+    ):
         self.params = list(params)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.group, self.divide, self.sharded, self.scale = group, divide, sharded, scale
+        self.cap = cap  # bytes per bucket after the first (the plan's ``dp_bucket_bytes``); 0: ``bucket_cap``
         self.size = dist.get_world_size(group) if group is not None else 1
         late_ids = {id(p) for p in late}
         self.early = {id(p) for p in self.params if id(p) not in late_ids} if self.size > 1 else set()
@@ -98,7 +103,7 @@ class BucketedReduction:
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params if id(p) in self.early]
 
     def _set_buckets(self, ordered: list[nn.Parameter]) -> None:
-        cap = bucket_cap(ordered)
+        cap = self.cap or bucket_cap(ordered)
         self.buckets = plan_buckets(ordered, cap=cap) if self.sharded is None else self._rows_buckets(ordered, cap)
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._reset()

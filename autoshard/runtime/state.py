@@ -221,17 +221,20 @@ def clip_gradients(items: list[Entry], max_norm: float | None) -> float:
     counted = [e.grad.detach() for e in items if e.counted and e.grad is not None]
     device = counted[0].device if counted else next((e.param.device for e in items), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)  # on the device the backend reduces (NCCL: GPU)
-    for g in counted:  # each tensor's norm in its own precision (no fp64 copy of it), their squares in fp64
-        total += torch.linalg.vector_norm(g).double() ** 2
+    # each tensor's norm in its own precision (no fp64 copy of it), in one foreach call per dtype
+    # as clip_grad_norm_ computes them; their squares summed in fp64
+    by_dtype: dict = {}
+    for g in counted:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for grads in by_dtype.values():
+        total += torch.stack(torch._foreach_norm(grads)).double().square().sum()
     if dist.is_initialized():
         dist.all_reduce(total)
     norm = fake.value(total.sqrt())
     if max_norm is not None and max_norm > 0:
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
-            for e in items:
-                if e.grad is not None:
-                    e.grad.mul_(coef)
+            torch._foreach_mul_([e.grad for e in items if e.grad is not None], coef)
     return norm
 
 

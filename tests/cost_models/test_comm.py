@@ -72,3 +72,21 @@ def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group(h100):
     assert reduced == pytest.approx(comm.reduce_scatter(grads, pair.placement(), h100))
     both = comm.data_parallel(GB, GB, 1, dense, pair, h100)["after_backward"]
     assert both == pytest.approx(reduced + comm.reduce_scatter(grads, dense.placement(), h100))
+
+
+def test_bucket_size_balances_latency_against_the_last_buckets_transfer(h100):
+    """k buckets of G / k bytes show about k x latency + G / k / bandwidth: least at
+    b = sqrt(G x latency x bandwidth), worked by hand; a slower latency wants larger buckets,
+    and the size stays between the bounds given."""
+    from dataclasses import replace
+
+    where = comm.Where.grid(((8, 1),), h100.nvlink_domain)
+    grads = 2e9
+    latency = 2 * 7 * h100.nvlink_latency_us * 1e-6  # a ring all-reduce over 8 ranks: 14 steps
+    per_byte = 2 * 7 / 8 / (h100.nvlink_gbps * 1e9 * h100.link_efficiency)
+    best = (grads * latency / per_byte) ** 0.5
+    assert comm.bucket_bytes(grads, 0, where, h100, 1, 1e12) == pytest.approx(best, rel=1e-6)
+    slow = replace(h100, nvlink_latency_us=100 * h100.nvlink_latency_us)
+    assert comm.bucket_bytes(grads, 0, where, slow, 1, 1e12) == pytest.approx(10 * best, rel=1e-6)
+    assert comm.bucket_bytes(grads, 0, where, slow, 1, 2**20) == 2**20
+    assert comm.bucket_bytes(1e3, 0, where, h100, 2**20, 2**26) == 2**20

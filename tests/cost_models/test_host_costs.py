@@ -59,3 +59,37 @@ def test_attention_backward_ratio_is_the_profiles(analysed):
     b0 = base.compute(0, 1, 1, 1, (), frozenset())[1]
     b1 = slow.compute(0, 1, 1, 1, (), frozenset())[1]
     assert b1 - b0 == pytest.approx((5.0 - 2.5) * attn)
+
+
+def test_the_backward_half_length_is_the_profiles(analysed):
+    """Without its own half length the backward is ``attention_backward`` times the forward at
+    every length; with one, short sequences slow the backward by (keys + half) / keys."""
+    base = LayerCosts(analysed, SEQ, CPU, False)
+    attn = base._rest(0, 1, 1, 1)[0]
+    assert base._attention_backward(0, 1, 1, 1) == pytest.approx(CPU.attention_backward * attn)
+    own = replace(CPU, attention_backward_half_length=1000.0)
+    slow = LayerCosts(analysed, SEQ, own, False)
+    flat = attn * SEQ / (SEQ + CPU.attention_half_length)  # the forward at its long-length rate
+    assert slow._attention_backward(0, 1, 1, 1) == pytest.approx(CPU.attention_backward * flat * (SEQ + 1000) / SEQ)
+
+
+def test_memory_bound_ops_run_at_the_profiles_share_of_the_bandwidth(analysed):
+    full = LayerCosts(analysed, SEQ, CPU, False)
+    half = LayerCosts(analysed, SEQ, replace(CPU, pointwise_efficiency=0.5), False)
+    assert half._rest(0, 1, 1, 1)[1] == pytest.approx(2 * full._rest(0, 1, 1, 1)[1])
+    assert half._rest(0, 1, 1, 1)[0] == full._rest(0, 1, 1, 1)[0]  # attention is not memory-bound here
+
+
+def test_the_softmax_costs_per_score_beside_the_matmuls(analysed):
+    """``attention_score_ns`` adds its time per score (1 / (2 (d + dv)) per attention FLOP) to
+    the attention's, forward and backward, at the same length factor."""
+    blk = analysed.blocks[0]
+    head = 2 * (2 * 16)  # llama3 tiny: head dim 16 for q, k and v
+    assert blk.scores_per_attention_flop == pytest.approx(1 / head)
+    base = LayerCosts(analysed, SEQ, CPU, False)
+    scored = LayerCosts(analysed, SEQ, replace(CPU, attention_score_ns=3.0, attention_backward_score_ns=5.0), False)
+    flops = base._attention_flops(blk, 1, 1, 1)
+    length = (SEQ + CPU.attention_half_length) / SEQ
+    assert scored._attention(0, 1, 1, 1) - base._attention(0, 1, 1, 1) == pytest.approx(flops / head * 3e-9 * length)
+    extra = scored._attention_backward(0, 1, 1, 1) - base._attention_backward(0, 1, 1, 1)
+    assert extra == pytest.approx(flops / head * 5e-9 * length)

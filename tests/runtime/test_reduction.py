@@ -91,3 +91,12 @@ def test_buckets_are_small_first_one_dtype_each_and_a_large_parameter_alone():
     buckets = plan_buckets([*small, big, half], first=2**20, cap=2**21)
     assert [len(b) for b in buckets] == [4, 2, 1, 1]
     assert buckets[2] == [big] and buckets[3] == [half]
+
+
+def test_a_plans_bucket_size_replaces_the_programs_own_rule():
+    """``Plan.dp_bucket_bytes`` (the cost model's choice) sets the buckets after the first."""
+    params = [nn.Parameter(torch.zeros(256, 1024)) for _ in range(16)]  # 1 MiB each, 16 MiB
+    own = BucketedReduction(params, None)
+    mine = BucketedReduction(params, None, cap=8 * 2**20)
+    assert len(own.buckets) == 9  # the first, then an eighth of the gradients each
+    assert [len(b) for b in mine.buckets] == [1, 8, 7]

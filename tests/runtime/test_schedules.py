@@ -132,6 +132,25 @@ def test_occupancy_is_every_peak_of_torch_orders_per_chunk(name):
     assert checked >= 5
 
 
+def test_frontier_keeps_exactly_the_points_no_other_covers():
+    """``_frontier`` against its definition, point by point, on random moments of 1 to 4 chunks."""
+    import random
+
+    from autoshard.ir.schedules import _frontier
+
+    def covers(a, b):
+        return a != b and all(x >= y for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+    rng = random.Random(0)
+    for _ in range(200):
+        chunks = rng.randint(1, 4)
+        points = {
+            tuple(tuple(rng.randint(0, 3) for _ in range(chunks)) for _ in range(3)) for _ in range(rng.randint(1, 40))
+        }
+        expected = tuple(sorted(p for p in points if not any(covers(o, p) for o in points)))
+        assert _frontier(points) == expected
+
+
 def test_occupancy_at_scale_is_uneven_over_chunks():
     """The flagship shape (ZB1P, 64 ranks, 2 chunks, 128 micro-batches): the last rank's total
     stays at 128, but its first chunk alone reaches 127 while its last (the head's) holds one."""
