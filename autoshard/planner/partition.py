@@ -479,46 +479,65 @@ def _spread_table(chunks: int, order: tuple[int, ...], most: int):
 
 
 def _per_rank_terms(
-    layers, layout: _Layout, q: Quantities, pp, v, chunk_rank, microbatches, extras, closed, soft=False
+    layers, layout: _Layout, q: Quantities, pp, v, chunk_rank, microbatches, extras, closed, soft=False, cache=None
 ):
     """Per-rank functions of n (layers of ``layout.kind`` on the rank), in integer microseconds /
     bytes: the fixed time, the memory cap on n, and the exposed data-parallel time D(n).
     ``extras[r]`` adds fixed quantities to rank r (embedding, head, a prefix of other layers);
     ranks in ``closed`` take none of these layers. A rank whose fixed part alone does not fit
-    makes it None, or with ``soft`` gets the cap -1 (another recompute set may fit there)."""
-    kind = layout.kind
-    t_layer = round(q.time[kind] * US)
+    makes it None, or with ``soft`` gets the cap -1 (another recompute set may fit there).
+    ``cache``: a dict shared by calls with the same ``layers``, ``q``, ``v``, ``microbatches``,
+    ``soft`` and head rank (``_solve_prefix``'s prefix splits): a rank's entry depends besides
+    only on what its own chunks hold, so a split that changes other ranks reuses it."""
     ranks = []
     for r in range(pp):
-        fixed = extras[r]
-        sends = v - (1 if r == layout.last else 0)
-        const_t = round((fixed["time"] + q.p2p * sends) * US)
-        if q.capacity >= UNLIMITED:  # no memory limit: skip the peaks (most of the cost)
-            cap = 0 if r in closed else layers
-        else:
-            memories = layout.memories(r, 0 if r in closed else layers, fixed["state"])
-            if memories[0] > q.capacity and not soft:
-                return None
-            cap = int((memories <= q.capacity).sum()) - 1  # the most layers that fit: memory only grows with n
-        f_per, b_per = round(q.fwd[kind] * US), round(q.bwd[kind] * US)
-        f0, b0 = round(fixed["fwd"] * US), round(fixed["bwd"] * US)
-        terms = []  # (slope, offset, multiplier) of max(0, slope * n + offset)
-        for lat_s, key, times in zip(q.dp_latency, ("dp_time", "dp_gather", "dp_micro"), (1, 1, microbatches)):
-            per = round(getattr(q, key)[kind] * US)
-            extra = round((fixed[key] + lat_s) * US)
-            if per == 0 and extra == 0:
-                continue
-            window_per, window0 = {"dp_time": (b_per, b0), "dp_gather": (f_per, f0)}.get(key, (f_per + b_per, f0 + b0))
-            s = q.dp_share  # shown + (1 - s) x hidden = s x max(0, traffic - window) + (1 - s) x traffic
-            if s < 1:
-                terms.append((round((1 - s) * per), round((1 - s) * extra), times))
-            terms.append(
-                (per - window_per, extra - window0, times)
-                if s == 1
-                else (round(s * (per - window_per)), round(s * (extra - window0)), times)
-            )
-        ranks.append({"const_t": const_t, "cap": cap, "terms": terms})
-    return t_layer, ranks
+        key = None
+        if cache is not None:
+            mine = layout.mine[r]
+            extra = tuple(extras[r][k] for k in KEYS)
+            key = (r, layout.fixed[:, mine].tobytes(), tuple(layout.open[r]), r in closed, extra)
+        entry = cache.get(key, False) if cache is not None else False
+        if entry is False:  # not cached (None: cached as not fitting)
+            entry = _rank_terms(layers, layout, q, r, v, microbatches, extras[r], r in closed, soft)
+            if cache is not None:
+                cache[key] = entry
+        if entry is None:
+            return None
+        ranks.append(entry)
+    return round(q.time[layout.kind] * US), ranks
+
+
+def _rank_terms(layers, layout: _Layout, q: Quantities, r, v, microbatches, fixed, closed: bool, soft: bool):
+    """``_per_rank_terms`` of rank ``r``: {const_t, cap, terms}, or None where its fixed part
+    alone does not fit (and not ``soft``)."""
+    kind = layout.kind
+    sends = v - (1 if r == layout.last else 0)
+    const_t = round((fixed["time"] + q.p2p * sends) * US)
+    if q.capacity >= UNLIMITED:  # no memory limit: skip the peaks (most of the cost)
+        cap = 0 if closed else layers
+    else:
+        memories = layout.memories(r, 0 if closed else layers, fixed["state"])
+        if memories[0] > q.capacity and not soft:
+            return None
+        cap = int((memories <= q.capacity).sum()) - 1  # the most layers that fit: memory only grows with n
+    f_per, b_per = round(q.fwd[kind] * US), round(q.bwd[kind] * US)
+    f0, b0 = round(fixed["fwd"] * US), round(fixed["bwd"] * US)
+    terms = []  # (slope, offset, multiplier) of max(0, slope * n + offset)
+    for lat_s, key, times in zip(q.dp_latency, ("dp_time", "dp_gather", "dp_micro"), (1, 1, microbatches)):
+        per = round(getattr(q, key)[kind] * US)
+        extra = round((fixed[key] + lat_s) * US)
+        if per == 0 and extra == 0:
+            continue
+        window_per, window0 = {"dp_time": (b_per, b0), "dp_gather": (f_per, f0)}.get(key, (f_per + b_per, f0 + b0))
+        s = q.dp_share  # shown + (1 - s) x hidden = s x max(0, traffic - window) + (1 - s) x traffic
+        if s < 1:
+            terms.append((round((1 - s) * per), round((1 - s) * extra), times))
+        terms.append(
+            (per - window_per, extra - window0, times)
+            if s == 1
+            else (round(s * (per - window_per)), round(s * (extra - window0)), times)
+        )
+    return {"const_t": const_t, "cap": cap, "terms": terms}
 
 
 def _exposed(terms, n: int) -> int:
@@ -564,9 +583,11 @@ def _solve_prefix(kinds, q: Quantities, pp, v, chunk_rank, microbatches) -> Part
     prefix = sum(1 for k in kinds if k == head_kind)
     rest = len(kinds) - prefix
     best = None
+    last_chunk = [max(c for c in range(chunks) if chunk_rank(c) == r) for r in range(pp)]
+    caches = [{} for _ in q.choices()]  # per choice: ``_per_rank_terms``'s ranks, shared by the splits
     for split in _compositions(prefix, min(chunks, prefix + 1)):
         j = len(split) - 1  # the last chunk holding prefix layers
-        closed = {r for r in range(pp) if all(c < j for c in range(chunks) if chunk_rank(c) == r)}
+        closed = {r for r in range(pp) if last_chunk[r] < j}
         built = []
         for o in q.choices():
             extras = _base_extras(o, pp, chunks, chunk_rank)
@@ -576,12 +597,12 @@ def _solve_prefix(kinds, q: Quantities, pp, v, chunk_rank, microbatches) -> Part
             layout = _Layout(o, pp, chunks, chunk_rank, rest_kind, {c: {head_kind: n} for c, n in enumerate(split)}, j)
             built.append((o, extras, layout))
         if q.options:
-            found = _best_counts_choice(rest, built, pp, v, chunk_rank, microbatches, closed)
+            found = _best_counts_choice(rest, built, pp, v, chunk_rank, microbatches, closed, caches)
             if found is not None and (best is None or found[0] < best[0][0]):
                 best = (found, built, split)
             continue
         _, extras, layout = built[0]
-        found = _best_counts(rest, layout, q, pp, v, chunk_rank, microbatches, extras, closed)
+        found = _best_counts(rest, layout, q, pp, v, chunk_rank, microbatches, extras, closed, caches[0])
         if found is not None and (best is None or found[0] < best[0]):
             best = (*found, split, extras, layout)
     if best is None:
@@ -635,14 +656,14 @@ def _spread(counts, pp, chunks, chunk_rank, prefix: dict, first_open: int = 0) -
     return stage_layers
 
 
-def _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed):
+def _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed, cache=None):
     """Exact: the slowest rank's time can only be one of the values const_r + n * t; for each, in
     increasing order, the least data-parallel exposure with every rank under that time and within
     memory is found by bisection over the finitely many exposure values (each rank's exposure is
     convex in n, so the counts allowed under a bound form an interval). The scan stops once a
     larger time cannot pay for itself: microbatches x (T - T_first) >= the exposure at T_first.
     Returns (objective, t_max, d_max, counts) in microseconds, or None."""
-    terms = _per_rank_terms(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed)
+    terms = _per_rank_terms(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed, cache=cache)
     if terms is None:
         return None
     t_layer, ranks = terms
@@ -697,7 +718,7 @@ def _chosen_partition(found, built, pp, chunks, chunk_rank, prefix: dict, first_
     )
 
 
-def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed):
+def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed, caches=None):
     """``_best_counts`` where each rank also chooses its recompute set (``built``: per choice its
     quantities, per-rank extras and layout). Exact by the same scan: a rank's time under choice
     s is const_rs + n * t_s, so the slowest rank's time is one of those values; under a bound T
@@ -709,8 +730,8 @@ def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed):
     search's exposure bound under the first choice holds. Returns (objective, t_max, d_max,
     counts, choice per rank), or None."""
     terms = [
-        _per_rank_terms(layers, layout, o, pp, v, chunk_rank, microbatches, extras, closed, soft=True)
-        for o, extras, layout in built
+        _per_rank_terms(layers, layout, o, pp, v, chunk_rank, microbatches, extras, closed, True, cache)
+        for (o, extras, layout), cache in zip(built, caches or [None] * len(built))
     ]
     options = [[(t, ranks[r]["const_t"], ranks[r]["cap"]) for t, ranks in terms] for r in range(pp)]
     if sum(max(0, max(cap for _, _, cap in opts)) for opts in options) < layers:
