@@ -57,6 +57,7 @@ class Bounds:
         self.p = costs.p
         self.memo = costs.memo
         self._caps: dict = {}  # ``_rank_caps`` by the bytes it reads (the axis orders share them)
+        self._choices: dict = {}  # ``_choice_costs`` by Work and sets
 
     def bound(self, c: Candidate, level: int) -> float:
         """Lower bound on the step time of any plan below this node (inf: none can fit).
@@ -77,15 +78,25 @@ class Bounds:
         kept = tuple(sets) if len(sets) > 1 else None
         if self.memory_bound(c, zeros, w, m_flight, kept, lazy=c.v > 1) > self.p.hw.usable_bytes:
             return math.inf
-        acts = self._choice_costs(c, sets, where_key, where, sched.overlaps_ep) if kept else None
+        acts = self._choice_costs(c, w, sets, where_key, where, sched.overlaps_ep) if kept else None
         t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep, acts)
         if t_max == math.inf:
             return math.inf
         return m * t_max + bubble + dp
 
-    def _choice_costs(self, c: Candidate, sets: list, where_key, where, overlap: bool) -> tuple:
+    def _choice_costs(self, c: Candidate, w: Work, sets: list, where_key, where, overlap: bool) -> tuple:
         """Per set a rank may take: (the least time of a layer kind, the least bytes one keeps,
-        the embedding's, the head's)."""
+        the embedding's, the head's). Memoised by ``w`` (``c.recompute``'s Work: the other sets'
+        differ from it only in the set and the split backward's share) and ``sets`` (memoised
+        lists, ``stage_choices``): the orders and ZeRO stages of one layout read the same."""
+        key = (id(w), id(sets), self.costs.split_share(c))
+        hit = self._choices.get(key)
+        if hit is None:
+            hit = self._choices[key] = self._choice_costs_of(c, sets, where_key, where, overlap)
+        return hit
+
+    def _choice_costs_of(self, c: Candidate, sets: list, where_key, where, overlap: bool) -> tuple:
+        """``_choice_costs``, computed."""
         out = []
         for rc in sets:
             w = self.costs.work(c, where_key, where, overlap, rc)
