@@ -12,9 +12,12 @@ What is measured, one progress line each, and which profile field it becomes:
   (the cost model's peak x efficiency is then the measured best); extending a profile keeps its
   bf16 peak and writes ``matmul_efficiency`` = best / that peak.
 - Host costs: ``op_overhead_us``, the host time of one op whatever its size (a chain of tiny ops
-  forward and backward; it matters where kernels do not run ahead of the host, on CPUs); on CPUs
-  ``cores``, how many ranks' worth of work the host's CPUs do at once (measured: one process
-  against one per CPU running together).
+  forward and backward; it matters where kernels do not run ahead of the host, on CPUs), and
+  ``checkpoint_op_overhead_us``, what selective checkpointing adds to it per op of a layer it
+  wraps (its policy sees every op of the forward and of the replay); on CPUs
+  ``cores``, how many ranks' worth of work the host's CPUs do at once (measured: a reference
+  model's training step in one process against one per CPU running together), and where the
+  largest ``--ranks`` outnumbers the CPUs, ``oversubscribed_cores``, the same with that many.
 - The optimizer step: the gradient norm and the program's own AdamW (fp32 masters of bf16
   weights) on layer-sized weights, their time per parameter at the measured memory bandwidth ->
   ``optimizer_bytes_per_param``.
@@ -68,10 +71,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from autoshard.calibrate_reference import measured_step, predicted_step
+from autoshard.calibrate_reference import measured_step, predicted_step, training_step
 from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
 from autoshard.runtime import ring_attention as ra
+from autoshard.runtime.checkpoint import Checkpoint
 from autoshard.runtime.collectives import _gather_into, _scatter_from
 from autoshard.runtime.program import _adamw, lower_parameters
 from autoshard.runtime.reduction import BucketedReduction
@@ -106,7 +110,7 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
         peaks = {dtype: max(rates.values()) for dtype, rates in gemm.items()}
         mem = measure_memory(device, quick)
         attn = measure_attention(device, peaks["bf16"], quick)
-        host = measure_host(device, quick)
+        host = measure_host(device, quick, ranks)
         host["optimizer_bytes_per_param"] = measure_optimizer(device, quick, mem)
     finally:
         torch.set_num_threads(threads)
@@ -149,16 +153,20 @@ def _machine(device: str) -> str:
 
 def _median_time(fn, device: str, min_s: float = 0.2, reps: int = 3) -> float:
     """Median seconds of ``fn()`` over at least ``reps`` runs lasting ``min_s`` together, after
-    one warm-up run."""
+    one warm-up run. On a CPU running one thread (as each rank does) the seconds are this
+    thread's CPU time: other jobs on a shared machine stretch the wall clock, not the work, so
+    the profile describes the host as the program's ranks find it when they have it to
+    themselves (``cores`` says how many share it)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    clock = time.thread_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
     fn()
     sync()
     times: list[float] = []
     while len(times) < reps or sum(times) < min_s:
-        t = time.perf_counter()
+        t = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return statistics.median(times)
 
 
@@ -269,11 +277,13 @@ def _attention_fit(shapes, seconds: list[float]) -> tuple[float, float, float]:
     return rate, half, score1 / (k1 * scores[0])
 
 
-def measure_host(device: str, quick: bool) -> dict:
-    """``op_overhead_us`` and, on CPUs, ``cores``."""
+def measure_host(device: str, quick: bool, ranks: tuple[int, ...] = ()) -> dict:
+    """``op_overhead_us``, ``checkpoint_op_overhead_us`` and, on CPUs, ``cores`` (and
+    ``oversubscribed_cores``)."""
     out = {"op_overhead_us": _round(measure_op_overhead(device, quick))}
+    out["checkpoint_op_overhead_us"] = _round(measure_checkpoint_overhead(device, quick))
     if device == "cpu":
-        out["cores"] = measure_cores(quick)
+        out |= measure_cores(quick, ranks)
     return out
 
 
@@ -304,24 +314,33 @@ def measure_optimizer(device: str, quick: bool, bandwidth: float) -> float:
     return out
 
 
-def measure_cores(quick: bool) -> float:
-    """``cores``: how many one-thread ranks' worth of work this host does at once, measured: a
-    rank-like workload (a linear layer's forward and backward under bf16 autocast, and a copy
-    beyond the caches) in one process, then in as many processes as there are CPUs, at the same
-    time; the work they do together over the work one does alone. Virtual CPUs that are
-    hyperthreads of one core, or cores that share the memory bus, count for less than one."""
+def measure_cores(quick: bool, ranks: tuple[int, ...] = ()) -> dict[str, float]:
+    """``cores``: how many one-thread ranks' worth of work this host does at once, measured: the
+    reference model's training step (``calibrate_reference.training_step``: the GEMMs,
+    attention, memory-bound ops and optimizer step a rank runs) in one process, then in one
+    process per CPU at the same time: the CPUs times the rate each process then keeps over the
+    rate of one alone. Virtual CPUs that are hyperthreads of one core, or cores that share the
+    memory bus, count for less than one. Where the largest of ``ranks`` outnumbers the CPUs, that
+    many processes again, time-sliced: ``oversubscribed_cores`` (each refills its caches after
+    every switch). Rates are steps per CPU second of each process (other jobs on a shared machine
+    take CPU time, not speed), so the figures describe the host with the ranks alone on it."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    seconds = 1.0 if quick else 3.0
+    seconds = 1.5 if quick else 4.0
     alone = _spinning(1, seconds)
     together = _spinning(cpus, seconds) if cpus > 1 else alone
-    out = _round(min(float(cpus), max(1.0, together / alone)))
-    _say(f"cores the ranks share: {cpus} CPUs do the work of {out:.2f} at once")
+    out = {"cores": _round(min(float(cpus), max(1.0, cpus * together / alone)))}
+    _say(f"cores the ranks share: {cpus} CPUs do the work of {out['cores']:.2f} ranks at once")
+    most = max(ranks, default=0)
+    if most > cpus:
+        over = _round(min(out["cores"], max(1.0, cpus * _spinning(most, seconds) / alone)))
+        out["oversubscribed_cores"] = over
+        _say(f"cores the ranks share: {most} ranks on {cpus} CPUs do the work of {over:.2f} at once")
     return out
 
 
 def _spinning(processes: int, seconds: float) -> float:
-    """Iterations of ``_spin`` that ``processes`` processes, started together once all have
-    loaded torch, complete in ``seconds``."""
+    """Training steps per CPU second of each of ``processes`` processes (their mean), started
+    together once all have loaded torch and built the reference model, over ``seconds``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     with tempfile.TemporaryDirectory() as tmp:
         code = f"from autoshard.calibrate import _spin; _spin({tmp!r}, {processes}, {seconds!r})"
@@ -329,32 +348,23 @@ def _spinning(processes: int, seconds: float) -> float:
             subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
             for _ in range(processes)
         ]
-        return sum(float(r.communicate()[0].split()[-1]) for r in runs)
+        return statistics.mean(float(r.communicate()[0].split()[-1]) for r in runs)
 
 
 def _spin(tmp: str, processes: int, seconds: float) -> None:
-    """One process of ``_spinning``: ready, wait for the others, then count the work done in
-    ``seconds``."""
+    """One process of ``_spinning``: ready, wait for the others, then print the steps per CPU
+    second it completes over (about) ``seconds`` of wall time."""
     torch.set_num_threads(1)
-    x = torch.randn(256, 512, requires_grad=True)
-    w = torch.randn(512, 512, requires_grad=True)
-    a, b = torch.randn(2**21), torch.empty(2**21)
-
-    def work():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = F.linear(x, w)
-        y.float().sum().backward()
-        b.copy_(a)
-
-    work()
+    step = training_step()[0]
+    step()
     Path(tmp, f"ready-{os.getpid()}").touch()
     while len(os.listdir(tmp)) < processes:
         time.sleep(0.002)
-    count, end = 0, time.time() + seconds
-    while time.time() < end:
-        work()
+    count, cpu, end = 0, time.thread_time(), time.perf_counter() + seconds
+    while time.perf_counter() < end or count == 0:
+        step()
         count += 1
-    print(count)
+    print(count / (time.thread_time() - cpu))
 
 
 def measure_pointwise(fields: dict, parent, quick: bool) -> float:
@@ -403,6 +413,39 @@ def measure_op_overhead(device: str, quick: bool, ops: int = 200) -> float:
         torch.set_num_threads(threads)
     us = t / (3 * (ops + 1)) * 1e6
     _say(f"host time per op: {us:.1f} us")
+    return us
+
+
+def measure_checkpoint_overhead(device: str, quick: bool, ops: int = 200) -> float:
+    """Microseconds a selectively checkpointed layer adds per forward op beyond the FLOPs it
+    recomputes: ``measure_op_overhead``'s chain run inside the runtime's ``Checkpoint`` keeping
+    its linears' outputs (torch's selective checkpoint; the runtime's policy sees every op of
+    the forward and of its replay, which reruns the rest), against the chain alone."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    x, w = (torch.randn(16, 16, device=device, requires_grad=True) for _ in range(2))
+
+    def layer(y):
+        for _ in range(ops // 2):
+            y = F.linear(y, w) * 1.0001
+        return y
+
+    wrapped = Checkpoint(layer, recompute=["activation"])
+
+    def run(fn):
+        def chain():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                y = fn(x)
+            y.float().sum().backward()
+
+        return _median_time(chain, device, 0.2 if quick else 1.0, reps=5)
+
+    try:
+        extra = run(wrapped) - run(layer)
+    finally:
+        torch.set_num_threads(threads)
+    us = max(0.0, extra / (ops + 1) * 1e6)
+    _say(f"selective checkpointing's host time per op: {us:.1f} us")
     return us
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from autoshard.capture import capture, causal_lm_loss
 from autoshard.cost_models.analyze import analyze
 from autoshard.cost_models.layers import POST, PRE, LayerCosts
-from autoshard.runtime.program import lower_parameters
+from autoshard.runtime.program import _adamw, lower_parameters
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB, LAYERS = 384, 6, 2, 1024, 2048, 2
 BATCH, SEQ = 2, 256
@@ -79,18 +79,35 @@ def predicted_step(hw) -> tuple[float, float]:
     return seconds, pointwise
 
 
-def measured_step(timer) -> float:
-    """Median seconds of the reference model's forward, loss and backward as a bf16 program
-    runs them on a CPU (``timer``: calibrate's median timer over a function)."""
+def training_step():
+    """A function running one training step of the reference model as a bf16 program runs it on a
+    CPU: forward and loss under bf16 autocast, backward, and the program's optimizer step (fp32
+    masters of bf16 weights); and the function running its forward and backward alone."""
     torch.manual_seed(0)
     model = Reference()
-    lower_parameters(list(model.parameters()), "bf16")
+    params = list(model.parameters())
+    lower_parameters(params, "bf16")
+    optim = _adamw(params, False, None, {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
 
-    def step():
+    def forward_backward():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = causal_lm_loss(model(tokens), tokens)
         loss.backward()
+
+    def step():
+        forward_backward()
+        optim.step()
         model.zero_grad(set_to_none=True)
 
-    return timer(step)
+    def without_step():
+        forward_backward()
+        model.zero_grad(set_to_none=True)
+
+    return step, without_step
+
+
+def measured_step(timer) -> float:
+    """Median seconds of the reference model's forward, loss and backward as a bf16 program
+    runs them on a CPU (``timer``: calibrate's median timer over a function)."""
+    return timer(training_step()[1])

@@ -53,12 +53,20 @@ Fields (all per GPU; GB = 1e9 bytes):
                               moments (28 B), then rounds the master into the bf16 weight (6 B).
                               ``autoshard calibrate`` measures it (a CPU's per-tensor AdamW moves
                               more, and pays host time per tensor)
+``checkpoint_op_overhead_us`` float optional (default 0): host time per op of a layer under
+                              selective recomputation beyond the FLOPs it recomputes (the
+                              checkpoint policy sees every op of the forward and of its replay);
+                              0 on GPUs, where launches run ahead of the kernels
 ``cores``            float    optional (default 0): how many one-thread ranks' worth of work one
                               host does at once (CPU runs, one thread per rank; ``autoshard
                               calibrate`` measures it, less than the CPU count where virtual CPUs
                               share a core or the memory bus); when more ranks than that run on a
                               host, each rank's compute, memory bandwidth and op overhead scale by
                               ranks / cores. 0: every rank has a device of its own (GPUs)
+``oversubscribed_cores`` float optional (default 0: ``cores``): the work as many ranks as
+                              ``autoshard calibrate``'s largest ``--ranks`` do together where they
+                              outnumber the CPUs (rounded ``cores``): time-slicing costs each one
+                              its caches, so it is less than ``cores``; ranks / this is the sharing
 ``memory_headroom``  float    optional (default 0): a further share of HBM a plan leaves free, for
                               what no tracker sees (the caching allocator's fragmentation grows
                               with the memory in use; CUDA-graph pools); ``compile --memory-headroom``
@@ -126,7 +134,9 @@ _OPTIONAL = {
     "collectives": (dict, None),
     "overlap": (dict, None),
     "op_overhead_us": (float, 0.0),
+    "checkpoint_op_overhead_us": (float, 0.0),
     "cores": (float, 0.0),
+    "oversubscribed_cores": (float, 0.0),
     "optimizer_bytes_per_param": (float, 38.0),
 }
 
@@ -138,7 +148,9 @@ _MAY_BE_ZERO = (
     "memory_reserve_gb",
     "memory_headroom",
     "op_overhead_us",
+    "checkpoint_op_overhead_us",
     "cores",
+    "oversubscribed_cores",
     "attention_half_length",
     "attention_backward_half_length",
     "attention_score_ns",
@@ -183,7 +195,9 @@ class Hardware:
     collectives: dict[str, dict[str, float]] | None = None
     overlap: dict[str, float] | None = None
     op_overhead_us: float = 0.0
+    checkpoint_op_overhead_us: float = 0.0
     cores: float = 0.0
+    oversubscribed_cores: float = 0.0
     optimizer_bytes_per_param: float = 38.0
     source: str = ""
 
@@ -218,7 +232,14 @@ class Hardware:
         """This profile with every collective's per-step latency and the per-op overhead zero (the
         search's floor costs: what is left is linear in the tokens)."""
         table = {k: {**v, "latency_us": 0.0} for k, v in self.collectives.items()} if self.collectives else None
-        return replace(self, nvlink_latency_us=0.0, network_latency_us=0.0, op_overhead_us=0.0, collectives=table)
+        return replace(
+            self,
+            nvlink_latency_us=0.0,
+            network_latency_us=0.0,
+            op_overhead_us=0.0,
+            checkpoint_op_overhead_us=0.0,
+            collectives=table,
+        )
 
     @property
     def hbm_bytes(self) -> float:
@@ -239,15 +260,20 @@ class Hardware:
 
     def sharing(self, ranks: int) -> float:
         """How many ranks share one rank's compute when ``ranks`` run (``cores``): the ranks on
-        one host (at most ``nvlink_domain``) over its cores, at least 1."""
+        one host (at most ``nvlink_domain``) over the work the host does at once, at least 1;
+        where they outnumber its CPUs, over ``oversubscribed_cores``."""
         if not self.cores:
             return 1.0
-        return max(1.0, min(ranks, self.nvlink_domain) / self.cores)
+        here = min(ranks, self.nvlink_domain)
+        work = self.cores
+        if self.oversubscribed_cores and here > math.ceil(self.cores - 1e-9):
+            work = self.oversubscribed_cores
+        return max(1.0, here / work)
 
     def shared(self, ranks: int) -> Hardware:
         """This profile as one of ``ranks`` ranks sees its compute: peaks and memory bandwidth
-        divided, op overhead multiplied, by ``sharing`` (links unchanged). Itself where nothing
-        is shared."""
+        divided, op overhead and attention's time per score multiplied, by ``sharing`` (links
+        unchanged). Itself where nothing is shared."""
         share = self.sharing(ranks)
         if share == 1:
             return self
@@ -256,6 +282,9 @@ class Hardware:
             peak_tflops={k: v / share for k, v in self.peak_tflops.items()},
             hbm_gbps=self.hbm_gbps / share,
             op_overhead_us=self.op_overhead_us * share,
+            checkpoint_op_overhead_us=self.checkpoint_op_overhead_us * share,
+            attention_score_ns=self.attention_score_ns * share,
+            attention_backward_score_ns=self.attention_backward_score_ns * share,
         )
 
     def to_dict(self) -> dict:

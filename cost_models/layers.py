@@ -19,7 +19,9 @@ Modelling choices (each can be checked against the formula it names):
   device): each traced op of a layer costs it once forward and twice backward
   (``LayerCosts.op_overhead``).
 - Recomputation reruns the closure of the dropped tensors' producers (``BlockCost.recompute_flops``),
-  and of those of the tensors kept as FP8 copies (``ModelCost.fp8_saved``).
+  and of those of the tensors kept as FP8 copies (``ModelCost.fp8_saved``); where the host shows,
+  each traced op of a recomputed layer adds the profile's ``checkpoint_op_overhead_us`` (the
+  checkpoint's policy sees every op of its forward and replay).
 - TP with sequence parallelism: all-gather before and reduce-scatter after each TP region in forward
   and the mirror in backward, plus a second all-gather of each region's input in backward for the
   weight gradient (the input is saved sharded, as Korthikanti et al. count memory). Forward
@@ -312,6 +314,8 @@ class LayerCosts:
         rerun = recompute | self.fp8_saved(recompute, fp8, tp)
         extra = blk.recompute_fn(rerun)(mbs, self.seq / cp) if recompute else 0.0
         rc = f * (extra / fwd_flops) if fwd_flops else 0.0
+        if recompute and self._selective(block, recompute, rerun != recompute, tp > 1 or cp > 1 or ep > 1):
+            rc += self._ops(block) * self.hw.checkpoint_op_overhead_us * 1e-6  # the policy's host time
         attn_b = self._attention_backward(block, mbs, tp, cp)
         b = dense_b + routed[2] + attn_b + 2 * pointwise + 2 * ops + rc
         w = dense_w + routed[3]
@@ -325,8 +329,19 @@ class LayerCosts:
         forward op. TP and CP leave the count as it is: each rank runs every op on its shard."""
         if not self.hw.op_overhead_us:
             return 0.0
-        ops = sum(n.op in ("call_function", "call_method", "call_module") for n in self.block(block)._nodes)
-        return ops * self.hw.op_overhead_us * 1e-6
+        return self._ops(block) * self.hw.op_overhead_us * 1e-6
+
+    def _selective(self, block: int, recompute: frozenset, fp8_kept: bool, collectives: bool) -> bool:
+        """Whether a layer recomputing ``recompute`` runs under the selective checkpoint's policy,
+        which sees every op of its forward and replay: where it keeps some of its own outputs (a
+        category it has and does not recompute, FP8 copies) or its collectives'. A layer keeping
+        nothing runs under plain checkpointing (``runtime.checkpoint.Checkpoint``)."""
+        return fp8_kept or collectives or bool(set(self.block(block).categories) - recompute)
+
+    @cache  # noqa: B019
+    def _ops(self, block: int) -> int:
+        """The block's traced operations."""
+        return sum(n.op in ("call_function", "call_method", "call_module") for n in self.block(block)._nodes)
 
     @cache  # noqa: B019
     def p2p(self, block: int, mbs: int, tp: int, cp: int, where_pp: Where) -> float:

@@ -52,7 +52,7 @@ def test_extends_writes_only_measured_fields(tmp_path, monkeypatch):
     cpu = hardware.load("cpu")
     best = cpu.peak_flops("bf16") / 2
     monkeypatch.setattr(calibrate, "measure_gemms", lambda device, quick, dtype="bf16": {(1, 1, 1): best})
-    monkeypatch.setattr(calibrate, "measure_host", lambda device, quick: {"op_overhead_us": 7.0, "cores": 3})
+    monkeypatch.setattr(calibrate, "measure_host", lambda device, quick, ranks=(): {"op_overhead_us": 7.0, "cores": 3})
     monkeypatch.setattr(calibrate, "measure_memory", lambda device, quick: 2e12)
     attention = {"attention_efficiency": 0.4, "attention_half_length": 100.0, "attention_score_ns": 2.0}
     attention |= {"attention_backward": 3.0, "attention_backward_half_length": 900.0}

@@ -224,6 +224,23 @@ def _from_weight(t: torch.Tensor) -> bool:
     return False
 
 
+def _leaves(x, out: list | None = None) -> list:
+    """The leaves of an op's arguments or outputs, as ``tree_leaves`` gives them for what ops
+    take and return (tuples, lists, dicts, return-type tuples; ``torch.Size`` a leaf), without
+    the general pytree's per-node lookups: the policy walks every op of every checkpointed layer
+    twice (forward and replay), where that host time shows."""
+    out = [] if out is None else out
+    if isinstance(x, (tuple, list)) and not isinstance(x, torch.Size):
+        for y in x:
+            _leaves(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _leaves(y, out)
+    else:
+        out.append(x)
+    return out
+
+
 def _storage(t):
     try:
         return t.untyped_storage()
@@ -265,6 +282,7 @@ class _Region:
         self.skipped: set[int] = set()  # the ``collective``s the recomputation skips
         self.replayed = 0  # ``collective``s the recomputation has met
         self.units_met = 0  # ``unit``s the recomputation has met
+        self.kept_any = False  # whether the policy kept any op's output
 
     def policy(self, ctx, func, *args, **kwargs):
         packet = getattr(func, "overloadpacket", func)
@@ -275,7 +293,7 @@ class _Region:
         elif packet in _KEEP_NO_INPUT or namespace in _COLLECTIVES:
             read = []
         else:
-            read = tree_leaves((args, kwargs))
+            read = _leaves((args, kwargs))
         for t in read:
             if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None and id(st) not in self.read:
                 self._note(self.read, st)
@@ -283,6 +301,7 @@ class _Region:
             self._note(self.normed, st)
         self._sort_saves(packet, args)
         keep = _keeps(self.kept, self.saved, func, args)
+        self.kept_any |= keep
         if packet in _GEMMS and self.calls is not None:
             self._note_kept_inputs(packet, args)
         if self.calls is not None:
@@ -302,11 +321,12 @@ class _Region:
     def _record(self, func, packet, collective: bool, inputs, out) -> None:
         idx = self._counts[func]
         self._counts[func] += 1
-        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in _leaves(inputs) if isinstance(t, torch.Tensor)]
         reads = [m for t in tensors if (m := self._maker(t)) is not None]
         read_ids = {id(_storage(t)) for t in tensors}
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        fresh = bool(outs) and len(outs) == len(tree_leaves(out))
+        leaves = _leaves(out)
+        outs = [t for t in leaves if isinstance(t, torch.Tensor)]
+        fresh = bool(outs) and len(outs) == len(leaves)
         call = len(self.calls)
         for i, t in enumerate(outs):
             st = _storage(t)
@@ -758,6 +778,8 @@ class Checkpoint(nn.Module):
         self._keeps = bool(saved) or bool(self.fp8_saved)
         self._kept, self._saved = kept, saved
         self._region: _Region | None = None
+        self._first: _Region | None = None  # the region of the first forward (``_recomputes_all``)
+        self._plain = False  # a layer found to keep nothing: plain checkpointing
 
     def _context(self):
         region = _Region(self._kept, self._saved)
@@ -766,7 +788,7 @@ class Checkpoint(nn.Module):
         if self.split_backward and isinstance(region.cache, defaultdict):
             region.cache.default_factory = _EveryCall
         caching.autoshard_region = cached.autoshard_region = region
-        self._region = region
+        self._region = self._first = region
         return caching, cached
 
     def _run(self, *args):
@@ -784,9 +806,22 @@ class Checkpoint(nn.Module):
         return out
 
     def forward(self, *args):
-        if not self._keeps:  # full recomputation: plain checkpointing (no selective cache)
+        if not self._keeps or self._plain:  # full recomputation: plain checkpointing (no selective cache)
             return checkpoint(self._run, *args, use_reentrant=False)
-        return checkpoint(self._run, *args, use_reentrant=False, context_fn=self._context)
+        out = checkpoint(self._run, *args, use_reentrant=False, context_fn=self._context)
+        self._plain = self._recomputes_all(self._first)
+        return out
+
+    def _recomputes_all(self, region) -> bool:
+        """Whether the forward just run under the policy kept nothing of its own: no op output
+        (the kinds the plan keeps did not occur in the layer, as a dense layer has no experts),
+        no collective's (which the recomputation would otherwise run again), no ``unit``. Such
+        a layer runs under plain checkpointing from then on: the same recomputation, without the
+        policy's host time per op. (A split backward's two passes keep the policy's cache.)"""
+        self._first = None
+        if region is None or self.split_backward:
+            return False
+        return not (region.kept_any or region.collectives or region.units or region.kept_inputs)
 
     def extra_repr(self) -> str:
         return f"recompute={self.recompute}" + (f", fp8_saved={self.fp8_saved}" if self.fp8_saved else "")

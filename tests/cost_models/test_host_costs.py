@@ -37,6 +37,18 @@ def test_ranks_beyond_the_cores_divide_compute():
     assert CPU.sharing(64) == CPU.nvlink_domain / CPU.cores  # ranks on one host only
 
 
+def test_time_sliced_ranks_share_the_oversubscribed_work():
+    """Ranks up to the (rounded) cores share by ``cores``; beyond them by the measured
+    ``oversubscribed_cores``; attention's time per score slows with the rest of the compute."""
+    hw = replace(CPU, cores=1.9, oversubscribed_cores=1.6, attention_score_ns=1.0, attention_backward_score_ns=3.0)
+    assert hw.sharing(2) == pytest.approx(2 / 1.9)  # two ranks on two CPUs: no time-slicing
+    assert hw.sharing(4) == pytest.approx(4 / 1.6)
+    assert replace(hw, oversubscribed_cores=0.0).sharing(4) == pytest.approx(4 / 1.9)
+    four = hw.shared(4)
+    assert four.attention_score_ns == pytest.approx(4 / 1.6)
+    assert four.attention_backward_score_ns == pytest.approx(3 * 4 / 1.6)
+
+
 def test_each_traced_op_costs_once_forward_twice_backward(analysed):
     plain = LayerCosts(analysed, SEQ, replace(CPU, op_overhead_us=0.0), False)
     costed = LayerCosts(analysed, SEQ, CPU, False)
@@ -49,6 +61,32 @@ def test_each_traced_op_costs_once_forward_twice_backward(analysed):
     # the search's floor leaves the constant out (it stays proportional to the micro-batch)
     floor = LayerCosts(analysed, SEQ, CPU, False, floor=True)
     assert floor.op_overhead(0) == 0.0
+
+
+def test_selective_checkpointing_costs_host_time_per_op(analysed):
+    """A recomputed layer pays ``checkpoint_op_overhead_us`` per traced op, in its recompute
+    time; a layer that recomputes nothing, and the search's floor, pay none."""
+    hw = replace(CPU, checkpoint_op_overhead_us=20.0)
+    plain, costed = LayerCosts(analysed, SEQ, CPU, False), LayerCosts(analysed, SEQ, hw, False)
+    ops = plain._ops(0)
+    kinds = frozenset({"activation"})
+    assert costed.compute(0, 1, 1, 1, (), kinds)[3] - plain.compute(0, 1, 1, 1, (), kinds)[3] == pytest.approx(
+        ops * 20e-6
+    )
+    assert costed.compute(0, 1, 1, 1, (), frozenset()) == plain.compute(0, 1, 1, 1, (), frozenset())
+    # recomputing every category it has, a layer keeps nothing: plain checkpointing, unless TP
+    # collectives run inside it (the policy keeps their outputs)
+    full = frozenset(analysed.blocks[0].categories)
+    assert costed.compute(0, 1, 1, 1, (), full)[3] == plain.compute(0, 1, 1, 1, (), full)[3]
+    assert costed.compute(0, 1, 2, 1, (), full)[3] - plain.compute(0, 1, 2, 1, (), full)[3] == pytest.approx(
+        ops * 20e-6
+    )
+    floor = LayerCosts(analysed, SEQ, hw, False, floor=True)
+    assert (
+        floor.compute(0, 1, 1, 1, (), kinds)[3]
+        == LayerCosts(analysed, SEQ, CPU, False, floor=True).compute(0, 1, 1, 1, (), kinds)[3]
+    )
+    assert hw.shared(4).checkpoint_op_overhead_us == pytest.approx(40.0)
 
 
 def test_attention_backward_ratio_is_the_profiles(analysed):
