@@ -380,8 +380,8 @@ class Bounds:
             times = [a[0] for a in acts]
             if len(acts) == 1:  # one set: whole layers of its time (cheaper, a hair looser)
                 cover = _lattice_cover(ranks, times[0], fixed_t, layers)
-            else:  # a hair below the exact value, for rounding
-                cover = _least_cover(ranks, times, fixed_t, layers) * (1 - 1e-12)
+            else:
+                cover = _choice_cover(ranks, times, fixed_t, layers)
             value = max(w.total / c.pp, cover, pre_t, post_t)
         table[key] = value
         return value
@@ -433,6 +433,19 @@ def _shown(traffic: float, window: float, share: float) -> float:
     if share == 1:
         return max(0.0, traffic - window)
     return (1 - share) * traffic + share * max(0.0, traffic - window)
+
+
+def _choice_cover(ranks: list, times: list[float], fixed_t: list[float], layers: int) -> float:
+    """The t_max bound where ranks choose among sets (``ranks[r]``: (set, cap) of those that fit
+    it). Where the first set (the quickest, ``stage_choices``) fits every rank and its caps do
+    not bind its whole-layer cover, that cover is the one with no caps at the quickest time,
+    which bounds every choice from below: the exact ``_least_cover`` is then not needed."""
+    first = [[opt for opt in opts if opt[0] == 0] for opts in ranks]
+    if all(first) and times[0] <= min(times):
+        uncapped = _lattice_cover([[(0, layers)]] * len(ranks), times[0], fixed_t, layers)
+        if _lattice_cover(first, times[0], fixed_t, layers) <= uncapped:
+            return uncapped
+    return _least_cover(ranks, times, fixed_t, layers) * (1 - 1e-12)  # a hair below, for rounding
 
 
 def _least_cover(ranks: list, times: list[float], fixed_t: list[float], layers: int) -> float:

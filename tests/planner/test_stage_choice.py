@@ -8,7 +8,7 @@ import random
 import pytest
 
 from autoshard.planner import Problem, parse_force
-from autoshard.planner.bounds import _least_cover
+from autoshard.planner.bounds import _choice_cover, _least_cover
 from autoshard.planner.search import Planner
 
 from conftest import captured, extended_profile
@@ -47,6 +47,28 @@ def test_least_cover_is_the_least_time_the_ranks_hold_every_layer_by(seed):
     indexed = [[(first[r] + i, cap) for i, (_, cap) in enumerate(opts)] for r, opts in enumerate(ranks)]
     got = _least_cover(indexed, times, fixed_t, layers)
     assert got == pytest.approx(want, rel=1e-9) if want < math.inf else got == math.inf
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_choice_cover_bounds_the_least_cover_and_is_exact_where_memory_binds(seed):
+    """The t_max bound with per-rank sets: never above the least cover (a lower bound), and the
+    least cover itself wherever the quickest set's caps bind (its shortcut applies only where
+    they do not)."""
+    rng = random.Random(seed)
+    pp, sets = rng.randint(1, 5), rng.randint(2, 3)
+    times = sorted(rng.uniform(1e-3, 2e-3) for _ in range(sets))
+    ranks = []
+    for _ in range(pp):
+        caps = sorted(rng.randint(0, 8) for _ in range(sets))  # slower sets keep less: fit more
+        ranks.append([(s, cap) for s, cap in enumerate(caps) if rng.random() < 0.85] or [(sets - 1, caps[-1])])
+    fixed_t = [rng.choice([0.0, rng.uniform(0, 3e-3)]) for _ in range(pp)]
+    layers = rng.randint(1, 16)
+    exact = _least_cover(ranks, times, fixed_t, layers)
+    got = _choice_cover(ranks, times, fixed_t, layers)
+    assert got <= exact * (1 + 1e-12) or exact == math.inf and got == math.inf
+    first = [[cap for s, cap in opts if s == 0] for opts in ranks]
+    if not all(first) or sum(min(c[0], layers) for c in first) < layers:
+        assert got == pytest.approx(exact, rel=1e-9) if exact < math.inf else got == math.inf
 
 
 @pytest.fixture(scope="module")
