@@ -77,6 +77,7 @@ from autoshard.errors import AutoshardError
 from autoshard.runtime import ring_attention as ra
 from autoshard.runtime.checkpoint import Checkpoint
 from autoshard.runtime.collectives import _gather_into, _scatter_from
+from autoshard.runtime.host import keep_freed_memory
 from autoshard.runtime.program import _adamw, lower_parameters
 from autoshard.runtime.reduction import BucketedReduction
 
@@ -105,6 +106,8 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
     # so the rates are one core's, and ``cores`` says how many ranks run at those rates at once
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if device == "cpu" else threads)
+    if device == "cpu":
+        keep_freed_memory()  # the program's ranks allocate so (``runtime.host``): measure as they run
     try:
         gemm = {dtype: measure_gemms(device, quick, dtype) for dtype in _dtypes(device)}
         peaks = {dtype: max(rates.values()) for dtype, rates in gemm.items()}
@@ -114,9 +117,10 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
         host["optimizer_bytes_per_param"] = measure_optimizer(device, quick, mem)
     finally:
         torch.set_num_threads(threads)
-    points, overlap = measure_distributed(ranks, device, quick)
+    points, overlap, wait = measure_distributed(ranks, device, quick)
     fields = {"name": path.stem} | ({"extends": extends} if extends else {})
     fields |= _fields(device, peaks, mem, attn, fit_collectives(points), overlap, parent, ranks) | host
+    fields["blocking_wait_us"] = _round(wait)
     if device == "cpu":
         fields["pointwise_efficiency"] = measure_pointwise(fields, parent, quick)
     elapsed = time.perf_counter() - start
@@ -282,6 +286,7 @@ def measure_host(device: str, quick: bool, ranks: tuple[int, ...] = ()) -> dict:
     ``oversubscribed_cores``)."""
     out = {"op_overhead_us": _round(measure_op_overhead(device, quick))}
     out["checkpoint_op_overhead_us"] = _round(measure_checkpoint_overhead(device, quick))
+    out["fsdp_unit_overhead_us"] = _round(measure_fsdp_overhead(device, quick))
     if device == "cpu":
         out |= measure_cores(quick, ranks)
     return out
@@ -355,6 +360,7 @@ def _spin(tmp: str, processes: int, seconds: float) -> None:
     """One process of ``_spinning``: ready, wait for the others, then print the steps per CPU
     second it completes over (about) ``seconds`` of wall time."""
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the program's ranks allocate
     step = training_step()[0]
     step()
     Path(tmp, f"ready-{os.getpid()}").touch()
@@ -449,9 +455,53 @@ def measure_checkpoint_overhead(device: str, quick: bool, ops: int = 200) -> flo
     return us
 
 
-def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tuple[list[dict], dict]:
+def measure_fsdp_overhead(device: str, quick: bool, units: int = 8) -> float:
+    """Microseconds FSDP2 adds per unit per forward and backward beyond its collectives: a
+    chain of small linear layers, each its own ``fully_shard`` unit resharded after the forward
+    (ZeRO-3, as ``runtime.program`` wraps a layer), in a process group of one rank (whose
+    collectives are copies), against the chain alone."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "fsdp.json"
+        mp.spawn(_fsdp_main, args=(_free_port(), str(result), device, quick, units), nprocs=1, join=True)
+        us = json.loads(result.read_text())["us"]
+    _say(f"FSDP2's host time per unit, forward and backward: {us:.0f} us")
+    return us
+
+
+def _fsdp_main(rank: int, port: int, result: str, device: str, quick: bool, units: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # lazy: only this process
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1 if device == "cpu" else torch.get_num_threads())
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        dev = "cuda:0" if device == "cuda" else "cpu"
+        x = torch.randn(16, 64, device=dev)
+
+        def chain():
+            return torch.nn.Sequential(*(torch.nn.Linear(64, 64, device=dev) for _ in range(units)))
+
+        def timed(model):
+            def step():
+                model(x).float().sum().backward()
+
+            return _median_time(step, device, 0.2 if quick else 1.0, reps=5)
+
+        plain, sharded = chain(), chain()
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in sharded:
+            fully_shard(layer, reshard_after_forward=True, mp_policy=mp_policy)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            extra = timed(sharded) - timed(plain)
+        Path(result).write_text(json.dumps({"us": max(0.0, extra / units * 1e6)}))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tuple[list[dict], dict, float]:
     """Per world size in ``ranks``, processes spawned on this host time every collective (and, in
-    the smallest world, the overlap of the asynchronous kinds): (timing points, overlap shares)."""
+    the smallest world, the overlap of the asynchronous kinds, in the largest the wait of a
+    blocking one between computations): (timing points, overlap shares, microseconds)."""
     points: list[dict] = []
     overlap: dict = {}
     for n in ranks:
@@ -471,7 +521,9 @@ def measure_distributed(ranks: tuple[int, ...], device: str, quick: bool) -> tup
             data = json.loads(result.read_text())
         points += data["points"]
         overlap |= data["overlap"]
-    return points, overlap
+        wait = data["wait_us"]  # the largest world's: where the ranks outnumber the CPUs, if anywhere
+    _say(f"a blocking collective between computations waits {wait:.0f} us more with {ranks[-1]} ranks")
+    return points, overlap, wait
 
 
 def _free_port() -> int:
@@ -616,9 +668,10 @@ def _rank_main(rank: int, n: int, port: int, result: str, device: str, quick: bo
         points = [p for kind in hardware.COLLECTIVES for p in _time_collective(kind, n, dev, quick)]
         overlap = {"cp": _overlap_cp(dev, quick), "pp": _overlap_pp(dev, quick), "dp": _overlap_dp(dev, quick)}
         overlap = overlap if overlaps else {}
+        wait = _blocking_wait(dev, quick)
         if rank == 0:
             tmp = Path(result).with_suffix(".part")
-            tmp.write_text(json.dumps({"points": points, "overlap": overlap}))
+            tmp.write_text(json.dumps({"points": points, "overlap": overlap, "wait_us": wait}))
             tmp.replace(result)  # whole or absent: the parent reads it even if a rank fails at exit
         dist.barrier()
     finally:
@@ -731,6 +784,33 @@ def _overlap_cp(dev: str, quick: bool) -> float:
         home()
 
     return _hidden_share(compute, transfer, both, 3 if quick else 5, dev, "cp")
+
+
+def _blocking_wait(dev: str, quick: bool, reps: int = 40) -> float:
+    """Microseconds a blocking collective costs beyond its own time when the ranks compute
+    between collectives, as tensor-parallel layers do: a small all-reduce after a few
+    milliseconds of GEMMs, against the GEMMs alone and the all-reduce alone (every rank at once
+    in each). Where ranks outnumber the cores, the partner a rank waits for may not be running:
+    the scheduler has to give it a core first."""
+    a = torch.randn(256, 256, device=dev)
+    msg = torch.randn(2**14, device=dev)
+
+    def compute():
+        for _ in range(8):
+            a @ a
+
+    def reduce():
+        dist.all_reduce(msg)
+
+    def both():
+        compute()
+        reduce()
+
+    def loop(fn):
+        return lambda: [fn() for _ in range(reps // 4 if quick else reps)]
+
+    t_c, t_r, t_b = (_rank_times(loop(fn), 3, dev) for fn in (compute, reduce, both))
+    return max(0.0, (t_b - t_c - t_r) / (reps // 4 if quick else reps) * 1e6)
 
 
 def _overlap_pp(dev: str, quick: bool) -> float:

@@ -57,6 +57,14 @@ Fields (all per GPU; GB = 1e9 bytes):
                               selective recomputation beyond the FLOPs it recomputes (the
                               checkpoint policy sees every op of the forward and of its replay);
                               0 on GPUs, where launches run ahead of the kernels
+``fsdp_unit_overhead_us`` float optional (default 0): host time FSDP2 spends per unit (a layer)
+                              per micro-batch at ZeRO-2/3 beyond its collectives (hooks, copies
+                              in and out); 0 on GPUs, where the host runs ahead of the kernels
+``blocking_wait_us``  float    optional (default 0): what a blocking collective (TP's, EP's
+                              all-to-all) costs beyond its own time where the ranks on a host
+                              outnumber its CPUs: the partner a rank waits for must first be given
+                              a core (``autoshard calibrate`` measures it at its largest
+                              ``--ranks``); counted only where ranks are time-sliced
 ``cores``            float    optional (default 0): how many one-thread ranks' worth of work one
                               host does at once (CPU runs, one thread per rank; ``autoshard
                               calibrate`` measures it, less than the CPU count where virtual CPUs
@@ -135,6 +143,8 @@ _OPTIONAL = {
     "overlap": (dict, None),
     "op_overhead_us": (float, 0.0),
     "checkpoint_op_overhead_us": (float, 0.0),
+    "fsdp_unit_overhead_us": (float, 0.0),
+    "blocking_wait_us": (float, 0.0),
     "cores": (float, 0.0),
     "oversubscribed_cores": (float, 0.0),
     "optimizer_bytes_per_param": (float, 38.0),
@@ -149,6 +159,8 @@ _MAY_BE_ZERO = (
     "memory_headroom",
     "op_overhead_us",
     "checkpoint_op_overhead_us",
+    "fsdp_unit_overhead_us",
+    "blocking_wait_us",
     "cores",
     "oversubscribed_cores",
     "attention_half_length",
@@ -196,6 +208,8 @@ class Hardware:
     overlap: dict[str, float] | None = None
     op_overhead_us: float = 0.0
     checkpoint_op_overhead_us: float = 0.0
+    fsdp_unit_overhead_us: float = 0.0
+    blocking_wait_us: float = 0.0
     cores: float = 0.0
     oversubscribed_cores: float = 0.0
     optimizer_bytes_per_param: float = 38.0
@@ -238,6 +252,8 @@ class Hardware:
             network_latency_us=0.0,
             op_overhead_us=0.0,
             checkpoint_op_overhead_us=0.0,
+            fsdp_unit_overhead_us=0.0,
+            blocking_wait_us=0.0,
             collectives=table,
         )
 
@@ -265,17 +281,21 @@ class Hardware:
         if not self.cores:
             return 1.0
         here = min(ranks, self.nvlink_domain)
-        work = self.cores
-        if self.oversubscribed_cores and here > math.ceil(self.cores - 1e-9):
-            work = self.oversubscribed_cores
+        work = self.oversubscribed_cores if self.oversubscribed(ranks) and self.oversubscribed_cores else self.cores
         return max(1.0, here / work)
+
+    def oversubscribed(self, ranks: int) -> bool:
+        """Whether ``ranks`` ranks outnumber a host's CPUs (its rounded ``cores``): time-sliced."""
+        return bool(self.cores) and min(ranks, self.nvlink_domain) > math.ceil(self.cores - 1e-9)
 
     def shared(self, ranks: int) -> Hardware:
         """This profile as one of ``ranks`` ranks sees its compute: peaks and memory bandwidth
         divided, op overhead and attention's time per score multiplied, by ``sharing`` (links
-        unchanged). Itself where nothing is shared."""
+        unchanged); ``blocking_wait_us`` only where the ranks are time-sliced. Itself where
+        nothing is shared."""
         share = self.sharing(ranks)
-        if share == 1:
+        wait = self.blocking_wait_us if self.oversubscribed(ranks) else 0.0
+        if share == 1 and wait == self.blocking_wait_us:
             return self
         return replace(
             self,
@@ -283,8 +303,10 @@ class Hardware:
             hbm_gbps=self.hbm_gbps / share,
             op_overhead_us=self.op_overhead_us * share,
             checkpoint_op_overhead_us=self.checkpoint_op_overhead_us * share,
+            fsdp_unit_overhead_us=self.fsdp_unit_overhead_us * share,
             attention_score_ns=self.attention_score_ns * share,
             attention_backward_score_ns=self.attention_backward_score_ns * share,
+            blocking_wait_us=wait,
         )
 
     def to_dict(self) -> dict:

@@ -389,12 +389,13 @@ class LayerCosts:
         backward, which ``comm`` says run behind the gradient GEMMs."""
         hw = self.hw
         sp = tp > 1 and self.sp
+        wait = hw.blocking_wait_us * 1e-6  # each blocking collective, where ranks are time-sliced
         t_tp = regather = scatter = routed = 0.0
         for coll, nbytes in sent:
             routed += nbytes if coll.kind == "all_to_all" else 0.0
             if coll.axis == "tp" and tp > 1:
                 if sp:
-                    one = comm.all_gather(nbytes, where_tp.placement(), hw)
+                    one = comm.all_gather(nbytes, where_tp.placement(), hw) + wait
                     if coll.backward:  # a column group: gather its input forward, and backward
                         # gather it again for the weight gradient (it is saved sharded, as
                         # Korthikanti et al. count memory) and reduce-scatter its gradient
@@ -404,13 +405,13 @@ class LayerCosts:
                     else:  # a row: reduce-scatter forward, gather the output gradient backward
                         t_tp += 2 * one
                 else:
-                    t_tp += comm.all_reduce(nbytes, where_tp.placement(), hw)
+                    t_tp += comm.all_reduce(nbytes, where_tp.placement(), hw) + wait
         if tp > 1 and not sp and routed:
             # Without SP the routed rows (tokens x top-k) are the same on every TP rank: the
             # expert-parallel pass gives each rank its share of every expert's rows and puts the
             # shares back together by an all-reduce of the rows (zeros outside a rank's share);
             # backward, the rows' gradient is all-reduced the same way (copy_to_tp before the share)
-            t_tp += 2 * comm.all_reduce(routed, where_tp.placement(), hw)
+            t_tp += 2 * (comm.all_reduce(routed, where_tp.placement(), hw) + wait)
         return t_tp, regather, scatter
 
     def _ep_exchanges(
@@ -421,19 +422,21 @@ class LayerCosts:
         ``replays`` says per exchange whose dispatch and combine are replayed."""
         t_ep = ep_replay = transient = 0.0
         ep_seen = 0
+        wait = self.hw.blocking_wait_us * 1e-6  # each all-to-all, where ranks are time-sliced
         for coll, nbytes in sent:
             if coll.axis == "ep" and ep > 1:
                 again, combine_again = replays[ep_seen]
                 ep_seen += 1
                 place = where_ep.placement()
                 if coll.kind == "weights":  # this rank's rows of the stack: weights forward, gradients back
-                    one = comm.all_to_all(nbytes / ep, place, self.hw)
+                    one = comm.all_to_all(nbytes / ep, place, self.hw) + wait
                     t_ep += 2 * one
                     ep_replay += one * again
                     transient = max(transient, nbytes / ep)
                     continue
                 dispatch, local = self._exchange(nbytes, tp, fp8)
-                there, back = comm.all_to_all(dispatch, place, self.hw), comm.all_to_all(local, place, self.hw)
+                there = comm.all_to_all(dispatch, place, self.hw) + wait
+                back = comm.all_to_all(local, place, self.hw) + wait
                 t_ep += 2 * (there + back)
                 ep_replay += there * again + back * combine_again
                 transient = max(transient, 2 * local)

@@ -351,12 +351,13 @@ def _localise_weights(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -
         _localise(gm, target, (local, *_param(gm, target).shape[1:]))
         decisions(gm).shards[target] = ParamShard(0, (region.experts,), 0, axis="ep")
     for node in gm.graph.nodes:  # the weights' views: E -> E/ep in the recorded shapes
+        shape = node.meta.get("shape")
+        if not shape or shape[0] != region.experts:
+            continue  # first the cheap test: this runs once per MoE layer over the whole graph
         if ops.stacked_parameters(node) is not None or node.op == "get_attr" and node.target in stacked:
             continue  # a stack and its parameters: _gather_stacked gave their shapes
         if ops.is_weight(node) and _weight_target(node) in region.weights:
-            shape = node.meta.get("shape")
-            if shape and shape[0] == region.experts:
-                node.meta["shape"] = (local, *shape[1:])
+            node.meta["shape"] = (local, *shape[1:])
 
 
 def _gather_stacked(gm: fx.GraphModule, names: tuple[str, ...], ep: int) -> None:

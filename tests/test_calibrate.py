@@ -60,7 +60,7 @@ def test_extends_writes_only_measured_fields(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "measure_optimizer", lambda device, quick, bandwidth: 70.0)
     monkeypatch.setattr(calibrate, "measure_pointwise", lambda fields, parent, quick: 0.5)
     points = [_point(kind, 2, 1e6, 1e-3) | {"backend": "gloo"} for kind in hardware.COLLECTIVES]
-    monkeypatch.setattr(calibrate, "measure_distributed", lambda r, d, q: (points, {"cp": 0.5, "pp": 0.25}))
+    monkeypatch.setattr(calibrate, "measure_distributed", lambda r, d, q: (points, {"cp": 0.5, "pp": 0.25}, 300.0))
     out = tmp_path / "mine.toml"
     calibrate.calibrate(str(out), (2,), extends="cpu")
     text = out.read_text()
@@ -72,7 +72,7 @@ def test_extends_writes_only_measured_fields(tmp_path, monkeypatch):
     assert hw.op_overhead_us == 7.0 and hw.cores == 3
     assert hw.attention_half_length == 100.0 and hw.attention_backward_half_length == 900.0
     assert hw.attention_backward == 3.0 and hw.optimizer_bytes_per_param == 70.0
-    assert hw.pointwise_efficiency == 0.5
+    assert hw.pointwise_efficiency == 0.5 and hw.blocking_wait_us == 300.0
 
 
 def _point(kind, ranks, volume, seconds, steps=1):

@@ -233,6 +233,13 @@ class CandidateCosts:
         n = stepped_params(layer.params_dense, layer.params_expert, c.zero, c.dp * c.cp, c.edp)
         return n * hw.optimizer_bytes_per_param / (hw.hbm_gbps * 1e9)
 
+    def fsdp_time(self, c: Candidate) -> float:
+        """Host seconds FSDP2 spends on one unit (a layer; the embedding and the head one each)
+        per micro-batch at ZeRO-2/3: its hooks gathering the parameters before the forward
+        and the backward and reducing the gradients after (``Hardware.fsdp_unit_overhead_us``;
+        0 on GPUs, where the host runs ahead)."""
+        return self.layers.hw.fsdp_unit_overhead_us * 1e-6 if c.zero >= 2 else 0.0
+
     def grads(self, c: Candidate, w: Work, zero: int) -> tuple[list[float], float, float]:
         """(per-kind, embedding, head) gradient bytes at this ZeRO stage: ``states`` less
         ``states`` without them."""

@@ -226,13 +226,14 @@ class Evaluator:
         per_grad, pre_grad, post_grad = self.costs.grads(c, w, c.zero)
 
         m = self.costs.microbatches(c)
+        fsdp = self.costs.fsdp_time(c)  # FSDP2's host time per unit, per micro-batch
 
         def entry(layer: LayerCost, state: float, grad: float) -> dict:
             after, before, micro = _dp_linear(layer, c.zero, where, hw)
             return {
                 # the optimizer step, once a step, spread over the micro-batches: a rank's step
                 # time is then its micro-batches' work and its optimizer step together
-                "time": layer.time(overlap) + self.costs.optimizer_time(c, layer) / m,
+                "time": layer.time(overlap) + self.costs.optimizer_time(c, layer) / m + fsdp,
                 "fwd": layer.f,
                 "bwd": layer.b + layer.w,
                 "act": layer.activation_bytes,
@@ -301,6 +302,8 @@ class Evaluator:
             for x in works
         ]
         layers_overlap = m * sum(interference) / len(works) / c.pp
+        units = sum(counts) + 2  # FSDP2's: a layer each, the embedding and the head
+        fsdp = m * units * self.costs.fsdp_time(c) / c.pp
         # the optimizer step steps the same parameters whatever a rank recomputes
         optimizer = (
             sum(n * self.costs.optimizer_time(c, k) for n, k in zip(counts, w.kinds))
@@ -308,12 +311,14 @@ class Evaluator:
             + self.costs.optimizer_time(c, w.post)
         ) / c.pp
         return {
-            "compute_s": per_rank("f") + per_rank("b") + per_rank("w"),
+            "compute_s": per_rank("f") + per_rank("b") + per_rank("w") + fsdp,
             "optimizer_s": optimizer,
             "overlap_s": layers_overlap,
             "recompute_s": per_rank("recompute"),
             "bubble_s": bubble,
-            "imbalance_s": m * part.t_max - m * sum(x.total for x in works) / len(works) / c.pp - steady - optimizer,
+            "imbalance_s": (
+                m * part.t_max - m * sum(x.total for x in works) / len(works) / c.pp - steady - optimizer - fsdp
+            ),
             "comm_s": {
                 "tp": {"total": per_rank("tp_total"), "exposed": per_rank("tp")},
                 "cp": {"total": per_rank("cp_total"), "exposed": per_rank("cp")},

@@ -37,6 +37,7 @@ from autoshard.ir.plan import Plan
 from autoshard.ir.program import Program
 from autoshard.runtime import collectives, data, durable, fake, fp8, groups, moe, state
 from autoshard.runtime import program as rt
+from autoshard.runtime.host import keep_freed_memory
 from autoshard.runtime.weights import open_weights
 
 
@@ -153,6 +154,8 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()  # the CPU's stand-in for a caching allocator (``runtime.host``)
     init_process_group("nccl" if cuda else "gloo", args.timeout)
     try:
         train(args, out, plan, program, device)

@@ -131,3 +131,44 @@ def test_the_softmax_costs_per_score_beside_the_matmuls(analysed):
     assert scored._attention(0, 1, 1, 1) - base._attention(0, 1, 1, 1) == pytest.approx(flops / head * 3e-9 * length)
     extra = scored._attention_backward(0, 1, 1, 1) - base._attention_backward(0, 1, 1, 1)
     assert extra == pytest.approx(flops / head * 5e-9 * length)
+
+
+def _pinned(hw, zero: int):
+    from autoshard import planner
+
+    cost = captured("llama3", "tiny", SEQ)[1]
+    problem = planner.Problem(cost, hw, 4, SEQ, 8, "bf16", {"dp": 4, "zero": zero, "microbatches": 2}, "tiny")
+    return planner.solve(problem)[0].predicted
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_fsdp_units_cost_host_time_per_micro_batch_at_zero_2_and_3(zero):
+    """At ZeRO-2/3 each FSDP2 unit (a layer, the embedding, the head) pays the profile's host
+    time per micro-batch, in the step and in its compute; ZeRO-1 runs no FSDP2."""
+    base = replace(CPU, cores=0.0)
+    plain, costed = _pinned(base, zero), _pinned(replace(base, fsdp_unit_overhead_us=1000.0), zero)
+    units = captured("llama3", "tiny", SEQ)[1].blocks[0].count + 2
+    added = 2 * units * 1e-3 if zero == 3 else 0.0
+    assert costed.step_time_s - plain.step_time_s == pytest.approx(added, rel=1e-6, abs=1e-9)
+    assert costed.compute_s - plain.compute_s == pytest.approx(added, rel=1e-6, abs=1e-9)
+
+
+def test_blocking_collectives_wait_where_ranks_are_time_sliced(analysed):
+    """Each TP collective of a layer costs ``blocking_wait_us`` more where the ranks outnumber
+    the CPUs (the partner must first get a core), nothing where each rank has a CPU."""
+    from autoshard.cost_models.comm import Where
+
+    hw = replace(CPU, cores=1.9, blocking_wait_us=500.0)
+    assert hw.shared(2).blocking_wait_us == 0.0 and hw.shared(4).blocking_wait_us == 500.0
+    one = Where.best(1, CPU)
+    tp2 = Where.best(2, CPU)
+
+    def tp_time(profile):
+        layers = LayerCosts(analysed, SEQ, profile, False)
+        return layers.comm(0, 1, 2, 1, 1, "ring", (), tp2, one, one)[0]
+
+    count = sum(c.axis == "tp" for c in analysed.blocks[0].collectives)
+    assert count > 0
+    waiting, plain = hw.shared(4), replace(hw.shared(4), blocking_wait_us=0.0)
+    assert tp_time(waiting) - tp_time(plain) == pytest.approx(count * 500e-6)
+    assert tp_time(hw.shared(2)) == tp_time(replace(hw.shared(2), blocking_wait_us=0.0))
