@@ -71,7 +71,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from autoshard.calibrate_reference import measured_step, predicted_step, training_step
+from autoshard.calibrate_reference import ADAMW, measured_step, predicted_step, training_step
 from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
 from autoshard.runtime import ring_attention as ra
@@ -282,8 +282,8 @@ def _attention_fit(shapes, seconds: list[float]) -> tuple[float, float, float]:
 
 
 def measure_host(device: str, quick: bool, ranks: tuple[int, ...] = ()) -> dict:
-    """``op_overhead_us``, ``checkpoint_op_overhead_us`` and, on CPUs, ``cores`` (and
-    ``oversubscribed_cores``)."""
+    """``op_overhead_us``, ``checkpoint_op_overhead_us``, ``fsdp_unit_overhead_us`` and, on CPUs,
+    ``cores`` (and ``oversubscribed_cores``)."""
     out = {"op_overhead_us": _round(measure_op_overhead(device, quick))}
     out["checkpoint_op_overhead_us"] = _round(measure_checkpoint_overhead(device, quick))
     out["fsdp_unit_overhead_us"] = _round(measure_fsdp_overhead(device, quick))
@@ -304,7 +304,7 @@ def measure_optimizer(device: str, quick: bool, bandwidth: float) -> float:
     lower_parameters(params, "bf16")
     for p in params:
         p.grad = torch.randn(p.shape, device=device)
-    optim = _adamw(params, False, None, {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})
+    optim = _adamw(params, False, None, ADAMW)
 
     def step():
         total = torch.zeros((), dtype=torch.float64, device=device)
@@ -402,22 +402,7 @@ def measure_op_overhead(device: str, quick: bool, ops: int = 200) -> float:
     turn, under bf16 autocast as the programs run), forward and backward: three ops per forward
     op, as ``cost_models.layers.LayerCosts.op_overhead`` counts them. One thread on CPUs: each
     rank of an emitted program runs with one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    x, w = (torch.randn(16, 16, device=device, requires_grad=True) for _ in range(2))
-
-    def chain():
-        with torch.autocast(device, dtype=torch.bfloat16):
-            y = x
-            for _ in range(ops // 2):
-                y = F.linear(y, w) * 1.0001
-        y.float().sum().backward()
-
-    try:
-        t = _median_time(chain, device, 0.2 if quick else 1.0, reps=5)
-    finally:
-        torch.set_num_threads(threads)
-    us = t / (3 * (ops + 1)) * 1e6
+    us = _time_chain(device, quick, ops) / (3 * (ops + 1)) * 1e6
     _say(f"host time per op: {us:.1f} us")
     return us
 
@@ -427,6 +412,16 @@ def measure_checkpoint_overhead(device: str, quick: bool, ops: int = 200) -> flo
     recomputes: ``measure_op_overhead``'s chain run inside the runtime's ``Checkpoint`` keeping
     its linears' outputs (torch's selective checkpoint; the runtime's policy sees every op of
     the forward and of its replay, which reruns the rest), against the chain alone."""
+    wrapped = _time_chain(device, quick, ops, lambda layer: Checkpoint(layer, recompute=["activation"]))
+    us = max(0.0, (wrapped - _time_chain(device, quick, ops)) / (ops + 1) * 1e6)
+    _say(f"selective checkpointing's host time per op: {us:.1f} us")
+    return us
+
+
+def _time_chain(device: str, quick: bool, ops: int, wrap=None) -> float:
+    """Median seconds of the forward and backward of ``ops`` ops in a chain (a linear and a scale
+    in turn on 16 x 16 elements, under bf16 autocast), the chain wrapped by ``wrap`` if given;
+    one thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     x, w = (torch.randn(16, 16, device=device, requires_grad=True) for _ in range(2))
@@ -436,23 +431,17 @@ def measure_checkpoint_overhead(device: str, quick: bool, ops: int = 200) -> flo
             y = F.linear(y, w) * 1.0001
         return y
 
-    wrapped = Checkpoint(layer, recompute=["activation"])
+    fn = wrap(layer) if wrap else layer
 
-    def run(fn):
-        def chain():
-            with torch.autocast(device, dtype=torch.bfloat16):
-                y = fn(x)
-            y.float().sum().backward()
-
-        return _median_time(chain, device, 0.2 if quick else 1.0, reps=5)
+    def chain():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = fn(x)
+        y.float().sum().backward()
 
     try:
-        extra = run(wrapped) - run(layer)
+        return _median_time(chain, device, 0.2 if quick else 1.0, reps=5)
     finally:
         torch.set_num_threads(threads)
-    us = max(0.0, extra / (ops + 1) * 1e6)
-    _say(f"selective checkpointing's host time per op: {us:.1f} us")
-    return us
 
 
 def measure_fsdp_overhead(device: str, quick: bool, units: int = 8) -> float:
@@ -806,11 +795,13 @@ def _blocking_wait(dev: str, quick: bool, reps: int = 40) -> float:
         compute()
         reduce()
 
+    reps = reps // 4 if quick else reps
+
     def loop(fn):
-        return lambda: [fn() for _ in range(reps // 4 if quick else reps)]
+        return lambda: [fn() for _ in range(reps)]
 
     t_c, t_r, t_b = (_rank_times(loop(fn), 3, dev) for fn in (compute, reduce, both))
-    return max(0.0, (t_b - t_c - t_r) / (reps // 4 if quick else reps) * 1e6)
+    return max(0.0, (t_b - t_c - t_r) / reps * 1e6)
 
 
 def _overlap_pp(dev: str, quick: bool) -> float:

@@ -104,7 +104,8 @@ def main():
             if rank == 0:
                 schedule.step(tokens)
             else:
-                schedule.step(target=tokens, losses=losses)
+                # (the logits are not kept for the step's return: the emitted trainer does not keep them either)
+                schedule.step(target=tokens, losses=losses, return_outputs=False)
         # what a training loop does besides (and the emitted one does): clip the gradients by their
         # global norm, and average the loss over the data-parallel replicas for its log line
         if args.mode == "dp":

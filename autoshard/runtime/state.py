@@ -214,11 +214,15 @@ def entries(stages: list[nn.Module], chunk_ids: list[int], ranks, tied: Sequence
 # the gradient norm over every shard
 
 
-def clip_gradients(items: list[Entry], max_norm: float | None) -> float:
+def clip_gradients(items: list[Entry], max_norm: float | None, replicated: bool = False) -> float:
     """The global L2 norm of the gradients, each full tensor counted once over every parallel
     dimension (one all-reduce of this rank's counted squares), and, with ``max_norm``, every
-    gradient scaled as ``torch.nn.utils.clip_grad_norm_`` scales the single-device model's."""
-    counted = [e.grad.detach() for e in items if e.counted and e.grad is not None]
+    gradient scaled as ``torch.nn.utils.clip_grad_norm_`` scales the single-device model's.
+    ``replicated``: every rank holds every gradient whole and reduced (data parallelism alone at
+    ZeRO-0, as under DDP); each computes the same norm from its own copies, with no collective
+    in the step (the reduced gradients agree bit for bit over the replicas)."""
+    mine = (lambda e: e.tie_first and (e.expert or e.tp_first)) if replicated else (lambda e: e.counted)
+    counted = [e.grad.detach() for e in items if mine(e) and e.grad is not None]
     device = counted[0].device if counted else next((e.param.device for e in items), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)  # on the device the backend reduces (NCCL: GPU)
     # each tensor's norm in its own precision (no fp64 copy of it), in one foreach call per dtype
@@ -228,7 +232,7 @@ def clip_gradients(items: list[Entry], max_norm: float | None) -> float:
         by_dtype.setdefault(g.dtype, []).append(g)
     for grads in by_dtype.values():
         total += torch.stack(torch._foreach_norm(grads)).double().square().sum()
-    if dist.is_initialized():
+    if dist.is_initialized() and not replicated:
         dist.all_reduce(total)
     norm = fake.value(total.sqrt())
     if max_norm is not None and max_norm > 0:

@@ -744,6 +744,13 @@ class Trainer:
         return out if self.dropped is None else {**out, "dropped_tokens": self.dropped}
 
     @property
+    def replicated(self) -> bool:
+        """Every rank holds every gradient whole and, once reduced, the same (data and context
+        parallelism alone, ZeRO-0): the gradient norm needs no collective."""
+        mesh = self.plan.mesh
+        return self.plan.zero_stage == 0 and mesh.tp == mesh.pp == mesh.ep == 1
+
+    @property
     def first(self) -> bool:
         """This rank holds the first chunk (it feeds the tokens in)."""
         return 0 in self.chunk_ids
@@ -819,10 +826,10 @@ class Trainer:
             r.finish()
         if self.fsdp:
             rt.sum_tied_gradients(self.ties)
-        norm = state.clip_gradients(self.entries, self.args.max_grad_norm)
+        norm = state.clip_gradients(self.entries, self.args.max_grad_norm, self.replicated)
         if fault is not None:
             fault(step)
-        if not math.isfinite(norm) and not fake.active():  # (all-reduced: every rank skips) the caller decides
+        if not math.isfinite(norm) and not fake.active():  # (the same norm on every rank: all skip) the caller decides
             self.optim.zero_grad(set_to_none=True)
             return (mean_loss(losses, dp) if self.last else None), norm
         PROGRESS.mark(step, 2)
@@ -966,7 +973,9 @@ def mean_loss(losses: list[torch.Tensor], dp: int) -> float:
     each replica's loss split over its context-parallel ranks (each holds its share of the
     sequence mean). Every rank of those groups takes part."""
     mean = torch.stack([x.detach().float() for x in losses]).mean()
-    if groups.cp_group() is not None:
-        dist.all_reduce(mean, group=groups.cp_group())
-    dist.all_reduce(mean, group=groups.dp_group())
+    cp, dp_group = groups.cp_group(), groups.dp_group()
+    if cp is not None:
+        dist.all_reduce(mean, group=cp)
+    if dist.get_world_size(dp_group) > 1:  # (one replica: nothing to add, no collective in the step)
+        dist.all_reduce(mean, group=dp_group)
     return fake.value(mean) / dp

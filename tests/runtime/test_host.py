@@ -10,6 +10,9 @@ import pytest
 from autoshard.runtime.host import keep_freed_memory
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="needs glibc on Linux: the setting is glibc's mallopt, a no-op elsewhere",
+)
 def test_glibc_takes_the_settings():
     assert keep_freed_memory()

@@ -12,7 +12,7 @@ from autoshard.runtime.reduction import BucketedReduction, plan_buckets
 from autoshard.runtime.zero import ShardedAdamW
 from tests.distributed import run
 
-STEPS, MICROBATCHES = 2, 3
+STEPS, MICROBATCHES = 3, 3
 
 
 def _model() -> nn.Sequential:
@@ -52,7 +52,9 @@ def _train(rank: int, world: int, zero: int, overlapped: bool):
         else:
             reduce_gradients(params, dist.group.WORLD, world, opt)
         grads = [opt.master(p).grad.clone() for p in params] if opt else [p.grad.clone() for p in params]
-        out.append((grads, before_last, seen[-1] if seen else 0))
+        flats = dict(reduction.flats) if reduction is not None else {}  # (held: a new one is another object)
+        kept = bool(flats) and bool(out) and all(f is out[-1][3].get(k) for k, f in flats.items())
+        out.append((grads, before_last, seen[-1] if seen else 0, flats, kept))
     return out
 
 
@@ -77,11 +79,18 @@ def ranks() -> list[dict]:
 def test_the_reduction_starts_during_the_last_backward_and_matches_the_one_after_it(ranks, zero):
     for rank in ranks:
         for step in range(STEPS):  # the second step on the buckets rebuilt in the order observed
-            grads, before_last, at_first_layer = rank[zero, True][step]
+            grads, before_last, at_first_layer, *_ = rank[zero, True][step]
             assert before_last == 0, "a bucket started before the last micro-batch's backward"
             assert at_first_layer >= 1, "no bucket started while the backward was running"
             for a, b in zip(grads, rank[zero, False][step][0]):
                 assert torch.equal(a, b)
+
+
+def test_a_cpu_bucket_is_the_same_flat_tensor_from_step_to_step(ranks):
+    """ZeRO-0 on CPUs: once the buckets are rebuilt (after the first step), each bucket of
+    several gradients is copied into the flat tensor it had the step before, not a new one."""
+    for rank in ranks:
+        assert [step[4] for step in rank[0, True]] == [False, False, True]
 
 
 def test_buckets_are_small_first_one_dtype_each_and_a_large_parameter_alone():

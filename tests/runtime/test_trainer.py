@@ -132,6 +132,29 @@ def test_gradient_clipping_matches_torch_on_one_process():
     assert all(torch.allclose(p.grad, r.grad) for p, r in zip(params, refs))
 
 
+def test_a_replicas_gradient_norm_counts_its_own_copies_without_a_collective():
+    """Data parallelism alone at ZeRO-0: each replica holds every gradient whole, so the norm of
+    one that is not the counted copy (dp_first False) is the single-device norm, with no
+    all-reduce (none is possible here: no process group), and a later chunk's tied copy still
+    does not count twice."""
+    from autoshard.runtime import state
+    from autoshard.runtime.stages import Block
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    norm_ref = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+    tie = torch.nn.Parameter(params[0].detach().clone())
+    tie.grad = params[0].grad.clone()
+    held = [state.Held("w", p, tuple(p.shape), [Block((0,) * p.dim(), (0,) * p.dim(), tuple(p.shape))])
+            for p in [*params, tie]]  # fmt: skip
+    entries = [state.Entry(h, p, False, True, False, True, True) for h, p in zip(held[:2], params)]
+    entries.append(state.Entry(held[2], tie, False, True, False, True, False))  # the tied copy
+    assert state.clip_gradients(entries, None, replicated=True) == pytest.approx(norm_ref)
+    assert state.clip_gradients(entries, None) == 0.0  # not the counted replica: it adds nothing alone
+
+
 def test_the_spike_guard_waits_for_a_full_window():
     run = trainer.Run()
     assert run.spike(float("nan"), 1.0, 3.0, 3) and run.spike(3.0, float("inf"), 3.0, 3)  # not finite: always
