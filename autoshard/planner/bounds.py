@@ -6,10 +6,6 @@ where it is not:
 - before the axis order is fixed, every axis is priced at the fastest placement any order can
   give it (its ranks consecutive);
 - until the recompute set is chosen: nothing recomputed for time, everything for memory;
-  once it is, that set is the cheapest any pipeline rank uses (``evaluate.stage_choices``: each
-  rank may recompute more), so it bounds time and, as the partition weighs every rank's exposed
-  data-parallel time under it, exposure; the least memory of the sets a rank may take bounds
-  memory, and each rank's best set under a time bound its layers (``tmax_bound``);
 - until the schedule is chosen: the cheapest over the schedules of each one's fill/drain and EP
   exposure (only a schedule that overlaps it hides the all-to-all); once the recompute set is
   known, only over the schedules it runs with and fits under, before, for memory, the fewest
@@ -27,7 +23,6 @@ is proved by the exhaustive-enumeration tests (``tests/planner/test_search.py``)
 
 from __future__ import annotations
 
-import heapq
 import math
 
 from autoshard.cost_models.comm import data_parallel
@@ -35,7 +30,6 @@ from autoshard.cost_models.layers import POST
 from autoshard.ir.schedules import SCHEDULES, Schedule
 from autoshard.planner.candidates import Candidate, runnable
 from autoshard.planner.costs import CandidateCosts, Work
-from autoshard.planner.evaluate import stage_choices
 
 
 def _least_memory_stages(zeros: tuple[int, ...]) -> tuple[int, ...]:
@@ -56,8 +50,6 @@ class Bounds:
         self.costs = costs
         self.p = costs.p
         self.memo = costs.memo
-        self._caps: dict = {}  # ``_rank_caps`` by the bytes it reads (the axis orders share them)
-        self._choices: dict = {}  # ``_choice_costs`` by Work and sets
 
     def bound(self, c: Candidate, level: int) -> float:
         """Lower bound on the step time of any plan below this node (inf: none can fit).
@@ -71,38 +63,15 @@ class Bounds:
             return self._schedule_open(c, level, m, where_key, where, zeros)
         sched = SCHEDULES[c.schedule]
         w = costs.work(c, where_key, where, sched.overlaps_ep)
-        sets = stage_choices(costs, c, c.schedule, c.zero if level >= 4 else None)
         dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros)
         m_flight = costs.in_flight(sched, c.v, c.pp, m)
         bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
-        kept = tuple(sets) if len(sets) > 1 else None
-        if self.memory_bound(c, zeros, w, m_flight, kept, lazy=c.v > 1) > self.p.hw.usable_bytes:
+        if self.memory_bound(c, zeros, w, m_flight, lazy=c.v > 1) > self.p.hw.usable_bytes:
             return math.inf
-        acts = self._choice_costs(c, w, sets, where_key, where, sched.overlaps_ep) if kept else None
-        t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep, acts)
+        t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep)
         if t_max == math.inf:
             return math.inf
         return m * t_max + bubble + dp
-
-    def _choice_costs(self, c: Candidate, w: Work, sets: list, where_key, where, overlap: bool) -> tuple:
-        """Per set a rank may take: (the least time of a layer kind, the least bytes one keeps,
-        the embedding's, the head's). Memoised by ``w`` (``c.recompute``'s Work: the other sets'
-        differ from it only in the set and the split backward's share) and ``sets`` (memoised
-        lists, ``stage_choices``): the orders and ZeRO stages of one layout read the same."""
-        key = (id(w), id(sets), self.costs.split_share(c))
-        hit = self._choices.get(key)
-        if hit is None:
-            hit = self._choices[key] = self._choice_costs_of(c, sets, where_key, where, overlap)
-        return hit
-
-    def _choice_costs_of(self, c: Candidate, sets: list, where_key, where, overlap: bool) -> tuple:
-        """``_choice_costs``, computed."""
-        out = []
-        for rc in sets:
-            w = self.costs.work(c, where_key, where, overlap, rc)
-            t = min(k.time(overlap) for k in w.kinds)
-            out.append((t, min(k.activation_bytes for k in w.kinds), w.pre.activation_bytes, w.post.activation_bytes))
-        return tuple(out)
 
     def _schedule_open(self, c: Candidate, level: int, m: int, where_key, where, zeros: tuple) -> float:
         """``bound`` above the schedule: the cheapest fill/drain over the schedules, the average
@@ -115,8 +84,7 @@ class Bounds:
             return math.inf
         # memory first: it needs only the activations, not the layers' times
         w0 = costs.work(c, where_key, where, True, frozenset())
-        sets = stage_choices(costs, c) if level >= 2 else [costs.all_categories]
-        rc = (tuple(sets) if len(sets) > 1 else sets[0]) if level >= 2 else costs.all_categories
+        rc = c.recompute if level >= 2 else costs.all_categories
         if self.memory_bound(c, zeros, w0, least, rc) > usable:
             return math.inf
         # Overlapping EP traffic (as DualPipeV does) only ever lowers a layer's time, so the
@@ -165,9 +133,7 @@ class Bounds:
             flight, lazy = costs.in_flight(SCHEDULES[c.schedule], c.v, c.pp, m), c.v > 1
         else:
             flight, lazy = costs.schedule_shapes(c.pp, m)[1], True
-        sets = stage_choices(costs, c, c.schedule if level == 3 else None)
-        rc = tuple(sets) if len(sets) > 1 else c.recompute
-        return self.memory_bound(c, zeros, w0, flight, rc, lazy) <= self.p.hw.usable_bytes
+        return self.memory_bound(c, zeros, w0, flight, c.recompute, lazy) <= self.p.hw.usable_bytes
 
     def quick_bound(self, c: Candidate) -> float:
         """A cheap root bound: compute and TP/CP/EP traffic at their best placements (EP hidden as
@@ -286,13 +252,12 @@ class Bounds:
         zeros: tuple[int, ...],
         w: Work,
         in_flight: tuple,
-        recompute: frozenset | tuple | None = None,
+        recompute: frozenset | None = None,
         lazy: bool = True,
     ) -> float:
         """A lower bound on the busiest rank's memory over every stage partition and every ZeRO
         stage in ``zeros``, with ``w``'s activations or, given ``recompute``, the activations that
-        recompute set keeps (a tuple of sets: per block the least any of them keeps, as ranks may
-        choose among them); model states and buffers do not depend on it. ``lazy``: the
+        recompute set keeps (model states and buffers do not depend on it). ``lazy``: the
         schedule may run several chunks per rank, so a chunk's gradients may not exist yet at
         the rank's activation peak (``Schedule.occupancy``); the bound is then the larger of the
         activations at the peak beside the states without gradients, and all states with none."""
@@ -321,10 +286,7 @@ class Bounds:
             if recompute is None:
                 acts = [k.activation_bytes for k in w.kinds] + [w.pre.activation_bytes, w.post.activation_bytes]
             else:
-                sets = recompute if isinstance(recompute, tuple) else (recompute,)
-                acts = [
-                    min(costs.layers.activation(b, c.mbs, c.tp, c.cp, rc, c.fp8) for rc in sets) for b in costs.blocks
-                ]
+                acts = [costs.layers.activation(b, c.mbs, c.tp, c.cp, recompute, c.fp8) for b in costs.blocks]
             items = [(n, a, st) for n, a, st in zip(costs.kind_counts, acts, per)]
             items += [(1, acts[-2], pre), (1, acts[-1], post)]
             layers = sum(n for n, _, _ in items)
@@ -348,82 +310,65 @@ class Bounds:
         self.memo.memory[key] = value
         return value
 
-    def tmax_bound(
-        self, c: Candidate, w: Work, ends: tuple[int, int], zeros: tuple, in_flight, overlap, acts=None
-    ) -> float:
+    def tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zeros: tuple, in_flight, overlap) -> float:
         """Lower bound on the slowest rank's time per micro-batch over all partitions and every
         ZeRO stage in ``zeros``, with whole layers and each rank's memory limit (inf when no split
-        fits), the embedding on rank ``ends[0]`` and the head on ``ends[1]``. ``acts``: (least
-        bytes a layer keeps, the embedding's, the head's) where ranks may keep less than ``w``."""
-        return min(self._tmax_bound(c, w, ends, z, in_flight, overlap, acts) for z in _least_memory_stages(zeros))
+        fits), the embedding on rank ``ends[0]`` and the head on ``ends[1]``."""
+        return min(self._tmax_bound(c, w, ends, z, in_flight, overlap) for z in _least_memory_stages(zeros))
 
-    def _tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap, acts) -> float:
+    def _tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap) -> float:
         """``tmax_bound`` at one ZeRO stage. Every layer is given the smallest time and memory of
-        any layer kind (under each set a rank may take, ``acts``; else ``w``'s), which can only
-        lower the bound; the embedding and the head take their time under ``w``'s set, the
-        quickest. ``in_flight`` is a memoised tuple (its identity keys the memo). The slowest
-        rank takes at least the least T by which the ranks, each under its best set, hold every
-        layer (``_least_cover``)."""
-        key = (id(w), zero, ends, id(in_flight), overlap, acts)
+        any layer kind, and the embedding/head time is rounded down to whole layers, which can
+        only lower the bound. ``in_flight`` is a memoised tuple (its identity keys the memo). A
+        rank's gradients may not exist yet at its activation peak (``memory_bound``), so its
+        layers are capped both by their activations beside the states without gradients and by
+        all their states alone."""
+        key = (id(w), zero, ends, id(in_flight), overlap)
         table = self.memo.tmax
         if key in table:
             return table[key]
-        if acts is None:
-            least = (min(k.activation_bytes for k in w.kinds), w.pre.activation_bytes, w.post.activation_bytes)
-            acts = ((min(k.time(overlap) for k in w.kinds), *least),)
-        ranks = self._rank_caps(c, w, ends, zero, in_flight, acts)
-        pre_t, post_t = w.pre.time(overlap), w.post.time(overlap)
-        value = math.inf
-        if ranks is not None:
-            fixed_t = [(pre_t if r == ends[0] else 0.0) + (post_t if r == ends[1] else 0.0) for r in range(c.pp)]
-            layers = self.p.num_layers
-            times = [a[0] for a in acts]
-            if len(acts) == 1:  # one set: whole layers of its time (cheaper, a hair looser)
-                cover = _lattice_cover(ranks, times[0], fixed_t, layers)
-            else:
-                cover = _choice_cover(ranks, times, fixed_t, layers)
-            value = max(w.total / c.pp, cover, pre_t, post_t)
-        table[key] = value
-        return value
-
-    def _rank_caps(self, c: Candidate, w: Work, ends, zero: int, in_flight, acts) -> list | None:
-        """Per rank, per set of ``acts`` (a layer's least time and least kept bytes, the
-        embedding's and the head's kept bytes) that fits it: (the set's index, the most layers it
-        fits); None where a rank fits under no set. A rank's gradients may not
-        exist yet at its activation peak (``memory_bound``), so its layers are capped both by
-        their activations beside the states without gradients and by all their states alone."""
         per, pre_state, post_state = self.costs.states(c, w, zero, grads=False)
         per_all, pre_all, post_all = self.costs.states(c, w, zero)
         buffers, post_buffers = self.costs.buffers(c, w, zero)
+        layers = self.p.num_layers
+        first, last = ends
+        t_min = min(k.time(overlap) for k in w.kinds)
+        a_min = min(k.activation_bytes for k in w.kinds)
         s_min, s_all = min(per), min(per_all)
-        mem = tuple(a[1:] for a in acts)
-        key = (c.pp, ends, id(in_flight), s_min, s_all, pre_state, post_state, pre_all, post_all, buffers, post_buffers)
-        if (key, mem) not in self._caps:
-            self._caps[(key, mem)] = self._caps_of(c, ends, in_flight, mem, key)
-        return self._caps[(key, mem)]
-
-    def _caps_of(self, c: Candidate, ends, in_flight, mem: tuple, key: tuple) -> list | None:
-        """``_rank_caps`` per rank as (set index, cap) from the bytes in ``key``."""
-        _, _, _, s_min, s_all, pre_state, post_state, pre_all, post_all, buffers, post_buffers = key
-        layers, usable = self.p.num_layers, self.p.hw.usable_bytes
-        ranks = []
+        caps, lead = [], []
+        value = None
         for r in range(c.pp):
-            everything = (pre_all if r == ends[0] else 0.0) + (post_all + post_buffers if r == ends[1] else 0.0)
-            room_all = usable - buffers - everything
-            opts = []
-            for i, (a_s, pre_a, post_a) in enumerate(mem):
-                fixed = buffers + (pre_a * in_flight[r] + pre_state if r == ends[0] else 0.0)
-                fixed += post_a * in_flight[r] + post_state + post_buffers if r == ends[1] else 0.0
-                room = usable - fixed
-                if min(room, room_all) < 0:
-                    continue
-                unit = a_s * in_flight[r] + s_min
-                cap = layers if unit <= 0 else min(layers, int(room // unit))
-                opts.append((i, cap if s_all <= 0 else min(cap, int(room_all // s_all))))
-            if not opts:
-                return None
-            ranks.append(opts)
-        return ranks
+            fixed, everything, t_fixed = buffers, buffers, 0.0
+            if r == first:
+                fixed += w.pre.activation_bytes * in_flight[r] + pre_state
+                everything += pre_all
+                t_fixed += w.pre.time(overlap)
+            if r == last:
+                fixed += w.post.activation_bytes * in_flight[r] + post_state + post_buffers
+                everything += post_all + post_buffers
+                t_fixed += w.post.time(overlap)
+            room, room_all = self.p.hw.usable_bytes - fixed, self.p.hw.usable_bytes - everything
+            if min(room, room_all) < 0:
+                value = math.inf
+                break
+            unit = a_min * in_flight[r] + s_min
+            cap = layers if unit <= 0 else min(layers, int(room // unit))
+            caps.append(cap if s_all <= 0 else min(cap, int(room_all // s_all)))
+            lead.append(int(t_fixed // t_min) if t_min > 0 else 0)
+        if value is None:
+            if sum(caps) < layers:
+                value = math.inf
+            else:
+                lo, hi = 0, layers + max(lead)
+                while lo < hi:  # least k with sum_r min(cap_r, k - lead_r) >= layers
+                    mid = (lo + hi) // 2
+                    if sum(min(cap, max(0, mid - d)) for cap, d in zip(caps, lead)) >= layers:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                value = max(w.total / c.pp, lo * t_min, w.pre.time(overlap), w.post.time(overlap))
+        table[key] = value
+        return value
 
 
 def _shown(traffic: float, window: float, share: float) -> float:
@@ -433,70 +378,3 @@ def _shown(traffic: float, window: float, share: float) -> float:
     if share == 1:
         return max(0.0, traffic - window)
     return (1 - share) * traffic + share * max(0.0, traffic - window)
-
-
-def _choice_cover(ranks: list, times: list[float], fixed_t: list[float], layers: int) -> float:
-    """The t_max bound where ranks choose among sets (``ranks[r]``: (set, cap) of those that fit
-    it). Where the first set (the quickest, ``stage_choices``) fits every rank and its caps do
-    not bind its whole-layer cover, that cover is the one with no caps at the quickest time,
-    which bounds every choice from below: the exact ``_least_cover`` is then not needed."""
-    first = [[opt for opt in opts if opt[0] == 0] for opts in ranks]
-    if all(first) and times[0] <= min(times):
-        uncapped = _lattice_cover([[(0, layers)]] * len(ranks), times[0], fixed_t, layers)
-        if _lattice_cover(first, times[0], fixed_t, layers) <= uncapped:
-            return uncapped
-    return _least_cover(ranks, times, fixed_t, layers) * (1 - 1e-12)  # a hair below, for rounding
-
-
-def _least_cover(ranks: list, times: list[float], fixed_t: list[float], layers: int) -> float:
-    """The least T by which the ranks hold ``layers`` layers, each rank r under its best set:
-    its n-th layer is done by g_r(n) = fixed_t[r] + n x times[s] for the quickest set s whose
-    memory cap (``ranks[r]``: (s, cap)) is at least n; g_r only grows with n, so T is the
-    ``layers``-th smallest of all g_r(n) (inf when the caps fall short). From a lower bound T0
-    (every rank at the quickest time with its largest cap, ``_lattice_cover``), the layers done
-    by T0 are counted, so only the rest come off a heap of each rank's next one."""
-    t_min = min(times)
-    most = [[(0, max(cap for _, cap in opts))] for opts in ranks]
-    t0 = _lattice_cover(most, t_min, fixed_t, layers)
-    if t0 == math.inf:
-        return math.inf
-    heap, done = [], 0
-    for r, opts in enumerate(ranks):
-        n = max(min(cap, math.floor((t0 - fixed_t[r]) / times[s] - 1e-9)) if times[s] > 0 else cap for s, cap in opts)
-        n = max(0, n)  # none past T0 counted: each counted layer is done by T0
-        done += n
-        heap.append((_done_by(opts, times, fixed_t[r], n + 1), r, n + 1))
-    if done >= layers:
-        return t0
-    heapq.heapify(heap)
-    t = t0
-    for _ in range(layers - done):
-        t, r, n = heapq.heappop(heap)
-        if t == math.inf:
-            return math.inf
-        heapq.heappush(heap, (_done_by(ranks[r], times, fixed_t[r], n + 1), r, n + 1))
-    return t
-
-
-def _lattice_cover(ranks: list, t_min: float, fixed_t: list[float], layers: int) -> float:
-    """``_least_cover`` for one set, its fixed times rounded down to whole layers: the least k
-    with sum_r min(cap_r, k - lead_r) >= ``layers``, times the layer time (a lower bound)."""
-    caps = [opts[0][1] for opts in ranks]
-    if sum(caps) < layers:
-        return math.inf
-    if t_min <= 0:
-        return 0.0
-    lead = [int(t // t_min) for t in fixed_t]
-    lo, hi = 0, layers + max(lead)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if sum(min(cap, max(0, mid - d)) for cap, d in zip(caps, lead)) >= layers:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo * t_min
-
-
-def _done_by(opts: list, times: list[float], fixed: float, n: int) -> float:
-    """g_r(n) of ``_least_cover``: inf where no set fits n layers."""
-    return min((fixed + n * times[s] for s, cap in opts if cap >= n), default=math.inf)

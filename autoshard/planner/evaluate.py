@@ -88,8 +88,7 @@ def stage_choices(costs: CandidateCosts, c: Candidate, schedule: str | None = No
     """The recompute sets a pipeline rank of ``c`` may use: ``c.recompute`` first, then each
     undominated set that recomputes at least as long in every block (and so keeps no more),
     which the schedule and ZeRO stage (``c``'s unless given; None: any) run with. ``c.recompute``
-    is so the cheapest set any rank uses: the search's time bounds for it hold, and its memory
-    bounds take the least memory of these (``memory_sets``). One pipeline rank: no choice."""
+    is so the cheapest set any rank uses. One pipeline rank: no choice."""
     base = c.recompute
     if c.pp == 1:
         return [base]
@@ -119,19 +118,23 @@ class Evaluator:
         self.model_flops = 3 * self.p.cost.flops_forward(1, self.p.seq) * self.p.global_batch
 
     def evaluate(
-        self, c: Candidate, fixed_stages: tuple[int, ...] | None = None, incumbent: float = math.inf
+        self,
+        c: Candidate,
+        fixed_stages: tuple[int, ...] | None = None,
+        incumbent: float = math.inf,
+        per_rank: bool = False,
     ) -> Evaluation:
-        """The best stage partition of ``c`` (or the one ``fixed_stages`` gives), each pipeline
-        rank recomputing ``c.recompute`` or more (``stage_choices``), and what the cost model
-        predicts for it; infeasible, with the reason, where no split fits in memory. The ranks'
-        choice is searched only where it could beat ``incumbent`` (``_per_rank``)."""
+        """The best stage partition of ``c`` (or the one ``fixed_stages`` gives) and what the cost
+        model predicts for it; infeasible, with the reason, where no split fits in memory. Every
+        pipeline rank recomputes ``c.recompute``; with ``per_rank``, each may recompute more
+        (``stage_choices``), chosen jointly with the split where it could beat ``incumbent``
+        (``_per_rank``; the search's refinement of its winner, ``search.refine``)."""
         costs, hw = self.costs, self.p.hw
         m = costs.microbatches(c)
         where_key, where = costs.where(c, True)
         sched = SCHEDULES[c.schedule]
-        choices = [
-            costs.work(c, where_key, where, sched.overlaps_ep, rc) for rc in stage_choices(costs, c, c.schedule, c.zero)
-        ]
+        sets = stage_choices(costs, c, c.schedule, c.zero) if per_rank else [c.recompute]
+        choices = [costs.work(c, where_key, where, sched.overlaps_ep, rc) for rc in sets]
         w = choices[0]
         q = self._quantities(c, w, where, sched.overlaps_ep, sched, m)
         chunk_rank = lambda ch: sched.chunk_rank(ch, c.pp)  # noqa: E731

@@ -142,9 +142,7 @@ class Tree:
             if memory_key in does_not_fit:
                 continue
             leaves += 1
-            ev = self._evaluate(c, fixed, math.inf if best is None else best.step_time_s)
-            if ev.cut < math.inf:  # cannot beat ``best``; infeasible here proves nothing of memory
-                continue
+            ev = self._evaluate(c, fixed)
             if not ev.feasible:
                 does_not_fit.add(memory_key)
                 infeasible.append(ev)
@@ -160,12 +158,11 @@ class Tree:
             table[key] = self.bounds.bound(c, level)
         return table[key]
 
-    def _evaluate(self, c: Candidate, fixed, incumbent: float) -> Evaluation:
+    def _evaluate(self, c: Candidate, fixed) -> Evaluation:
         """``Evaluator.evaluate``, memoised likewise (it depends on the candidate and the fixed
-        stages alone: the per-mesh searches differ from the main one only in the mesh pins),
-        but for an answer cut short at a lower incumbent (``Evaluation.cut``)."""
+        stages alone: the per-mesh searches differ from the main one only in the mesh pins)."""
         table = self.costs.memo.leaf
         key = (c, None if fixed is None else tuple(fixed))
-        if key not in table or table[key].cut < incumbent:
-            table[key] = self.evaluator.evaluate(c, fixed, incumbent)
+        if key not in table:
+            table[key] = self.evaluator.evaluate(c, fixed)
         return table[key]
