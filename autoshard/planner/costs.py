@@ -139,10 +139,10 @@ class CandidateCosts:
         (default: ``c.recompute``)."""
         rc = c.recompute if recompute is None else recompute
         # the layers read only these placements: layouts that differ in the data-parallel groups
-        # alone share one Work
+        # alone share one Work (``c.v`` counts the sends on the fill/drain path below)
         places = (where["tp"], where["cp"], where["ep"], where["pp"])
         split = self.split_share(c) if rc else 0.0
-        key = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, places, overlap, split)
+        key = (c.tp, c.pp, c.v, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, places, overlap, split)
         w = self.memo.work.get(key)
         if w is None:
             c2 = c if rc == c.recompute else replace(c, recompute=rc)
