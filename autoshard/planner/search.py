@@ -22,6 +22,9 @@ from autoshard.planner.parallel import Helper
 from autoshard.planner.tree import Tree
 
 SHARES = 2  # independent searches the families are dealt into (one per process)
+# the least share of the step time per-rank recompute sets must save to be kept: one set for
+# every rank is simpler to read and to run, and a smaller gain is below the cost model's resolution
+REFINE_GAIN = 1e-4
 
 
 @dataclass
@@ -99,7 +102,7 @@ class Planner:
             if c.recompute not in stage_choices(tree.costs, base, c.schedule, c.zero):
                 continue  # some block recomputes more under ``rc`` than under ``best``'s set
             ev = tree.evaluator.evaluate(base, fixed, best.step_time_s, per_rank=True)
-            if ev.feasible and ev.step_time_s < best.step_time_s * (1 - 1e-9):
+            if ev.feasible and ev.step_time_s < best.step_time_s * (1 - REFINE_GAIN):
                 best = ev
         return best
 
