@@ -7,7 +7,7 @@ from __future__ import annotations
 from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
-from autoshard.ir.schedules import schedule
+from autoshard.ir.schedules import SCHEDULES, schedule
 from autoshard.planner.explain import rationale
 
 GB = 1e9
@@ -125,8 +125,25 @@ def _memory(plan: Plan) -> list[str]:
 
 
 def _checkpointing(plan: Plan) -> list[str]:
-    rows = [[k, _kept(plan, k, v)] for k, v in sorted(plan.checkpoint.items())]
-    return _table(["saved-tensor category", "decision"], rows)
+    """The decision per saved-tensor category; per run of pipeline ranks alike where the ranks
+    differ (a rank holding more micro-batches in flight recomputes more)."""
+    if not plan.stage_checkpoint:
+        rows = [[k, _kept(plan, k, v)] for k, v in sorted(plan.checkpoint.items())]
+        return _table(["saved-tensor category", "decision"], rows)
+    pp = plan.mesh.pp
+    stage = {SCHEDULES[plan.schedule].chunk_rank(s, pp): s for s in reversed(range(len(plan.stage_layers)))}
+    runs, start = [], 0  # (header, a stage of those ranks)
+    for r in range(1, pp + 1):
+        if r == pp or plan.stage_checkpoint[stage[r]] != plan.stage_checkpoint[stage[start]]:
+            runs.append((f"rank {start}" if r - start == 1 else f"ranks {start}-{r - 1}", stage[start]))
+            start = r
+    rows = [
+        [k] + [_kept(plan, k, plan.stage_checkpoint[s][k], plan.stage_recompute(s)) for _, s in runs]
+        for k in sorted(plan.checkpoint)
+    ]
+    return [f"Per pipeline rank: {plan.rank_recompute_text()}.", ""] + _table(
+        ["saved-tensor category"] + [head for head, _ in runs], rows
+    )
 
 
 _SECTIONS = (
@@ -200,8 +217,10 @@ def _stages_text(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _kept(plan, category: str, decision: str) -> str:
-    """A category's checkpoint decision, saying where the layers keep FP8 copies instead."""
-    if decision == "save" and category in plan.precision.get("fp8_saved", ()):
+def _kept(plan, category: str, decision: str, recompute: frozenset | None = None) -> str:
+    """A category's checkpoint decision, saying where the layers keep FP8 copies instead (only
+    under a checkpoint: where ``recompute``, the stage's set, is given, a non-empty one)."""
+    under = plan.recompute if recompute is None else recompute
+    if decision == "save" and under and category in plan.precision.get("fp8_saved", ()):
         return "save as fp8 copy (only FP8 matmuls read it; its op reruns in backward)"
     return decision

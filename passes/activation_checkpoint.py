@@ -1,5 +1,7 @@
 """Activation checkpointing: each repeated layer becomes one call to ``rt.Checkpoint``, which
-recomputes in backward the saved-tensor kinds the plan marks ``recompute``.
+recomputes in backward the saved-tensor kinds the plan marks ``recompute`` for the layer's
+pipeline stage (``ctx.recompute_of``: stages may differ, a rank holding more micro-batches in
+flight recomputing more); a layer whose stage recomputes nothing is left alone.
 
 Runs after the parallel rewrites and before the pipeline split. A layer's nodes are moved into
 their own graph (inputs: the values it reads from before it; outputs: the values read after it),
@@ -9,7 +11,7 @@ those only the layer used (``get_attr``, as torch.export writes parameters) move
 Requires ``region`` and ``layer`` on every node and reads ``ctx.recompute`` and ``ctx.fp8_saved``
 (the kept categories held as FP8 copies: the FP8 pass marked their quantisations ``keep_fp8``). Guarantees
 (:func:`layers_wrapped`): the only computing nodes left in the ``layer`` region are one
-``Checkpoint`` call per layer, recomputing exactly ``ctx.recompute``, and the ``getitem`` s that
+``Checkpoint`` call per layer that recomputes something, recomputing exactly its stage's set, and the ``getitem`` s that
 unpack its outputs (besides reads of a model input's size or device and integer arithmetic on
 them, read off nothing the layer computes, which belong to no layer); each call carries the
 layer's ``region``, ``layer`` and ``source``, with ``op`` ``"checkpoint"``, and a note in
@@ -29,21 +31,20 @@ from autoshard.runtime.checkpoint import Checkpoint
 
 
 def activation_checkpoint(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
-    """Wrap every layer of ``gm`` in place (nothing when ``ctx.recompute`` is empty); returns ``gm``."""
-    recompute = list(ctx.recompute)
-    if not recompute:
-        return gm
+    """Wrap every layer of ``gm`` that recomputes something (its stage's set,
+    ``ctx.recompute_of``) in place; returns ``gm``."""
     for layer, body in sorted(layer_bodies(gm.graph).items()):
+        recompute, fp8_saved = list(ctx.recompute_of(layer)), ctx.fp8_saved_of(layer)
+        if not recompute:
+            continue
         anchor = body[-1]
         meta = {k: anchor.meta[k] for k in ("region", "layer", "nn_module_stack", "source") if k in anchor.meta}
         meta["op"] = "checkpoint"
         name = f"checkpoint_{layer}"
         sub = layer_graph(body)
-        gm.add_submodule(
-            name, Checkpoint(fx.GraphModule(gm, sub, class_name=f"Layer{layer}"), recompute, ctx.fp8_saved)
-        )
+        gm.add_submodule(name, Checkpoint(fx.GraphModule(gm, sub, class_name=f"Layer{layer}"), recompute, fp8_saved))
         call = call_in_place(gm.graph, body, name, meta)
-        kept = f"; keep {', '.join(ctx.fp8_saved)} as fp8 copies" if ctx.fp8_saved else ""
+        kept = f"; keep {', '.join(fp8_saved)} as fp8 copies" if fp8_saved else ""
         recomputed = ", ".join(sorted(recompute))
         note(call, f"layer {layer} under activation checkpointing: recompute {recomputed}{kept}")
     gm.graph.lint()
@@ -138,20 +139,22 @@ def _checkpoint_call(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 
 def layers_wrapped(gm: fx.GraphModule, ctx: RewriteContext) -> str | None:
-    """``ensures`` of the pass: every layer is one Checkpoint call recomputing ``ctx.recompute``,
-    and nothing else computes in the layers. Returns what is wrong, or None."""
+    """``ensures`` of the pass: every layer that recomputes something is one Checkpoint call
+    recomputing its stage's set (``ctx.recompute_of``), and nothing else computes in those
+    layers; a layer that recomputes nothing is left as it was. Returns what is wrong, or None."""
     seen: set[int] = set()
     meta = input_meta_nodes(gm.graph)
     for node in gm.graph.nodes:
         if node.meta.get("region") != "layer" or node.op in ("get_attr", "placeholder", "output") or node in meta:
             continue
+        wanted = sorted(ctx.recompute_of(node.meta.get("layer")))
         if _checkpoint_call(gm, node):
             if node.meta.get("layer") in seen:
                 return f"layer {node.meta.get('layer')} has two checkpoint calls"
             seen.add(node.meta.get("layer"))
             recompute = gm.get_submodule(node.target).recompute
-            if recompute != sorted(ctx.recompute):
-                return f"{node.name} recomputes {recompute}, the plan {sorted(ctx.recompute)}"
-        elif not (node.target is operator.getitem and _checkpoint_call(gm, node.args[0])):
+            if recompute != wanted:
+                return f"{node.name} recomputes {recompute}, the plan {wanted}"
+        elif wanted and not (node.target is operator.getitem and _checkpoint_call(gm, node.args[0])):
             return f"{node.format_node()} in layer {node.meta.get('layer')} is outside its checkpoint"
     return None

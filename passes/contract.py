@@ -36,13 +36,31 @@ class RewriteContext:
     ep: int = 1
     attention: str = "flash"  # flash | ring | allgather-kv (autoshard.ir.plan.ATTENTION)
     sequence_parallel: bool = False
-    recompute: tuple[str, ...] = ()  # saved-tensor categories the layers recompute
+    recompute: tuple[str, ...] = ()  # saved-tensor categories the layers recompute (some layers, with stage_recompute)
+    stage_recompute: tuple[tuple[str, ...], ...] = ()  # per pipeline chunk, where chunks differ; () for all alike
     stage_layers: tuple[int, ...] = ()  # layers per pipeline chunk, in chunk order; () for one chunk
     seq: int = 0  # tokens per sequence on one context-parallel rank (0: unknown)
     fp8: tuple[str, ...] = ()  # the matmul kinds in FP8 (autoshard.ir.FP8_KINDS)
     fp8_saved: tuple[str, ...] = ()  # kept categories recomputation keeps as FP8 copies
     inputs: tuple | None = None  # the example inputs of a freshly traced graph (canonicalize's mask check)
     values: Callable | None = None  # a meta buffer's value by name from its recorded init (canonicalize)
+
+    def recompute_of(self, layer: int | None) -> tuple[str, ...]:
+        """The categories layer ``layer`` recomputes: its chunk's (``stage_recompute``), else ``recompute``."""
+        if not self.stage_recompute or layer is None:
+            return self.recompute
+        end = 0
+        for n, chunk in zip(self.stage_layers, self.stage_recompute):
+            end += n
+            if layer < end:
+                return chunk
+        return self.recompute
+
+    def fp8_saved_of(self, layer: int | None) -> tuple[str, ...]:
+        """The kept categories layer ``layer`` keeps as FP8 copies: none where it recomputes
+        nothing (no checkpoint), else ``fp8_saved`` but what it recomputes."""
+        mine = self.recompute_of(layer)
+        return tuple(k for k in self.fp8_saved if k not in mine) if mine else ()
 
     @classmethod
     def from_plan(cls, plan) -> RewriteContext:
@@ -55,6 +73,7 @@ class RewriteContext:
             attention=plan.attention,
             sequence_parallel=bool(plan.sequence_parallel) and m.tp > 1,
             recompute=tuple(sorted(k for k, v in plan.checkpoint.items() if v == "recompute")),
+            stage_recompute=tuple(tuple(sorted(plan.stage_recompute(i))) for i in range(len(plan.stage_checkpoint))),
             stage_layers=tuple(plan.stage_layers),
             seq=plan.seq_len // m.cp,
             fp8=tuple(plan.precision.get("fp8_matmuls") or ()),

@@ -142,7 +142,8 @@ def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         done = _rewrite(node, gm)
         if isinstance(done, fx.Node):
             text = f"fp8 ({kind}): {_WHAT}"
-            if _input_category(done) in ctx.fp8_saved or _experts_copy(kind, ctx):
+            layer = node.meta.get("layer")
+            if _input_category(done) in ctx.fp8_saved_of(layer) or _experts_copy(kind, ctx.recompute_of(layer)):
                 done.kwargs = {**done.kwargs, "keep_fp8": True}
                 text += "; recomputation keeps x's fp8 copy, not x"
             if done is not node and "note" in node.meta:  # a module call replaced: its note moves
@@ -157,12 +158,12 @@ def fp8(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     return gm
 
 
-def _experts_copy(kind: str, ctx: RewriteContext) -> bool:
+def _experts_copy(kind: str, recompute: tuple[str, ...]) -> bool:
     """An FP8 experts' GEMM under selective recomputation that keeps the experts: it keeps its
     input's FP8 copy (``ModelCost.activation_bytes``). What the experts multiply is made by ops the
     checkpoint does not cache (the dispatch, a product of activations): without the copy the
     recomputation ran them again, the dispatch's all-to-all with them."""
-    return kind == "experts" and bool(ctx.recompute) and "experts" not in ctx.recompute
+    return kind == "experts" and bool(recompute) and "experts" not in recompute
 
 
 def _input_category(node: fx.Node) -> str | None:

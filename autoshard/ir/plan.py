@@ -12,6 +12,8 @@ from autoshard.ir.categories import CHECKPOINT_CATEGORIES
 from autoshard.ir.schedules import NAMES
 
 PLAN_VERSION = 1
+# the fields plan.json may leave out
+OPTIONAL_FIELDS = ("alternatives", "forced", "notes", "not_emitted", "stage_checkpoint", "dp_bucket_bytes")
 AXES = ("tp", "pp", "cp", "ep", "dp")  # the mesh's degrees, in the order a mesh tuple lists them
 GRID_AXES = ("tp", "cp", "pp", "dp")  # the rank grid's axes (ep folds into cp x dp), innermost first by default
 SCHEDULES = NAMES  # the schedule table's rows (autoshard.ir.schedules)
@@ -100,7 +102,9 @@ class Plan:
     microbatch_size: int  # sequences per micro-batch per data-parallel rank
     stage_layers: list[int]  # layers per virtual stage, in pipeline order; embedding on the first, head on the last
     sequence_parallel: bool
-    checkpoint: dict[str, str]  # saved-tensor category -> "save" | "recompute"
+    # saved-tensor category -> "save" | "recompute"; where stages differ (``stage_checkpoint``), a
+    # category any stage recomputes
+    checkpoint: dict[str, str]
     precision: dict  # {"compute": "bf16", "fp8_matmuls": [...], "grad_reduce": "fp32"}
     attention: str
     predicted: Predicted
@@ -110,6 +114,10 @@ class Plan:
     # why the program emitter would refuse this plan (empty when ``compile`` can emit it); only a
     # plan searched over the whole space (``--plan-only``) can have reasons here
     not_emitted: list[str] = field(default_factory=list)
+    # per virtual stage, in pipeline order, its own ``checkpoint`` (the chunks of one pipeline rank
+    # alike): a rank holding more micro-batches in flight recomputes more; empty when every stage
+    # uses ``checkpoint``
+    stage_checkpoint: list[dict[str, str]] = field(default_factory=list)
     # bytes per bucket of the data-parallel gradient reduction the program overlaps with the last
     # backward (ZeRO-0/1; ``runtime.reduction``), from the cost model's latency and bandwidth of
     # that collective (``cost_models.comm.bucket_bytes``); 0: the program's own rule
@@ -134,8 +142,7 @@ class Plan:
                 "recompile the plan with this version"
             )
         names = {f.name for f in fields(cls)}
-        optional = ("alternatives", "forced", "notes", "not_emitted", "dp_bucket_bytes")
-        missing = [n for n in names if n not in data and n not in optional]
+        missing = [n for n in names if n not in data and n not in OPTIONAL_FIELDS]
         if missing:
             raise AutoshardError(f"{source}: missing field(s) {', '.join(sorted(missing))}; recompile the plan")
         unknown = set(data) - names
@@ -222,14 +229,80 @@ class Plan:
         ]
         if bad:
             problems.append(f"checkpoint entry {bad[0]!r} is not category -> save|recompute")
+        problems += self._stage_checkpoint_problems()
         if problems:
             raise AutoshardError(f"{source}: inconsistent plan: {problems[0]}; recompile instead of editing by hand")
+
+    def _stage_checkpoint_problems(self) -> list[str]:
+        """What is wrong with ``stage_checkpoint``: one entry per virtual stage, each over
+        ``checkpoint``'s categories, ``checkpoint`` recomputing what any stage recomputes, and the
+        chunks of one pipeline rank alike (they share its memory)."""
+        stages = self.stage_checkpoint
+        if not stages:
+            return []
+        if not isinstance(stages, list) or len(stages) != len(self.stage_layers):
+            return [f"stage_checkpoint must list one entry per virtual stage ({len(self.stage_layers)})"]
+        for i, entry in enumerate(stages):
+            if not isinstance(entry, dict) or set(entry) != set(self.checkpoint):
+                return [f"stage_checkpoint[{i}] must name the categories of checkpoint: {sorted(self.checkpoint)}"]
+            if any(v not in ("save", "recompute") for v in entry.values()):
+                return [f"stage_checkpoint[{i}] maps a category to something but save|recompute"]
+        if frozenset().union(*(self.stage_recompute(i) for i in range(len(stages)))) != self.recompute:
+            return ["checkpoint must recompute exactly the categories some stage_checkpoint entry recomputes"]
+        from autoshard.ir.schedules import SCHEDULES as TABLE
+
+        if self.schedule in TABLE:
+            rank = {}
+            for i in range(len(stages)):
+                r = TABLE[self.schedule].chunk_rank(i, self.mesh.pp)
+                if rank.setdefault(r, stages[i]) != stages[i]:
+                    return [f"stage_checkpoint: the chunks of pipeline rank {r} recompute different sets"]
+        return []
 
     # -- views -------------------------------------------------------------------------------
 
     @property
     def recompute(self) -> frozenset[str]:
+        """The categories recomputed on some stage (on every stage, unless ``stage_checkpoint``
+        says otherwise)."""
         return frozenset(k for k, v in self.checkpoint.items() if v == "recompute")
+
+    def stage_recompute(self, stage: int) -> frozenset[str]:
+        """The categories virtual stage ``stage`` recomputes."""
+        entry = self.stage_checkpoint[stage] if self.stage_checkpoint else self.checkpoint
+        return frozenset(k for k, v in entry.items() if v == "recompute")
+
+    def rank_recompute_text(self) -> str:
+        """Which pipeline ranks recompute what, runs of alike ranks together: "rank 0 recomputes
+        attention+mlp; ranks 1-3 save everything" (one clause for all ranks without
+        ``stage_checkpoint``)."""
+        from autoshard.ir.schedules import SCHEDULES as TABLE
+
+        def what(rc: frozenset, one: bool) -> str:
+            if rc:
+                return f"recompute{'s' if one else ''} {'+'.join(sorted(rc))}"
+            return f"save{'s' if one else ''} everything"
+
+        pp = self.mesh.pp
+        if not self.stage_checkpoint:
+            return f"every rank: {what(self.recompute, False)}" if pp > 1 else what(self.recompute, False)
+        sets: dict[int, frozenset] = {}
+        for stage in range(len(self.stage_checkpoint)):
+            sets.setdefault(TABLE[self.schedule].chunk_rank(stage, pp), self.stage_recompute(stage))
+        runs, start = [], 0
+        for r in range(1, pp + 1):
+            if r == pp or sets[r] != sets[start]:
+                who = f"rank {start}" if r - start == 1 else f"ranks {start}-{r - 1}"
+                runs.append(f"{who} {what(sets[start], r - start == 1)}")
+                start = r
+        return "; ".join(runs)
+
+    def layer_recompute(self, layer: int) -> frozenset[str]:
+        """The categories layer ``layer`` recomputes: its stage's."""
+        for stage, (start, end) in enumerate(self.stage_ranges()):
+            if start <= layer < end:
+                return self.stage_recompute(stage)
+        return self.recompute
 
     def stage_ranges(self) -> list[tuple[int, int]]:
         """[start, end) layer range of each virtual stage."""

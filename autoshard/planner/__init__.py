@@ -8,6 +8,7 @@ from autoshard.cost_models.analyze import ModelCost
 from autoshard.errors import AutoshardError
 from autoshard.ir import capabilities
 from autoshard.ir.plan import AXES, CHECKPOINT_CATEGORIES, PLAN_VERSION, Alternative, Mesh, Plan, Predicted
+from autoshard.ir.schedules import SCHEDULES
 from autoshard.planner.candidates import Problem, parse_force
 from autoshard.planner.costs import CandidateCosts
 from autoshard.planner.evaluate import Evaluator
@@ -80,11 +81,16 @@ def _matmul_kinds(cost) -> set[str]:
     return {g.kind for blk in (cost.pre, *cost.blocks, cost.post) for g in blk.gemms}
 
 
-def _fp8_saved(problem: Problem, c) -> dict:
+def _fp8_saved(problem: Problem, ev: Evaluation) -> dict:
     """``{"fp8_saved": [...]}``: the kept checkpoint categories the layers keep as FP8 copies
     under selective recomputation (``ModelCost.fp8_saved``), or nothing when there are none."""
+    c = ev.candidate
     sp = c.tp > 1 and problem.sequence_parallel
-    saved = problem.cost.fp8_saved(c.recompute, tuple(c.fp8), tp=c.tp, sp=sp)
+    # where stages recompute different sets, what any of them keeps so (each stage's checkpoint
+    # keeps those of them it does not recompute: ``RewriteContext.fp8_saved_of``)
+    saved = frozenset().union(
+        *(problem.cost.fp8_saved(rc, tuple(c.fp8), tp=c.tp, sp=sp) for rc in set(ev.rank_recompute) or {c.recompute})
+    )
     return {"fp8_saved": sorted(saved)} if saved else {}
 
 
@@ -111,16 +117,13 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
         microbatch_size=c.mbs,
         stage_layers=list(ev.stage_layers),
         sequence_parallel=c.tp > 1 and problem.sequence_parallel,
-        checkpoint={
-            cat: ("recompute" if cat in c.recompute else "save")
-            for cat in sorted(problem.categories)
-            if cat in CHECKPOINT_CATEGORIES
-        },
+        checkpoint=_checkpoint(problem, frozenset().union(*ev.rank_recompute) if ev.rank_recompute else c.recompute),
+        stage_checkpoint=_stage_checkpoint(problem, ev),
         precision={
             "compute": "bf16",
             "fp8_matmuls": [k for k in c.fp8 if k in _matmul_kinds(problem.cost)],
             "grad_reduce": "fp32",
-            **_fp8_saved(problem, c),
+            **_fp8_saved(problem, ev),
         },
         attention=c.attention,
         predicted=_predicted(problem, ev),
@@ -131,6 +134,21 @@ def _plan_of(problem: Problem, ev: Evaluation) -> Plan:
     if not problem.emit:
         plan.not_emitted = capabilities.refusals(plan)
     return plan
+
+
+def _checkpoint(problem: Problem, recompute: frozenset) -> dict[str, str]:
+    """Category -> save | recompute, over the model's checkpoint categories."""
+    cats = sorted(c for c in problem.categories if c in CHECKPOINT_CATEGORIES)
+    return {cat: ("recompute" if cat in recompute else "save") for cat in cats}
+
+
+def _stage_checkpoint(problem: Problem, ev: Evaluation) -> list[dict[str, str]]:
+    """Per virtual stage, its rank's recompute set where the ranks' sets differ; else none."""
+    c = ev.candidate
+    if len(set(ev.rank_recompute)) < 2:
+        return []
+    sched = SCHEDULES[c.schedule]
+    return [_checkpoint(problem, ev.rank_recompute[sched.chunk_rank(ch, c.pp)]) for ch in range(c.pp * c.v)]
 
 
 def _dp_bucket_bytes(problem: Problem, ev: Evaluation) -> int:

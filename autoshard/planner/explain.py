@@ -85,9 +85,12 @@ def rationale(plan: Plan) -> str:
         f"activations {mem['activations'] / gib:.1f}, buffers {mem['buffers'] / gib:.1f})",
     ]
     recomputed = sorted(plan.recompute)
-    lines.append(
-        "Recomputed in backward: " + (", ".join(recomputed) if recomputed else "nothing (every saved tensor fits)")
-    )
+    if plan.stage_checkpoint:  # ranks holding more micro-batches in flight recompute more
+        lines.append(f"Recomputed in backward, per pipeline rank: {plan.rank_recompute_text()}")
+    else:
+        lines.append(
+            "Recomputed in backward: " + (", ".join(recomputed) if recomputed else "nothing (every saved tensor fits)")
+        )
     comm = ", ".join(
         f"{axis.upper()} {v['exposed']:.3f} s exposed of {v['total']:.3f} s"
         for axis, v in p.comm_s.items()

@@ -7,6 +7,14 @@ the first layer of the next stage) enters every per-layer sum through ``clamp(e 
 per run, so all sums stay linear and one set of auxiliary variables serves every quantity.
 The embedding sits on the first virtual stage and the output head with the loss on the last; they
 may hold no layers at all (LLaMA-3 put only the embedding on its first chunk).
+
+Each pipeline rank may also choose its recompute set (``Quantities.options``), jointly with the
+split: in 1F1B-like orders the first rank holds the most micro-batches in flight and the last the
+fewest, so one set for all wastes compute on the later ranks. The choice is per rank, not per
+layer: a rank's chunks share its memory, and a per-rank set is what the emitted program's
+checkpoint wrappers take per stage. CP-SAT gets one boolean per rank and set, exactly one true,
+and per chunk its quantities under the chosen set; the exact paths take, per rank and time
+bound, the most layers any set allows (``_best_counts_choice``).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from autoshard.ir.schedules import Point, peak, point_matrix
 US = 1e6  # CP-SAT works in integers: times in microseconds
 MEM_UNIT = 2**20  # memory in MiB
 SHARE_UNIT = 1000  # overlap shares in thousandths
+UNLIMITED = float(2**60)  # a capacity meaning no memory limit (in integers CP-SAT takes)
 PREFIX_ENUMERATION = 6  # a leading run this short is split by enumeration, not CP-SAT
 
 KEYS = ("time", "fwd", "bwd", "act", "held", "state", "grad", "dp_time", "dp_gather", "dp_micro")
@@ -55,6 +64,13 @@ class Quantities:
     rank_buffers: list[float] = field(default_factory=list)  # per rank: bytes besides ``buffers``
     # share of the data-parallel traffic behind its window the program hides (``Hardware.overlap``)
     dp_share: float = 1.0
+    # what each rank may use instead, one per other recompute set (``Partition.rank_option``):
+    # the same fields under that set; empty where every rank takes this one
+    options: list[Quantities] = field(default_factory=list)
+
+    def choices(self) -> list[Quantities]:
+        """Option 0 (this one) and the alternatives a rank may take instead."""
+        return [self, *self.options]
 
     def buffers_of(self, r: int, last: int) -> float:
         """Rank ``r``'s bytes besides states and activations (``last``: the rank of the head)."""
@@ -72,6 +88,7 @@ class Partition:
     dp_exposed: float  # slowest rank's exposed data-parallel time per step
     memory: list[float]  # bytes per rank
     optimal: bool
+    rank_option: list[int] = field(default_factory=list)  # per rank: its ``Quantities.choices`` index
 
 
 def _runs(kinds: list[int]) -> list[tuple[int, int, int]]:
@@ -81,6 +98,14 @@ def _runs(kinds: list[int]) -> list[tuple[int, int, int]]:
             runs.append((kinds[start], start, i - start))
             start = i
     return runs
+
+
+def exact(kinds: list[int], fixed: tuple[int, ...] | None) -> bool:
+    """Whether ``solve`` takes an exact path (no CP-SAT): then, where the best split with no
+    memory limit fits, it is the very split found under the limit (the same scan, each count
+    no higher than memory allows)."""
+    runs = _runs(kinds)
+    return fixed is None and (len(runs) == 1 or (len(runs) == 2 and runs[0][2] <= PREFIX_ENUMERATION))
 
 
 def solve(
@@ -110,6 +135,7 @@ def solve(
     else:
         split.add_even_spread()
     split.add_clamps()
+    split.add_choices()
     split.add_maxima()
     # rank by rank, each family in turn: the constraint order (and so the search) CP-SAT has always had
     for r, cs in split.ranks.items():
@@ -118,6 +144,8 @@ def solve(
         split.add_rank_exposure(r, cs)
     split.set_objective()
     found = split.solve(time_limit_s)
+    if found is not None and split.pick:
+        found = split.least_recompute(*found, time_limit_s)
     return None if found is None else split.read_partition(*found)
 
 
@@ -133,6 +161,9 @@ class _SplitModel:
         self.cp_model = cp_model
         self.model = cp_model.CpModel()
         self.kinds, self.q, self.microbatches = kinds, q, microbatches
+        self.choices = q.choices()
+        self.pick: dict[int, list] = {}  # per rank: one boolean per choice, where there are several
+        self.chosen: dict[tuple[int, str], object] = {}  # (chunk, key) -> its quantity under the rank's choice
         self.layers = len(kinds)
         self.chunks = pp * v
         self.runs = _runs(kinds)
@@ -182,31 +213,74 @@ class _SplitModel:
                 model.AddMinEquality(y, [pos, length])
                 row.append(y)
             clamps.append(row)
-        self.prefix = {}  # key -> linear expression per boundary: the scaled sum over the layers before it
-        for key in KEYS:
-            coef = [round(getattr(self.q, key)[kind] * _SCALE[key]) for kind, _, _ in self.runs]
-            self.prefix[key] = [sum(a * y for a, y in zip(coef, row)) for row in clamps]
+        # per choice: key -> linear expression per boundary, the scaled sum over the layers before it
+        self.prefixes = []
+        for q in self.choices:
+            prefix = {}
+            for key in KEYS:
+                coef = [round(getattr(q, key)[kind] * _SCALE[key]) for kind, _, _ in self.runs]
+                prefix[key] = [sum(a * y for a, y in zip(coef, row)) for row in clamps]
+            self.prefixes.append(prefix)
+        self.prefix = self.prefixes[0]
+
+    def add_choices(self) -> None:
+        """Where ranks may choose among recompute sets (``Quantities.options``): one boolean per
+        rank and choice, exactly one true, and per chunk and quantity that differs between the
+        choices an integer equal to the chosen one's (``rank_total`` reads those)."""
+        if len(self.choices) == 1:
+            return
+        # exposure as under the first choice (``_best_counts_choice`` says why): forward and
+        # backward windows do not vary
+        varying = [
+            key
+            for key in ("time", "act", "held")
+            if any(
+                [getattr(o, key), o.pre[key], o.post[key]] != [getattr(self.q, key), self.q.pre[key], self.q.post[key]]
+                for o in self.choices
+            )
+        ]
+        for r, cs in self.ranks.items():
+            bools = self.pick[r] = [self.model.NewBoolVar(f"pick{r}_{i}") for i in range(len(self.choices))]
+            self.model.AddExactlyOne(bools)
+            for c in cs:
+                for key in varying:
+                    top = max(self._most(o, key) for o in self.choices)
+                    y = self.chosen[(c, key)] = self.model.NewIntVar(0, top, f"q{c}_{key}")
+                    for i, b in enumerate(bools):
+                        expr = self.prefixes[i][key][c + 1] - self.prefixes[i][key][c] + self._extra(c, key, i)
+                        self.model.Add(y == expr).OnlyEnforceIf(b)
+
+    def _most(self, q: Quantities, key: str) -> int:
+        """An upper bound on one chunk's scaled ``key`` under ``q``: every layer, both ends."""
+        per = max(getattr(q, key)) * self.layers + q.pre[key] + q.post[key]
+        return int(per * _SCALE[key]) + 2 * len(self.runs) + 2
 
     def add_maxima(self) -> None:
         """t_max and d_max, the slowest rank's time and exposed data-parallel time, up to a safe horizon."""
-        q = self.q
-        self.horizon = (
+        self.horizon = max(
             int(sum(q.time) * US * self.layers + (q.pre["time"] + q.post["time"]) * US + q.p2p * US * self.chunks) + 1
+            for q in self.choices
         )
         self.t_max = self.model.NewIntVar(0, self.horizon, "t_max")
         self.d_max = self.model.NewIntVar(0, self.horizon * max(1, self.microbatches), "d_max")
 
     def rank_total(self, cs: list[int], key: str):
-        """Linear expression: one quantity summed over the chunks ``cs``, embedding and head included."""
-        return sum(self.prefix[key][c + 1] - self.prefix[key][c] + self._extra(c, key) for c in cs)
+        """Linear expression: one quantity summed over the chunks ``cs``, embedding and head
+        included (under each rank's chosen recompute set, where ranks choose)."""
+        return sum(
+            self.chosen[(c, key)]
+            if (c, key) in self.chosen
+            else self.prefix[key][c + 1] - self.prefix[key][c] + self._extra(c, key)
+            for c in cs
+        )
 
-    def _extra(self, c: int, key: str) -> int:
+    def _extra(self, c: int, key: str, choice: int = 0) -> int:
         """The embedding's and the head's share of a quantity on chunk c, scaled."""
-        val = 0.0
+        q, val = self.choices[choice], 0.0
         if c == 0:
-            val += self.q.pre[key]
+            val += q.pre[key]
         if c == self.chunks - 1:
-            val += self.q.post[key]
+            val += q.post[key]
         return round(val * _SCALE[key])
 
     def add_rank_time(self, r: int, cs: list[int]) -> None:
@@ -270,13 +344,26 @@ class _SplitModel:
             return None
         return solver, status == cp_model.OPTIMAL
 
+    def least_recompute(self, solver, optimal: bool, time_limit_s: float):
+        """Among the splits and choices as good as the one found, one that spends the least
+        time on the ranks in all (no rank recomputes more than the step needs); falls back to
+        the first solution should the second search find nothing in time."""
+        best = solver.Value(self.t_max) * self.microbatches + solver.Value(self.d_max)
+        self.model.Add(self.microbatches * self.t_max + self.d_max <= best)
+        for var in [*self.bound, *(b for bools in self.pick.values() for b in bools)]:
+            self.model.AddHint(var, solver.Value(var))
+        self.model.Minimize(sum(self.rank_total(cs, "time") for cs in self.ranks.values()))
+        again = self.solve(time_limit_s)
+        return (solver, optimal) if again is None else (again[0], optimal and again[1])
+
     def read_partition(self, solver, optimal: bool) -> Partition:
-        """Layers per chunk from the solved boundaries, with each rank's memory in bytes."""
-        q, chunks = self.q, self.chunks
+        """Layers per chunk from the solved boundaries and choices, with each rank's memory in bytes."""
+        chunks = self.chunks
         cuts = [solver.Value(e) for e in self.bound]
         stage_layers = [cuts[c + 1] - cuts[c] for c in range(chunks)]
+        picks = {r: next((i for i, b in enumerate(bools) if solver.Value(b)), 0) for r, bools in self.pick.items()}
         memory = [
-            rank_memory(q, r, sorted(cs), self.kinds, stage_layers, self.last_rank)
+            rank_memory(self.choices[picks.get(r, 0)], r, sorted(cs), self.kinds, stage_layers, self.last_rank)
             for r, cs in sorted(self.ranks.items())
         ]
         return Partition(
@@ -285,6 +372,7 @@ class _SplitModel:
             dp_exposed=solver.Value(self.d_max) / US,
             memory=memory,
             optimal=optimal,
+            rank_option=[picks.get(r, 0) for r in sorted(self.ranks)],
         )
 
 
@@ -390,41 +478,66 @@ def _spread_table(chunks: int, order: tuple[int, ...], most: int):
     return table
 
 
-def _per_rank_terms(layers, layout: _Layout, q: Quantities, pp, v, chunk_rank, microbatches, extras, closed):
+def _per_rank_terms(
+    layers, layout: _Layout, q: Quantities, pp, v, chunk_rank, microbatches, extras, closed, soft=False, cache=None
+):
     """Per-rank functions of n (layers of ``layout.kind`` on the rank), in integer microseconds /
     bytes: the fixed time, the memory cap on n, and the exposed data-parallel time D(n).
     ``extras[r]`` adds fixed quantities to rank r (embedding, head, a prefix of other layers);
-    ranks in ``closed`` take none of these layers."""
-    kind = layout.kind
-    t_layer = round(q.time[kind] * US)
+    ranks in ``closed`` take none of these layers. A rank whose fixed part alone does not fit
+    makes it None, or with ``soft`` gets the cap -1 (another recompute set may fit there).
+    ``cache``: a dict shared by calls with the same ``layers``, ``q``, ``v``, ``microbatches``,
+    ``soft`` and head rank (``_solve_prefix``'s prefix splits): a rank's entry depends besides
+    only on what its own chunks hold, so a split that changes other ranks reuses it."""
     ranks = []
     for r in range(pp):
-        fixed = extras[r]
-        sends = v - (1 if r == layout.last else 0)
-        const_t = round((fixed["time"] + q.p2p * sends) * US)
-        memories = layout.memories(r, 0 if r in closed else layers, fixed["state"])
-        if memories[0] > q.capacity:
+        key = None
+        if cache is not None:
+            mine = layout.mine[r]
+            extra = tuple(extras[r][k] for k in KEYS)
+            key = (r, layout.fixed[:, mine].tobytes(), tuple(layout.open[r]), r in closed, extra)
+        entry = cache.get(key, False) if cache is not None else False
+        if entry is False:  # not cached (None: cached as not fitting)
+            entry = _rank_terms(layers, layout, q, r, v, microbatches, extras[r], r in closed, soft)
+            if cache is not None:
+                cache[key] = entry
+        if entry is None:
+            return None
+        ranks.append(entry)
+    return round(q.time[layout.kind] * US), ranks
+
+
+def _rank_terms(layers, layout: _Layout, q: Quantities, r, v, microbatches, fixed, closed: bool, soft: bool):
+    """``_per_rank_terms`` of rank ``r``: {const_t, cap, terms}, or None where its fixed part
+    alone does not fit (and not ``soft``)."""
+    kind = layout.kind
+    sends = v - (1 if r == layout.last else 0)
+    const_t = round((fixed["time"] + q.p2p * sends) * US)
+    if q.capacity >= UNLIMITED:  # no memory limit: skip the peaks (most of the cost)
+        cap = 0 if closed else layers
+    else:
+        memories = layout.memories(r, 0 if closed else layers, fixed["state"])
+        if memories[0] > q.capacity and not soft:
             return None
         cap = int((memories <= q.capacity).sum()) - 1  # the most layers that fit: memory only grows with n
-        f_per, b_per = round(q.fwd[kind] * US), round(q.bwd[kind] * US)
-        f0, b0 = round(fixed["fwd"] * US), round(fixed["bwd"] * US)
-        terms = []  # (slope, offset, multiplier) of max(0, slope * n + offset)
-        for lat_s, key, times in zip(q.dp_latency, ("dp_time", "dp_gather", "dp_micro"), (1, 1, microbatches)):
-            per = round(getattr(q, key)[kind] * US)
-            extra = round((fixed[key] + lat_s) * US)
-            if per == 0 and extra == 0:
-                continue
-            window_per, window0 = {"dp_time": (b_per, b0), "dp_gather": (f_per, f0)}.get(key, (f_per + b_per, f0 + b0))
-            s = q.dp_share  # shown + (1 - s) x hidden = s x max(0, traffic - window) + (1 - s) x traffic
-            if s < 1:
-                terms.append((round((1 - s) * per), round((1 - s) * extra), times))
-            terms.append(
-                (per - window_per, extra - window0, times)
-                if s == 1
-                else (round(s * (per - window_per)), round(s * (extra - window0)), times)
-            )
-        ranks.append({"const_t": const_t, "cap": cap, "terms": terms})
-    return t_layer, ranks
+    f_per, b_per = round(q.fwd[kind] * US), round(q.bwd[kind] * US)
+    f0, b0 = round(fixed["fwd"] * US), round(fixed["bwd"] * US)
+    terms = []  # (slope, offset, multiplier) of max(0, slope * n + offset)
+    for lat_s, key, times in zip(q.dp_latency, ("dp_time", "dp_gather", "dp_micro"), (1, 1, microbatches)):
+        per = round(getattr(q, key)[kind] * US)
+        extra = round((fixed[key] + lat_s) * US)
+        if per == 0 and extra == 0:
+            continue
+        window_per, window0 = {"dp_time": (b_per, b0), "dp_gather": (f_per, f0)}.get(key, (f_per + b_per, f0 + b0))
+        s = q.dp_share  # shown + (1 - s) x hidden = s x max(0, traffic - window) + (1 - s) x traffic
+        if s < 1:
+            terms.append((round((1 - s) * per), round((1 - s) * extra), times))
+        terms.append(
+            (per - window_per, extra - window0, times)
+            if s == 1
+            else (round(s * (per - window_per)), round(s * (extra - window0)), times)
+        )
+    return {"const_t": const_t, "cap": cap, "terms": terms}
 
 
 def _exposed(terms, n: int) -> int:
@@ -442,6 +555,13 @@ def _base_extras(q: Quantities, pp: int, chunks: int, chunk_rank) -> list[dict]:
 def _solve_per_rank(layers, q: Quantities, pp, v, chunk_rank, microbatches, time_limit_s) -> Partition | None:
     """All layers alike: only how many each rank holds is chosen (``_spread`` places them)."""
     chunks = pp * v
+    if q.options:
+        built = [
+            (o, _base_extras(o, pp, chunks, chunk_rank), _Layout(o, pp, chunks, chunk_rank, 0, {}, 0))
+            for o in q.choices()
+        ]
+        found = _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, set())
+        return None if found is None else _chosen_partition(found, built, pp, chunks, chunk_rank, {}, 0)
     extras = _base_extras(q, pp, chunks, chunk_rank)
     layout = _Layout(q, pp, chunks, chunk_rank, 0, {}, 0)
     found = _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, set())
@@ -462,21 +582,34 @@ def _solve_prefix(kinds, q: Quantities, pp, v, chunk_rank, microbatches) -> Part
     head_kind, rest_kind = kinds[0], kinds[-1]
     prefix = sum(1 for k in kinds if k == head_kind)
     rest = len(kinds) - prefix
-    base = _base_extras(q, pp, chunks, chunk_rank)
     best = None
+    last_chunk = [max(c for c in range(chunks) if chunk_rank(c) == r) for r in range(pp)]
+    caches = [{} for _ in q.choices()]  # per choice: ``_per_rank_terms``'s ranks, shared by the splits
     for split in _compositions(prefix, min(chunks, prefix + 1)):
         j = len(split) - 1  # the last chunk holding prefix layers
-        extras = [dict(e) for e in base]
-        for chunk, count in enumerate(split):
-            for key in KEYS:
-                extras[chunk_rank(chunk)][key] += count * getattr(q, key)[head_kind]
-        closed = {r for r in range(pp) if all(c < j for c in range(chunks) if chunk_rank(c) == r)}
-        layout = _Layout(q, pp, chunks, chunk_rank, rest_kind, {c: {head_kind: n} for c, n in enumerate(split)}, j)
-        found = _best_counts(rest, layout, q, pp, v, chunk_rank, microbatches, extras, closed)
+        closed = {r for r in range(pp) if last_chunk[r] < j}
+        built = []
+        for o in q.choices():
+            extras = _base_extras(o, pp, chunks, chunk_rank)
+            for chunk, count in enumerate(split):
+                for key in KEYS:
+                    extras[chunk_rank(chunk)][key] += count * getattr(o, key)[head_kind]
+            layout = _Layout(o, pp, chunks, chunk_rank, rest_kind, {c: {head_kind: n} for c, n in enumerate(split)}, j)
+            built.append((o, extras, layout))
+        if q.options:
+            found = _best_counts_choice(rest, built, pp, v, chunk_rank, microbatches, closed, caches)
+            if found is not None and (best is None or found[0] < best[0][0]):
+                best = (found, built, split)
+            continue
+        _, extras, layout = built[0]
+        found = _best_counts(rest, layout, q, pp, v, chunk_rank, microbatches, extras, closed, caches[0])
         if found is not None and (best is None or found[0] < best[0]):
             best = (*found, split, extras, layout)
     if best is None:
         return None
+    if q.options:
+        found, built, split = best
+        return _chosen_partition(found, built, pp, chunks, chunk_rank, dict(enumerate(split)), len(split) - 1)
     _, t_max, d_max, counts, split, extras, layout = best
     stage_layers = _spread(counts, pp, chunks, chunk_rank, dict(enumerate(split)), first_open=len(split) - 1)
     memory = [layout.memory(r, counts[r], extras[r]["state"]) for r in range(pp)]
@@ -523,14 +656,14 @@ def _spread(counts, pp, chunks, chunk_rank, prefix: dict, first_open: int = 0) -
     return stage_layers
 
 
-def _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed):
+def _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed, cache=None):
     """Exact: the slowest rank's time can only be one of the values const_r + n * t; for each, in
     increasing order, the least data-parallel exposure with every rank under that time and within
     memory is found by bisection over the finitely many exposure values (each rank's exposure is
     convex in n, so the counts allowed under a bound form an interval). The scan stops once a
     larger time cannot pay for itself: microbatches x (T - T_first) >= the exposure at T_first.
     Returns (objective, t_max, d_max, counts) in microseconds, or None."""
-    terms = _per_rank_terms(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed)
+    terms = _per_rank_terms(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed, cache=cache)
     if terms is None:
         return None
     t_layer, ranks = terms
@@ -567,6 +700,84 @@ def _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, clo
         if best is None or value < best[0]:
             best = (value, t_max, d_max, counts)
     return best
+
+
+def _chosen_partition(found, built, pp, chunks, chunk_rank, prefix: dict, first_open: int) -> Partition:
+    """The Partition of ``_best_counts_choice``'s answer (``built``: per choice its quantities,
+    per-rank extras and layout)."""
+    _, t_max, d_max, counts, picks = found
+    stage_layers = _spread(counts, pp, chunks, chunk_rank, prefix, first_open=first_open)
+    memory = [built[picks[r]][2].memory(r, counts[r], built[picks[r]][1][r]["state"]) for r in range(pp)]
+    return Partition(
+        stage_layers=stage_layers,
+        t_max=t_max / US,
+        dp_exposed=d_max / US,
+        memory=memory,
+        optimal=True,
+        rank_option=list(picks),
+    )
+
+
+def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed, caches=None):
+    """``_best_counts`` where each rank also chooses its recompute set (``built``: per choice its
+    quantities, per-rank extras and layout). Exact by the same scan: a rank's time under choice
+    s is const_rs + n * t_s, so the slowest rank's time is one of those values; under a bound T
+    a rank may take the counts 0..top_r, the most any choice allows it in time and memory.
+    Exposure is weighed (and reported) as under the first choice: recomputing more lengthens a
+    rank's backward, which could hide more data-parallel traffic, but also the fill and drain
+    (``bubble``), which this objective leaves out; so no rank recomputes more but to fit or to
+    shorten the slowest rank, each takes the quickest choice that allows its count, and the
+    search's exposure bound under the first choice holds. Returns (objective, t_max, d_max,
+    counts, choice per rank), or None."""
+    terms = [
+        _per_rank_terms(layers, layout, o, pp, v, chunk_rank, microbatches, extras, closed, True, cache)
+        for (o, extras, layout), cache in zip(built, caches or [None] * len(built))
+    ]
+    options = [[(t, ranks[r]["const_t"], ranks[r]["cap"]) for t, ranks in terms] for r in range(pp)]
+    if sum(max(0, max(cap for _, _, cap in opts)) for opts in options) < layers:
+        return None
+    times = sorted({const + n * t for opts in options for t, const, cap in opts for n in range(cap + 1)})
+
+    def tops(t_max: int) -> list[list[int]]:
+        return [
+            [
+                -1 if cap < 0 or t_max < const else cap if t == 0 else min(cap, (t_max - const) // t)
+                for t, const, cap in opts
+            ]
+            for opts in options
+        ]
+
+    def allowed(t_max: int) -> list[int]:
+        return [max(row) for row in tops(t_max)]
+
+    lo, hi = 0, len(times) - 1
+    if sum(max(0, a) for a in allowed(times[hi])) < layers:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if sum(max(0, a) for a in allowed(times[mid])) >= layers else (mid + 1, hi)
+    base, best = terms[0][1], None
+    for t_max in times[lo:]:
+        if best is not None and microbatches * t_max >= best[0]:
+            break
+        top = allowed(t_max)
+        if any(x < 0 for x in top):
+            continue
+        exposure = _least_exposure(base, top, layers)
+        if exposure is None:
+            continue
+        d_max, counts = exposure
+        if best is None or microbatches * t_max + d_max < best[0]:
+            best = (microbatches * t_max + d_max, t_max, d_max, counts)
+    if best is None:
+        return None
+    value, t_max, d_max, counts = best
+    rows = tops(t_max)
+    picks = [
+        min((s for s in range(len(opts)) if row[s] >= n), key=lambda s: (opts[s][1] + n * opts[s][0], s))
+        for n, row, opts in zip(counts, rows, options)
+    ]
+    return value, t_max, d_max, counts, picks
 
 
 def _least_exposure(ranks, tops: list[int], layers: int):

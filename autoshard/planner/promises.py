@@ -89,8 +89,11 @@ def rank_promises(evaluator, ev) -> list[dict]:
     c = ev.candidate
     sched = SCHEDULES[c.schedule]
     where_key, where = costs.where(c, True)
-    w = costs.work(c, where_key, where, sched.overlaps_ep)
-    return [_rank_promise(costs, c, sched, w, ev, r) for r in range(c.pp)]
+    sets = ev.rank_recompute or [c.recompute] * c.pp  # each rank under its own recompute set
+    return [
+        _rank_promise(costs, c, sched, costs.work(c, where_key, where, sched.overlaps_ep, sets[r]), ev, r)
+        for r in range(c.pp)
+    ]
 
 
 def _rank_promise(costs, c, sched, w, ev, r: int) -> dict:

@@ -16,12 +16,15 @@ from autoshard.errors import AutoshardError
 from autoshard.ir.plan import AXES
 from autoshard.planner.candidates import Candidate, Problem, check_problem, meshes
 from autoshard.planner.costs import CandidateCosts
-from autoshard.planner.evaluate import Evaluation
+from autoshard.planner.evaluate import Evaluation, stage_choices, undominated_sets
 from autoshard.planner.gpus import smallest_gpus_that_fit
 from autoshard.planner.parallel import Helper
 from autoshard.planner.tree import Tree
 
 SHARES = 2  # independent searches the families are dealt into (one per process)
+# the least share of the step time per-rank recompute sets must save to be kept: one set for
+# every rank is simpler to read and to run, and a smaller gain is below the cost model's resolution
+REFINE_GAIN = 1e-4
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Planner:
                 nodes, leaves = nodes + part_nodes, leaves + part_leaves
             if best is None:
                 raise AutoshardError(self._nothing_fits(infeasible))
+            best = self.refine(best)
             ranked = [best]
             if self.k > 1:
                 valid = set(meshes(replace(self.p, forced={})))
@@ -79,6 +83,28 @@ class Planner:
                         ranked.append(alt)
                 ranked = [ranked[0]] + sorted(ranked[1:], key=lambda e: e.step_time_s)
         return SearchResult(best, ranked, infeasible, nodes, leaves)
+
+    def refine(self, best: Evaluation) -> Evaluation:
+        """``best`` or a quicker plan of its layout (mesh, order, schedule, ZeRO stage,
+        micro-batch) where pipeline ranks recompute different sets, each chosen jointly with the
+        stage partition (``Evaluator.evaluate(per_rank=True)``). A rank holding fewer in-flight
+        micro-batches than the first may keep more than the one set every rank can afford, so
+        each set that recomputes no more than ``best``'s is tried as the least any rank
+        recomputes. The search ranks layouts under one set for all ranks (its bounds are for
+        that), so a layout it ranked behind ``best`` could gain more from per-rank sets than
+        ``best`` did: the refinement improves the plan found, it does not search again."""
+        c, tree = best.candidate, self.tree
+        if c.pp == 1:
+            return best
+        fixed = self.p.forced.get("stage_layers")
+        for rc in undominated_sets(tree.costs, c):
+            base = replace(c, recompute=rc)
+            if c.recompute not in stage_choices(tree.costs, base, c.schedule, c.zero):
+                continue  # some block recomputes more under ``rc`` than under ``best``'s set
+            ev = tree.evaluator.evaluate(base, fixed, best.step_time_s, per_rank=True)
+            if ev.feasible and ev.step_time_s < best.step_time_s * (1 - REFINE_GAIN):
+                best = ev
+        return best
 
     def best_of_mesh(self, mesh: tuple) -> tuple:
         """(the best plan of ``mesh`` or None, nodes, leaves), the other pins kept."""

@@ -23,7 +23,7 @@ from autoshard.cost_models.layers import POST
 from autoshard.planner.bounds import Bounds
 from autoshard.planner.candidates import Candidate, divisors, family_options, meshes, orders, runnable, schedules
 from autoshard.planner.costs import CandidateCosts
-from autoshard.planner.evaluate import Evaluation, Evaluator
+from autoshard.planner.evaluate import Evaluation, Evaluator, undominated_sets
 
 LEVELS = 5  # root, axis order, recompute set, schedule, ZeRO stage; leaves below
 
@@ -90,25 +90,9 @@ class Tree:
                     yield replace(c, zero=z)
 
     def _undominated_recompute(self, c: Candidate):
-        """Recompute sets not dominated by another (no less recompute time and no less memory
-        for every block): a dominated set can never be part of a strictly better plan."""
-        costs = self.costs
-        key = (c.mbs, c.tp, c.cp, c.fp8)
-        table = costs.memo.recompute_keep
-        if key not in table:
-            scored = {}
-            for rc in costs.recompute_sets:
-                vec = tuple(
-                    x for block in costs.blocks for x in costs.layers.compute(block, c.mbs, c.tp, c.cp, c.fp8, rc)[3:5]
-                )
-                scored.setdefault(vec, rc)  # equal costs: keep the first (smallest) set
-            vecs = sorted(scored)
-            keep = []
-            for i, vec in enumerate(vecs):
-                if not any(all(o <= x for o, x in zip(other, vec)) for other in vecs[:i]):
-                    keep.append(scored[vec])
-            table[key] = keep
-        for rc in table[key]:
+        """Recompute sets not dominated by another (``evaluate.undominated_sets``); each is the
+        cheapest set a pipeline rank below uses (``evaluate.stage_choices``)."""
+        for rc in undominated_sets(self.costs, c):
             yield replace(c, recompute=rc)
 
     def branch_and_bound(self, share: tuple[int, int] = (0, 1)):
