@@ -99,6 +99,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", required=True, help="output directory")
     p.set_defaults(run=_compile)
 
+    p = sub.add_parser("compare", parents=[common], help="plan one model on several hardware profiles side by side")
+    p.add_argument("model", help="path/to/model.py[:builder]")
+    p.add_argument("--config", help="config name passed to the builder")
+    p.add_argument("--hardware", required=True, help="profiles, comma-separated, e.g. h100,h800,b200,gb200-nvl72")
+    p.add_argument(
+        "--gpus", help="GPU counts, comma-separated (default: each profile's smallest power of two that fits)"
+    )
+    p.add_argument("--seq-len", type=_positive(int), required=True, help="sequence length, tokens")
+    p.add_argument("--global-batch", type=_positive(int), required=True, help="sequences per optimizer step")
+    p.add_argument("--tokens", type=_positive(float), help="training tokens: days, GPU-hours and cost for them")
+    p.add_argument("--precision", choices=("bf16", "fp8", "auto"), default="bf16", help="as for compile")
+    p.add_argument("--force", metavar="PINS", help="pins for every row, as for compile")
+    p.add_argument("--chart", metavar="FILE", help="also draw the rows (.png or .svg; needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_compare)
+
     p = sub.add_parser("explain", parents=[common], help="why a plan is what it is")
     p.add_argument("plan", help="OUT/plan.json (or the OUT directory)")
     p.set_defaults(run=_explain)
@@ -303,6 +319,30 @@ def _export(args) -> int:
     if done["missing"]:
         shown = ", ".join(done["missing"][:3]) + (", ..." if len(done["missing"]) > 3 else "")
         print(f"not in the checkpoint (buffers that are not training state): {shown}")
+    return 0
+
+
+def _compare(args) -> int:
+    from autoshard import compare
+
+    hardware = compare.parse_list(args.hardware, "hardware")
+    gpus = compare.parse_list(args.gpus, "gpus", int) if args.gpus else None
+    if gpus and min(gpus) < 1:
+        raise AutoshardError(f"--gpus {args.gpus!r}: GPU counts must be positive")
+    rows = compare.compare(
+        args.model,
+        args.config,
+        hardware,
+        gpus,
+        args.seq_len,
+        args.global_batch,
+        args.tokens,
+        args.precision,
+        args.force,
+    )
+    if args.chart:
+        compare.chart(rows, args.chart, args.tokens)
+    print(compare.as_json(rows, args.tokens) if args.json else compare.table(rows, args.tokens))
     return 0
 
 

@@ -1,7 +1,7 @@
 """DeepSeek-V3 (arXiv 2412.19437): multi-head latent attention, 3 dense layers then MoE layers with
 1 shared + 256 routed experts, top-8 of a sigmoid gate whose bias steers routing only.
 
-Configs: ``tiny`` (CPU tests) and ``671b`` (61 layers, hidden 7168, 128 heads, expert intermediate
+Configs: ``tiny`` (CPU tests), ``2t`` (about 2e12 parameters, 512 experts) and ``671b`` (61 layers, hidden 7168, 128 heads, expert intermediate
 2048, dense FFN 18432, vocabulary 129280). The multi-token-prediction module (14B parameters, not
 counted in the 671B) is left out.
 
@@ -81,6 +81,29 @@ CONFIGS = {
         qk_rope_dim=64,
         v_dim=128,
         experts=256,
+        shared_experts=1,
+        expert_ffn=2048,
+        top_k=8,
+        groups=8,
+        top_groups=4,
+        route_scale=2.5,
+        capacity_factor=Fraction(1),
+    ),
+    # about 2e12 parameters in DeepSeek-V3's style: 512 routed experts of the same width on a
+    # wider, deeper trunk (README, "Two trillion parameters")
+    "2t": Config(
+        layers=80,
+        dense_layers=3,
+        hidden=8192,
+        dense_ffn=22528,
+        vocab=129280,
+        heads=128,
+        q_rank=1536,
+        kv_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_dim=128,
+        experts=512,
         shared_experts=1,
         expert_ffn=2048,
         top_k=8,

@@ -33,6 +33,9 @@ CONFIGS = {
     "8b": Config(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256),
     "70b": Config(layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256),
     "405b": Config(layers=126, hidden=16384, ffn=53248, heads=128, kv_heads=8, vocab=128256),
+    # 2.05e12 parameters (32.8 TB of model state at 16 bytes each): the dense half of the question
+    # what 2T parameters take to train (README, "Two trillion parameters")
+    "2t": Config(layers=160, hidden=32768, ffn=106496, heads=256, kv_heads=16, vocab=128256),
     # depth, not size: 160 narrow layers (the test that no walk of a graph recurses per layer)
     "deep": Config(layers=160, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=256),
 }
