@@ -67,11 +67,21 @@ class _Counted(nn.Module):
         return self.proj(x) * next(self.calls)
 
 
+class _Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8))  # read by get_attr, named by fx
+
+    def forward(self, x):
+        return x + torch.relu(self.proj(x)) * self.scale
+
+
 class _Stack(nn.Module):
-    def __init__(self, layers: int):
+    def __init__(self, layers: int, layer=_Counted):
         super().__init__()
         self.embed = nn.Embedding(16, 8)
-        self.layers = nn.ModuleList(_Counted() for _ in range(layers))
+        self.layers = nn.ModuleList(layer() for _ in range(layers))
         self.head = nn.Linear(8, 16)
 
     def forward(self, tokens):
@@ -91,3 +101,13 @@ def test_a_kind_whose_second_layer_differs_is_traced_layer_by_layer():
     _same_graph(copied, full)
     (template,) = copiers[0].templates.values()
     assert template.broken and not template.checked
+
+
+def test_layers_sharing_a_tensor_are_traced_whole():
+    model = _Stack(5, _Plain)
+    model.layers[3].scale = model.layers[0].scale  # fx names it model.layers.0.scale in both
+    inputs = (torch.zeros(2, 4, dtype=torch.long),)
+    copied, copiers = _traced(model, inputs)
+    full, _ = _traced(model, inputs, copies=False)
+    _same_graph(copied, full)
+    assert copiers == [None]

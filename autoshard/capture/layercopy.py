@@ -14,9 +14,10 @@ the second layer of each kind is traced as well and compared with the copy it wo
 where they differ, the kind is traced layer by layer. A copied layer reads its own inputs, its
 own parameters and modules, and nodes made before the stack's first layer (a mask, rotary
 tables); a template reading anything else (a constant its forward makes, another layer's
-parameter, a node of an earlier layer it was not given) is never copied. Node names come out as
-a full trace names them: each copy is created in trace order with the name fx would derive
-from its target.
+parameter, a node of an earlier layer it was not given) is never copied, and a stack whose
+layers share a module or a tensor (which fx names by its first owner) is traced whole. Node
+names come out as a full trace names them: each copy is created in trace order with the name fx
+would derive from its target.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class Copier:
             return None
         prefix = "model." + (stack[0] + "." if stack[0] else "")
         layers = {prefix + name: wrapper.get_submodule(prefix + name) for name in stack[1]}
-        if len({id(m) for m in layers.values()}) < len(layers):
-            return None  # a layer shared, not copied
+        if len({id(m) for m in layers.values()}) < len(layers) or _share_tensors(layers.values()):
+            return None  # a layer, or a tensor, shared between layers: fx names it by its first owner
         kinds = {id(m): _kind_key(m) for m in layers.values()}
         return cls({id(m): path for path, m in layers.items()}, kinds)
 
@@ -92,6 +93,18 @@ class Copier:
             template.checked = _matches(self, template, path, leaves, spec, nodes, out)
             template.broken = not template.checked
         return out
+
+
+def _share_tensors(layers) -> bool:
+    """Whether two layers hold one parameter or buffer."""
+    seen: set[int] = set()
+    for layer in layers:
+        held = {id(t) for _, t in layer.named_parameters(remove_duplicate=False)}
+        held |= {id(t) for _, t in layer.named_buffers(remove_duplicate=False)}
+        if held & seen:
+            return True
+        seen |= held
+    return False
 
 
 def _kind_key(layer: nn.Module) -> tuple:
