@@ -78,16 +78,18 @@ class _Plain(nn.Module):
 
 
 class _Stack(nn.Module):
-    def __init__(self, layers: int, layer=_Counted):
+    def __init__(self, layers: int, layer=_Counted, rounds: int = 1):
         super().__init__()
+        self.rounds = rounds  # times the stack runs
         self.embed = nn.Embedding(16, 8)
         self.layers = nn.ModuleList(layer() for _ in range(layers))
         self.head = nn.Linear(8, 16)
 
     def forward(self, tokens):
         x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
+        for _ in range(self.rounds):
+            for layer in self.layers:
+                x = layer(x)
         return self.head(x)
 
 
@@ -111,3 +113,12 @@ def test_layers_sharing_a_tensor_are_traced_whole():
     full, _ = _traced(model, inputs, copies=False)
     _same_graph(copied, full)
     assert copiers == [None]
+
+
+def test_a_stack_run_twice_traces_as_a_full_trace():
+    model = _Stack(5, _Plain, rounds=2)  # the second round's module calls are numbered (``@1``)
+    inputs = (torch.zeros(2, 4, dtype=torch.long),)
+    copied, copiers = _traced(model, inputs)
+    full, _ = _traced(model, inputs, copies=False)
+    _same_graph(copied, full)
+    assert all(t.checked for t in copiers[0].templates.values())

@@ -44,6 +44,7 @@ class _Template:
     leaves: list
     nodes: list[fx.Node]
     out: object
+    calls: dict[str, int]  # the module calls it made, by path (fx numbers a module's later calls)
     checked: bool = False  # the kind's second layer matched the copy it would have been
     broken: bool = False  # it did not, or the template reads what a copy cannot
 
@@ -77,20 +78,28 @@ class Copier:
         if self.before is None:
             self.before = set(tracer.graph.nodes)
         path, key = self.paths[id(module)], self.kinds[id(module)]
+        if tracer.num_calls.get(path):  # called before: fx numbers this call's modules (``@1``)
+            return traced()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         template = self.templates.get(key)
         if template is not None and template.checked:
             try:
-                return _Copy(self, template, path, leaves, spec).write(tracer.graph)
+                out = _Copy(self, template, path, leaves, spec).write(tracer.graph, getattr(tracer, "proxy_cache", {}))
             except _NotCopied:
                 pass
-        start = tracer.graph._root.prev
+            else:
+                for called, count in template.calls.items():
+                    called = _renamed(called, template.path, path)
+                    tracer.num_calls[called] = tracer.num_calls.get(called, 0) + count
+                return out
+        counts, start = dict(tracer.num_calls), tracer.graph._root.prev
         out = traced()
         nodes = _after(tracer.graph, start)
+        calls = {p: n - counts.get(p, 0) for p, n in tracer.num_calls.items() if n != counts.get(p, 0)}
         if template is None:
-            self.templates[key] = _Template(path, spec, leaves, nodes, out)
+            self.templates[key] = _Template(path, spec, leaves, nodes, out, calls)
         elif not template.checked and not template.broken:
-            template.checked = _matches(self, template, path, leaves, spec, nodes, out)
+            template.checked = _matches(self, template, path, leaves, spec, nodes, out, calls)
             template.broken = not template.checked
         return out
 
@@ -123,8 +132,11 @@ def _after(graph: fx.Graph, start: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _matches(copier, template, path, leaves, spec, nodes, out) -> bool:
-    """Whether the traced layer (``nodes``, ``out``) is what copying ``template`` gives."""
+def _matches(copier, template, path, leaves, spec, nodes, out, calls) -> bool:
+    """Whether the traced layer (``nodes``, ``out``, module ``calls``) is what copying
+    ``template`` gives."""
+    if calls != {_renamed(p, template.path, path): n for p, n in template.calls.items()}:
+        return False
     try:
         copy = _Copy(copier, template, path, leaves, spec)
         return copy.same_as(nodes, out)
@@ -171,9 +183,11 @@ class _Copy:
         kwargs = fx.node.map_arg(n.kwargs, self._node)
         return n.op, self._target(n), args, kwargs
 
-    def write(self, graph: fx.Graph):
+    def write(self, graph: fx.Graph, cache: dict):
         """Create the layer's nodes at the end of ``graph``; returns its output (proxies of
-        them). Everything is checked before the first node is written."""
+        them). Everything is checked before the first node is written. ``cache``: the tracer's
+        attribute proxies by name, which a later read of a copied attribute reuses, as it
+        would the traced one's."""
         given = dict(self.env)
         self.env.update((n, n) for n in self.template.nodes)
         for n in self.template.nodes:
@@ -188,6 +202,9 @@ class _Copy:
             made.args, made.kwargs = args, kwargs
             made.meta = _renamed_meta(n.meta, self.old, self.new)
             self.env[n] = made
+            cached = cache.get(n.target) if op == "get_attr" else None
+            if cached is not None and cached.node is n:
+                cache[target] = fx.Proxy(made, cached.tracer)
         return self._output()
 
     def _output(self):

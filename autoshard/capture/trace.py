@@ -160,6 +160,7 @@ class _Tracer(fx.Tracer):
         )
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
+        self.proxy_cache = parameter_proxy_cache  # a copied layer's attributes go in it (``layercopy``)
         # fx finds a parameter's name by scanning root.named_parameters() on every access, which
         # is quadratic in the parameter count (seconds for a 61-layer model); look it up instead
         if isinstance(attr_val, torch.nn.Parameter):
