@@ -12,6 +12,7 @@ import os
 import sys
 
 from autoshard.errors import AutoshardError
+from autoshard.gcpolicy import fewer_collections
 
 
 def _positive(kind):
@@ -389,7 +390,8 @@ def _hardware(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        with fewer_collections():  # imports, capture and search make objects that live on (``gcpolicy``)
+            return args.run(args)
     except AutoshardError as e:
         if args.debug:
             raise

@@ -336,20 +336,27 @@ def analyze(captured: Captured) -> ModelCost:
     gm = captured.graph_module
     sharding.annotate(gm)
     annotate_kinds(gm)
-    float_bytes = 2
-    for n in gm.graph.nodes:
-        n.meta["cost"] = _node_cost(n, gm, float_bytes)
+    templates = [_with_params(captured.layer_nodes[kind.template], gm) for kind in captured.kinds]
+    pre_nodes, post_nodes = captured.region_nodes("pre"), captured.region_nodes("post")
+    _annotate_costs([*templates, pre_nodes, post_nodes], gm, float_bytes=2)
     blocks = []
-    for kind in captured.kinds:
-        nodes = _with_params(captured.layer_nodes[kind.template], gm)
+    for kind, nodes in zip(captured.kinds, templates):
         blocks.append(_block(f"layer kind {kind.id}", kind.count, kind.layers, nodes, gm))
-    pre_nodes = captured.region_nodes("pre")
     pre = _block("embedding", 1, [], pre_nodes, gm)
     # a parameter the embedding holds (a head tied to it) is counted there, not again in the head
     held = {id(p) for n in pre_nodes for _, p in _parameters_read(n, gm)}
-    post = _block("output", 1, [], captured.region_nodes("post"), gm, counted=held)
+    post = _block("output", 1, [], post_nodes, gm, counted=held)
     facts = _facts(gm, blocks, [pre, *blocks, post]) | {"tied": _tied(gm)}
     return ModelCost(captured, blocks, pre, post, facts)
+
+
+def _annotate_costs(blocks: list[list[fx.Node]], gm: fx.GraphModule, float_bytes: int) -> None:
+    """``node.meta["cost"]`` on the nodes of ``blocks``, the only ones analysis reads it on: a
+    layer that is not its kind's template costs what the template does, so pricing the other
+    layers' nodes (all but one layer in 126, for Llama 3 405B) would be work thrown away."""
+    for nodes in blocks:
+        for n in nodes:
+            n.meta["cost"] = _node_cost(n, gm, float_bytes)
 
 
 def _node_cost(n: fx.Node, gm: fx.GraphModule, float_bytes: int) -> NodeCost:

@@ -32,6 +32,7 @@ from autoshard.capture.init import Init, lifted, record_build
 from autoshard.capture.structure import LayerKind
 from autoshard.capture.timing import phase
 from autoshard.capture.trace import BATCH_HINT, TrainingForward, causal_lm_loss, trace
+from autoshard.gcpolicy import fewer_collections
 from autoshard.runtime.stages import replay
 
 
@@ -68,7 +69,7 @@ class Captured:
 def capture_file(spec: str, config: str | None, seq: int, batch: int = BATCH_HINT, observe=None) -> Captured:
     """Load ``model.py[:builder]``, build ``config`` on the meta device and capture it
     (``observe``: see ``capture``)."""
-    with phase("build on meta"):
+    with phase("build on meta"), fewer_collections():
         mf = modelfile.load(spec)
         model = mf.build(config)
         inputs = mf.sample_inputs(config, batch, seq)
@@ -133,6 +134,12 @@ def capture(
         ``inits``, from ``init.record_build``, say how the model initialises its tensors (the constants
     lifted from its forward take their captured values); ``observe``
         (``passes.contract.Observer``) sees the graph before and after canonicalisation."""
+    with fewer_collections():  # what capture makes lives on: collecting finds little (``gcpolicy``)
+        return _capture(model, inputs, seq, loss, source, inits, observe)
+
+
+def _capture(model, inputs, seq, loss, source, inits, observe) -> Captured:
+    """``capture``'s steps, in the order the package docstring gives."""
     if inputs is None:
         inputs = (torch.zeros(BATCH_HINT, seq, dtype=torch.long, device="meta"),)
     with phase("trace"):

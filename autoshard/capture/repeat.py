@@ -316,7 +316,7 @@ class _Expansion:
                     written = True
                 continue
             region = None if n in self.post else "pre"
-            env[n] = graph.node_copy(n, lambda a, r=region: self._map(a, r, env, copies, outputs))
+            env[n] = _node_copy(graph, n, lambda a, r=region: self._map(a, r, env, copies, outputs))
             if _size_expr(n) is not None:
                 sizes.setdefault(_size_expr(n), env[n])
         with _use_lazy_graph_module(True):
@@ -413,7 +413,7 @@ class _Expansion:
             if source != layer and size in sizes:
                 local[n] = sizes[size]  # export computes a size once and reads it after
                 continue
-            copied = graph.node_copy(n, arg)
+            copied = _node_copy(graph, n, arg)
             if size is not None:
                 sizes.setdefault(size, copied)
             if source != layer:
@@ -422,6 +422,17 @@ class _Expansion:
             local[n] = copied
         copies[layer] = local
         outputs[layer] = [local[o] for o in self.outputs[source]]
+
+
+def _node_copy(graph: fx.Graph, n: fx.Node, arg) -> fx.Node:
+    """``graph.node_copy(n, arg)``, the copy made bare and then given its arguments: fx checks
+    a new node's arguments for raw symbolic sizes leaf by leaf (most of the cost of a copy),
+    and the exported graph's nodes, which these copy, hold none."""
+    args, kwargs = fx.node.map_arg(n.args, arg), fx.node.map_arg(n.kwargs, arg)
+    copied = graph.create_node(n.op, n.target, None, None, n.name, n.type)
+    copied.args, copied.kwargs = args, kwargs
+    copied.meta = copy.copy(n.meta)
+    return copied
 
 
 def _attribute(graph: fx.Graph, like: fx.Node, target: str) -> fx.Node:

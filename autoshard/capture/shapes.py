@@ -175,9 +175,13 @@ def read_export_shapes(gm: fx.GraphModule, layers: dict[int, list[fx.Node]]) -> 
         if not isinstance(d, int):
             symbols[d.node.expr] = sym
     shapes = _Shapes(symbols)
+    seen: set[int] = set()  # the values already read: a copied layer's nodes share its template's
     for n in gm.graph.nodes:
-        shapes.estimate_new_sizes(n, n.meta.get("val"))
-        shapes.record(n, n.meta.get("val"))
+        value = n.meta.get("val")
+        if id(value) not in seen:  # a value seen before holds no size not estimated then
+            seen.add(id(value))
+            shapes.estimate_new_sizes(n, value)
+        shapes.record(n, value)
     check_sizes(gm)
     keys = {}
     for i, nodes in layers.items():

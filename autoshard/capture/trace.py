@@ -26,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode
 
 from autoshard import modelfile
-from autoshard.capture import dtypes, repeat
+from autoshard.capture import dtypes, layercopy, repeat
 from autoshard.errors import AutoshardError
 
 BATCH_HINT = 2  # the batch size of the example inputs capture builds (any size >= 2 traces the same graph)
@@ -148,9 +148,19 @@ class _Tracer(fx.Tracer):
     def trace(self, root, concrete_args=None):
         self._param_names: dict[int, str] | None = None
         self._entry = sys._getframe()  # frames beyond it called the tracer: none is the model's
+        self._copier = layercopy.Copier.of(root) if isinstance(root, TrainingForward) else None
         return super().trace(root, concrete_args)
 
+    def call_module(self, m, forward, args, kwargs):
+        # a repeated layer is written from the first of its kind (``layercopy``), not traced
+        if self._copier is None or id(m) not in self._copier.paths:
+            return super().call_module(m, forward, args, kwargs)
+        return self._copier.call(
+            self, m, lambda: super(_Tracer, self).call_module(m, forward, args, kwargs), args, kwargs
+        )
+
     def getattr(self, attr, attr_val, parameter_proxy_cache):
+        self.proxy_cache = parameter_proxy_cache  # a copied layer's attributes go in it (``layercopy``)
         # fx finds a parameter's name by scanning root.named_parameters() on every access, which
         # is quadratic in the parameter count (seconds for a 61-layer model); look it up instead
         if isinstance(attr_val, torch.nn.Parameter):
