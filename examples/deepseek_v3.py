@@ -1,8 +1,8 @@
 """DeepSeek-V3 (arXiv 2412.19437): multi-head latent attention, 3 dense layers then MoE layers with
 1 shared + 256 routed experts, top-8 of a sigmoid gate whose bias steers routing only.
 
-Configs: ``tiny`` (CPU tests), ``2t`` (about 2e12 parameters, 512 experts) and ``671b`` (61 layers, hidden 7168, 128 heads, expert intermediate
-2048, dense FFN 18432, vocabulary 129280). The multi-token-prediction module (14B parameters, not
+Configs: ``tiny`` (CPU tests), ``2t`` (about 2e12 parameters, 512 experts) and ``671b`` (61
+layers, hidden 7168, 128 heads, expert intermediate 2048, dense FFN 18432, vocabulary 129280). The multi-token-prediction module (14B parameters, not
 counted in the 671B) is left out.
 
 One simplification, for static shapes: routed experts run on a fixed-capacity buffer (GShard-style)
