@@ -2,8 +2,8 @@
 1 shared + 256 routed experts, top-8 of a sigmoid gate whose bias steers routing only.
 
 Configs: ``tiny`` (CPU tests), ``2t`` (about 2e12 parameters, 512 experts) and ``671b`` (61
-layers, hidden 7168, 128 heads, expert intermediate 2048, dense FFN 18432, vocabulary 129280). The multi-token-prediction module (14B parameters, not
-counted in the 671B) is left out.
+layers, hidden 7168, 128 heads, expert intermediate 2048, dense FFN 18432, vocabulary 129280).
+The multi-token-prediction module (14B parameters, not counted in the 671B) is left out.
 
 One simplification, for static shapes: routed experts run on a fixed-capacity buffer (GShard-style)
 of ``capacity_factor * tokens * top_k / experts`` slots per expert, filled in token order. DeepSeek-V3
