@@ -68,9 +68,9 @@ def compare(
 ) -> list[Row]:
     """The rows of the table: every hardware profile in ``hardware`` at every GPU count in ``gpus``
     (None: each profile's smallest count that fits the model)."""
-    from autoshard.capture import capture_file
-    from autoshard.compiler import check_run
-    from autoshard.cost_models.analyze import analyze
+    from autoshard.capture import capture_file  # lazy: capture loads torch; a bad list fails before it
+    from autoshard.compiler import check_run  # lazy: as capture
+    from autoshard.cost_models.analyze import analyze  # lazy: as capture
 
     profiles = [hw.load(name) for name in hardware]  # a bad name fails before a long capture
     for n in gpus or [1]:

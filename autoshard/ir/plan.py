@@ -10,6 +10,7 @@ from pathlib import Path
 from autoshard.errors import AutoshardError
 from autoshard.ir.categories import CHECKPOINT_CATEGORIES
 from autoshard.ir.schedules import NAMES
+from autoshard.ir.schedules import SCHEDULES as TABLE
 
 PLAN_VERSION = 1
 # the fields plan.json may leave out
@@ -249,8 +250,6 @@ class Plan:
                 return [f"stage_checkpoint[{i}] maps a category to something but save|recompute"]
         if frozenset().union(*(self.stage_recompute(i) for i in range(len(stages)))) != self.recompute:
             return ["checkpoint must recompute exactly the categories some stage_checkpoint entry recomputes"]
-        from autoshard.ir.schedules import SCHEDULES as TABLE
-
         if self.schedule in TABLE:
             rank = {}
             for i in range(len(stages)):
@@ -276,7 +275,6 @@ class Plan:
         """Which pipeline ranks recompute what, runs of alike ranks together: "rank 0 recomputes
         attention+mlp; ranks 1-3 save everything" (one clause for all ranks without
         ``stage_checkpoint``)."""
-        from autoshard.ir.schedules import SCHEDULES as TABLE
 
         def what(rc: frozenset, one: bool) -> str:
             if rc:

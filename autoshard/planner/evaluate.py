@@ -298,21 +298,7 @@ class Evaluator:
         pp_exposed += steady
         d = data_parallel(w.params_dense / c.pp, w.params_expert / c.pp, c.zero, where["dpcp"], where["edp"], self.p.hw)
         dp_total = d["after_backward"] + d["before_forward"] + m * d["per_microbatch"]
-        interference = [
-            sum(n * k.interference(overlap) for n, k in zip(counts, x.kinds))
-            + x.pre.interference(overlap)
-            + x.post.interference(overlap)
-            for x in works
-        ]
-        layers_overlap = m * sum(interference) / len(works) / c.pp
-        units = sum(counts) + 2  # FSDP2's: a layer each, the embedding and the head
-        fsdp = m * units * self.costs.fsdp_time(c) / c.pp
-        # the optimizer step steps the same parameters whatever a rank recomputes
-        optimizer = (
-            sum(n * self.costs.optimizer_time(c, k) for n, k in zip(counts, w.kinds))
-            + self.costs.optimizer_time(c, w.pre)
-            + self.costs.optimizer_time(c, w.post)
-        ) / c.pp
+        layers_overlap, fsdp, optimizer = self._host_terms(c, works, overlap, m)
         return {
             "compute_s": per_rank("f") + per_rank("b") + per_rank("w") + fsdp,
             "optimizer_s": optimizer,
@@ -331,6 +317,28 @@ class Evaluator:
             },
             "links": {a: ("nvlink" if where[a].domains == 1 else "network") for a in ("tp", "cp", "pp", "ep", "dpcp")},
         }
+
+    def _host_terms(self, c: Candidate, works: list[Work], overlap: bool, m: int) -> tuple[float, float, float]:
+        """Per step on the average rank: compute lost to communication beside it, FSDP2's host
+        time per unit, and the optimizer step."""
+        counts = self.costs.kind_counts
+        interference = [
+            sum(n * k.interference(overlap) for n, k in zip(counts, x.kinds))
+            + x.pre.interference(overlap)
+            + x.post.interference(overlap)
+            for x in works
+        ]
+        layers_overlap = m * sum(interference) / len(works) / c.pp
+        units = sum(counts) + 2  # FSDP2's: a layer each, the embedding and the head
+        fsdp = m * units * self.costs.fsdp_time(c) / c.pp
+        # the optimizer step steps the same parameters whatever a rank recomputes
+        w = works[0]
+        optimizer = (
+            sum(n * self.costs.optimizer_time(c, k) for n, k in zip(counts, w.kinds))
+            + self.costs.optimizer_time(c, w.pre)
+            + self.costs.optimizer_time(c, w.post)
+        ) / c.pp
+        return layers_overlap, fsdp, optimizer
 
     def _memory_breakdown(self, c: Candidate, sched: Schedule, part, works: list[Work]) -> dict:
         """The busiest rank's memory by part (``promises.rank_memory_parts``; ``works``: each
