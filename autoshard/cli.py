@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="floating tensors' dtype")
     p.set_defaults(run=_export)
 
+    p = sub.add_parser("export-plan", parents=[common], help="a plan as torchtitan or Megatron-LM settings")
+    p.add_argument("plan", help="OUT/plan.json (or the OUT directory)")
+    p.add_argument("--to", required=True, help="torchtitan (0.3.0 command-line overrides) or megatron (arguments)")
+    p.add_argument("-o", "--out", required=True, help="file to write, one setting per line")
+    p.set_defaults(run=_export_plan)
+
     p = sub.add_parser("hardware", parents=[common], help="list hardware profiles")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_hardware)
@@ -303,6 +309,15 @@ def _export(args) -> int:
     if done["missing"]:
         shown = ", ".join(done["missing"][:3]) + (", ..." if len(done["missing"]) > 3 else "")
         print(f"not in the checkpoint (buffers that are not training state): {shown}")
+    return 0
+
+
+def _export_plan(args) -> int:
+    from autoshard.export_plan import export_plan
+
+    done = export_plan(args.plan, args.to, args.out)
+    approx = f", {len(done.notes)} approximated (see the comments)" if done.notes else ""
+    print(f"wrote {args.out}: {len(done.settings)} {args.to} settings{approx}")
     return 0
 
 
