@@ -53,7 +53,7 @@ def torchtitan(plan: Plan) -> Export:
     e = Export()
     m = plan.mesh
     e.set("--parallelism.tensor_parallel_degree", m.tp)
-    e.set("--parallelism.enable_sequence_parallel" if plan.sequence_parallel else "--parallelism.no-enable_sequence_parallel")
+    e.set(f"--parallelism.{'' if plan.sequence_parallel else 'no_'}enable_sequence_parallel")
     e.set("--parallelism.context_parallel_degree", m.cp)
     e.set("--parallelism.expert_parallel_degree", m.ep)
     if m.etp != 1:
@@ -272,6 +272,8 @@ def _mg_recompute(plan: Plan, e: Export) -> None:
         e.notes.append("recompute modules drop more than the plan's kinds: " + ", ".join(loose))
     e.set("--recompute-granularity", "selective")
     e.set("--recompute-modules", " ".join(modules))
+    if "moe_act" in modules:
+        e.set("--moe-grouped-gemm")  # Megatron recomputes the expert activation only with grouped GEMMs
 
 
 def _mg_precision(plan: Plan, e: Export) -> None:

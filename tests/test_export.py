@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,8 @@ GOLDEN = Path(__file__).parent / "golden"
 TORCHTITAN = "torchtitan==0.3.0"
 # what ``import torchtitan.models.llama3.config_registry`` needs beyond torch and this
 # environment's usual packages, installed without their own dependencies
-TORCHTITAN_DEPS = (
-    "tyro docstring-parser typeguard spmd-types tensorboard torchdata datasets multiprocess pyarrow dill xxhash"
-).split()
+TORCHTITAN_DEPS = ["tyro", "docstring-parser", "typeguard", "spmd-types", "tensorboard", "torchdata", "datasets"]
+TORCHTITAN_DEPS += ["multiprocess", "pyarrow", "dill", "xxhash"]
 
 # megatron-core 0.19.2, megatron.training.arguments.add_megatron_arguments(ArgumentParser()):
 # each flag the export may write -> its choices (None: any value; "switch": takes no value).
@@ -52,6 +52,7 @@ MEGATRON_PARSER = {
     "--recompute-method": ("uniform", "block"),
     "--recompute-num-layers": None,
     "--recompute-modules": None,
+    "--moe-grouped-gemm": "switch",
     "--bf16": "switch",
     "--fp8-format": ("e4m3", "hybrid"),
     "--fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
@@ -236,3 +237,18 @@ def export_plan_from(plan: Plan, where: Path, out: Path) -> None:
     """Export a plan held in memory, through the same path as the command (a plan.json)."""
     plan.save(where / "plan.json")
     export_plan(where, "torchtitan", out)
+
+
+def test_megatron_first_and_last_stage_counts():
+    """One chunk per rank, only the ends differing: the first/last counts, the middle stages
+    taking the rest evenly, as Megatron splits it."""
+    plan = golden("llama3_405b_131k_h100")  # PP8: 15 layers on each middle stage
+    pp, layers = plan.mesh.pp, sum(plan.stage_layers)
+    middle = layers // pp
+    ends = [layers - middle * (pp - 1) + 1] + [middle] * (pp - 2) + [middle - 1]
+    plan = replace(plan, schedule="1f1b", virtual_stages=1, stage_layers=ends)
+    flags = megatron(plan).flags()
+    first, last = int(flags["--decoder-first-pipeline-num-layers"]), int(flags["--decoder-last-pipeline-num-layers"])
+    assert (first, last) == (plan.stage_layers[0], plan.stage_layers[-1]) and first != last
+    assert first + last + middle * (pp - 2) == layers == int(flags["--num-layers"])
+    assert "--pipeline-model-parallel-layout" not in flags and "--num-layers-per-virtual-pipeline-stage" not in flags
