@@ -4,9 +4,11 @@ A plan is worth having even where the program autoshard emits is not what runs: 
 schedule, stage split, recompute set and precision can be handed to an established trainer. Each
 target is a function ``plan -> Export``: the settings it writes and, in words, every choice of
 the plan that the trainer cannot state exactly, with what the export writes instead. Those notes
-go into the file as comments and onto stderr. They do not price the difference: a plan holds no
-model file to capture again, and the cost model needs one (``autoshard compile ... --force``
-with the trainer's choices pinned gives the number).
+go into the file as comments and onto stderr. Given the plan's model file (``--model``), the
+approximations the search can pin (ZeRO-2 for ZeRO-1, interleaved 1F1B for another schedule) are
+priced: the search runs with the plan's every choice pinned, once as it is and once with the
+trainer's choice instead. The rest (an op-level recompute policy, a split torchtitan chooses) are
+said in words only: no pin states them.
 
 torchtitan 0.3.0 reads no TOML file: its trainer takes ``--module M --config F`` (a Python
 function returning ``Trainer.Config``) and overrides on the command line, ``--section.field
@@ -22,12 +24,15 @@ Megatron-LM's names were checked against the parser of megatron-core 0.19.2
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from autoshard import compiler
+from autoshard.capture import capture_file
 from autoshard.errors import AutoshardError, check_output_file
 from autoshard.ir.plan import Plan
 from autoshard.ir.schedules import SCHEDULES
+from autoshard.planner import Planner, parse_force
 
 
 @dataclass
@@ -37,9 +42,17 @@ class Export:
 
     settings: list[tuple[str, str | None]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # (index into ``notes``, the ``--force`` pins that state what the trainer runs instead)
+    pricable: list[tuple[int, dict]] = field(default_factory=list)
 
     def set(self, flag: str, value: object = None) -> None:
         self.settings.append((flag, None if value is None else str(value)))
+
+    def approximate(self, note: str, runs: dict | None = None) -> None:
+        """A choice stated only approximately; ``runs``: what the trainer runs, as pins."""
+        if runs:
+            self.pricable.append((len(self.notes), runs))
+        self.notes.append(note)
 
     def flags(self) -> dict[str, str | None]:
         return dict(self.settings)
@@ -79,10 +92,11 @@ def _tt_data_parallel(plan: Plan, e: Export) -> None:
     dp, zero = plan.mesh.dp, plan.zero_stage
     shard = zero > 0 or plan.mesh.ep > 1
     if zero == 1:
-        e.notes.append(
+        e.approximate(
             "ZeRO-1 (optimizer states sharded, parameters whole): torchtitan has no ZeRO-1; FSDP with "
             "reshard_after_forward=never (ZeRO-2) instead, which also reduce-scatters gradients and all-gathers "
-            "parameters once per step"
+            "parameters once per step",
+            {"zero": 2},
         )
     elif zero == 0 and shard and dp > 1:
         e.notes.append(
@@ -212,9 +226,10 @@ def _mg_pipeline(plan: Plan, e: Export) -> None:
         return
     sched = SCHEDULES[plan.schedule]
     if plan.schedule not in ("1f1b", "interleaved"):
-        e.notes.append(
+        e.approximate(
             f"schedule {plan.schedule}: Megatron-LM runs 1F1B / interleaved 1F1B only; interleaved 1F1B over the "
-            "same chunks" + (", chunk c on rank c % pp instead of the V" if sched.v_shape else "")
+            "same chunks" + (", chunk c on rank c % pp instead of the V" if sched.v_shape else ""),
+            {"schedule": "interleaved"},
         )
         if sched.overlaps_ep and plan.mesh.ep > 1:
             e.set("--overlap-moe-expert-parallel-comm")  # its expert all-to-all overlap, DualPipeV's gain
@@ -289,6 +304,44 @@ def _mg_precision(plan: Plan, e: Export) -> None:
         )
 
 
+# -- pricing the approximations -------------------------------------------------------------
+
+
+def plan_pins(plan: Plan) -> dict:
+    """The plan's choices as ``--force`` pins (``parse_force``'s names): the search, so pinned,
+    evaluates exactly this plan; with per-rank recompute sets, their union on every rank."""
+    m = plan.mesh
+    text = (
+        f"tp={m.tp},pp={m.pp},cp={m.cp},ep={m.ep},dp={m.dp},zero={plan.zero_stage},schedule={plan.schedule},"
+        f"v={plan.virtual_stages},microbatches={plan.microbatches},mbs={plan.microbatch_size},"
+        f"recompute={'+'.join(sorted(plan.recompute)) or 'none'},"
+        f"fp8={'+'.join(plan.precision.get('fp8_matmuls') or []) or 'off'},attention={plan.attention},"
+        f"order={'-'.join(m.order)},stage_layers={'+'.join(map(str, plan.stage_layers))},"
+        f"sp={'on' if plan.sequence_parallel else 'off'}"
+    )
+    return parse_force(text)
+
+
+def price(plan: Plan, exp: Export, model: str, config: str | None) -> None:
+    """Append to each pricable note the cost model's step time for what the trainer runs, beside
+    the plan's own re-evaluated the same way: ``model`` is captured again (the plan holds only
+    its name) and the search runs with every choice pinned."""
+    if not exp.pricable:
+        return
+    captured = capture_file(model, config, plan.seq_len)
+    pins = plan_pins(plan)
+    precision = "auto" if plan.precision.get("fp8_matmuls") else "bf16"
+    problem = compiler.problem(captured, plan.hardware, plan.gpus, plan.seq_len, plan.global_batch, precision, pins)
+    base = Planner(problem, alternatives=1).run().best.step_time_s
+    for index, runs in exp.pricable:
+        try:
+            t = Planner(replace(problem, forced={**pins, **runs}), alternatives=1).run().best.step_time_s
+            priced = f"{t:.3f} s/step against the plan's {base:.3f} ({(t / base - 1) * 100:+.1f}%) by the cost model"
+        except AutoshardError as err:
+            priced = f"the cost model finds no such plan ({err})"
+        exp.notes[index] += f"; {priced}"
+
+
 # -- the command -----------------------------------------------------------------------------
 
 TARGETS = {"torchtitan": torchtitan, "megatron": megatron}
@@ -313,14 +366,19 @@ def render(plan: Plan, to: str, exp: Export) -> str:
     return "\n".join(lines) + "\n"
 
 
-def export_plan(source: str | Path, to: str, out: str | Path) -> Export:
+def export_plan(
+    source: str | Path, to: str, out: str | Path, model: str | None = None, config: str | None = None
+) -> Export:
     """Write ``plan``'s settings for ``to`` to ``out`` (whole or not at all); the approximations
-    go to stderr as well."""
+    go to stderr as well, priced by the cost model where ``model`` (the plan's model file) is
+    given and the trainer's choice can be pinned."""
     if to not in TARGETS:
         raise AutoshardError(f"--to {to}: unknown target; choose one of {', '.join(TARGETS)}")
     plan = Plan.load(source)
     check_output_file(out)
     exp = TARGETS[to](plan)
+    if model:
+        price(plan, exp, model, config)
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(render(plan, to, exp))

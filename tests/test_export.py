@@ -8,6 +8,7 @@ to import."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,7 @@ import pytest
 
 from autoshard import cli
 from autoshard.errors import AutoshardError
-from autoshard.export_plan import export_plan, megatron, torchtitan
+from autoshard.export_plan import export_plan, megatron, plan_pins, price, torchtitan
 from autoshard.ir.plan import Plan
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -252,3 +253,27 @@ def test_megatron_first_and_last_stage_counts():
     assert (first, last) == (plan.stage_layers[0], plan.stage_layers[-1]) and first != last
     assert first + last + middle * (pp - 2) == layers == int(flags["--num-layers"])
     assert "--pipeline-model-parallel-layout" not in flags and "--num-layers-per-virtual-pipeline-stage" not in flags
+
+
+def test_approximations_priced_with_the_model(tiny, tmp_path):
+    """With the model file, a pinnable approximation carries the cost model's step time for what
+    the trainer runs beside the plan's own, re-evaluated: the same as plan.json's."""
+    plan = Plan.load(tiny)
+    exp = megatron(plan)
+    assert exp.pricable, "the tiny plan's schedule is one Megatron lacks"
+    price(plan, exp, "examples/llama3.py", "tiny")
+    index, runs = exp.pricable[0]
+    assert runs == {"schedule": "interleaved"}
+    match = re.search(r"([\d.]+) s/step against the plan's ([\d.]+) \(([+-][\d.]+)%\)", exp.notes[index])
+    assert match, exp.notes[index]
+    ours, base = float(match[1]), float(match[2])
+    assert base == pytest.approx(plan.predicted.step_time_s, abs=1e-3)
+    assert float(match[3]) == pytest.approx((ours / base - 1) * 100, abs=0.2)
+
+
+def test_plan_pins_state_the_plan():
+    plan = golden("deepseek_v3_671b_2k_h800")
+    pins = plan_pins(plan)
+    assert (pins["pp"], pins["ep"], pins["cp"], pins["schedule"], pins["zero"]) == (16, 16, 2, "dualpipev", 1)
+    assert list(pins["stage_layers"]) == plan.stage_layers and pins["recompute"] == plan.recompute
+    assert set(pins["fp8"]) == set(plan.precision["fp8_matmuls"]) and list(pins["order"]) == plan.mesh.order
