@@ -42,15 +42,17 @@ class Export:
 
     settings: list[tuple[str, str | None]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    # (index into ``notes``, the ``--force`` pins that state what the trainer runs instead)
+    # (index into ``notes``, the ``--force`` pins changed to state what the trainer runs instead)
     pricable: list[tuple[int, dict]] = field(default_factory=list)
 
     def set(self, flag: str, value: object = None) -> None:
         self.settings.append((flag, None if value is None else str(value)))
 
     def approximate(self, note: str, runs: dict | None = None) -> None:
-        """A choice stated only approximately; ``runs``: what the trainer runs, as pins."""
-        if runs:
+        """A choice stated only approximately; ``runs``: what the trainer runs, as pins changed
+        from the plan's (``{}``: the plan's pins as they are, which state per-rank recompute sets
+        as their union; None: no pin states it)."""
+        if runs is not None:
             self.pricable.append((len(self.notes), runs))
         self.notes.append(note)
 
@@ -70,18 +72,20 @@ def torchtitan(plan: Plan) -> Export:
     e.set("--parallelism.context_parallel_degree", m.cp)
     e.set("--parallelism.expert_parallel_degree", m.ep)
     if m.etp != 1:
-        e.notes.append(f"expert tensor parallelism etp={m.etp}: torchtitan 0.3.0 has no such degree; experts follow tp")
+        e.approximate(f"expert tensor parallelism etp={m.etp}: torchtitan 0.3.0 has no such degree; experts follow tp")
     _tt_data_parallel(plan, e)
     _tt_pipeline(plan, e)
     _tt_batch(plan, e)
     if plan.precision.get("fp8_matmuls"):
-        e.notes.append(
+        e.approximate(
             "FP8 matmuls (" + "+".join(plan.precision["fp8_matmuls"]) + "): torchtitan 0.3.0 sets FP8 by a model "
             "converter in the --config function (Float8LinearConverter, e.g. llama3_405b, deepseek_v3_671b_float8), "
             "not on the command line; pick such a config. Its recipe is torchao's, not autoshard's 1x128 blockwise"
         )
     if m.cp > 1 and plan.attention == "allgather-kv":
-        e.notes.append("context parallel attention all-gathers K/V in the plan; torchtitan's runs a ring")
+        e.approximate(
+            "context parallel attention all-gathers K/V in the plan; torchtitan's runs a ring", {"attention": "ring"}
+        )
     _tt_checkpoint(plan, e)  # a subcommand: it comes last on the command line
     return e
 
@@ -94,14 +98,15 @@ def _tt_data_parallel(plan: Plan, e: Export) -> None:
     if zero == 1:
         e.approximate(
             "ZeRO-1 (optimizer states sharded, parameters whole): torchtitan has no ZeRO-1; FSDP with "
-            "reshard_after_forward=never (ZeRO-2) instead, which also reduce-scatters gradients and all-gathers "
-            "parameters once per step",
+            "reshard_after_forward=never (ZeRO-2) instead, which shards gradients as well and all-gathers "
+            "parameters before use",
             {"zero": 2},
         )
     elif zero == 0 and shard and dp > 1:
-        e.notes.append(
+        e.approximate(
             "ZeRO-0 with expert parallelism: torchtitan takes EP ranks from the FSDP shard group, so data "
-            "parallelism is FSDP (ZeRO-2) instead of replication"
+            "parallelism is FSDP (ZeRO-2) instead of replication",
+            {"zero": 2},
         )
     e.set("--parallelism.data_parallel_shard_degree", dp if shard else 1)
     e.set("--parallelism.data_parallel_replicate_degree", 1 if shard else dp)
@@ -122,7 +127,7 @@ def _tt_pipeline(plan: Plan, e: Export) -> None:
     e.set("--parallelism.pipeline_parallel_microbatch_size", plan.microbatch_size)
     chunks = _tt_chunks(plan)
     if not all(chunks):
-        e.notes.append(
+        e.approximate(
             f"stage_layers {plan.stage_layers}: a chunk holding no module cannot be written on torchtitan's command "
             "line (module_fqns_per_model_part); torchtitan splits the layers itself, which the plan did not price"
         )
@@ -159,16 +164,17 @@ def _tt_checkpoint(plan: Plan, e: Export) -> None:
     policy, which chooses its own set."""
     recompute = plan.recompute
     if plan.stage_checkpoint:
-        e.notes.append(
+        e.approximate(
             f"per-rank recompute sets ({plan.rank_recompute_text()}): torchtitan applies one policy to every "
-            "rank; the union, which recomputes more on the ranks that saved"
+            "rank; the union, which recomputes more on the ranks that saved",
+            {},
         )
     if not recompute:
         e.set("activation-checkpoint:none")
     elif recompute == set(plan.checkpoint):
         e.set("activation-checkpoint:full")
     else:
-        e.notes.append(
+        e.approximate(
             f"recompute {'+'.join(sorted(recompute))}, save {'+'.join(sorted(set(plan.checkpoint) - recompute))}: "
             "torchtitan's selective policy saves by op (matmul outputs every other one, attention, collectives) "
             "instead of by tensor kind"
@@ -262,9 +268,10 @@ def _mg_recompute(plan: Plan, e: Export) -> None:
     drop those kinds (``MEGATRON_MODULES``)."""
     recompute = plan.recompute
     if plan.stage_checkpoint:
-        e.notes.append(
+        e.approximate(
             f"per-rank recompute sets ({plan.rank_recompute_text()}): Megatron applies one set to every rank; "
-            "the union, which recomputes more on the ranks that saved"
+            "the union, which recomputes more on the ranks that saved",
+            {},
         )
     if not recompute:
         return
@@ -284,7 +291,7 @@ def _mg_recompute(plan: Plan, e: Export) -> None:
         if not exact:
             loose.append(f"{kind} -> {module}")
     if loose:
-        e.notes.append("recompute modules drop more than the plan's kinds: " + ", ".join(loose))
+        e.approximate("recompute modules drop more than the plan's kinds: " + ", ".join(loose))
     e.set("--recompute-granularity", "selective")
     e.set("--recompute-modules", " ".join(modules))
     if "moe_act" in modules:
@@ -298,7 +305,7 @@ def _mg_precision(plan: Plan, e: Export) -> None:
     if fp8:
         e.set("--fp8-format", "e4m3")
         e.set("--fp8-recipe", "blockwise")
-        e.notes.append(
+        e.approximate(
             "FP8 matmuls " + "+".join(fp8) + ": Megatron casts every Transformer Engine linear layer, "
             "not a chosen subset"
         )
@@ -324,8 +331,9 @@ def plan_pins(plan: Plan) -> dict:
 
 def price(plan: Plan, exp: Export, model: str, config: str | None) -> None:
     """Append to each pricable note the cost model's step time for what the trainer runs, beside
-    the plan's own re-evaluated the same way: ``model`` is captured again (the plan holds only
-    its name) and the search runs with every choice pinned."""
+    the plan's: ``model`` is captured again (the plan holds only its name) and the search runs
+    with every choice pinned, once as the plan is (the reference; per-rank recompute sets, which
+    no pin states, are priced against plan.json's own prediction) and once per approximation."""
     if not exp.pricable:
         return
     captured = capture_file(model, config, plan.seq_len)
@@ -334,9 +342,10 @@ def price(plan: Plan, exp: Export, model: str, config: str | None) -> None:
     problem = compiler.problem(captured, plan.hardware, plan.gpus, plan.seq_len, plan.global_batch, precision, pins)
     base = Planner(problem, alternatives=1).run().best.step_time_s
     for index, runs in exp.pricable:
+        ref = base if runs else plan.predicted.step_time_s
         try:
             t = Planner(replace(problem, forced={**pins, **runs}), alternatives=1).run().best.step_time_s
-            priced = f"{t:.3f} s/step against the plan's {base:.3f} ({(t / base - 1) * 100:+.1f}%) by the cost model"
+            priced = f"{t:.3f} s/step against the plan's {ref:.3f} ({(t / ref - 1) * 100:+.1f}%) by the cost model"
         except AutoshardError as err:
             priced = f"the cost model finds no such plan ({err})"
         exp.notes[index] += f"; {priced}"
