@@ -22,6 +22,7 @@ from autoshard import cli
 from autoshard.errors import AutoshardError
 from autoshard.export_plan import export_plan, megatron, plan_pins, price, torchtitan
 from autoshard.ir.plan import Plan
+from autoshard.ir.schedules import SCHEDULES
 
 GOLDEN = Path(__file__).parent / "golden"
 TORCHTITAN = "torchtitan==0.3.0"
@@ -277,3 +278,18 @@ def test_plan_pins_state_the_plan():
     assert (pins["pp"], pins["ep"], pins["cp"], pins["schedule"], pins["zero"]) == (16, 16, 2, "dualpipev", 1)
     assert list(pins["stage_layers"]) == plan.stage_layers and pins["recompute"] == plan.recompute
     assert set(pins["fp8"]) == set(plan.precision["fp8_matmuls"]) and list(pins["order"]) == plan.mesh.order
+
+
+def test_per_rank_recompute_sets_are_an_approximation():
+    """Rank 0 recomputing and the rest saving: both trainers take one set, the union, and say so;
+    the note is priced against plan.json's own prediction (pins state the union only)."""
+    plan = golden("deepseek_v3_671b_2k_h800")
+    table = SCHEDULES[plan.schedule]
+    keep = {k: "save" for k in plan.checkpoint}
+    per_stage = [plan.checkpoint if table.chunk_rank(i, plan.mesh.pp) == 0 else keep for i in range(32)]
+    plan = replace(plan, stage_checkpoint=per_stage)
+    assert not plan._stage_checkpoint_problems()
+    for target in (torchtitan, megatron):
+        exp = target(plan)
+        notes = [i for i, n in enumerate(exp.notes) if n.startswith("per-rank recompute sets (rank 0 recomputes")]
+        assert len(notes) == 1 and (notes[0], {}) in exp.pricable
