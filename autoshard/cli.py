@@ -177,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="floating tensors' dtype")
     p.set_defaults(run=_export)
 
+    p = sub.add_parser("export-plan", parents=[common], help="a plan as torchtitan or Megatron-LM settings")
+    p.add_argument("plan", help="OUT/plan.json (or the OUT directory)")
+    p.add_argument("--to", required=True, help="torchtitan (0.3.0 command-line overrides) or megatron (arguments)")
+    p.add_argument("-o", "--out", required=True, help="file to write, one setting per line")
+    p.add_argument("--model", help="the plan's model file (path/to/model.py[:builder]): price the approximations")
+    p.add_argument("--config", help="with --model: the config name passed to the builder")
+    p.set_defaults(run=_export_plan)
+
     p = sub.add_parser("hardware", parents=[common], help="list hardware profiles")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_hardware)
@@ -344,6 +352,15 @@ def _compare(args) -> int:
     if args.chart:
         compare.chart(rows, args.chart, args.tokens)
     print(compare.as_json(rows, args.tokens) if args.json else compare.table(rows, args.tokens))
+    return 0
+
+
+def _export_plan(args) -> int:
+    from autoshard.export_plan import export_plan
+
+    done = export_plan(args.plan, args.to, args.out, args.model, args.config)
+    approx = f", {len(done.notes)} approximated (see the comments)" if done.notes else ""
+    print(f"wrote {args.out}: {len(done.settings)} {args.to} settings{approx}")
     return 0
 
 
