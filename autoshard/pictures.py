@@ -58,15 +58,12 @@ class Timeline:
     def __post_init__(self) -> None:
         self.span_s = max((b.end_s for b in self.blocks), default=0.0)
 
-    def busy_s(self, rank: int) -> float:
-        return sum(b.end_s - b.start_s for b in self.blocks if b.rank == rank)
-
     @property
     def idle_share(self) -> float:
         """The average rank's idle time inside the pipeline span, as a share of the step: what
         the plan's ``bubble_fraction`` predicts."""
-        idle = sum(self.span_s - self.busy_s(r) for r in range(self.ranks)) / self.ranks
-        return idle / self.step_time_s
+        busy = sum(b.end_s - b.start_s for b in self.blocks) / self.ranks
+        return (self.span_s - busy) / self.step_time_s
 
 
 def stage_times(plan: Plan) -> tuple[float, float, float]:
@@ -170,7 +167,7 @@ def draw_schedule(plan: Plan, tl: Timeline, path: Path) -> str:
     import matplotlib.pyplot as plt
 
     m, per_mb = plan.microbatches, sum(tl.stage_s)
-    windows = [tl.step_time_s]
+    windows = [max(tl.step_time_s, tl.span_s)]  # a plan of fewer micro-batches than ranks may overrun
     if m > SHOWN_MICROBATCHES:  # the fill and the first micro-batches' steady state
         windows.append(min(tl.span_s, per_mb * SHOWN_MICROBATCHES + (tl.span_s - m * per_mb)))
     row = 0.45 if tl.ranks <= 16 else 0.2
@@ -246,11 +243,15 @@ def _draw_each(ax, plan: Plan, shown: list[Block], pp: int, window: float) -> No
 
 
 def _save(fig, path: Path) -> None:
+    """``path`` as PNG and SVG, the same bytes for the same plan (no date, fixed SVG ids), so a
+    recompile changes no file that did not change."""
+    import matplotlib
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=110)
-    fig.savefig(path.with_suffix(".svg"))
+    with matplotlib.rc_context({"svg.hashsalt": "autoshard"}):
+        fig.savefig(path.with_suffix(".svg"), metadata={"Date": None})
     plt.close(fig)
 
 

@@ -113,3 +113,11 @@ def test_without_matplotlib_plan_md_says_so(compiled, tmp_path, monkeypatch):
     md = plan_markdown(plan, pictures_to=tmp_path)
     assert "need matplotlib" in md and not list(tmp_path.iterdir())
     assert markdown(plan, None, 8) == []  # plan.md rendered on its own: no pictures section
+
+
+def test_the_pictures_are_the_same_bytes_for_the_same_plan(compiled, tmp_path):
+    plan = Plan.load(compiled)
+    markdown(plan, tmp_path, 8)
+    for name in PICTURES:
+        for suffix in (".png", ".svg"):
+            assert (tmp_path / f"{name}{suffix}").read_bytes() == (compiled / f"{name}{suffix}").read_bytes()
