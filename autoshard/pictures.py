@@ -14,7 +14,7 @@ from autoshard.ir.schedules import SCHEDULES, _rank_order
 
 GB = 1e9
 SHOWN_MICROBATCHES = 16  # past this many micro-batches the Gantt adds a panel of the first ones
-MANY_BLOCKS = 3000  # past this many blocks in a panel, a rank's busy time draws as one bar
+MANY_BLOCKS = 3000  # past this many blocks in a step, the whole-step panel draws a rank's busy time as one bar
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "fp8_weights", "buffers")
 KIND_COLOUR = {"forward": "tab:blue", "input": "tab:orange", "weight": "tab:green", "backward": "tab:red"}
 KIND_LETTER = {
@@ -140,7 +140,8 @@ def timeline(plan: Plan) -> Timeline:
                 if any(n not in done for n in need):
                     break
                 start = max([free[r], *(done[n].end_s for n in need)])
-                block = Block(r, kind, c, i, start, start + length[kind], min(send, length[kind]) * (kind != "weight"))
+                hands_on = (c < last) if kind == "forward" else (c > 0 and kind != "weight")
+                block = Block(r, kind, c, i, start, start + length[kind], min(send, length[kind]) * hands_on)
                 done[(kind if kind != "backward" else "input", c, i)] = block
                 free[r], nxt[r], moved = block.end_s, nxt[r] + 1, True
         if not moved:
@@ -172,17 +173,17 @@ def draw_schedule(plan: Plan, tl: Timeline, path: Path) -> str:
         windows.append(min(tl.span_s, per_mb * SHOWN_MICROBATCHES + (tl.span_s - m * per_mb)))
     row = 0.45 if tl.ranks <= 16 else 0.2
     fig, axes = plt.subplots(len(windows), 1, figsize=(14, 1.0 + len(windows) * (0.6 + row * tl.ranks)), squeeze=False)
-    for ax, window in zip(axes[:, 0], windows):
-        _draw_blocks(ax, plan, tl, window)
+    for n, (ax, window) in enumerate(zip(axes[:, 0], windows)):
+        _draw_blocks(ax, plan, tl, window, merge=n == 0 and len(tl.blocks) > MANY_BLOCKS)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOUR.values()]
     labels = ["forward", "input gradient", "weight gradient", "full backward"]
     axes[0, 0].legend(handles, labels, loc="lower right", bbox_to_anchor=(1, 1), ncol=4, fontsize=7, frameon=False)
     v = plan.virtual_stages
     axes[0, 0].set_title(f"{plan.schedule}: {tl.ranks} ranks x {v} chunk(s), {m} micro-batches", fontsize=9, loc="left")
     _save(fig, path)
-    zoom = f"; below, the first {windows[-1]:.3g} s" if len(windows) > 1 else ""
+    shown = f"above, the whole step; below, its first {windows[-1]:.3g} s" if len(windows) > 1 else "the whole step"
     return (
-        f"Pipeline schedule (above, the whole {tl.step_time_s:.3g} s step{zoom}): each block is one micro-batch's pass "
+        f"Pipeline schedule ({shown} of {tl.step_time_s:.3g} s): each block is one micro-batch's pass "
         f"(its number where it fits) through one chunk (lighter: a later chunk), black ticks the hand-over to the "
         f"next rank, white the bubble ({tl.idle_share * 100:.1f}% of the step; the cost model predicts "
         f"{plan.predicted.bubble_fraction * 100:.1f}%), grey the rest of the step (optimizer step, exposed "
@@ -190,13 +191,14 @@ def draw_schedule(plan: Plan, tl: Timeline, path: Path) -> str:
     )
 
 
-def _draw_blocks(ax, plan: Plan, tl: Timeline, window: float) -> None:
+def _draw_blocks(ax, plan: Plan, tl: Timeline, window: float, merge: bool) -> None:
     """``tl``'s blocks starting before ``window`` seconds on ``ax``: one collection per rank, kind
-    and chunk shade, labels where they fit. Past ``MANY_BLOCKS`` (under a pixel each) a rank's
-    back-to-back blocks draw as one busy bar: the bubble's shape is what that scale shows."""
+    and chunk shade, labels where they fit; where ``merge`` (the whole step of more than
+    ``MANY_BLOCKS`` blocks, under a pixel each) a rank's back-to-back blocks draw as one busy bar:
+    the bubble's shape is what that scale shows."""
     pp = tl.ranks
     shown = [blk for blk in tl.blocks if blk.start_s < window]
-    if len(shown) > MANY_BLOCKS:
+    if merge:
         for rank in range(pp):
             ax.broken_barh(_busy(b for b in shown if b.rank == rank), (rank - 0.4, 0.8), color="tab:purple", lw=0)
     else:
@@ -207,9 +209,7 @@ def _draw_blocks(ax, plan: Plan, tl: Timeline, window: float) -> None:
     ax.set_ylim(pp - 0.5, -0.5)
     step = max(1, pp // 16)
     ax.set_yticks(range(0, pp, step), [f"rank {r}" for r in range(0, pp, step)], fontsize=7)
-    ax.set_xlabel(
-        "predicted seconds into the step" + (" (purple: busy)" if len(shown) > MANY_BLOCKS else ""), fontsize=8
-    )
+    ax.set_xlabel("predicted seconds into the step" + (" (purple: busy)" if merge else ""), fontsize=8)
 
 
 def _busy(blocks) -> list[tuple[float, float]]:
