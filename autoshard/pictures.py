@@ -305,7 +305,7 @@ def mesh_nodes(plan: Plan, domain: int, most: int = 16) -> list[list[dict[str, i
     sizes, stride, strides = plan.mesh.degrees(), 1, {}
     for axis in plan.mesh.order:
         strides[axis], stride = stride, stride * sizes[axis]
-    replica = max(strides[a] * sizes[a] for a in plan.mesh.order if a != "dp" and sizes[a] > 1) if plan.gpus > 1 else 1
+    replica = max((strides[a] * sizes[a] for a in plan.mesh.order if a != "dp" and sizes[a] > 1), default=1)
     nodes = min(most, max(1, -(-min(replica, plan.gpus) // domain)))
     return [
         [

@@ -107,6 +107,16 @@ def test_the_mesh_cells_carry_each_gpus_coordinates():
     assert {g["pp"] for g in nodes[2]} == {1}  # cp4 x tp4 = 16 GPUs = 2 nodes per pipeline rank
 
 
+def test_a_plan_without_a_pipeline_gets_memory_and_mesh_but_no_schedule(tmp_path):
+    out = tmp_path / "dp"
+    assert main(["compile", *TINY, "--global-batch", "16", "--force", "pp=1,tp=1", "--plan-only", "-o", str(out)]) == 0
+    plan, md = Plan.load(out), (out / "plan.md").read_text()
+    assert plan.mesh.dp == 8
+    assert not (out / "schedule.png").exists() and "schedule.png" not in md
+    assert "![memory per pipeline rank](memory.png)" in md and "![mesh on the nodes](mesh.png)" in md
+    assert mesh_nodes(plan, 8) == [[{"dp": g} for g in range(8)]]
+
+
 def test_without_matplotlib_plan_md_says_so(compiled, tmp_path, monkeypatch):
     plan = Plan.load(compiled)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
