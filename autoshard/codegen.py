@@ -27,8 +27,8 @@ from autoshard.stagecode import program_sources
 
 
 def write_plan(plan: Plan, out: str | Path, comparison: str | None = None, extra: dict | None = None) -> Path:
-    """``out/plan.json``, ``out/plan.md`` and the ``extra`` files (name -> text); replaces those
-    files, keeps anything else."""
+    """``out/plan.json``, ``out/plan.md`` with its pictures and the ``extra`` files (name -> text);
+    replaces those files, keeps anything else."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise AutoshardError(f"-o {out}: exists and is not a directory; choose another path")
@@ -38,12 +38,16 @@ def write_plan(plan: Plan, out: str | Path, comparison: str | None = None, extra
     except OSError as e:
         raise AutoshardError(f"cannot write to {out.parent}: {e.strerror}") from e
     try:
-        files = {"plan.json": plan.to_json() + "\n", "plan.md": plan_markdown(plan, comparison), **(extra or {})}
+        files = {
+            "plan.json": plan.to_json() + "\n",
+            "plan.md": plan_markdown(plan, comparison, staging),
+            **(extra or {}),
+        }
         for name, text in files.items():
             (staging / name).write_text(text)
         out.mkdir(exist_ok=True)
-        for name in files:
-            os.replace(staging / name, out / name)
+        for path in staging.iterdir():  # the files and plan.md's pictures
+            os.replace(path, out / path.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out

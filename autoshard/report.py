@@ -4,10 +4,13 @@ rank runs, what lost and why, and (for a ``--plan-only`` plan) why the program i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Plan
 from autoshard.ir.schedules import SCHEDULES, schedule
+from autoshard.pictures import markdown as pictures
 from autoshard.planner.explain import rationale
 
 GB = 1e9
@@ -58,12 +61,15 @@ def mesh_drawing(plan: Plan, domain: int) -> list[str]:
     return lines
 
 
-def plan_markdown(plan: Plan, comparison: str | None = None) -> str:
-    """plan.md: the headline, then one section each (``_SECTIONS``), then the alternatives that
-    lost, the comparison with a reference plan when there is one, and the rationale."""
+def plan_markdown(plan: Plan, comparison: str | None = None, pictures_to: Path | None = None) -> str:
+    """plan.md: the headline, then one section each (``_SECTIONS``), the pictures (drawn into
+    ``pictures_to``, beside plan.md, where given), then the alternatives that lost, the
+    comparison with a reference plan when there is one, and the rationale."""
     out = _headline(plan)
     for title, section in _SECTIONS:
         out += [f"## {title}", "", *section(plan), ""]
+    drawn = pictures(plan, pictures_to, _domain(plan))
+    out += ["## Pictures", "", *drawn] if drawn else []
     out += _alternatives(plan)
     if comparison:
         out += ["## Compared with the reference plan", "", comparison, ""]

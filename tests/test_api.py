@@ -33,7 +33,8 @@ def _cli(model_file, config, out):
 
 
 def _files(out) -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted(out.iterdir())}
+    """The text files in ``out`` (the pictures beside plan.md aside)."""
+    return {p.name: p.read_text() for p in sorted(out.iterdir()) if p.suffix not in (".png", ".svg")}
 
 
 def _program(files: dict[str, str]) -> dict:
