@@ -76,7 +76,10 @@ GOOD_SAMPLE = "def sample_inputs(config, batch, seq):\n    return (torch.zeros(b
         ("missing_file", "model file not found"),
         ("no_build", "defines no function build()"),
         ("builder_raises", "build(None) raised RuntimeError: boom (at m.py:3"),
-        ("unknown_config", "unknown config 'huge' for llama3.py; choose one of: tiny, small, 1b, 8b, 70b, 405b, 2t, deep"),
+        (
+            "unknown_config",
+            "unknown config 'huge' for llama3.py; choose one of: tiny, small, 1b, 8b, 70b, 405b, 2t, deep",
+        ),
         ("untraceable", "cannot trace the model at m.py:"),
         ("bad_seq", "argument --seq-len: must be positive, got 0"),
     ],
