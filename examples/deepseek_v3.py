@@ -13,7 +13,7 @@ skips that expert (its other experts, the shared expert and the residual still c
 sets the capacity to the token count, so nothing is ever dropped there.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import torch
@@ -89,30 +89,10 @@ CONFIGS = {
         route_scale=2.5,
         capacity_factor=Fraction(1),
     ),
-    # about 2e12 parameters in DeepSeek-V3's style: 512 routed experts of the same width on a
-    # wider, deeper trunk (README, "Two trillion parameters")
-    "2t": Config(
-        layers=80,
-        dense_layers=3,
-        hidden=8192,
-        dense_ffn=22528,
-        vocab=129280,
-        heads=128,
-        q_rank=1536,
-        kv_rank=512,
-        qk_nope_dim=128,
-        qk_rope_dim=64,
-        v_dim=128,
-        experts=512,
-        shared_experts=1,
-        expert_ffn=2048,
-        top_k=8,
-        groups=8,
-        top_groups=4,
-        route_scale=2.5,
-        capacity_factor=Fraction(1),
-    ),
 }
+# about 2e12 parameters in DeepSeek-V3's style: 512 routed experts of the same width on a wider,
+# deeper trunk (README, "Two trillion parameters")
+CONFIGS["2t"] = replace(CONFIGS["671b"], layers=80, hidden=8192, dense_ffn=22528, experts=512)
 
 
 def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
