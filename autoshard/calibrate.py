@@ -51,6 +51,7 @@ which then replaces it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -102,21 +103,13 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
     device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()
     _say(f"calibrating on {device} ({_machine(device)}), ranks {', '.join(map(str, ranks))}")
-    # on CPUs one thread: each rank of an emitted program runs one (torchrun's OMP_NUM_THREADS=1),
-    # so the rates are one core's, and ``cores`` says how many ranks run at those rates at once
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1 if device == "cpu" else threads)
-    if device == "cpu":
-        keep_freed_memory()  # the program's ranks allocate so (``runtime.host``): measure as they run
-    try:
+    with _as_a_rank(device):
         gemm = {dtype: measure_gemms(device, quick, dtype) for dtype in _dtypes(device)}
         peaks = {dtype: max(rates.values()) for dtype, rates in gemm.items()}
         mem = measure_memory(device, quick)
         attn = measure_attention(device, peaks["bf16"], quick)
         host = measure_host(device, quick, ranks)
         host["optimizer_bytes_per_param"] = measure_optimizer(device, quick, mem)
-    finally:
-        torch.set_num_threads(threads)
     points, overlap, wait = measure_distributed(ranks, device, quick)
     fields = {"name": path.stem} | ({"extends": extends} if extends else {})
     fields |= _fields(device, peaks, mem, attn, fit_collectives(points), overlap, parent, ranks) | host
@@ -128,6 +121,36 @@ def calibrate(out: str, ranks: tuple[int, ...] = (2, 4), extends: str | None = N
     _write(path, fields, _header(device, ranks, elapsed, gemm["bf16"], extends, backends))
     _say(f"wrote {out} in {elapsed:.0f} s")
     return fields
+
+
+@contextlib.contextmanager
+def _as_a_rank(device: str):
+    """Measure as a rank of an emitted program runs: on CPUs one thread (torchrun's
+    OMP_NUM_THREADS=1), so the rates are one core's and ``cores`` says how many ranks run at those
+    rates at once, and freed memory kept as the program's ranks keep it (``runtime.host``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if device == "cpu" else threads)
+    if device == "cpu":
+        keep_freed_memory()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_rates(device: str, quick: bool) -> dict:
+    """The rates a profile's compute and memory-bound work are priced at, measured here as a rank
+    runs: ``peak_tflops`` (the best GEMM per dtype, with ``matmul_efficiency`` 1) and
+    ``hbm_gbps``; the seconds' part of ``calibrate``, for a profile that extends one measured on
+    another machine of this kind."""
+    with _as_a_rank(device):
+        peaks = {dtype: max(measure_gemms(device, quick, dtype).values()) for dtype in _dtypes(device)}
+        mem = measure_memory(device, quick)
+    return {
+        "peak_tflops": {dtype: _round(rate / 1e12) for dtype, rate in peaks.items()},
+        "matmul_efficiency": 1.0,
+        "hbm_gbps": _round(mem / 1e9),
+    }
 
 
 def _check_ranks(ranks: tuple[int, ...]) -> tuple[int, ...]:

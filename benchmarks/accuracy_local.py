@@ -276,14 +276,15 @@ def metrics(results: list[Result], busy: bool = False) -> dict:
 
 
 def write_profile(base: str, path: Path) -> None:
-    """A profile extending ``base`` with this host's costs ``autoshard calibrate`` measures in
-    seconds (``cores``, ``op_overhead_us``), without the minutes its
-    collectives take: for a base profile measured on a machine of this kind."""
-    from autoshard.calibrate import measure_host
+    """A profile extending ``base`` with what ``autoshard calibrate`` measures of this host in
+    seconds (its GEMM and memory rates, ``cores``, the per-op host costs), without the minutes
+    its collectives take: for a base profile measured on a machine of this kind."""
+    from autoshard.calibrate import _as_a_rank, _toml, measure_host, measure_rates
 
     name = Path(base).stem if base.endswith(".toml") else base
-    text = f'name = "{path.stem}"\nextends = "{name}"\n'
-    text += "".join(f"{k} = {v}\n" for k, v in measure_host("cpu", quick=True).items())
+    with _as_a_rank("cpu"):
+        host = measure_host("cpu", quick=True)
+    text = _toml({"name": path.stem, "extends": name} | measure_rates("cpu", quick=True) | host)
     path.parent.mkdir(parents=True, exist_ok=True)
     if base.endswith(".toml"):
         import shutil
