@@ -53,8 +53,11 @@ class Bounds:
         self.p = costs.p
         self.memo = costs.memo
 
-    def bound(self, c: Candidate, level: int) -> float:
-        """Lower bound on the step time of any plan below this node (inf: none can fit).
+    def bound(self, c: Candidate, level: int, incumbent: float = math.inf) -> tuple[float, bool]:
+        """(lower bound on the step time of any plan below this node (inf: none can fit), whether
+        it is the whole bound). Below the schedule, where the cheap terms alone reach
+        ``incumbent``, the rest (the memory test and the slowest rank over whole layers) is
+        skipped: the node is cut all the same, and the partial bound is still a bound.
 
         Levels: 0 root, 1 axis order, 2 recompute set, 3 schedule, 4 ZeRO stage."""
         costs = self.costs
@@ -62,33 +65,41 @@ class Bounds:
         where_key, where = costs.where(c, level >= 1)
         zeros = (c.zero,) if level >= 4 else tuple(costs.zero_options(c))
         if level < 3:
-            return self._schedule_open(c, level, m, where_key, where, zeros)
+            return self._schedule_open(c, level, m, where_key, where, zeros, incumbent)
         sched = SCHEDULES[c.schedule]
         w = costs.work(c, where_key, where, sched.overlaps_ep)
-        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros)
         m_flight = costs.in_flight(sched, c.v, c.pp, m)
         bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
+        pp_total, pp_exposed = costs.pipeline_sends(c, sched, w, m, bubble)
+        dp = min(
+            self.dp_bound(c, z, w, where_key, where, m, pp_total - pp_exposed) + costs.tied_sync(c, sched, where, z)
+            for z in zeros
+        )
+        overlap = sched.overlaps_ep
+        cheap = m * max(w.total / c.pp, w.pre.time(overlap), w.post.time(overlap)) + bubble + dp
+        if cheap >= incumbent:
+            return cheap, False
         if self.memory_bound(c, zeros, w, m_flight, lazy=c.v > 1) > self.p.hw.usable_bytes:
-            return math.inf
-        t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep)
+            return math.inf, True
+        t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, overlap)
         if t_max == math.inf:
-            return math.inf
-        return m * t_max + bubble + dp
+            return math.inf, True
+        return m * t_max + bubble + dp, True
 
-    def _schedule_open(self, c: Candidate, level: int, m: int, where_key, where, zeros: tuple) -> float:
+    def _schedule_open(
+        self, c: Candidate, level: int, m: int, where_key, where, zeros: tuple, incumbent: float = math.inf
+    ) -> tuple[float, bool]:
         """``bound`` above the schedule: the cheapest fill/drain over the schedules, the average
         rank, and a memory test with the fewest in-flight micro-batches any schedule has on each
         rank; once the recompute set is chosen (``level`` 2), over the schedules it runs with and
-        fits under."""
+        fits under, and the slowest rank over whole layers (skipped, as in ``bound``, where the
+        rest already reaches ``incumbent``)."""
         costs, usable = self.costs, self.p.hw.usable_bytes
         shapes, least = costs.schedule_shapes(c.pp, m)
         if not shapes:
-            return math.inf
-        # memory first: it needs only the activations, not the layers' times
+            return math.inf, True
         w0 = costs.work(c, where_key, where, True, frozenset())
         rc = c.recompute if level >= 2 else costs.all_categories
-        if self.memory_bound(c, zeros, w0, least, rc) > usable:
-            return math.inf
         # Overlapping EP traffic (as DualPipeV does) only ever lowers a layer's time, so the
         # overlapped costs bound every schedule from below.
         works = {True: w0 if level < 2 else costs.work(c, where_key, where, True)}
@@ -97,31 +108,67 @@ class Bounds:
             works[False] = costs.work(c, where_key, where, False, None if level >= 2 else frozenset())
         else:
             works[False] = works[True]
-        if level == 2:
-            layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, c.recompute, zeros, m)
-            fitting = self.memo.fitting_shapes.get(layout)
-            if fitting is None:
-                fitting = self.memo.fitting_shapes[layout] = [
-                    (sched, v, flight)
-                    for sched, v, flight in shapes
-                    if runnable(sched.name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp)
-                    and self.memory_bound(c, zeros, w0, flight, rc, lazy=v > 1) <= usable
-                ]
-            shapes = fitting
-            if not shapes:
-                return math.inf
         dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in zeros for w in works.values())
-        key = (tuple(id(w) for w in works.values()), c.pp, m, level == 2)
+        cheap = self._open_time(c, m, works, shapes, "all") + dp
+        if level == 2 and cheap >= incumbent:
+            return cheap, False
+        if self.memory_bound(c, zeros, w0, least, rc) > usable:
+            return math.inf, True
+        if level < 2:
+            return cheap, True
+        layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, c.recompute, zeros, m)
+        fitting = self.memo.fitting_shapes.get(layout)
+        if fitting is None:
+            fitting = self.memo.fitting_shapes[layout] = [
+                (sched, v, flight)
+                for sched, v, flight in shapes
+                if runnable(sched.name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp)
+                and self.memory_bound(c, zeros, w0, flight, rc, lazy=v > 1) <= usable
+            ]
+        if not fitting:
+            return math.inf, True
+        # the slowest rank over whole layers, for the fewest micro-batches any schedule keeps in
+        # flight on each rank and either placement of the embedding and head, with the
+        # overlapped (quicker) layers: below every schedule's ``tmax_bound``
+        ends = {_ends(sched, v, c.pp) for sched, v, _ in fitting}
+        t_least = min(self.tmax_bound(c, works[True], e, zeros, least, True) for e in ends)
+        if t_least == math.inf:
+            return math.inf, True
+        best = self._open_time(c, m, works, fitting, "fitting")
+        least_bubble = self._open_time(c, m, works, fitting, "bubble")
+        self.memo.open_least[c] = m * t_least
+        return max(best, m * t_least + least_bubble) + dp, True
+
+    def schedule_floor(self, parent: Candidate, c: Candidate) -> float:
+        """A cheap lower bound on ``bound(c, 3)`` for a child ``c`` of the level-2 node ``parent``
+        (its schedule and virtual stages just chosen): the parent's slowest rank over whole
+        layers (for the fewest micro-batches in flight, so below ``c``'s), ``c``'s fill/drain
+        and data-parallel exposure. Children are queued with it, so those it puts above the
+        best plan are never bounded in full."""
+        costs = self.costs
+        m = costs.microbatches(c)
+        where_key, where = costs.where(c, True)
+        sched = SCHEDULES[c.schedule]
+        w = costs.work(c, where_key, where, sched.overlaps_ep)
+        bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
+        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in costs.zero_options(c))
+        return max(self.memo.open_least.get(parent, 0.0), m * w.total / c.pp) + bubble + dp
+
+    def _open_time(self, c: Candidate, m: int, works: dict, shapes: list, what: str) -> float:
+        """The least over ``shapes`` of m x the average rank + the fill/drain, or (``what``
+        "bubble") of the fill/drain alone; memoised per ``what`` (the shapes are all the
+        schedules, or those fitting the Works' recompute set)."""
+        key = (tuple(id(w) for w in works.values()), c.pp, m, what)
         best = self.memo.open_schedule.get(key)
         if best is None:
             best = math.inf
             for sched, v, _ in shapes:
                 w, overlap = works[sched.overlaps_ep], sched.overlaps_ep
                 bubble = sched.bubble(c.pp, m, v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
-                t_max = max(w.total / c.pp, w.pre.time(overlap), w.post.time(overlap))
+                t_max = 0.0 if what == "bubble" else max(w.total / c.pp, w.pre.time(overlap), w.post.time(overlap))
                 best = min(best, m * t_max + bubble)
             self.memo.open_schedule[key] = best
-        return best + dp
+        return best
 
     def may_fit(self, c: Candidate, level: int) -> bool:
         """The memory test of ``bound`` alone, for a node just made at ``level`` 2 (recompute set
@@ -221,8 +268,27 @@ class Bounds:
             total += n * (both + t_tp + min(s, 1.0) * (regather + scatter + cp_total))
         return self.p.global_batch * tp * cp / self.p.gpus * total
 
-    def dp_bound(self, c: Candidate, zero: int, w: Work, where_key, where, m: int) -> float:
-        """Data-parallel time exposed on the busiest rank is at least its average over ranks."""
+    def dp_bound(
+        self, c: Candidate, zero: int, w: Work, where_key, where, m: int, hidden_pp: float | None = None
+    ) -> float:
+        """Data-parallel time exposed on the busiest rank is at least its average over ranks.
+        Given the pipeline sends hidden behind compute (``hidden_pp``, known once the schedule is),
+        with the compute they and the hidden data-parallel traffic slow down
+        (``Hardware.overlap_slowdown``): the step adds x + s max(0, H - x) for the busiest rank's
+        exposure x and H the hidden sends plus the average rank's data-parallel traffic, which
+        for s <= 1 grows with x (so x's lower bound bounds it) and for s > 1 is least at
+        max(x, H)."""
+        exposed = self._dp_exposed(c, zero, w, where_key, where, m)
+        if hidden_pp is None:
+            return exposed
+        after, before, micro, whole = self.memo.dp_traffic[(c.tp, c.pp, c.cp, c.ep, c.dp, zero, where_key)]
+        # the average rank's traffic, its latency paid once for the whole model: no more than the
+        # evaluation's (``Evaluator._breakdown``, each rank's parameters with their own latency)
+        hidden = hidden_pp + (whole[0] + whole[1] + m * whole[2]) / c.pp
+        s = self.p.hw.overlap_slowdown
+        return exposed + s * max(0.0, hidden - exposed) if s <= 1 else max(exposed, hidden)
+
+    def _dp_exposed(self, c: Candidate, zero: int, w: Work, where_key, where, m: int) -> float:
         key = (id(w), zero, where_key, m)
         table = self.memo.dp_bound
         if key not in table:
@@ -239,8 +305,9 @@ class Bounds:
                         n * data_parallel(k.params_dense, k.params_expert, zero, dense, expert, hw)["per_microbatch"]
                         for n, k in blocks
                     )
-                traffic[traffic_key] = (d["after_backward"], d["before_forward"], micro)
-            after, before, micro = traffic[traffic_key]
+                whole = (d["after_backward"], d["before_forward"], d["per_microbatch"])
+                traffic[traffic_key] = (d["after_backward"], d["before_forward"], micro, whole)
+            after, before, micro, _ = traffic[traffic_key]
             share = self.p.hw.overlap_share("dp")
             avg = _shown(after, w.b + w.w, share) + _shown(before, w.f, share)
             if micro > 0:
@@ -320,8 +387,8 @@ class Bounds:
 
     def _tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap) -> float:
         """``tmax_bound`` at one ZeRO stage. Every layer is given the smallest time and memory of
-        any layer kind, and the embedding/head time is rounded down to whole layers, which can
-        only lower the bound. ``in_flight`` is a memoised tuple (its identity keys the memo). A
+        any layer kind, which can only lower the bound; the ranks holding the embedding and the
+        head take its time besides (``_least_time``). ``in_flight`` is a memoised tuple (its identity keys the memo). A
         rank's gradients may not exist yet at its activation peak (``memory_bound``), so its
         layers are capped both by their activations beside the states without gradients and by
         all their states alone."""
@@ -337,7 +404,7 @@ class Bounds:
         t_min = min(k.time(overlap) for k in w.kinds)
         a_min = min(k.activation_bytes for k in w.kinds)
         s_min, s_all = min(per), min(per_all)
-        caps, lead = [], []
+        caps, fixed_time = [], []
         value = None
         for r in range(c.pp):
             fixed, everything, t_fixed = buffers, buffers, 0.0
@@ -356,13 +423,13 @@ class Bounds:
             unit = a_min * in_flight[r] + s_min
             cap = layers if unit <= 0 else min(layers, int(room // unit))
             caps.append(cap if s_all <= 0 else min(cap, int(room_all // s_all)))
-            lead.append(int(t_fixed // t_min) if t_min > 0 else 0)
+            fixed_time.append(t_fixed)
         if value is None:
             if sum(caps) < layers:
                 value = math.inf
             else:
-                k = _least_cover(caps, lead, layers)
-                value = max(w.total / c.pp, k * t_min, w.pre.time(overlap), w.post.time(overlap))
+                least = _least_time(caps, fixed_time, layers, t_min) if t_min > 0 else 0.0
+                value = max(w.total / c.pp, least, w.pre.time(overlap), w.post.time(overlap))
         table[key] = value
         return value
 
@@ -385,6 +452,26 @@ def _least_cover(caps: list[int], lead: list[int], layers: int) -> int:
         else:
             lo = mid + 1
     return lo
+
+
+def _least_time(caps: list[int], fixed: list[float], layers: int, t: float) -> float:
+    """The least T with sum_r min(cap_r, floor((T - fixed_r) / t)) >= ``layers`` (no term below
+    0): the slowest rank's time when every layer takes ``t``, rank r holds at most cap_r of them
+    and takes ``fixed_r`` besides (the embedding, the head). With each fixed time rounded up to
+    whole layers, ``_least_cover``'s k is the least k with k t enough, so T lies in ((k-1) t, k t],
+    where only the ranks with a fixed time hold one layer more as T grows, each at n t + fixed_r:
+    the least of those that holds every layer, else k t. Rounding errs low (a lower bound)."""
+    lead = [max(0, math.ceil(f / t - 1e-9)) for f in fixed]
+    k = _least_cover(caps, lead, layers)
+    best = k * t
+    for d, f in zip(lead, fixed):
+        n = k - d  # this rank holds n layers at n t + f, inside ((k-1) t, k t]
+        if f <= 0 or n < 0 or n * t + f >= best:
+            continue
+        held = sum(min(cap, max(0, n + math.floor((f - g) / t + 1e-9))) for cap, g in zip(caps, fixed))
+        if held >= layers:
+            best = n * t + f
+    return best
 
 
 def _shown(traffic: float, window: float, share: float) -> float:

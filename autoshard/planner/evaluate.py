@@ -289,13 +289,10 @@ class Evaluator:
         if overlap:
             hidden = [sum(n * k.ep_hidden for n, k in zip(counts, x.kinds)) for x in works]
             ep_exposed -= m * sum(hidden) / len(works) / c.pp
-        pp_total = m * c.v * w.p2p if c.pp > 1 else 0.0
-        sends = c.v * w.p2p / 2 if c.pp > 1 else 0.0
-        pp_exposed = bubble - sched.bubble(c.pp, m, c.v, w.f / c.pp - sends, w.b / c.pp - sends, w.w / c.pp)
+        pp_total, pp_exposed = self.costs.pipeline_sends(c, sched, w, m, bubble)
         # the steady-state sends the program does not hide (``Hardware.overlap``): in the slowest
-        # rank's time (``Quantities.p2p``), counted here rather than as imbalance
+        # rank's time (``Quantities.p2p``), counted there rather than as imbalance
         steady = m * c.v * (1 - self.p.hw.overlap_share("pp")) * w.p2p if c.pp > 1 else 0.0
-        pp_exposed += steady
         d = data_parallel(w.params_dense / c.pp, w.params_expert / c.pp, c.zero, where["dpcp"], where["edp"], self.p.hw)
         dp_total = d["after_backward"] + d["before_forward"] + m * d["per_microbatch"]
         layers_overlap, fsdp, optimizer = self._host_terms(c, works, overlap, m)
@@ -312,7 +309,7 @@ class Evaluator:
                 "tp": {"total": per_rank("tp_total"), "exposed": per_rank("tp")},
                 "cp": {"total": per_rank("cp_total"), "exposed": per_rank("cp")},
                 "ep": {"total": ep_total, "exposed": ep_exposed},
-                "pp": {"total": pp_total, "exposed": max(0.0, pp_exposed)},
+                "pp": {"total": pp_total, "exposed": pp_exposed},
                 "dp": {"total": dp_total, "exposed": part.dp_exposed},
             },
             "links": {a: ("nvlink" if where[a].domains == 1 else "network") for a in ("tp", "cp", "pp", "ep", "dpcp")},

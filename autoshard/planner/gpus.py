@@ -26,6 +26,6 @@ def smallest_gpus_that_fit(problem: Problem) -> int | None:
             ordered = replace(next(tree.children(root, 0)), recompute=tree.costs.all_categories)
             for sched in tree.children(ordered, 2):
                 leaf = replace(sched, zero=max(tree.costs.zero_options(sched)))
-                if tree.bounds.bound(leaf, LEVELS - 1) < math.inf and tree.evaluator.evaluate(leaf).feasible:
+                if tree.bounds.bound(leaf, LEVELS - 1)[0] < math.inf and tree.evaluator.evaluate(leaf).feasible:
                     return bigger.gpus
     return None

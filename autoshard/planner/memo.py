@@ -36,8 +36,10 @@ class Memo:
     """(tp, cp, ep, mbs, fp8, attention) -> the sums ``quick_bound`` needs: (time, least
     activation bytes, head's activation bytes, forward, input-gradient, weight-gradient time)."""
     open_schedule: dict = _table()
-    """(ids of the Works by EP overlap, pp, micro-batches, recompute set chosen) -> the least
-    m x t_max + bubble over the schedules still open."""
+    """(ids of the Works by EP overlap, pp, micro-batches, "all" | "fitting" | "bubble") -> the
+    least m x t_max + bubble (or bubble alone) over the schedules still open."""
+    open_least: dict = _table()
+    """level-2 candidate -> m x its slowest rank's least time over whole layers (``Bounds.schedule_floor``)."""
     fitting_shapes: dict = _table()
     """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, ZeRO stages, micro-batches) -> the
     schedule shapes that run with that recompute set and pass the memory bound (memory does not

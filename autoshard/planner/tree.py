@@ -125,7 +125,7 @@ class Tree:
                         heapq.heappush(heap, (quick, 1, next(tick), 0, root))  # fully bounded when popped
                 continue
             if needs_bound:  # pushed with its parent's bound: bound it now
-                own = self._bound(c, level)
+                own = self._bound(c, level, math.inf if best is None else best.step_time_s)
                 if own < math.inf and (best is None or own < best.step_time_s):
                     heapq.heappush(heap, (own, 0, next(tick), level, c))
                 continue
@@ -134,7 +134,9 @@ class Tree:
                 for child in self.children(c, level):
                     if level in (1, 2) and not bounds.may_fit(child, level + 1):
                         continue
-                    heapq.heappush(heap, (lb, 1, next(tick), level + 1, child))
+                    floor = max(lb, bounds.schedule_floor(c, child)) if level == 2 else lb
+                    if best is None or floor < best.step_time_s:
+                        heapq.heappush(heap, (floor, 1, next(tick), level + 1, child))
                 continue
             if fixed is not None and len(fixed) != c.pp * c.v:
                 continue
@@ -150,13 +152,15 @@ class Tree:
                 best = ev
         return best, infeasible, nodes, leaves
 
-    def _bound(self, c: Candidate, level: int) -> float:
-        """``Bounds.bound``, memoised for the whole search (the per-mesh searches share the memo)."""
+    def _bound(self, c: Candidate, level: int, incumbent: float) -> float:
+        """``Bounds.bound``, memoised for the whole search (the per-mesh searches share the memo):
+        a partial bound (cut at an incumbent) is computed again where it no longer cuts."""
         table = self.costs.memo.node_bound
         key = (c, level)
-        if key not in table:
-            table[key] = self.bounds.bound(c, level)
-        return table[key]
+        value, whole = table.get(key, (None, False))
+        if value is None or not whole and value < incumbent:
+            value, whole = table[key] = self.bounds.bound(c, level, incumbent)
+        return value
 
     def _evaluate(self, c: Candidate, fixed) -> Evaluation:
         """``Evaluator.evaluate``, memoised likewise (it depends on the candidate and the fixed
