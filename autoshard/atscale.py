@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
+from autoshard import progress
 from autoshard.cost_models.comm import wire_bytes
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import GRID_AXES, Mesh, Plan
@@ -42,6 +43,8 @@ from autoshard.runtime import attention, fp8, groups, trainer  # noqa: F401 (att
 from autoshard.runtime import program as rt
 from autoshard.runtime.state import make_optimizer_states, optimizer_parts
 from autoshard.verify import _read_program
+
+POLL_S = 0.5  # how often ``verify_at_scale`` looks up from waiting on a rank, to update the progress line
 
 # ---------------------------------------------------------------------------------------------
 # memory
@@ -762,21 +765,27 @@ def verify_at_scale(
     jobs = jobs or max(1, min(2, os.cpu_count() or 1))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     pending, running, done = list(chosen), {}, {}
-    while pending or running:
-        while pending and len(running) < jobs:
-            rank = pending.pop(0)
-            cmd = [sys.executable, "-m", "autoshard.atscale", str(out), str(rank)]
-            running[rank] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        rank, proc = next(iter(running.items()))
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AutoshardError(f"rank {rank} did not finish its step on fake tensors in {timeout:.0f} s") from None
-        del running[rank]
-        if proc.returncode != 0:
-            raise AutoshardError(f"rank {rank} failed on fake tensors: {_failure(stderr)[:300]}")
-        done[rank] = Measured(**json.loads(stdout.strip().splitlines()[-1]))
+
+    def show() -> None:
+        stages = plan.mesh.pp
+        where = (f"rank {r} (pipeline stage {coordinates(plan.mesh, r)['pp']} of {stages})" for r in running)
+        progress.update(replaying=", ".join(where), done=f"{len(done)} of {len(chosen)}")
+
+    with progress.stage("verify at scale"):
+        while pending or running:
+            while pending and len(running) < jobs:
+                rank = pending.pop(0)
+                cmd = [sys.executable, "-m", "autoshard.atscale", str(out), str(rank)]
+                running[rank] = subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            show()
+            rank, proc = next(iter(running.items()))
+            stdout, stderr = _wait(proc, rank, timeout, show)
+            del running[rank]
+            if proc.returncode != 0:
+                raise AutoshardError(f"rank {rank} failed on fake tensors: {_failure(stderr)[:300]}")
+            done[rank] = Measured(**json.loads(stdout.strip().splitlines()[-1]))
     reports = []
     for rank, why in chosen.items():
         m = done[rank]
@@ -788,6 +797,25 @@ def verify_at_scale(
         f"{plan.microbatches} micro-batches of {plan.microbatch_size}"
     )
     return AtScaleReport(str(out), line, bounds, reports)
+
+
+def _wait(proc, rank: int, timeout: float, tick) -> tuple[str, str]:
+    """``proc.communicate()`` within ``timeout`` seconds, calling ``tick`` every ``POLL_S`` while
+    it waits (a rank of a large plan takes minutes: the progress line's clock keeps moving)."""
+    import subprocess
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return proc.communicate(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                proc.kill()
+                raise AutoshardError(
+                    f"rank {rank} did not finish its step on fake tensors in {timeout:.0f} s"
+                ) from None
+            tick()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -72,6 +72,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from autoshard import progress
 from autoshard.calibrate_reference import ADAMW, measured_step, predicted_step, training_step
 from autoshard.cost_models import hardware
 from autoshard.errors import AutoshardError
@@ -169,7 +170,7 @@ def _check_out(path: Path) -> Path:
 
 
 def _say(line: str) -> None:
-    print(f"calibrate: {line}", flush=True)
+    progress.echo(f"calibrate: {line}")
 
 
 def _machine(device: str) -> str:
@@ -205,6 +206,7 @@ def _dtypes(device: str) -> tuple[str, ...]:
     return ("bf16",) if device == "cuda" else ("bf16", "fp32")
 
 
+@progress.stage("GEMMs")
 def measure_gemms(device: str, quick: bool, dtype: str = "bf16") -> dict[tuple[int, int, int], float]:
     """FLOP/s of a linear layer's three GEMMs (forward, input and weight gradients: m x k x n
     each) per plan-like shape, as the program runs them: fp32 weights, computed in ``dtype``
@@ -226,6 +228,7 @@ def measure_gemms(device: str, quick: bool, dtype: str = "bf16") -> dict[tuple[i
     return out
 
 
+@progress.stage("memory copy")
 def measure_memory(device: str, quick: bool) -> float:
     """Bytes/s of a large copy (each element read once and written once)."""
     elems = 2**23 if quick else 2**25
@@ -240,6 +243,7 @@ def measure_memory(device: str, quick: bool) -> float:
 ATTENTION_SHAPES = ((128, 32), (128, 64))  # (keys, head dim): a small and a larger head, short
 
 
+@progress.stage("attention")
 def measure_attention(device: str, peak: float, quick: bool) -> dict:
     """The attention fields of ``cost_models.compute.attention_time`` (efficiency, half length
     and per-score time, forward and backward): causal SDPA (bf16, 2 sequences x 8 heads) at a
@@ -315,6 +319,7 @@ def measure_host(device: str, quick: bool, ranks: tuple[int, ...] = ()) -> dict:
     return out
 
 
+@progress.stage("optimizer step")
 def measure_optimizer(device: str, quick: bool, bandwidth: float) -> float:
     """``optimizer_bytes_per_param``: what the program does once a step per parameter, on
     weights of layer-like sizes: the gradient norm it clips by (``state.clip_gradients``, one
@@ -342,6 +347,7 @@ def measure_optimizer(device: str, quick: bool, bandwidth: float) -> float:
     return out
 
 
+@progress.stage("cores the ranks share")
 def measure_cores(quick: bool, ranks: tuple[int, ...] = ()) -> dict[str, float]:
     """``cores``: how many one-thread ranks' worth of work this host does at once, measured: the
     reference model's training step (``calibrate_reference.training_step``: the GEMMs,
@@ -396,6 +402,7 @@ def _spin(tmp: str, processes: int, seconds: float) -> None:
     print(count / (time.thread_time() - cpu))
 
 
+@progress.stage("reference model")
 def measure_pointwise(fields: dict, parent, quick: bool) -> float:
     """``pointwise_efficiency`` (CPUs): the reference model's forward and backward
     (``calibrate_reference``) measured, and the cost model's prediction of it from the fields
@@ -420,6 +427,7 @@ def measure_pointwise(fields: dict, parent, quick: bool) -> float:
     return out
 
 
+@progress.stage("host time per op")
 def measure_op_overhead(device: str, quick: bool, ops: int = 200) -> float:
     """Microseconds per forward op of a chain of ops on 16 x 16 elements (a linear and a scale in
     turn, under bf16 autocast as the programs run), forward and backward: three ops per forward
@@ -430,6 +438,7 @@ def measure_op_overhead(device: str, quick: bool, ops: int = 200) -> float:
     return us
 
 
+@progress.stage("checkpointing's host time")
 def measure_checkpoint_overhead(device: str, quick: bool, ops: int = 200) -> float:
     """Microseconds a selectively checkpointed layer adds per forward op beyond the FLOPs it
     recomputes: ``measure_op_overhead``'s chain run inside the runtime's ``Checkpoint`` keeping
@@ -467,6 +476,7 @@ def _time_chain(device: str, quick: bool, ops: int, wrap=None) -> float:
         torch.set_num_threads(threads)
 
 
+@progress.stage("FSDP2's host time")
 def measure_fsdp_overhead(device: str, quick: bool, units: int = 8) -> float:
     """Microseconds FSDP2 adds per unit per forward and backward beyond its collectives: a
     chain of small linear layers, each its own ``fully_shard`` unit resharded after the forward

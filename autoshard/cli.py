@@ -1,5 +1,7 @@
 """The ``autoshard`` command line. Bad input ends in one line on stderr and exit code 2;
-``--debug`` shows the traceback instead.
+``--debug`` shows the traceback instead. On a terminal, long work shows its progress on one line
+of stderr (``autoshard.progress``); ``--quiet`` silences it and the informational lines, leaving
+results and errors, and ``--json`` output carries no progress either.
 
 Each command imports what it runs, inside its function: ``--help``, ``autoshard hardware`` and
 argument errors answer without loading torch (a third of a second instead of two)."""
@@ -11,6 +13,7 @@ import json
 import os
 import sys
 
+from autoshard import progress
 from autoshard.errors import AutoshardError
 from autoshard.gcpolicy import fewer_collections
 
@@ -48,9 +51,12 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The commands and their flags. Long by nature: a table of ``add_argument`` rows, one per
     flag, read top to bottom like ``--help``; splitting it would scatter one table."""
+    parser = _Parser(prog="autoshard", description=__doc__)
+    _global_flags(parser, default=False)
+    # after the command too; the command's parser must not overwrite a flag given before it
+    # with its own default, so there it has none
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser = _Parser(prog="autoshard", description=__doc__, parents=[common])
+    _global_flags(common, default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("inspect", parents=[common], help="capture a model file and print what it costs")
@@ -198,6 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _global_flags(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument("--debug", action="store_true", default=default, help="show tracebacks")
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=default,
+        help="no progress line and no informational lines: results and errors only",
+    )
+
+
 def _rank_counts(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(x) for x in text.split(","))
@@ -289,16 +306,16 @@ def _compile(args) -> int:
     if extra:
         last = len(plan.stage_layers) - 1
         layers = " layers.py," if "layers.py" in compiled.files else ""
-        print(f"wrote {out}/: plan.json, plan.md, train.py, program.json, loss.py,{layers} stage0..{last}.py")
+        progress.note(f"wrote {out}/: plan.json, plan.md, train.py, program.json, loss.py,{layers} stage0..{last}.py")
         if plan.gpus <= 8:
-            print(f"run: torchrun --nproc-per-node {plan.gpus} {out / 'train.py'} --steps 10")
+            progress.note(f"run: torchrun --nproc-per-node {plan.gpus} {out / 'train.py'} --steps 10")
         else:
-            print(
+            progress.note(
                 f"run on each of {plan.gpus // 8} nodes: torchrun --nnodes {plan.gpus // 8} --nproc-per-node 8 "
                 f"--rdzv-backend c10d --rdzv-endpoint HOST:29500 {out / 'train.py'} --steps 10"
             )
     else:
-        print(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
+        progress.note(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
         for reason in plan.not_emitted:
             print(f"not emitted yet (compile without --plan-only takes the best plan without it): {reason}")
     return 0
@@ -406,8 +423,11 @@ def _hardware(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    show = sys.stderr.isatty() and not args.quiet and not getattr(args, "json", False)
     try:
-        with fewer_collections():  # imports, capture and search make objects that live on (``gcpolicy``)
+        # the session clears its progress line before an error below is printed; imports, capture
+        # and search make objects that live on (``gcpolicy``)
+        with progress.session(show, args.quiet), fewer_collections():
             return args.run(args)
     except AutoshardError as e:
         if args.debug:

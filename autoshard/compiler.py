@@ -66,7 +66,8 @@ class Compiled:
     def write(self, out: str | Path) -> Path:
         """Write ``plan.json``, ``plan.md`` and the program files to ``out`` (see ``codegen.write_plan``)."""
 
-        self.out = write_plan(self.plan, out, self.comparison, self.files)
+        with phase("writing"):
+            self.out = write_plan(self.plan, out, self.comparison, self.files)
         return self.out
 
 
@@ -160,9 +161,11 @@ def compile_plan(
                 "--plan-only searches the whole space."
             )
         try:
-            fresh = _fresh(captured)
-            rewritten = passes.apply(fresh, plan, observe)
-            files = codegen.program_files(plan, rewritten, fresh, rebuild)
+            with phase("rewrite passes"):
+                fresh = _fresh(captured)
+                rewritten = passes.apply(fresh, plan, observe)
+            with phase("code generation"):
+                files = codegen.program_files(plan, rewritten, fresh, rebuild)
         except Refusal as refusal:
             _exclude(problem, refusal)
             continue

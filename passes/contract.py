@@ -19,7 +19,7 @@ from pathlib import Path
 
 from torch import fx
 
-from autoshard import ir
+from autoshard import ir, progress
 from autoshard.errors import AutoshardError
 from autoshard.passes._graph import describe
 
@@ -194,18 +194,20 @@ Observer = Callable[[Pass, str, fx.GraphModule, RewriteContext], None]
 
 def run_passes(passes: list[Pass], gm: fx.GraphModule, ctx: RewriteContext, observe: Observer | None = None):
     """Run ``passes`` in order on ``gm``, those that apply to ``ctx``, checking each contract;
-    ``observe`` sees the graph before and after each pass that runs."""
+    ``observe`` sees the graph before and after each pass that runs; a terminal's progress line
+    names the pass running."""
     for p in passes:
         if not p.applies(ctx):
             continue
-        check_requires(p, gm)
-        before = _keys(gm)
-        if observe:
-            observe(p, "before", gm, ctx)
-        gm = p.run(gm, ctx)
-        if observe:
-            observe(p, "after", gm, ctx)
-        check_ensures(p, gm, ctx, before)
+        with progress.stage(p.name):
+            check_requires(p, gm)
+            before = _keys(gm)
+            if observe:
+                observe(p, "before", gm, ctx)
+            gm = p.run(gm, ctx)
+            if observe:
+                observe(p, "after", gm, ctx)
+            check_ensures(p, gm, ctx, before)
     return gm
 
 

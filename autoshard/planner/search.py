@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autoshard import progress
 from autoshard.errors import AutoshardError
-from autoshard.ir.plan import AXES
+from autoshard.ir.plan import AXES, Mesh
 from autoshard.planner.candidates import Candidate, Problem, check_problem, meshes
 from autoshard.planner.costs import CandidateCosts
 from autoshard.planner.evaluate import Evaluation, stage_choices, undominated_sets
@@ -61,7 +62,8 @@ class Planner:
                 nodes, leaves = nodes + part_nodes, leaves + part_leaves
             if best is None:
                 raise AutoshardError(self._nothing_fits(infeasible))
-            best = self.refine(best)
+            with progress.stage("per-rank recompute"):
+                best = self.refine(best)
             ranked = [best]
             if self.k > 1:
                 valid = set(meshes(replace(self.p, forced={})))
@@ -71,7 +73,8 @@ class Planner:
                     if mesh in valid and all(self.p.forced.get(k, v) == v for k, v in zip(AXES, mesh))
                 ]
                 dealt = [around[i::SHARES] for i in range(SHARES)]
-                found = dict(zip([m for share in dealt for m in share], sum(helper.map(_search_meshes, dealt), [])))
+                with progress.stage("neighbouring meshes"):
+                    found = dict(zip([m for share in dealt for m in share], sum(helper.map(_search_meshes, dealt), [])))
                 for mesh in around:
                     alt, n, lv = found[mesh]
                     nodes, leaves = nodes + n, leaves + lv
@@ -112,7 +115,8 @@ class Planner:
         # share the memoised costs and bounds: the pins differ only in the mesh, which none of the
         # memo keys leaves out
         sub = Tree(CandidateCosts(replace(self.p, forced=pins), share=self.tree.costs))
-        alt, _, nodes, leaves = sub.branch_and_bound()
+        with progress.stage(Mesh(**dict(zip(AXES, mesh))).product_form()):
+            alt, _, nodes, leaves = sub.branch_and_bound()
         return alt, nodes, leaves
 
     def _nothing_fits(self, infeasible: list[Evaluation]) -> str:

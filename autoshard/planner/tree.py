@@ -19,6 +19,7 @@ import itertools
 import math
 from dataclasses import replace
 
+from autoshard import progress
 from autoshard.cost_models.layers import POST
 from autoshard.planner.bounds import Bounds
 from autoshard.planner.candidates import Candidate, divisors, family_options, meshes, orders, runnable, schedules
@@ -26,6 +27,9 @@ from autoshard.planner.costs import CandidateCosts
 from autoshard.planner.evaluate import Evaluation, Evaluator, undominated_sets
 
 LEVELS = 5  # root, axis order, recompute set, schedule, ZeRO stage; leaves below
+# nodes between progress updates: a node costs milliseconds (its bounds, CP-SAT at the leaves), so
+# a terminal sees a few updates a second and the loop pays one check per node
+PROGRESS_EVERY = 16
 
 
 class Tree:
@@ -130,6 +134,8 @@ class Tree:
                     heapq.heappush(heap, (own, 0, next(tick), level, c))
                 continue
             nodes += 1
+            if not nodes % PROGRESS_EVERY:  # the bound popped rises: the gap to ``best`` closes
+                progress.update(nodes=nodes, bound_s=lb, best_s=best.step_time_s if best else None)
             if level < LEVELS - 1:
                 for child in self.children(c, level):
                     if level in (1, 2) and not bounds.may_fit(child, level + 1):
