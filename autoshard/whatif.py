@@ -37,6 +37,9 @@ from autoshard import __version__, planner
 from autoshard.cost_models import hardware as hw
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import PLAN_VERSION, Mesh, Plan
+from autoshard.planner.candidates import Candidate
+from autoshard.planner.costs import CandidateCosts
+from autoshard.planner.evaluate import Evaluator
 from autoshard.planner.explain import COMPONENTS, components, why_slower
 from autoshard.planner.search import Evaluation, Planner
 
@@ -222,22 +225,48 @@ def same_layout(problem: planner.Problem, pins: dict) -> tuple[Evaluation | None
     try:
         return priced(problem, pins), ""
     except AutoshardError as e:
-        if "recompute" not in pins:
-            return None, str(e)
-        why = str(e)
-    loose = {k: v for k, v in pins.items() if k != "recompute"}
+        why = _why_not(problem, pins, str(e))
+    if "recompute" not in pins:
+        return None, why
     try:
-        ev = priced(problem, loose)
-    except AutoshardError as e:
-        return None, str(e)
+        ev = priced(problem, {k: v for k, v in pins.items() if k != "recompute"})
+    except AutoshardError:
+        return None, why
     kept = "+".join(sorted(pins["recompute"])) or "nothing"
-    return ev, f"recomputing {kept}, as the plan does, it no longer fits ({_reason(why)}); it must recompute more"
+    return ev, f"recomputing {kept}, as the plan does, it no longer fits ({why}); priced with the set the planner picks"
+
+
+def _why_not(problem: planner.Problem, pins: dict, error: str) -> str:
+    """Why the layout ``pins`` has no plan on ``problem``: its memory where it does not fit (the
+    candidate evaluated on its own, every rank recomputing the pinned set, or everything where
+    the ranks' sets differ), else the planner's ``error``."""
+    layout = pins["tp"] * pins["pp"] * pins["cp"]
+    if problem.gpus % layout:
+        return f"its TP x PP x CP = {layout} GPUs do not divide {problem.gpus} GPUs"
+    dp = problem.gpus // layout
+    if problem.global_batch % (dp * pins["mbs"]):
+        return (
+            f"the global batch of {problem.global_batch} does not split into DP {dp} x micro-batches of "
+            f"{pins['mbs']} sequence(s)"
+        )
+    pinned = replace(problem, forced={**problem.forced, **pins})
+    recompute = pins.get("recompute", pinned.categories)
+    c = Candidate(
+        pins["tp"], pins["pp"], pins["cp"], pins["ep"], dp, pins["mbs"], pins["fp8"], pins["attention"],
+        frozenset(recompute), pins["schedule"], pins["v"], pins["order"], pins["zero"],
+    )  # fmt: skip
+    try:
+        ev = Evaluator(CandidateCosts(pinned)).evaluate(c, pins["stage_layers"])
+    except (AutoshardError, ValueError, KeyError):  # a layout the cost model cannot price at all
+        return _reason(error)
+    return ev.reason or _reason(error)
 
 
 def _reason(error: str) -> str:
     """The planner's reason in an error about pins: what follows the pins."""
-    head = error.split(": ", 1)
-    return head[1].split("; relax a pin")[0] if len(head) == 2 and error.startswith("no plan satisfies") else error
+    if not error.startswith("no plan satisfies"):
+        return error
+    return error.split(": ", 1)[-1].split("; relax a pin")[0]
 
 
 def ask(plan_path: str | Path, items: list[str]) -> dict:
@@ -248,31 +277,36 @@ def ask(plan_path: str | Path, items: list[str]) -> dict:
     pins = layout_pins(plan)
     base = priced(problem, pins)
     same, why = same_layout(new, pins)
-    best_plan, result = planner.solve(new)
-    best = result.best
+    try:
+        best_plan, result = planner.solve(new)
+    except AutoshardError as e:  # nothing fits the changed problem: say so beside the rest
+        best_plan, result, nothing = None, None, str(e)
+    best = result.best if result else None
     answer = {
         "plan": str(plan_path),
         "changes": changes,
         "notes": _notes(plan, problem, new, base),
         "before": _summary(problem, base),
         "same_layout": _summary(new, same) if same else {"fits": False, "reason": why},
-        "best": _summary(new, best),
+        "best": _summary(new, best) if best else {"fits": False, "reason": nothing},
         "moved": _moved(base, same) if same else [],
-        "best_vs_same": "",
     }
     if same and why:
         answer["same_layout"]["note"] = why
-    if same is None:
+    if best is None:
+        answer["best_vs_same"] = "no plan fits the changed problem"
+    elif same is None:
         answer["best_vs_same"] = "the current layout does not run under the change"
     elif same.step_time_s > best.step_time_s * (1 + 1e-9):
         reason = why_slower(best.breakdown, best.step_time_s, same.breakdown, same.step_time_s, _mesh(same).degrees())
         answer["best_vs_same"] = f"keeping the current layout is {reason}"
     else:
         answer["best_vs_same"] = "the current layout is still the best the planner finds"
-    answer["best"]["alternatives"] = [
-        {"mesh": a.mesh, "schedule": a.schedule, "zero_stage": a.zero_stage, "reason": a.reason}
-        for a in best_plan.alternatives[:3]
-    ]
+    if best_plan:
+        answer["best"]["alternatives"] = [
+            {"mesh": a.mesh, "schedule": a.schedule, "zero_stage": a.zero_stage, "reason": a.reason}
+            for a in best_plan.alternatives[:3]
+        ]
     return answer
 
 
@@ -328,6 +362,7 @@ def _summary(problem: planner.Problem, ev: Evaluation) -> dict:
         },
         "step_time_s": ev.step_time_s,
         "mfu": ev.mfu,
+        "training_flops_per_token": problem.cost.flops_per_token(problem.seq)["training"],
         "memory_bytes_per_gpu": ev.memory.get("total", 0.0),
         "memory_limit_bytes": problem.hw.usable_bytes,
         "tokens_per_s": tokens_per_s,
@@ -383,15 +418,26 @@ def text(answer: dict) -> str:
         for m in answer["moved"]:
             delta = m["after_s"] - m["before_s"]
             lines.append(
-                f"               {TERMS[m['term']]}: {m['before_s']:.3f} s -> {m['after_s']:.3f} s ({delta:+.3f} s)"
+                f"               {TERMS[m['term']]}: {_seconds(m['before_s'])} -> {_seconds(m['after_s'])} "
+                f"({'+' if delta >= 0 else '-'}{_seconds(abs(delta))})"
             )
     else:
         lines.append(f"  same layout: no longer runs: {same['reason']}")
-    lines.append(f"  best plan:   {_layout(best)}")
-    lines.append(f"               {_numbers(best, before)}")
+    if best["fits"]:
+        lines.append(f"  best plan:   {_layout(best)}")
+        lines.append(f"               {_numbers(best, before)}")
+    else:
+        lines.append(f"  best plan:   none: {best['reason']}")
     lines.append(f"  {answer['best_vs_same']}")
     lines += [f"  note: {n}" for n in answer["notes"]]
     return "\n".join(lines)
+
+
+def _seconds(t: float) -> str:
+    """``4.700 s``, or ``12.3 ms`` below a second (a tiny model's step)."""
+    if abs(t) < 5e-7:  # a difference of two sums: rounding, not time
+        return "0 s"
+    return f"{t:.3f} s" if abs(t) >= 1 else f"{t * 1e3:.3g} ms"
 
 
 def _value(v) -> str:
@@ -413,7 +459,7 @@ def _numbers(s: dict, ref: dict | None = None) -> str:
         return f" ({(s[key] / ref[key] - 1) * 100:+.1f}%)" if ref and ref[key] else ""
 
     return (
-        f"{s['step_time_s']:.3f} s/step{pct('step_time_s')}, {s['mfu'] * 100:.1f}% MFU, "
+        f"{_seconds(s['step_time_s'])}/step{pct('step_time_s')}, {s['mfu'] * 100:.1f}% MFU, "
         f"{s['memory_bytes_per_gpu'] / 1e9:.1f} of {s['memory_limit_bytes'] / 1e9:.1f} GB/GPU, "
         f"{s['tokens_per_s']:,.0f} tokens/s, {s['days_per_1t_tokens']:.2f} days and "
         f"${s['usd_per_1t_tokens']:,.0f} per 1T tokens{pct('usd_per_1t_tokens') if ref else ''}"
