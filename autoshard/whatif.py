@@ -81,6 +81,7 @@ def dumps(frozen: planner.Problem) -> bytes:
         pickle.dumps(versions(), protocol=pickle.HIGHEST_PROTOCOL)
         + pickle.dumps(frozen, protocol=pickle.HIGHEST_PROTOCOL),
         compresslevel=6,
+        mtime=0,  # the same snapshot for the same problem: compile writes the same files each time
     )
 
 

@@ -19,6 +19,7 @@ from autoshard.ir.program import Program
 from autoshard.runtime.program import full_state_from_model
 from autoshard.runtime.rebuild import Recipe
 from autoshard.verify import verify
+from autoshard.whatif import SNAPSHOT
 
 from conftest import EXAMPLES, ROOT
 
@@ -32,9 +33,14 @@ def _cli(model_file, config, out):
     return out
 
 
-def _files(out) -> dict[str, str]:
-    """The text files in ``out`` (the pictures beside plan.md aside)."""
-    return {p.name: p.read_text() for p in sorted(out.iterdir()) if p.suffix not in (".png", ".svg")}
+def _files(out) -> dict[str, str | bytes]:
+    """The files in ``out`` (the pictures beside plan.md aside), the snapshot of the search's input
+    as bytes."""
+    return {
+        p.name: p.read_bytes() if p.name == SNAPSHOT else p.read_text()
+        for p in sorted(out.iterdir())
+        if p.suffix not in (".png", ".svg")
+    }
 
 
 def _program(files: dict[str, str]) -> dict:
