@@ -250,24 +250,24 @@ def _why_not(problem: planner.Problem, pins: dict, error: str) -> str:
             f"the global batch of {problem.global_batch} does not split into DP {dp} x micro-batches of "
             f"{pins['mbs']} sequence(s)"
         )
+    reason = _reason(error)
+    if "fit" not in reason:  # a rule the layout breaks under the change, not its memory
+        return reason
     pinned = replace(problem, forced={**problem.forced, **pins})
     recompute = pins.get("recompute", pinned.categories)
     c = Candidate(
         pins["tp"], pins["pp"], pins["cp"], pins["ep"], dp, pins["mbs"], pins["fp8"], pins["attention"],
         frozenset(recompute), pins["schedule"], pins["v"], pins["order"], pins["zero"],
     )  # fmt: skip
-    try:
-        ev = Evaluator(CandidateCosts(pinned)).evaluate(c, pins["stage_layers"])
-    except (AutoshardError, ValueError, KeyError):  # a layout the cost model cannot price at all
-        return _reason(error)
-    return ev.reason or _reason(error)
+    return Evaluator(CandidateCosts(pinned)).evaluate(c, pins["stage_layers"]).reason or reason
 
 
 def _reason(error: str) -> str:
-    """The planner's reason in an error about pins: what follows the pins."""
-    if not error.startswith("no plan satisfies"):
-        return error
-    return error.split(": ", 1)[-1].split("; relax a pin")[0]
+    """The planner's error about the layout's pins in the layout's words: what follows the pins
+    of "no plan satisfies --force ...", or a broken pin's rule as the plan's."""
+    if error.startswith("no plan satisfies"):
+        return error.split(": ", 1)[-1].split("; relax a pin")[0]
+    return error.replace("--force ", "the plan's ", 1)
 
 
 def ask(plan_path: str | Path, items: list[str]) -> dict:
@@ -314,9 +314,14 @@ def ask(plan_path: str | Path, items: list[str]) -> dict:
 def _notes(plan: Plan, old: planner.Problem, new: planner.Problem, base: Evaluation) -> list[str]:
     notes = []
     if not math.isclose(base.step_time_s, plan.predicted.step_time_s, rel_tol=1e-6):
+        cause = (
+            "its pipeline ranks' recompute sets, chosen again for its stage split, differ from the plan's"
+            if plan.stage_checkpoint
+            else "the comparison starts from the snapshot's"
+        )
         notes.append(
-            f"the snapshot prices the plan at {base.step_time_s:.4f} s/step, plan.json says "
-            f"{plan.predicted.step_time_s:.4f} s: the comparison starts from the snapshot's"
+            f"the snapshot prices the plan at {_seconds(base.step_time_s)}/step, plan.json says "
+            f"{_seconds(plan.predicted.step_time_s)}: {cause}"
         )
     if new.seq * new.global_batch != old.seq * old.global_batch:
         notes.append(

@@ -196,3 +196,24 @@ def test_a_plan_without_a_snapshot_or_from_another_version_asks_to_recompile(cap
     )
     code, _, err = run(capsys, "explain", str(old), "--what-if", "gpus=16")
     assert code == 2 and "sympy 0.0" in err and "recompile" in err and err.count("\n") == 1
+
+
+def test_a_plan_whose_ranks_recompute_different_sets_keeps_its_split_and_rechooses_the_sets(capsys, tmp_path):
+    """The tiny LLaMA on 1.5 MB GPUs (``test_stage_recompute``): its first pipeline rank
+    recomputes, its last does not. No ``--force`` pin says a set per rank, so the same layout
+    keeps the stage split and the ranks' sets are chosen again for it: never slower than the
+    plan, and the answer says where the two differ."""
+    profile = tmp_path / "small.toml"
+    profile.write_text('name = "small"\nextends = "cpu"\nhbm_gb = 0.0015\nmemory_reserve_gb = 0\n')
+    args = [str(EXAMPLES / "llama3.py"), "--config", "tiny", "--hardware", str(profile), "--gpus", "2"]
+    args += ["--seq-len", "64", "--global-batch", "8", "--force", "pp=2,tp=1,dp=1,mbs=1,schedule=1f1b"]
+    assert main(["compile", *args, "--plan-only", "-o", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["stage_checkpoint"]
+    answer = ask(capsys, tmp_path / "out", "hbm_gb=0.0015")
+    before, same = answer["before"], answer["same_layout"]
+    assert same["step_time_s"] == before["step_time_s"] <= plan["predicted"]["step_time_s"] * (1 + 1e-9)
+    assert same["layout"]["stage_layers"] == plan["stage_layers"]
+    differs = same["step_time_s"] < plan["predicted"]["step_time_s"] * (1 - 1e-9)
+    assert differs == any("recompute sets, chosen again" in n for n in answer["notes"])
