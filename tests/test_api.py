@@ -33,14 +33,10 @@ def _cli(model_file, config, out):
     return out
 
 
-def _files(out) -> dict[str, str | bytes]:
-    """The files in ``out`` (the pictures beside plan.md aside), the snapshot of the search's input
-    as bytes."""
-    return {
-        p.name: p.read_bytes() if p.name == SNAPSHOT else p.read_text()
-        for p in sorted(out.iterdir())
-        if p.suffix not in (".png", ".svg")
-    }
+def _files(out) -> dict[str, str]:
+    """The text files in ``out``: the pictures beside plan.md and the snapshot of the search's
+    input aside (a binary file, which names the model's file only where the CLI read one)."""
+    return {p.name: p.read_text() for p in sorted(out.iterdir()) if p.suffix not in (".png", ".svg", ".pkl")}
 
 
 def _program(files: dict[str, str]) -> dict:
@@ -99,6 +95,7 @@ def test_a_live_module_with_its_model_file_builder_writes_the_clis_program(cli_g
     )
     assert program.out == tmp_path and program.plan.mesh.pp == 2
     assert _files(tmp_path) == cli_gpt  # every file, program.json included
+    assert (tmp_path / SNAPSHOT).is_file()
 
 
 def test_a_meta_module_with_an_importable_builder_function(cli_gpt, tmp_path):
