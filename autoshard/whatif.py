@@ -25,6 +25,7 @@ the plan format, sympy and Python that wrote it; another version refuses it (rec
 from __future__ import annotations
 
 import gzip
+import importlib.metadata
 import math
 import pickle
 import sys
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import sympy
 
-from autoshard import __version__, planner
+from autoshard import planner
 from autoshard.cost_models import hardware as hw
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import PLAN_VERSION, Mesh, Plan
@@ -56,7 +57,7 @@ def versions() -> dict[str, object]:
     (autoshard, sympy) and compiled (Python) its expressions."""
     return {
         "format": FORMAT,
-        "autoshard": __version__,
+        "autoshard": importlib.metadata.version("autoshard"),  # the package's, as pyproject.toml sets it
         "plan": PLAN_VERSION,
         "sympy": sympy.__version__,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
