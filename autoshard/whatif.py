@@ -230,11 +230,11 @@ def same_layout(problem: planner.Problem, pins: dict) -> tuple[Evaluation | None
         why = _why_not(problem, pins, str(e))
     if "recompute" not in pins:
         return None, why
+    kept = "+".join(sorted(pins["recompute"])) or "nothing"
     try:
         ev = priced(problem, {k: v for k, v in pins.items() if k != "recompute"})
     except AutoshardError:
-        return None, why
-    kept = "+".join(sorted(pins["recompute"])) or "nothing"
+        return None, f"recomputing {kept}, it {why}; no other recompute set fits either" if "fit" in why else why
     return ev, f"recomputing {kept}, as the plan does, it no longer fits ({why}); priced with the set the planner picks"
 
 
