@@ -122,8 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_compare)
 
-    p = sub.add_parser("explain", parents=[common], help="why a plan is what it is")
+    p = sub.add_parser("explain", parents=[common], help="why a plan is what it is (and what if ...)")
     p.add_argument("plan", help="OUT/plan.json (or the OUT directory)")
+    p.add_argument(
+        "--what-if",
+        metavar="KEY=VALUE",
+        action="append",
+        help="price the plan's layout and search afresh with this changed, from the snapshot compile wrote "
+        "(no capture): gpus, seq_len, global_batch, hardware=PROFILE or a profile field such as nvlink_gbps; "
+        "repeat for several",
+    )
+    p.add_argument("--json", action="store_true", help="with --what-if: machine-readable output")
     p.set_defaults(run=_explain)
 
     p = sub.add_parser("verify", parents=[common], help="run an emitted program on CPU against single-device")
@@ -382,6 +391,14 @@ def _export_plan(args) -> int:
 
 
 def _explain(args) -> int:
+    if args.what_if:
+        from autoshard import whatif
+
+        answer = whatif.ask(args.plan, args.what_if)
+        print(json.dumps(answer, indent=2) if args.json else whatif.text(answer))
+        return 0
+    if args.json:
+        raise AutoshardError("--json goes with --what-if (plan.json is the plan itself, machine-readable)")
     from autoshard.ir.plan import Plan
     from autoshard.planner.explain import rationale
 

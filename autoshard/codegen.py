@@ -27,8 +27,8 @@ from autoshard.stagecode import program_sources
 
 
 def write_plan(plan: Plan, out: str | Path, comparison: str | None = None, extra: dict | None = None) -> Path:
-    """``out/plan.json``, ``out/plan.md`` with its pictures and the ``extra`` files (name -> text);
-    replaces those files, keeps anything else."""
+    """``out/plan.json``, ``out/plan.md`` with its pictures and the ``extra`` files (name -> text,
+    or bytes); replaces those files, keeps anything else."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise AutoshardError(f"-o {out}: exists and is not a directory; choose another path")
@@ -43,8 +43,11 @@ def write_plan(plan: Plan, out: str | Path, comparison: str | None = None, extra
             "plan.md": plan_markdown(plan, comparison, staging),
             **(extra or {}),
         }
-        for name, text in files.items():
-            (staging / name).write_text(text)
+        for name, content in files.items():
+            if isinstance(content, bytes):
+                (staging / name).write_bytes(content)
+            else:
+                (staging / name).write_text(content)
         out.mkdir(exist_ok=True)
         for path in staging.iterdir():  # the files and plan.md's pictures
             os.replace(path, out / path.name)

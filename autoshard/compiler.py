@@ -36,7 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from autoshard import codegen, passes, planner
+from autoshard import codegen, passes, planner, whatif
 from autoshard.capture import Captured, capture_file
 from autoshard.capture.timing import phase
 from autoshard.codegen import write_plan
@@ -62,12 +62,15 @@ class Compiled:
     files: dict[str, str] | None  # the program (file name -> text); None for --plan-only
     comparison: str | None = None
     out: Path | None = None  # where it was last written
+    # the search's input, frozen (``whatif.freeze``): written as ``cost.pkl`` for ``explain --what-if``
+    inputs: planner.Problem | None = None
 
     def write(self, out: str | Path) -> Path:
-        """Write ``plan.json``, ``plan.md`` and the program files to ``out`` (see ``codegen.write_plan``)."""
-
+        """Write ``plan.json``, ``plan.md``, the program files and the snapshot of the search's
+        input (``whatif.SNAPSHOT``) to ``out`` (see ``codegen.write_plan``)."""
         with phase("writing"):
-            self.out = write_plan(self.plan, out, self.comparison, self.files)
+            extra = {**(self.files or {}), **({whatif.SNAPSHOT: whatif.dumps(self.inputs)} if self.inputs else {})}
+            self.out = write_plan(self.plan, out, self.comparison, extra)
         return self.out
 
 
@@ -151,9 +154,11 @@ def compile_plan(
         if comparison:
             plan.notes.append(comparison)
         if plan_only:
+            with phase("snapshot"):  # before the dry run, which may rewrite the graph in place
+                inputs = whatif.freeze(problem)
             with phase("dry-run passes"):
                 _dry_run(plan, captured, copy=not consume)
-            return Compiled(plan, result, None, comparison)
+            return Compiled(plan, result, None, comparison, inputs=inputs)
         left_out = _left_out(problem)
         if left_out:
             plan.notes.append(
@@ -169,7 +174,9 @@ def compile_plan(
         except Refusal as refusal:
             _exclude(problem, refusal)
             continue
-        return Compiled(plan, result, files, comparison)
+        with phase("snapshot"):
+            inputs = whatif.freeze(problem)
+        return Compiled(plan, result, files, comparison, inputs=inputs)
     raise AutoshardError(
         f"the rewrite passes refused {MAX_ROUNDS} plans in a row ({'; '.join(problem.exclusion_reasons)}); "
         "pin a plan with --force, or use --plan-only"

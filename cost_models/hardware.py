@@ -317,6 +317,25 @@ class Hardware:
         }
 
 
+def numeric(key: str) -> bool:
+    """Whether ``key`` is a field of one number (not a table, not the name)."""
+    kind = _REQUIRED.get(key) or _OPTIONAL.get(key, (None,))[0]
+    return kind in (int, float)
+
+
+def changed(profile: Hardware, changes: dict[str, float], where: str) -> Hardware:
+    """``profile`` with ``changes`` (field -> number; ``peak_tflops.fp8`` for one entry of a
+    table), checked as a profile file's fields are; errors name ``where`` for the file."""
+    data = profile.to_dict()
+    for key, value in changes.items():
+        table, _, entry = key.partition(".")
+        if entry:
+            data[table] = {**(data.get(table) or {}), entry: value}
+        else:
+            data[key] = value
+    return Hardware(**_validate(data, Path(where)), source=profile.source)
+
+
 def known() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
 

@@ -338,10 +338,9 @@ class LayerCosts:
         nothing runs under plain checkpointing (``runtime.checkpoint.Checkpoint``)."""
         return fp8_kept or collectives or bool(set(self.block(block).categories) - recompute)
 
-    @cache  # noqa: B019
     def _ops(self, block: int) -> int:
         """The block's traced operations."""
-        return sum(n.op in ("call_function", "call_method", "call_module") for n in self.block(block)._nodes)
+        return self.block(block).traced_ops
 
     @cache  # noqa: B019
     def p2p(self, block: int, mbs: int, tp: int, cp: int, where_pp: Where) -> float:

@@ -19,6 +19,7 @@ from autoshard.ir.program import Program
 from autoshard.runtime.program import full_state_from_model
 from autoshard.runtime.rebuild import Recipe
 from autoshard.verify import verify
+from autoshard.whatif import SNAPSHOT
 
 from conftest import EXAMPLES, ROOT
 
@@ -33,8 +34,9 @@ def _cli(model_file, config, out):
 
 
 def _files(out) -> dict[str, str]:
-    """The text files in ``out`` (the pictures beside plan.md aside)."""
-    return {p.name: p.read_text() for p in sorted(out.iterdir()) if p.suffix not in (".png", ".svg")}
+    """The text files in ``out``: the pictures beside plan.md and the snapshot of the search's
+    input aside (a binary file, which names the model's file only where the CLI read one)."""
+    return {p.name: p.read_text() for p in sorted(out.iterdir()) if p.suffix not in (".png", ".svg", ".pkl")}
 
 
 def _program(files: dict[str, str]) -> dict:
@@ -93,6 +95,7 @@ def test_a_live_module_with_its_model_file_builder_writes_the_clis_program(cli_g
     )
     assert program.out == tmp_path and program.plan.mesh.pp == 2
     assert _files(tmp_path) == cli_gpt  # every file, program.json included
+    assert (tmp_path / SNAPSHOT).is_file()
 
 
 def test_a_meta_module_with_an_importable_builder_function(cli_gpt, tmp_path):
