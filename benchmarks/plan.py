@@ -1,6 +1,6 @@
 """Plan time of the large problems, phase by phase, each run in a fresh process.
 
-    python benchmarks/plan.py [--runs 3] [--hf] [--only NAME] [--cpu] [--plans DIR]
+    python benchmarks/plan.py [--runs 3] [--hf] [--2t] [--only NAME] [--cpu] [--plans DIR]
 
 Each run is ``autoshard compile MODEL --plan-only`` (``compiler.compile_file``, under the command
 line's garbage-collector setting, ``autoshard.gcpolicy``) in a new Python process, so imports
@@ -42,6 +42,12 @@ HF_CASES = {
     "hf deepseek-v3-671b on 2048 x h800": (HF, "deepseek-v3-671b", "h800", 2048, 4096, 15360, "fp8"),
     "hf mixtral-8x22b on 1024 x h100": (MOE, "mixtral-8x22b", "h100", 1024, 4096, 1024, "bf16"),
 }
+# the seed's question (issue 29): 2-trillion-parameter configs, dense and DeepSeek-V3-style MoE;
+# target: planned in under 30 s
+TWO_T_CASES = {
+    "llama3-2t on 16384 x h100": (EXAMPLES / "llama3.py", "2t", "h100", 16384, 8192, 4096, "bf16"),
+    "deepseek-v3-2t on 16384 x h800": (EXAMPLES / "deepseek_v3.py", "2t", "h800", 16384, 4096, 16384, "fp8"),
+}
 PHASES = (
     "imports",
     "build on meta + init recorder",
@@ -59,7 +65,7 @@ SHORT = {"build on meta + init recorder": "build+init"}
 
 
 def child(name: str, plans: str | None = None) -> None:
-    path, config, hw, gpus, seq, batch, precision = {**CASES, **HF_CASES}[name]
+    path, config, hw, gpus, seq, batch, precision = {**CASES, **HF_CASES, **TWO_T_CASES}[name]
     start = time.perf_counter(), _cpu()
     from autoshard.gcpolicy import fewer_collections
 
@@ -95,6 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--hf", action="store_true", help="also the transformers models (slower)")
+    parser.add_argument("--2t", dest="two_t", action="store_true", help="also the 2T dense and MoE configs (slower)")
     parser.add_argument("--only", help="run the cases whose name contains this")
     parser.add_argument("--cpu", action="store_true", help="CPU seconds (this process and the search's helper)")
     parser.add_argument("--plans", help="write each case's plan as DIR/<case>.json (from its first run)")
@@ -104,7 +111,8 @@ def main() -> None:
         child(args.child, args.plans)
         return
     clock = 1 if args.cpu else 0
-    cases = [n for n in {**CASES, **(HF_CASES if args.hf else {})} if not args.only or args.only in n]
+    every = {**CASES, **(HF_CASES if args.hf else {}), **(TWO_T_CASES if args.two_t else {})}
+    cases = [n for n in every if not args.only or args.only in n]
     print(f"{'CPU' if args.cpu else 'wall'} seconds, median of {args.runs} fresh processes per case")
     results = {}
     for name in cases:
