@@ -66,25 +66,35 @@ class Bounds:
         zeros = (c.zero,) if level >= 4 else tuple(costs.zero_options(c))
         if level < 3:
             return self._schedule_open(c, level, m, where_key, where, zeros, incumbent)
+        sched, w, t_avg, rest = self._scheduled(c, zeros)
+        if m * t_avg + rest >= incumbent:
+            return m * t_avg + rest, False
+        m_flight = costs.in_flight(sched, c.v, c.pp, m)
+        if self.memory_bound(c, zeros, w, m_flight, lazy=c.v > 1) > self.p.hw.usable_bytes:
+            return math.inf, True
+        t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep)
+        if t_max == math.inf:
+            return math.inf, True
+        return m * t_max + rest, True
+
+    def _scheduled(self, c: Candidate, zeros: tuple) -> tuple:
+        """The cheap terms of ``bound`` once the schedule is chosen: (schedule, Work, the average
+        rank's time per micro-batch (or the embedding's or head's, where longer), the fill/drain
+        plus the data-parallel exposure with the compute hidden traffic slows and the tied
+        copies' sync, least over ``zeros``)."""
+        costs = self.costs
+        m = costs.microbatches(c)
+        where_key, where = costs.where(c, True)
         sched = SCHEDULES[c.schedule]
         w = costs.work(c, where_key, where, sched.overlaps_ep)
-        m_flight = costs.in_flight(sched, c.v, c.pp, m)
         bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
-        pp_total, pp_exposed = costs.pipeline_sends(c, sched, w, m, bubble)
+        pp_total, pp_exposed, _ = costs.pipeline_sends(c, sched, w, m, bubble)
         dp = min(
             self.dp_bound(c, z, w, where_key, where, m, pp_total - pp_exposed) + costs.tied_sync(c, sched, where, z)
             for z in zeros
         )
         overlap = sched.overlaps_ep
-        cheap = m * max(w.total / c.pp, w.pre.time(overlap), w.post.time(overlap)) + bubble + dp
-        if cheap >= incumbent:
-            return cheap, False
-        if self.memory_bound(c, zeros, w, m_flight, lazy=c.v > 1) > self.p.hw.usable_bytes:
-            return math.inf, True
-        t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, overlap)
-        if t_max == math.inf:
-            return math.inf, True
-        return m * t_max + bubble + dp, True
+        return sched, w, max(w.total / c.pp, w.pre.time(overlap), w.post.time(overlap)), bubble + dp
 
     def _schedule_open(
         self, c: Candidate, level: int, m: int, where_key, where, zeros: tuple, incumbent: float = math.inf
@@ -142,17 +152,11 @@ class Bounds:
     def schedule_floor(self, parent: Candidate, c: Candidate) -> float:
         """A cheap lower bound on ``bound(c, 3)`` for a child ``c`` of the level-2 node ``parent``
         (its schedule and virtual stages just chosen): the parent's slowest rank over whole
-        layers (for the fewest micro-batches in flight, so below ``c``'s), ``c``'s fill/drain
-        and data-parallel exposure. Children are queued with it, so those it puts above the
-        best plan are never bounded in full."""
-        costs = self.costs
-        m = costs.microbatches(c)
-        where_key, where = costs.where(c, True)
-        sched = SCHEDULES[c.schedule]
-        w = costs.work(c, where_key, where, sched.overlaps_ep)
-        bubble = sched.bubble(c.pp, m, c.v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
-        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in costs.zero_options(c))
-        return max(self.memo.open_least.get(parent, 0.0), m * w.total / c.pp) + bubble + dp
+        layers (for the fewest micro-batches in flight, so below ``c``'s) and ``c``'s cheap terms
+        (``_scheduled``). Children are queued with it, so those it puts above the best plan are
+        never bounded in full."""
+        _, _, t_avg, rest = self._scheduled(c, tuple(self.costs.zero_options(c)))
+        return max(self.memo.open_least.get(parent, 0.0), self.costs.microbatches(c) * t_avg) + rest
 
     def _open_time(self, c: Candidate, m: int, works: dict, shapes: list, what: str) -> float:
         """The least over ``shapes`` of m x the average rank + the fill/drain, or (``what``

@@ -196,17 +196,19 @@ class CandidateCosts:
             return 0.0
         return tied["params_tp"] / c.tp + tied["params"] - tied["params_tp"]
 
-    def pipeline_sends(self, c: Candidate, schedule: Schedule, w: Work, m: int, bubble: float) -> tuple[float, float]:
-        """(total, exposed) seconds per step of the pipeline's sends on the average rank: every
-        chunk's send of every micro-batch; exposed, what they add to the fill/drain (``bubble``,
-        the schedule's with them) and the steady-state share the program does not hide
-        (``Hardware.overlap``). None without a pipeline."""
+    def pipeline_sends(
+        self, c: Candidate, schedule: Schedule, w: Work, m: int, bubble: float
+    ) -> tuple[float, float, float]:
+        """(total, exposed, steady) seconds per step of the pipeline's sends on the average rank:
+        every chunk's send of every micro-batch; exposed, what they add to the fill/drain
+        (``bubble``, the schedule's with them) and the steady-state share the program does not
+        hide (``Hardware.overlap``), which is ``steady``. None without a pipeline."""
         if c.pp == 1:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         sends = c.v * w.p2p / 2
+        steady = m * c.v * (1 - self.p.hw.overlap_share("pp")) * w.p2p
         exposed = bubble - schedule.bubble(c.pp, m, c.v, w.f / c.pp - sends, w.b / c.pp - sends, w.w / c.pp)
-        exposed += m * c.v * (1 - self.p.hw.overlap_share("pp")) * w.p2p
-        return m * c.v * w.p2p, max(0.0, exposed)
+        return m * c.v * w.p2p, max(0.0, exposed + steady), steady
 
     def tied_sync(self, c: Candidate, schedule: Schedule, where: dict[str, Where], zero: int) -> float:
         """Seconds per step summing the tied copies' gradients between the ranks holding the first

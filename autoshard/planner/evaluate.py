@@ -289,10 +289,9 @@ class Evaluator:
         if overlap:
             hidden = [sum(n * k.ep_hidden for n, k in zip(counts, x.kinds)) for x in works]
             ep_exposed -= m * sum(hidden) / len(works) / c.pp
-        pp_total, pp_exposed = self.costs.pipeline_sends(c, sched, w, m, bubble)
-        # the steady-state sends the program does not hide (``Hardware.overlap``): in the slowest
-        # rank's time (``Quantities.p2p``), counted there rather than as imbalance
-        steady = m * c.v * (1 - self.p.hw.overlap_share("pp")) * w.p2p if c.pp > 1 else 0.0
+        # the steady-state sends the program does not hide (``Hardware.overlap``) are in the
+        # slowest rank's time (``Quantities.p2p``), counted as sends rather than as imbalance
+        pp_total, pp_exposed, steady = self.costs.pipeline_sends(c, sched, w, m, bubble)
         d = data_parallel(w.params_dense / c.pp, w.params_expert / c.pp, c.zero, where["dpcp"], where["edp"], self.p.hw)
         dp_total = d["after_backward"] + d["before_forward"] + m * d["per_microbatch"]
         layers_overlap, fsdp, optimizer = self._host_terms(c, works, overlap, m)
