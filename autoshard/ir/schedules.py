@@ -140,6 +140,28 @@ class Schedule:
         cycles, rest = divmod(done, per_round * v)
         return float(cycles * per_round + min(per_round, max(0, rest - (v - 1) * per_round)))
 
+    def held_with_grads(self, rank: int, pp: int, m: int, v: int) -> tuple[int, ...] | None:
+        """Per chunk of rank ``rank`` (model order), the micro-batches whose saved tensors it holds
+        at the first moment every chunk has its gradients: as its first chunk's first backward
+        (weight pass, where split) runs, the others' having run a round or more before. A moment of
+        ``occupancy``, so the rank's peak is at least its activations then beside all its states.
+        Interleaved 1F1B and ZB1P only (None for the others): backwards walk the chunks down a
+        round at a time, so the first chunk's first one is backward number (v-1) rounds, and ZB1P
+        runs weight pass k after input pass k + rank."""
+        if v == 1 or not self.rounds:
+            return None
+        per_round = m // max(1, m // pp)
+        ops = v * m
+        warmup = min((v - 1) * per_round + (1 if self.split_backward else 2) * (pp - 1 - rank), ops)
+        first = (v - 1) * per_round  # backwards (weight passes) before the first chunk's first
+        lag = rank if self.split_backward else 0
+        forwards = min(ops, warmup + lag + first + 1)  # the forward of that step runs before it
+        cycles, rest = divmod(forwards, per_round * v)
+        return tuple(
+            cycles * per_round + min(per_round, max(0, rest - j * per_round)) - (per_round if j else 0)
+            for j in range(v)
+        )
+
     def occupancy(self, pp: int, m: int, v: int) -> tuple[tuple[Point, ...], ...]:
         """Per pipeline rank, the moments of its action order that can be its memory peak, chunk
         by chunk (``chunks_of_rank`` order; ``Point``): per chunk, the micro-batches whose forward

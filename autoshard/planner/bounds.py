@@ -62,17 +62,19 @@ class Bounds:
         Levels: 0 root, 1 axis order, 2 recompute set, 3 schedule, 4 ZeRO stage."""
         costs = self.costs
         m = costs.microbatches(c)
-        where_key, where = costs.where(c, level >= 1)
-        zeros = (c.zero,) if level >= 4 else tuple(costs.zero_options(c))
         if level < 3:
+            where_key, where = costs.where(c, level >= 1)
+            zeros = tuple(costs.zero_options(c))
             return self._schedule_open(c, level, m, where_key, where, zeros, incumbent)
+        zeros = self.fitting_zeros(c, level)  # the memory test, one ZeRO stage at a time
+        if not zeros:
+            return math.inf, True
         sched, w, t_avg, rest = self._scheduled(c, zeros)
         if m * t_avg + rest >= incumbent:
             return m * t_avg + rest, False
         m_flight = costs.in_flight(sched, c.v, c.pp, m)
-        if self.memory_bound(c, zeros, w, m_flight, lazy=c.v > 1) > self.p.hw.usable_bytes:
-            return math.inf, True
-        t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep)
+        grads = costs.in_flight_with_grads(sched, c.v, c.pp, m)
+        t_max = self.tmax_bound(c, w, _ends(sched, c.v, c.pp), zeros, m_flight, sched.overlaps_ep, grads)
         if t_max == math.inf:
             return math.inf, True
         return m * t_max + rest, True
@@ -122,32 +124,72 @@ class Bounds:
         cheap = self._open_time(c, m, works, shapes, "all") + dp
         if level == 2 and cheap >= incumbent:
             return cheap, False
-        if self.memory_bound(c, zeros, w0, least, rc) > usable:
+        least_grads = costs.least_with_grads(c.pp, m)
+        if self.memory_bound(c, zeros, w0, least, rc, with_grads=least_grads) > usable:
             return math.inf, True
         if level < 2:
             return cheap, True
-        layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, c.recompute, zeros, m)
-        fitting = self.memo.fitting_shapes.get(layout)
-        if fitting is None:
-            fitting = self.memo.fitting_shapes[layout] = [
-                (sched, v, flight)
-                for sched, v, flight in shapes
-                if runnable(sched.name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp)
-                and self.memory_bound(c, zeros, w0, flight, rc, lazy=v > 1) <= usable
-            ]
+        fitting, fit_zeros, least, least_grads = self._fitting_shapes(c, m, zeros, shapes, w0)
         if not fitting:
             return math.inf, True
-        # the slowest rank over whole layers, for the fewest micro-batches any schedule keeps in
-        # flight on each rank and either placement of the embedding and head, with the
-        # overlapped (quicker) layers: below every schedule's ``tmax_bound``
+        # the ZeRO stages some schedule fits under, and the schedules fitting under some stage
+        dp = min(self.dp_bound(c, z, w, where_key, where, m) for z in fit_zeros for w in works.values())
+        best = self._open_time(c, m, works, fitting, "fitting")
+        if best + dp >= incumbent:
+            return best + dp, False
+        # the slowest rank over whole layers, for the fewest micro-batches any fitting schedule
+        # keeps in flight on each rank and either placement of the embedding and head, with the
+        # overlapped (quicker) layers: below every such schedule's ``tmax_bound``
         ends = {_ends(sched, v, c.pp) for sched, v, _ in fitting}
-        t_least = min(self.tmax_bound(c, works[True], e, zeros, least, True) for e in ends)
+        t_least = min(self.tmax_bound(c, works[True], e, fit_zeros, least, True, least_grads) for e in ends)
         if t_least == math.inf:
             return math.inf, True
-        best = self._open_time(c, m, works, fitting, "fitting")
         least_bubble = self._open_time(c, m, works, fitting, "bubble")
         self.memo.open_least[c] = m * t_least
         return max(best, m * t_least + least_bubble) + dp, True
+
+    def _fitting_shapes(self, c: Candidate, m: int, zeros: tuple, shapes: list, w0: Work) -> tuple:
+        """For a node whose recompute set is chosen: (the schedule shapes that run with it and
+        pass the memory bound under some ZeRO stage of ``zeros``, those stages, and per rank the
+        least in-flight micro-batches over those shapes, at the peak and while every chunk has its
+        gradients). Memoised by layout: memory does not depend on the axis order."""
+        layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, c.recompute, zeros, m)
+        found = self.memo.fitting_shapes.get(layout)
+        if found is None:
+            import numpy as np
+
+            costs, usable, values = self.costs, self.p.hw.usable_bytes, self.memo.in_flight_values
+            rows = [
+                (sched, v, flight, costs.in_flight_with_grads(sched, v, c.pp, m))
+                for sched, v, flight in shapes
+                if runnable(sched.name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp)
+            ]
+            fits = np.zeros((len(rows), len(zeros)), dtype=bool)
+            if rows:  # ``_memory_stage`` of every shape and stage, one array per stage and moment
+                peak, with_grads = (np.array([r[i] for r in rows], dtype=np.float64) for i in (2, 3))
+                lazy = np.array([r[1] > 1 for r in rows])
+                for j, z in enumerate(zeros):
+                    lazy_bound = self._memory_bounds(c, z, w0, peak, c.recompute, True)
+                    eager = self._memory_bounds(c, z, w0, peak, c.recompute, False)
+                    grads = self._memory_bounds(c, z, w0, with_grads, c.recompute, False)
+                    fits[:, j] = np.where(lazy, np.maximum(lazy_bound, grads), eager) <= usable
+            fitting, fit_zeros, flights, grads = [], set(), [], []
+            for (sched, v, flight, held), fit in zip(rows, fits):
+                if fit.any():
+                    fitting.append((sched, v, flight))
+                    fit_zeros.update(z for z, ok in zip(zeros, fit) if ok)
+                    flights.append(flight)
+                    grads.append(held)
+            least = tuple(map(min, *flights)) if len(flights) > 1 else (flights[0] if flights else ())
+            least_grads = tuple(map(min, *grads)) if len(grads) > 1 else (grads[0] if grads else ())
+            found = (
+                fitting,
+                tuple(sorted(fit_zeros)),
+                values.setdefault(least, least),
+                values.setdefault(least_grads, least_grads),
+            )
+            self.memo.fitting_shapes[layout] = found
+        return found
 
     def schedule_floor(self, parent: Candidate, c: Candidate) -> float:
         """A cheap lower bound on ``bound(c, 3)`` for a child ``c`` of the level-2 node ``parent``
@@ -155,7 +197,10 @@ class Bounds:
         layers (for the fewest micro-batches in flight, so below ``c``'s) and ``c``'s cheap terms
         (``_scheduled``). Children are queued with it, so those it puts above the best plan are
         never bounded in full."""
-        _, _, t_avg, rest = self._scheduled(c, tuple(self.costs.zero_options(c)))
+        zeros = self.fitting_zeros(c, 3)
+        if not zeros:
+            return math.inf
+        _, _, t_avg, rest = self._scheduled(c, zeros)
         return max(self.memo.open_least.get(parent, 0.0), self.costs.microbatches(c) * t_avg) + rest
 
     def _open_time(self, c: Candidate, m: int, works: dict, shapes: list, what: str) -> float:
@@ -166,7 +211,9 @@ class Bounds:
         best = self.memo.open_schedule.get(key)
         if best is None:
             best = math.inf
-            for sched, v, _ in shapes:
+            # a schedule's fill/drain shrinks as its virtual stages grow (``Schedule.bubble``)
+            # and its average rank does not depend on them: its most virtual stages are its least
+            for sched, v, _ in self._most_virtual(shapes):
                 w, overlap = works[sched.overlaps_ep], sched.overlaps_ep
                 bubble = sched.bubble(c.pp, m, v, w.f / c.pp, w.b / c.pp, w.w / c.pp)
                 t_max = 0.0 if what == "bubble" else max(w.total / c.pp, w.pre.time(overlap), w.post.time(overlap))
@@ -174,19 +221,46 @@ class Bounds:
             self.memo.open_schedule[key] = best
         return best
 
+    def _most_virtual(self, shapes: list) -> list:
+        """Of the memoised list ``shapes``, each schedule's shape with the most virtual stages."""
+        table = self.memo.most_virtual
+        found = table.get(id(shapes))
+        if found is None:
+            most: dict = {}
+            for shape in shapes:
+                if shape[0].name not in most or shape[1] > most[shape[0].name][1]:
+                    most[shape[0].name] = shape
+            found = table[id(shapes)] = list(most.values())
+        return found
+
     def may_fit(self, c: Candidate, level: int) -> bool:
         """The memory test of ``bound`` alone, for a node just made at ``level`` 2 (recompute set
-        chosen) or 3 (schedule chosen): children that fail it are never queued."""
+        chosen), 3 (schedule chosen) or 4 (ZeRO stage chosen): children that fail it are never
+        queued."""
+        if level >= 3:
+            return bool(self.fitting_zeros(c, level))
         costs = self.costs
         m = costs.microbatches(c)
         where_key, where = costs.where(c, True)
         zeros = tuple(costs.zero_options(c))
         w0 = costs.work(c, where_key, where, True, frozenset())
-        if level == 3:
-            flight, lazy = costs.in_flight(SCHEDULES[c.schedule], c.v, c.pp, m), c.v > 1
-        else:
-            flight, lazy = costs.schedule_shapes(c.pp, m)[1], True
-        return self.memory_bound(c, zeros, w0, flight, c.recompute, lazy) <= self.p.hw.usable_bytes
+        flight, grads = costs.schedule_shapes(c.pp, m)[1], costs.least_with_grads(c.pp, m)
+        return self.memory_bound(c, zeros, w0, flight, c.recompute, True, grads) <= self.p.hw.usable_bytes
+
+    def fitting_zeros(self, c: Candidate, level: int) -> tuple[int, ...]:
+        """The ZeRO stages still open below a node whose schedule is chosen (``level`` 3; at 4,
+        its own) that pass the memory bound with that schedule's in-flight counts, each alone:
+        the time terms are then least over the stages that can fit, not over one that fits and
+        another that is quick."""
+        costs = self.costs
+        m = costs.microbatches(c)
+        where_key, where = costs.where(c, True)
+        w0 = costs.work(c, where_key, where, True, frozenset())
+        sched = SCHEDULES[c.schedule]
+        flight, grads = costs.in_flight(sched, c.v, c.pp, m), costs.in_flight_with_grads(sched, c.v, c.pp, m)
+        usable, lazy = self.p.hw.usable_bytes, c.v > 1
+        zeros = (c.zero,) if level >= 4 else costs.zero_options(c)
+        return tuple(z for z in zeros if self._memory_stage(c, z, w0, flight, c.recompute, lazy, grads) <= usable)
 
     def quick_bound(self, c: Candidate) -> float:
         """A cheap root bound: compute and TP/CP/EP traffic at their best placements (EP hidden as
@@ -327,14 +401,26 @@ class Bounds:
         in_flight: tuple,
         recompute: frozenset | None = None,
         lazy: bool = True,
+        with_grads: tuple | None = None,
     ) -> float:
         """A lower bound on the busiest rank's memory over every stage partition and every ZeRO
         stage in ``zeros``, with ``w``'s activations or, given ``recompute``, the activations that
         recompute set keeps (model states and buffers do not depend on it). ``lazy``: the
         schedule may run several chunks per rank, so a chunk's gradients may not exist yet at
         the rank's activation peak (``Schedule.occupancy``); the bound is then the larger of the
-        activations at the peak beside the states without gradients, and all states with none."""
-        return min(self._memory_bound(c, z, w, in_flight, recompute, lazy) for z in _least_memory_stages(zeros))
+        activations at the peak beside the states without gradients, all states with none, and,
+        given ``with_grads`` (the in-flight counts at a moment every chunk has its gradients:
+        ``CandidateCosts.in_flight_with_grads``), those activations beside all states."""
+        return min(
+            self._memory_stage(c, z, w, in_flight, recompute, lazy, with_grads) for z in _least_memory_stages(zeros)
+        )
+
+    def _memory_stage(self, c: Candidate, zero: int, w: Work, in_flight, recompute, lazy: bool, with_grads) -> float:
+        """``memory_bound`` at one ZeRO stage: both moments happen, so the rank peaks above each."""
+        value = self._memory_bound(c, zero, w, in_flight, recompute, lazy)
+        if lazy and with_grads is not None:
+            value = max(value, self._memory_bound(c, zero, w, with_grads, recompute, False))
+        return value
 
     def _memory_bound(
         self, c: Candidate, zero: int, w: Work, in_flight: tuple, recompute: frozenset | None, lazy: bool
@@ -347,13 +433,47 @@ class Bounds:
         # memory does not depend on the axis order, so neither does the key; the in-flight
         # tuples are memoised (``in_flight``, ``schedule_shapes``), so their identity names them
         rc = w.recompute if recompute is None else recompute
-        layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, zero, lazy)
-        key = (*layout, id(in_flight))
+        key = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, zero, lazy, id(in_flight))
         value = self.memo.memory.get(key)
         if value is not None:
             return value
+        items, act_avg, st_avg, buffers, states = self._memory_profile(c, zero, w, recompute, lazy)
+        total = sum(1.0 / max(act_avg * i + st_avg, 1e-9) for i in in_flight)
+        # l_r x (a i_r + st) = (a i_r + st) / (act_avg i_r + st_avg) / total is monotone in i_r
+        # (a ratio of linear functions), so its least over the ranks is at the fewest or the most
+        # in-flight micro-batches
+        fewest, most = min(in_flight), max(in_flight)
+        under_fewest, under_most = max(act_avg * fewest + st_avg, 1e-9), max(act_avg * most + st_avg, 1e-9)
+        bound = sum(
+            n * min((a * fewest + st) / under_fewest, (a * most + st) / under_most) / total for n, a, st in items
+        )
+        value = max(bound, states / c.pp if lazy else 0.0) + buffers
+        self.memo.memory[key] = value
+        return value
+
+    def _memory_bounds(self, c: Candidate, zero: int, w: Work, flights, recompute: frozenset, lazy: bool):
+        """``_memory_bound`` of many in-flight counts at once (``flights``: an array, one row of
+        per-rank counts each), as an array."""
+        import numpy as np
+
+        items, act_avg, st_avg, buffers, states = self._memory_profile(c, zero, w, recompute, lazy)
+        total = (1.0 / np.maximum(act_avg * flights + st_avg, 1e-9)).sum(axis=1)
+        fewest, most = flights.min(axis=1), flights.max(axis=1)
+        under_fewest = np.maximum(act_avg * fewest + st_avg, 1e-9)
+        under_most = np.maximum(act_avg * most + st_avg, 1e-9)
+        bound = sum(
+            n * np.minimum((a * fewest + st) / under_fewest, (a * most + st) / under_most) / total for n, a, st in items
+        )
+        return np.maximum(bound, states / c.pp if lazy else 0.0) + buffers
+
+    def _memory_profile(self, c: Candidate, zero: int, w: Work, recompute: frozenset | None, lazy: bool) -> tuple:
+        """The per-layer memory ``_memory_bound`` weighs, shared by every schedule's in-flight
+        counts: (per block (count, activation bytes, state bytes), their averages, buffers, all
+        states with gradients)."""
+        rc = w.recompute if recompute is None else recompute
+        layout = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, zero, lazy)
         profile = self.memo.memory_layout.get(layout)
-        if profile is None:  # the per-layer memory, shared by every schedule's in-flight counts
+        if profile is None:
             costs = self.costs
             per, pre, post = costs.states(c, w, zero, grads=not lazy)
             if recompute is None:
@@ -369,73 +489,83 @@ class Bounds:
             states = sum(n * st for n, st in zip(costs.kind_counts, everything[0])) + everything[1] + everything[2]
             profile = (items, act_avg, st_avg, self._buffers(c, w, zero)[0], states)
             self.memo.memory_layout[layout] = profile
-        items, act_avg, st_avg, buffers, states = profile
-        total = sum(1.0 / max(act_avg * i + st_avg, 1e-9) for i in in_flight)
-        # l_r x (a i_r + st) = (a i_r + st) / (act_avg i_r + st_avg) / total is monotone in i_r
-        # (a ratio of linear functions), so its least over the ranks is at the fewest or the most
-        # in-flight micro-batches
-        fewest, most = min(in_flight), max(in_flight)
-        under_fewest, under_most = max(act_avg * fewest + st_avg, 1e-9), max(act_avg * most + st_avg, 1e-9)
-        bound = sum(
-            n * min((a * fewest + st) / under_fewest, (a * most + st) / under_most) / total for n, a, st in items
-        )
-        value = max(bound, states / c.pp if lazy else 0.0) + buffers
-        self.memo.memory[key] = value
-        return value
+        return profile
 
-    def tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zeros: tuple, in_flight, overlap) -> float:
+    def tmax_bound(
+        self, c: Candidate, w: Work, ends: tuple[int, int], zeros: tuple, in_flight, overlap, with_grads=None
+    ) -> float:
         """Lower bound on the slowest rank's time per micro-batch over all partitions and every
         ZeRO stage in ``zeros``, with whole layers and each rank's memory limit (inf when no split
-        fits), the embedding on rank ``ends[0]`` and the head on ``ends[1]``."""
-        return min(self._tmax_bound(c, w, ends, z, in_flight, overlap) for z in _least_memory_stages(zeros))
+        fits), the embedding on rank ``ends[0]`` and the head on ``ends[1]``; ``with_grads`` as in
+        ``memory_bound``."""
+        return min(self._tmax_bound(c, w, ends, z, in_flight, overlap, with_grads) for z in _least_memory_stages(zeros))
 
-    def _tmax_bound(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap) -> float:
+    def _tmax_bound(
+        self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, overlap, with_grads=None
+    ) -> float:
         """``tmax_bound`` at one ZeRO stage. Every layer is given the smallest time and memory of
         any layer kind, which can only lower the bound; the ranks holding the embedding and the
         head take its time besides (``_least_time``). ``in_flight`` is a memoised tuple (its identity keys the memo). A
         rank's gradients may not exist yet at its activation peak (``memory_bound``), so its
         layers are capped both by their activations beside the states without gradients and by
-        all their states alone."""
-        key = (id(w), zero, ends, id(in_flight), overlap)
+        all their states beside the activations held while every chunk has its gradients
+        (``with_grads``; none where not given)."""
+        key = (id(w), zero, ends, id(in_flight), overlap, id(with_grads))
         table = self.memo.tmax
+        if key in table:
+            return table[key]
+        caps = self._caps(c, w, ends, zero, in_flight, with_grads)
+        if caps is None:
+            value = math.inf
+        else:
+            first, last = ends
+            t_min = min(k.time(overlap) for k in w.kinds)
+            fixed_time = [
+                (w.pre.time(overlap) if r == first else 0.0) + (w.post.time(overlap) if r == last else 0.0)
+                for r in range(c.pp)
+            ]
+            least = _least_time(caps, fixed_time, self.p.num_layers, t_min) if t_min > 0 else 0.0
+            value = max(w.total / c.pp, least, w.pre.time(overlap), w.post.time(overlap))
+        table[key] = value
+        return value
+
+    def _caps(self, c: Candidate, w: Work, ends: tuple[int, int], zero: int, in_flight, with_grads) -> list | None:
+        """``_tmax_bound``'s most layers each rank can hold under its memory limit (None where
+        some rank cannot hold even its fixed part, or the ranks cannot hold every layer):
+        memoised by layout, since memory does not depend on the axis order or the layers' times."""
+        key = (c.tp, c.pp, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, w.recompute, zero, ends)
+        key += (id(in_flight), id(with_grads))
+        table = self.memo.caps
         if key in table:
             return table[key]
         per, pre_state, post_state = self.costs.states(c, w, zero, grads=False)
         per_all, pre_all, post_all = self.costs.states(c, w, zero)
         buffers, post_buffers = self.costs.buffers(c, w, zero)
-        layers = self.p.num_layers
+        layers, usable = self.p.num_layers, self.p.hw.usable_bytes
         first, last = ends
-        t_min = min(k.time(overlap) for k in w.kinds)
         a_min = min(k.activation_bytes for k in w.kinds)
         s_min, s_all = min(per), min(per_all)
-        caps, fixed_time = [], []
-        value = None
+        caps: list | None = []
         for r in range(c.pp):
-            fixed, everything, t_fixed = buffers, buffers, 0.0
+            fixed, everything = buffers, buffers
+            held = with_grads[r] if with_grads is not None else 0.0
             if r == first:
                 fixed += w.pre.activation_bytes * in_flight[r] + pre_state
-                everything += pre_all
-                t_fixed += w.pre.time(overlap)
+                everything += w.pre.activation_bytes * held + pre_all
             if r == last:
                 fixed += w.post.activation_bytes * in_flight[r] + post_state + post_buffers
-                everything += post_all + post_buffers
-                t_fixed += w.post.time(overlap)
-            room, room_all = self.p.hw.usable_bytes - fixed, self.p.hw.usable_bytes - everything
+                everything += w.post.activation_bytes * held + post_all + post_buffers
+            room, room_all = usable - fixed, usable - everything
             if min(room, room_all) < 0:
-                value = math.inf
+                caps = None
                 break
-            unit = a_min * in_flight[r] + s_min
+            unit, unit_all = a_min * in_flight[r] + s_min, a_min * held + s_all
             cap = layers if unit <= 0 else min(layers, int(room // unit))
-            caps.append(cap if s_all <= 0 else min(cap, int(room_all // s_all)))
-            fixed_time.append(t_fixed)
-        if value is None:
-            if sum(caps) < layers:
-                value = math.inf
-            else:
-                least = _least_time(caps, fixed_time, layers, t_min) if t_min > 0 else 0.0
-                value = max(w.total / c.pp, least, w.pre.time(overlap), w.post.time(overlap))
-        table[key] = value
-        return value
+            caps.append(cap if unit_all <= 0 else min(cap, int(room_all // unit_all)))
+        if caps is not None and sum(caps) < layers:
+            caps = None
+        table[key] = caps
+        return caps
 
 
 def _least_cover(caps: list[int], lead: list[int], layers: int) -> int:

@@ -145,47 +145,55 @@ class CandidateCosts:
         key = (c.tp, c.pp, c.v, c.cp, c.ep, c.dp, c.mbs, c.fp8, c.attention, rc, places, overlap, split)
         w = self.memo.work.get(key)
         if w is None:
-            c2 = c if rc == c.recompute else replace(c, recompute=rc)
-            kinds = [self.layer(i, c2, where) for i in range(len(self.p.cost.blocks))]
-            pre, post = self.layer(PRE, c2, where), self.layer(POST, c2, where)
-            if split:  # a split backward's weight pass recomputes the layer a second time
-                kinds = [_rerun_in_weight_pass(k, split) for k in kinds]
-                pre, post = _rerun_in_weight_pass(pre, split), _rerun_in_weight_pass(post, split)
-            copy = self.tied_copy(c)
-            if copy:  # the head's chunk holds its own copy of the tied parameters
-                post = replace(post, params_dense=post.params_dense + copy)
-            counts = self.kind_counts
-
-            def tot(attr):
-                return (
-                    sum(n * getattr(k, attr) for n, k in zip(counts, kinds)) + getattr(pre, attr) + getattr(post, attr)
-                )
-
-            total = sum(n * k.time(overlap) for n, k in zip(counts, kinds)) + pre.time(overlap) + post.time(overlap)
+            # all but the pipeline sends is the same for every v of a split share: made once
+            base_key = key[:2] + key[3:]
+            base = self.memo.work_layers.get(base_key)
+            if base is None:
+                base = self.memo.work_layers[base_key] = self._work_layers(c, rc, where, overlap, split)
+            kinds, pre, post, total, f, b, wp, hop = base
             # communication on the fill/drain path: half in forward, half in backward. A rank's
             # pipeline sends (one per virtual stage) lie on it too; in the steady state they are
             # asynchronous and overlap the next micro-batch's compute (LLaMA-3 section 3.3.2).
-            sends = c.v * c.pp * max(k.p2p for k in kinds)
-            # an overlapping schedule hides the all-to-all but for what the program does not hide
-            ep = tot("ep") if not overlap else tot("ep_unhidden")
-            half = (tot("tp") + tot("cp") + ep + sends) / 2
+            p2p = max(k.p2p for k in kinds)
+            half = (hop + c.v * c.pp * p2p) / 2
             w = Work(
                 kinds,
                 pre,
                 post,
                 total,
-                tot("f") + half,
-                tot("b") + half,
-                tot("w"),
-                tot("activation_bytes"),
-                tot("held_bytes"),
-                tot("params_dense"),
-                tot("params_expert"),
-                max(k.p2p for k in kinds),
+                f + half,
+                b + half,
+                wp,
+                _tot(self.kind_counts, kinds, pre, post, "activation_bytes"),
+                _tot(self.kind_counts, kinds, pre, post, "held_bytes"),
+                _tot(self.kind_counts, kinds, pre, post, "params_dense"),
+                _tot(self.kind_counts, kinds, pre, post, "params_expert"),
+                p2p,
                 rc,
             )
             self.memo.work[key] = w
         return w
+
+    def _work_layers(self, c: Candidate, rc: frozenset, where, overlap: bool, split: float) -> tuple:
+        """``work``'s layers and their totals but for the pipeline sends: (per-kind layers, the
+        embedding, the head, time, forward, input-gradient, weight-gradient seconds, and the TP,
+        CP and (exposed) EP seconds on the fill/drain path)."""
+        c2 = c if rc == c.recompute else replace(c, recompute=rc)
+        kinds = [self.layer(i, c2, where) for i in range(len(self.p.cost.blocks))]
+        pre, post = self.layer(PRE, c2, where), self.layer(POST, c2, where)
+        if split:  # a split backward's weight pass recomputes the layer a second time
+            kinds = [_rerun_in_weight_pass(k, split) for k in kinds]
+            pre, post = _rerun_in_weight_pass(pre, split), _rerun_in_weight_pass(post, split)
+        copy = self.tied_copy(c)
+        if copy:  # the head's chunk holds its own copy of the tied parameters
+            post = replace(post, params_dense=post.params_dense + copy)
+        counts = self.kind_counts
+        total = sum(n * k.time(overlap) for n, k in zip(counts, kinds)) + pre.time(overlap) + post.time(overlap)
+        # an overlapping schedule hides the all-to-all but for what the program does not hide
+        ep = _tot(counts, kinds, pre, post, "ep" if not overlap else "ep_unhidden")
+        hop = _tot(counts, kinds, pre, post, "tp") + _tot(counts, kinds, pre, post, "cp") + ep
+        f, b, wp = (_tot(counts, kinds, pre, post, a) for a in ("f", "b", "w"))
+        return kinds, pre, post, total, f, b, wp, hop
 
     def tied_copy(self, c: Candidate) -> float:
         """Parameters one GPU of the head's chunk holds as its copy of the ones tied to the
@@ -314,6 +322,40 @@ class CandidateCosts:
             table[key] = self.memo.in_flight_values.setdefault(counts, counts)
         return table[key]
 
+    def in_flight_with_grads(self, schedule: Schedule, v: int, pp: int, m: int) -> tuple:
+        """Per pipeline rank, micro-batches in flight (counted as ``in_flight`` counts them) at a
+        moment every chunk of the rank has its gradients (``Schedule.held_with_grads``): the
+        rank's memory is then at least those activations beside all its model states. One chunk:
+        ``in_flight`` (its peak comes with its gradients); zero where the row gives no such
+        moment (the V-shaped schedules), which leaves the states alone. Memoised and one tuple per
+        value, as ``in_flight``."""
+        key = (schedule.name, v, pp, m)
+        table = self.memo.in_flight_grads
+        if key not in table:
+            if v == 1:
+                counts = self.in_flight(schedule, v, pp, m)
+            else:
+                ends = {schedule.chunk_rank(0, pp), schedule.chunk_rank(pp * v - 1, pp)}
+                counts = []
+                for r in range(pp):
+                    held = schedule.held_with_grads(r, pp, m, v)
+                    counts.append(0.0 if held is None else float(min(held) if r in ends else sum(held) / v))
+                counts = tuple(counts)
+            table[key] = self.memo.in_flight_values.setdefault(counts, counts)
+        return table[key]
+
+    def least_with_grads(self, pp: int, m: int) -> tuple:
+        """Per pipeline rank, the least ``in_flight_with_grads`` over the schedules valid for (pp,
+        m) (memoised, one tuple per value)."""
+        key = (pp, m)
+        table = self.memo.least_grads
+        if key not in table:
+            shapes = self.schedule_shapes(pp, m)[0]
+            flights = [self.in_flight_with_grads(sched, v, pp, m) for sched, v, _ in shapes]
+            least = tuple(map(min, *flights)) if len(flights) > 1 else (flights[0] if flights else ())
+            table[key] = self.memo.in_flight_values.setdefault(least, least)
+        return table[key]
+
     def occupancy(self, schedule: Schedule, v: int, pp: int, m: int) -> tuple:
         """Per pipeline rank, the schedule's micro-batches in flight chunk by chunk at each moment
         that can be its peak (``Schedule.occupancy``; only the shapes the search evaluates need
@@ -330,6 +372,11 @@ class CandidateCosts:
             least = tuple(map(min, *[f for _, _, f in shapes])) if len(shapes) > 1 else (shapes[0][2] if shapes else ())
             table[key] = (shapes, least)
         return table[key]
+
+
+def _tot(counts, kinds, pre, post, attr: str) -> float:
+    """The sum of ``attr`` over the layers (``counts`` of each kind), the embedding and the head."""
+    return sum(n * getattr(k, attr) for n, k in zip(counts, kinds)) + getattr(pre, attr) + getattr(post, attr)
 
 
 def _rerun_in_weight_pass(k: LayerCost, split: float) -> LayerCost:

@@ -23,9 +23,16 @@ class Memo:
     work: dict = _table()
     """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, the TP, CP, EP and PP placements,
     EP overlapped) -> Work."""
+    work_layers: dict = _table()
+    """``work``'s key but ``v`` -> its layers and totals but the pipeline sends (``_work_layers``)."""
     in_flight: dict = _table()
     """(schedule, v, pp, micro-batches) -> per-rank micro-batches in flight (a tuple, the one
     ``in_flight_values`` holds for its value)."""
+    in_flight_grads: dict = _table()
+    """(schedule, v, pp, micro-batches) -> per-rank micro-batches in flight at a moment every
+    chunk has its gradients (``CandidateCosts.in_flight_with_grads``; a tuple as above)."""
+    least_grads: dict = _table()
+    """(pp, micro-batches) -> the per-rank least of ``in_flight_grads`` over the schedules."""
     in_flight_values: dict = _table()
     """in-flight tuple -> itself: one object per value, so equal counts have one identity."""
     schedule_shapes: dict = _table()
@@ -38,12 +45,17 @@ class Memo:
     open_schedule: dict = _table()
     """(ids of the Works by EP overlap, pp, micro-batches, "all" | "fitting" | "bubble") -> the
     least m x t_max + bubble (or bubble alone) over the schedules still open."""
+    most_virtual: dict = _table()
+    """id of a memoised list of schedule shapes (``schedule_shapes``, ``fitting_shapes``) -> each
+    schedule's shape in it with the most virtual stages."""
     open_least: dict = _table()
     """level-2 candidate -> m x its slowest rank's least time over whole layers (``Bounds.schedule_floor``)."""
     fitting_shapes: dict = _table()
-    """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, ZeRO stages, micro-batches) -> the
-    schedule shapes that run with that recompute set and pass the memory bound (memory does not
-    depend on the axis order, so every order's node shares them)."""
+    """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, ZeRO stages, micro-batches) -> (the
+    schedule shapes that run with that recompute set and pass the memory bound under some stage,
+    those stages, the per-rank least in-flight counts over those shapes at the peak and with every
+    chunk's gradients): ``Bounds._fitting_shapes`` (memory does not depend on the axis order, so
+    every order's node shares them)."""
     dp_traffic: dict = _table()
     """(tp, pp, cp, ep, dp, zero, layout key) -> data-parallel seconds (after backward, before
     forward, per micro-batch) of all the layers."""
@@ -60,6 +72,10 @@ class Memo:
     """``memory_layout`` key + (id(in-flight tuple),) -> the memory lower bound."""
     tmax: dict = _table()
     """(id(Work), zero, (first, last) rank, id(in-flight tuple), EP overlapped) -> the t_max bound."""
+    caps: dict = _table()
+    """(tp, pp, cp, ep, dp, mbs, fp8, attention, recompute set, zero, (first, last) rank, id(in-flight
+    tuple), id(in-flight tuple with gradients)) -> the most layers each rank can hold
+    (``Bounds._caps``; None where no split fits)."""
     node_bound: dict = _table()
     """(candidate, level) -> its lower bound (``Bounds.bound``): the per-mesh searches for the
     alternatives meet many of the nodes the main search bounded."""

@@ -30,6 +30,9 @@ LEVELS = 5  # root, axis order, recompute set, schedule, ZeRO stage; leaves belo
 # nodes between progress updates: a node costs milliseconds (its bounds, CP-SAT at the leaves), so
 # a terminal sees a few updates a second and the loop pays one check per node
 PROGRESS_EVERY = 16
+# until a plan is found, the first DIVES nodes expanded at level DIVE_FROM (recompute set chosen)
+# each send a dive to a leaf (``Tree._dive``), evaluating at most DIVE_LEAVES leaves
+DIVE_FROM, DIVES, DIVE_LEAVES = 2, 3, 4
 
 
 class Tree:
@@ -116,7 +119,7 @@ class Tree:
         best: Evaluation | None = None
         infeasible: list[Evaluation] = []
         does_not_fit: set[Candidate] = set()
-        nodes = leaves = 0
+        nodes = leaves = dives = 0
         fixed = self.p.forced.get("stage_layers")
         while heap:
             lb, needs_bound, _, level, c = heapq.heappop(heap)
@@ -134,12 +137,19 @@ class Tree:
                     heapq.heappush(heap, (own, 0, next(tick), level, c))
                 continue
             nodes += 1
+            if best is None and level == DIVE_FROM and dives < DIVES:
+                # a plan early, so that the bounds to come can stop at it (``Bounds.bound``'s cut)
+                dives += 1
+                found = self._dive(c, level, fixed, [DIVE_LEAVES], infeasible, does_not_fit)
+                leaves += found[1]
+                best = found[0]
             if not nodes % PROGRESS_EVERY:  # the bound popped rises: the gap to ``best`` closes
                 progress.update(nodes=nodes, bound_s=lb, best_s=best.step_time_s if best else None)
             if level < LEVELS - 1:
                 for child in self.children(c, level):
-                    if level in (1, 2) and not bounds.may_fit(child, level + 1):
+                    if level in (1, 3) and not bounds.may_fit(child, level + 1):
                         continue
+                    # a schedule's floor is infinite where no ZeRO stage fits under it
                     floor = max(lb, bounds.schedule_floor(c, child)) if level == 2 else lb
                     if best is None or floor < best.step_time_s:
                         heapq.heappush(heap, (floor, 1, next(tick), level + 1, child))
@@ -157,6 +167,33 @@ class Tree:
             elif best is None or ev.step_time_s < best.step_time_s:
                 best = ev
         return best, infeasible, nodes, leaves
+
+    def _dive(self, c: Candidate, level: int, fixed, budget: list, infeasible: list, does_not_fit: set) -> tuple:
+        """(the first plan that fits found below ``c`` going down by the least bound first, or
+        None; leaves evaluated), evaluating at most ``budget[0]`` leaves. Its plan is a plan of the
+        share like any other: it only gives the search an incumbent before the heap reaches one."""
+        if level == LEVELS - 1:
+            memory_key = replace(c, order=())
+            if (fixed is not None and len(fixed) != c.pp * c.v) or memory_key in does_not_fit:
+                return None, 0
+            budget[0] -= 1
+            ev = self._evaluate(c, fixed)
+            if not ev.feasible:
+                does_not_fit.add(memory_key)
+                infeasible.append(ev)
+                return None, 1
+            return ev, 1
+        kids = [k for k in self.children(c, level) if level not in (1, 3) or self.bounds.may_fit(k, level + 1)]
+        ranked = sorted((self._bound(k, level + 1, math.inf), i) for i, k in enumerate(kids))
+        evaluated = 0
+        for value, i in ranked:
+            if value == math.inf or budget[0] <= 0:
+                break
+            found, n = self._dive(kids[i], level + 1, fixed, budget, infeasible, does_not_fit)
+            evaluated += n
+            if found is not None:
+                return found, evaluated
+        return None, evaluated
 
     def _bound(self, c: Candidate, level: int, incumbent: float) -> float:
         """``Bounds.bound``, memoised for the whole search (the per-mesh searches share the memo):

@@ -128,6 +128,12 @@ def test_occupancy_is_every_peak_of_torch_orders_per_chunk(name):
             least = row.least_held(rank, pp, m, v)
             assert 1 <= least <= row.in_flight(rank, pp, m, v), (name, pp, m, v, rank)
             assert max(min(hs) for hs, _, _ in occupancy[rank]) >= least, (name, pp, m, v, rank)
+            # ``held_with_grads`` is a moment of torch's order at which every chunk's gradients
+            # exist (the bounds add all of a rank's states to its activations then)
+            with_grads = row.held_with_grads(rank, pp, m, v)
+            if with_grads is not None:
+                moments = _every_moment(orders[rank], chunks)
+                assert any(hs == with_grads and all(gs) for hs, _, gs in moments), (name, pp, m, v, rank)
         checked += 1
     assert checked >= 5
 
