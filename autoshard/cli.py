@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from autoshard import progress
 from autoshard.errors import AutoshardError
@@ -31,6 +32,17 @@ def _positive(kind):
         return value
 
     parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _positive_list(kind):
+    """A comma-separated list of positive numbers (``8192,32768``), each read as ``_positive``."""
+    one = _positive(kind)
+
+    def parse(text: str) -> list:
+        return [one(x.strip()) for x in text.split(",")]
+
+    parse.__name__ = f"list of positive {kind.__name__}s"
     return parse
 
 
@@ -81,15 +93,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="config name passed to the builder")
     p.add_argument("--hardware", required=True, help="profile name or path to a .toml profile")
     p.add_argument("--gpus", type=_positive(int), required=True, help="GPUs to plan for")
-    p.add_argument("--seq-len", type=_positive(int), required=True, help="sequence length, tokens")
-    p.add_argument("--global-batch", type=_positive(int), required=True, help="sequences per optimizer step")
+    p.add_argument(
+        "--seq-len",
+        type=_positive_list(int),
+        required=True,
+        help="sequence length, tokens; a comma list (8192,32768,131072) with --tokens-per-stage compiles a "
+        "long-context ramp: one program per stage under -o, each its own best plan, ramp.md and the driver ramp.py",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=_positive(int),
+        required=True,
+        help="sequences per optimizer step; in a ramp, the first stage's: every stage keeps its tokens per step, "
+        "so stage k's batch is this x the first length / stage k's, which must be whole",
+    )
+    p.add_argument(
+        "--tokens-per-stage",
+        type=_positive_list(float),
+        metavar="T1,T2,...",
+        help="a ramp's training tokens per stage, one per --seq-len (e.g. 14.8e12,2e11): each stage's steps are "
+        "its tokens over the tokens per step, rounded up",
+    )
     p.add_argument(
         "--precision",
         choices=("bf16", "fp8", "auto"),
         default="bf16",
         help="bf16 (default), fp8 matmuls, or auto: let the planner decide",
     )
-    p.add_argument("--force", metavar="PINS", help="pin fields, e.g. tp=8,pp=16,schedule=interleaved,zero=1")
+    p.add_argument(
+        "--force",
+        metavar="PINS",
+        help="pin fields, e.g. tp=8,pp=16,schedule=interleaved,zero=1; in a ramp, for every stage, or one set per "
+        "stage separated by ';' (\"dp=2;cp=2\")",
+    )
     p.add_argument(
         "--memory-headroom",
         type=_headroom,
@@ -287,6 +323,8 @@ def _headroom(text: str) -> float:
 
 
 def _compile(args) -> int:
+    if len(args.seq_len) > 1 or args.tokens_per_stage is not None:
+        return _compile_ramp(args)
     from autoshard import planner
     from autoshard.compiler import compile_file
 
@@ -295,7 +333,7 @@ def _compile(args) -> int:
         args.config,
         hardware=args.hardware,
         gpus=args.gpus,
-        seq_len=args.seq_len,
+        seq_len=args.seq_len[0],
         global_batch=args.global_batch,
         precision=args.precision,
         pins=planner.parse_force(args.force),
@@ -327,6 +365,41 @@ def _compile(args) -> int:
         progress.note(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
         for reason in plan.not_emitted:
             print(f"not emitted yet (compile without --plan-only takes the best plan without it): {reason}")
+    return 0
+
+
+def _compile_ramp(args) -> int:
+    """``compile --seq-len A,B,... --tokens-per-stage TA,TB,...``: a long-context ramp."""
+    if args.tokens_per_stage is None:
+        raise AutoshardError(
+            f"--seq-len {','.join(map(str, args.seq_len))} is a ramp of {len(args.seq_len)} stages: give "
+            "--tokens-per-stage, one token count per stage"
+        )
+    for flag, value in (("--compare", args.compare), ("--dump-passes", args.dump_passes)):
+        if value is not None:
+            raise AutoshardError(f"{flag} goes with one --seq-len; compile the stage on its own for it")
+    from autoshard import ramp
+
+    ramp.compile_ramp(
+        args.model,
+        args.config,
+        hardware=args.hardware,
+        gpus=args.gpus,
+        seq_lens=args.seq_len,
+        global_batch=args.global_batch,
+        tokens=args.tokens_per_stage,
+        force=args.force,
+        precision=args.precision,
+        memory_headroom=args.memory_headroom,
+        plan_only=args.plan_only,
+        out=args.out,
+    )
+    print((Path(args.out) / "ramp.md").read_text(), end="")
+    if args.plan_only:
+        progress.note(f"wrote {args.out}/: ramp.md, ramp.json and each stage's plan.json and plan.md")
+    else:
+        progress.note(f"wrote {args.out}/: ramp.md, ramp.json, ramp.py and each stage's program")
+        progress.note(f"run: python {Path(args.out) / ramp.DRIVER} [-- train.py flags for every stage]")
     return 0
 
 

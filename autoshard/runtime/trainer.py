@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     )
     p.add_argument("--min-lr", type=float, default=0.0, help="the decay's final learning rate")
     p.add_argument(
+        "--schedule-steps",
+        type=int,
+        help="the step the decay reaches --min-lr at (default: --steps); a run in stages (a long-context ramp's "
+        "ramp.py) gives every stage the last stage's, so that one schedule spans them all",
+    )
+    p.add_argument(
         "--max-grad-norm",
         type=float,
         help="clip the global gradient norm (over every shard of every parallel dimension) to this",
@@ -235,6 +241,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise ProgramError(f"{flag} must not be negative")
     if args.checkpoint_every < 0:
         raise ProgramError("--checkpoint-every must not be negative")
+    if args.schedule_steps is not None and args.schedule_steps < 1:
+        raise ProgramError(f"--schedule-steps must be a positive number of steps; got {args.schedule_steps}")
     for flag in ("lr", "min_lr", "weight_decay", "adam_eps", "max_grad_norm", "spike_zscore", "timeout", "aux_alpha",
                  "balance_gamma"):  # fmt: skip
         value = getattr(args, flag, None)
@@ -282,15 +290,22 @@ def init_process_group(backend: str, timeout: float) -> None:
 
 def learning_rate(args: argparse.Namespace, step: int) -> float:
     """The learning rate of optimizer step ``step`` (0-based): linear warm-up over ``--warmup``
-    steps, then constant or a cosine or linear decay to ``--min-lr`` at ``--steps``."""
+    steps, then constant or a cosine or linear decay to ``--min-lr`` at ``--schedule-steps``
+    (default ``--steps``)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     if args.lr_schedule == "constant":
         return args.lr
-    span = max(1, args.steps - args.warmup)
+    span = max(1, schedule_end(args) - args.warmup)
     t = min(1.0, (step - args.warmup) / span)
     shape = 0.5 * (1 + math.cos(math.pi * t)) if args.lr_schedule == "cosine" else 1 - t
     return args.min_lr + (args.lr - args.min_lr) * shape
+
+
+def schedule_end(args: argparse.Namespace) -> int:
+    """The step the learning-rate decay ends at: ``--schedule-steps``, else ``--steps``."""
+    end = getattr(args, "schedule_steps", None)
+    return args.steps if end is None else end
 
 
 def train(args: argparse.Namespace, out: Path, plan: Plan, program: Program, device: torch.device) -> None:
@@ -879,7 +894,7 @@ class Trainer:
             "seed": args.seed, "global_batch": plan.global_batch, "seq_len": plan.seq_len,
             "grad_accum": args.grad_accum,
             "lr": {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr,
-                   "steps": args.steps},
+                   "steps": schedule_end(args)},
             "plan_sha256": self.program.plan_sha256, "gpus": plan.gpus, "model": plan.model.get("name"),
             "mesh": plan.mesh.degrees(), "zero_stage": plan.zero_stage,
             "tied": [list(e.names) for e in self.program.tied],
@@ -929,7 +944,7 @@ class Trainer:
             buf = passes[0][rng_key]
             buf.seek(0)
             state.set_rng_state(torch.load(buf, weights_only=False))
-        samples = meta["samples"]
+        samples = samples_at(meta, self.plan.seq_len, path)
         if samples % self.plan.global_batch:
             raise ProgramError(
                 f"checkpoint {path} read {samples} sequences, not a whole number of this plan's global batches "
@@ -939,13 +954,27 @@ class Trainer:
                    list(meta.get("skipped", [])), rollbacks=list(meta.get("rollbacks", [])))  # fmt: skip
 
 
+def samples_at(meta: dict, seq_len: int, path: Path) -> int:
+    """The sequences a checkpoint's run read, counted in sequences of ``seq_len``: a checkpoint
+    written at another sequence length (the stage before in a long-context ramp) read the same
+    tokens as ``samples * its seq_len / seq_len`` sequences of this length, so the data position
+    carries the tokens read over."""
+    samples, then = meta["samples"], meta.get("seq_len") or seq_len
+    if samples * then % seq_len:
+        raise ProgramError(
+            f"checkpoint {path} read {samples} sequences of {then} tokens, not a whole number of sequences of "
+            f"{seq_len}; resume at a sequence length that divides the tokens it read"
+        )
+    return samples * then // seq_len
+
+
 def lr_flags_changed(saved: dict | None, args: argparse.Namespace) -> dict:
     """The learning-rate flags (``--lr``, ``--lr-schedule``, ``--warmup``, ``--min-lr``,
     ``--steps``) whose value differs from the run that wrote a checkpoint (its ``trainer.json``'s
     ``lr``): flag -> (then, now). Empty when they agree or the checkpoint does not say."""
     now = {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr}
     if args.lr_schedule != "constant":  # only a decay reads the last step (running on is no change)
-        now["steps"] = args.steps
+        now["steps"] = schedule_end(args)
     flags = {"schedule": "lr_schedule"}
     return {flags.get(k, k): (saved[k], v) for k, v in now.items() if saved and k in saved and saved[k] != v}
 
