@@ -166,3 +166,17 @@ def test_a_stage_without_a_plan_is_named(tmp_path, capsys):
     assert err.startswith("autoshard: error: stage 2 (--seq-len 64) has no plan: ") and err.count("\n") == 1, err
     assert (tmp_path / "stage1_s32" / "plan.json").exists() and not (tmp_path / "stage2_s64").exists()
     assert "- stage2_s64 has no plan: " in (tmp_path / "ramp.md").read_text()
+
+
+def test_schedule_steps_spans_the_stages():
+    """Stage 1 of a 5-step ramp ends at step 3 but decays toward step 5, as one run of 5 would;
+    and a checkpoint's schedule agrees with the next stage's, so no warning is due."""
+    from autoshard.runtime.trainer import learning_rate, lr_flags_changed, parse_args
+
+    flags = ["--lr-schedule", "cosine", "--warmup", "1"]
+    stage1 = parse_args([*flags, "--steps", "3", "--schedule-steps", "5"])
+    whole = parse_args([*flags, "--steps", "5"])
+    assert [learning_rate(stage1, s) for s in range(3)] == [learning_rate(whole, s) for s in range(3)]
+    assert learning_rate(parse_args([*flags, "--steps", "3"]), 2) != learning_rate(whole, 2)
+    saved = {"lr": 3e-4, "schedule": "cosine", "warmup": 1, "min_lr": 0.0, "steps": 5}
+    assert lr_flags_changed(saved, parse_args([*flags, "--steps", "5", "--schedule-steps", "5"])) == {}
