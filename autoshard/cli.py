@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(int),
         required=True,
         help="sequences per optimizer step; in a ramp, the first stage's: every stage keeps its tokens per step, "
-        "so stage k's batch is this x the first length / stage k's, which must be whole",
+        "so stage k's batch is this x the first length / stage k's, which must be whole (else a one-line error)",
     )
     p.add_argument(
         "--tokens-per-stage",

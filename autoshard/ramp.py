@@ -184,7 +184,7 @@ def table(summary: dict) -> str:
     for r in summary["stages"]:
         head = f"| {r['name']} | {r['seq_len']:,} | {r['global_batch']:,} | {_count(r['tokens'])} |"
         if "error" in r:
-            lines.append(head + " no plan (below) |" + " |" * 9 + f" {r['steps']:,} | |")
+            lines.append(head + " no plan (below) |" + " |" * 8 + f" {r['steps']:,} | |")
             continue
         p = r["plan"]
         schedule = p["schedule"] + (f" v={p['v']}" if p["v"] > 1 else "")
@@ -193,7 +193,8 @@ def table(summary: dict) -> str:
             f"{r['memory_gb']:.1f} | {r['step_time_s']:.3g} s | {r['mfu'] * 100:.1f}% | {r['steps']:,} | "
             f"{r['days']:.2f} |"
         )
-    lines += ["", f"Total: {summary['total_steps']:,} steps, {summary['days']:.2f} days.", ""]
+    unplanned = " (stages without a plan not counted)" if any("error" in r for r in summary["stages"]) else ""
+    lines += ["", f"Total: {summary['total_steps']:,} steps, {summary['days']:.2f} days{unplanned}.", ""]
     for r in summary["stages"]:
         if "error" in r:
             lines.append(f"- {r['name']} has no plan: {r['error']}")

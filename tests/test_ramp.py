@@ -165,7 +165,10 @@ def test_a_stage_without_a_plan_is_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("autoshard: error: stage 2 (--seq-len 64) has no plan: ") and err.count("\n") == 1, err
     assert (tmp_path / "stage1_s32" / "plan.json").exists() and not (tmp_path / "stage2_s64").exists()
-    assert "- stage2_s64 has no plan: " in (tmp_path / "ramp.md").read_text()
+    md = (tmp_path / "ramp.md").read_text()
+    assert "- stage2_s64 has no plan: " in md
+    rows = [line.count("|") for line in md.splitlines() if line.startswith("|")]
+    assert len(rows) == 4 and len(set(rows)) == 1  # header, rule, two stages: the same columns
 
 
 def test_schedule_steps_spans_the_stages():
