@@ -24,7 +24,6 @@ from tests.distributed import torchrun
 
 from conftest import EXAMPLES
 
-ROOT = Path(__file__).parents[1]
 # stage 1: 8 x 32 tokens, 3 steps, DP2; stage 2: 4 x 64 tokens, 2 steps, CP2 (256 tokens a step)
 SEQ, TOKENS, FORCE, END = "32,64", "768,512", "dp=2;cp=2", 5
 LR = ["--lr-schedule", "cosine", "--warmup", "1"]
@@ -89,10 +88,9 @@ def ramp(tmp_path_factory):
     """The ramp compiled and run through its driver to step END; its log and final parameters."""
     root = tmp_path_factory.mktemp("ramp")
     out = root / "out"
-    cmd = [sys.executable, "-m", "autoshard", "compile", "examples/llama3.py", "--config", "tiny", "--hardware", "cpu"]
-    cmd += ["--gpus", "2", "--seq-len", SEQ, "--global-batch", "8", "--tokens-per-stage", TOKENS, "--force", FORCE]
-    proc = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
+    cmd = ["compile", str(EXAMPLES / "llama3.py"), "--config", "tiny", "--hardware", "cpu", "--gpus", "2"]
+    cmd += ["--seq-len", SEQ, "--global-batch", "8", "--tokens-per-stage", TOKENS, "--force", FORCE]
+    assert cli([*cmd, "-q", "-o", str(out)]) == 0
     run = [sys.executable, str(out / "ramp.py"), "--", "--log-file", str(root / "ramp.jsonl"), *LR]
     proc = subprocess.run(run, capture_output=True, text=True, timeout=240, env={**os.environ, **ENV})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -125,10 +123,8 @@ def test_the_ramp_equals_stage_two_trained_from_stage_one_checkpoint(ramp, tmp_p
 
     stage2 = out / "stage2_s64"
     single = tmp_path / "single"
-    cmd = [sys.executable, "-m", "autoshard", "compile", "examples/llama3.py", "--config", "tiny", "--hardware", "cpu"]
-    cmd += ["--gpus", "1", "--seq-len", "64", "--global-batch", "4", "-o", str(single)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
+    cmd = ["compile", str(EXAMPLES / "llama3.py"), "--config", "tiny", "--hardware", "cpu", "--gpus", "1"]
+    assert cli([*cmd, "--seq-len", "64", "--global-batch", "4", "-q", "-o", str(single)]) == 0
     for name, program, gpus in (("direct", stage2, 2), ("single", single, 1)):
         ck = tmp_path / f"{name}-ck"
         shutil.copytree(out / "ckpt" / "step_00000003", ck / "step_00000003")
