@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds before the run counts as hung (default 600; with --at-scale 3600 per rank: a rank of a "
         "671B plan runs 120 micro-batches on one core)",
     )
+    p.add_argument("--optimizer", choices=("adamw", "lamb"), help="the optimizer on both sides (default adamw)")
     p.add_argument("--max-grad-norm", type=_positive(float), help="clip the gradient norm on both sides")
     p.add_argument("--warmup", type=int, help="learning-rate warm-up steps on both sides")
     p.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), help="the schedule on both sides")
@@ -340,7 +341,7 @@ def _verify(args) -> int:
         return 0 if report.ok else 1
     from autoshard.verify import format_report, verify
 
-    flags = {k: getattr(args, k) for k in ("max_grad_norm", "warmup", "lr_schedule", "min_lr")}
+    flags = {k: getattr(args, k) for k in ("optimizer", "max_grad_norm", "warmup", "lr_schedule", "min_lr")}
     result = verify(args.out, args.steps, args.tolerance, args.seed, args.timeout or 600.0, flags)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0 if result["ok"] else 1

@@ -24,6 +24,7 @@ from autoshard.ir import ops
 from autoshard.ir.plan import Plan
 from autoshard.ir.program import Program, Routing
 from autoshard.runtime import fp8, moe
+from autoshard.runtime.lamb import Lamb
 from autoshard.runtime.program import global_batch
 from autoshard.runtime.rebuild import Recipe
 from autoshard.runtime.stages import piece_axis, unslice
@@ -92,7 +93,7 @@ def run_reference(
     model = rebuild.build(recipe, device="cpu").float()
     model.train()
     loss_fn = recipe.loss_function() or (lambda out, tokens: causal_lm_loss(out, tokens))
-    adamw = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
+    adamw = _optimizer(model, (optim or {}).get("optimizer", "adamw"))
     losses = []
     schedule = _schedule(steps, optim or {})
     max_norm = (optim or {}).get("max_grad_norm")
@@ -117,6 +118,13 @@ def run_reference(
                 moe.update_biases(biases, BALANCE_GAMMA)
             losses.append(loss.item())
     return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+
+
+def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
+    """The program's optimizer (``--optimizer``) on one device, with the flags verify gives it:
+    torch's AdamW, or the program's own LAMB (``runtime.lamb.Lamb``), each tensor's norms its own."""
+    rule = Lamb if name == "lamb" else torch.optim.AdamW
+    return rule(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
 
 
 def _schedule(steps: int, optim: dict):
@@ -264,8 +272,8 @@ def verify(
     timeout: float = 600,
     optim: dict | None = None,
 ) -> dict:
-    """``optim``: the program's optimisation flags to use on both sides (``max_grad_norm``,
-    ``warmup``, ``lr_schedule``, ``min_lr``), as ``{flag name: value}``. ``tolerance``: None for
+    """``optim``: the program's optimisation flags to use on both sides (``optimizer``,
+    ``max_grad_norm``, ``warmup``, ``lr_schedule``, ``min_lr``), as ``{flag name: value}``. ``tolerance``: None for
     ``TOLERANCE``, or ``FP8_TOLERANCE`` for a program with FP8 matmuls, which is compared with the
     single-device model running the same FP8 emulation (and, for information, without it)."""
     out = Path(out)
@@ -302,6 +310,7 @@ def verify(
         "tolerance": tolerance,
         "param_tolerance": param_tolerance,
         "fp8": fp8,
+        "optimizer": optim.get("optimizer", "adamw"),
         # FP8's own effect: the FP8 reference's losses against the same model in fp32
         "fp8_gap": max(_relative(a, b) for a, b in zip(reference, high)) if high else None,
         "ok": ok,
@@ -346,7 +355,8 @@ def _parameters_apart(params: dict[str, torch.Tensor], ref_params: dict[str, tor
 
 def format_report(result: dict) -> str:
     lines = [
-        f"verify: {result['plan']} against single-device, fp32 on CPU, AdamW lr {LR:g} eps {ADAM_EPS:g}",
+        f"verify: {result['plan']} against single-device, fp32 on CPU, "
+        f"{'LAMB' if result.get('optimizer') == 'lamb' else 'AdamW'} lr {LR:g} eps {ADAM_EPS:g}",
         "",
     ]
     if result.get("fp8"):
