@@ -1003,8 +1003,8 @@ def optimizer(
     algorithm: str = "adamw",
 ):
     """AdamW (``algorithm`` "lamb": LAMB, ``runtime.lamb``, its trust ratios over whole tensors
-    once ``Optimizers.trust_norms`` is set); for ZeRO-1 its masters and states sharded by rows over ``zero_group`` (dp x cp,
-    ``zero.ShardedAdamW``).
+    once ``Optimizers.trust_norms`` is set); for ZeRO-1 its masters and states sharded by rows
+    over ``zero_group`` (dp x cp, ``zero.ShardedAdamW``).
     Stacked expert weights (``experts``, also in ``params``) are held alike only by their
     expert-data-parallel ranks: at any ZeRO stage their states are sharded over that group, by
     rows as ZeRO-1's, or, where FSDP2 shards them (``fsdp_experts``), as its shards. (Their own
