@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: measure the simple gradient noise scale tr(Sigma)/|G|^2 of the single-device model over "
         "--steps steps of the program's batches (one sequence against the global batch), for compile --noise-scale",
     )
+    p.add_argument(
+        "--data", help="with --noise-scale: token files to measure on (as train.py --data; default synthetic)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_verify)
 
@@ -364,7 +367,7 @@ def _verify(args) -> int:
     if args.noise_scale:
         from autoshard.verify import format_noise_scale, measure_noise_scale
 
-        found = measure_noise_scale(args.out, args.steps, args.seed, flags)
+        found = measure_noise_scale(args.out, args.steps, args.seed, flags, data=args.data)
         print(json.dumps(found, indent=2) if args.json else format_noise_scale(found))
         return 0 if found["b_simple_tokens"] is not None else 1
     result = verify(args.out, args.steps, args.tolerance, args.seed, args.timeout or 600.0, flags)

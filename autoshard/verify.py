@@ -131,13 +131,16 @@ def _reference_model(program: Program, seed: int):
     return model, loss
 
 
-def measure_noise_scale(out: str | Path, steps: int, seed: int = 0, optim: dict | None = None, small: int = 1) -> dict:
+def measure_noise_scale(
+    out: str | Path, steps: int, seed: int = 0, optim: dict | None = None, small: int = 1, data: str | None = None
+) -> dict:
     """``autoshard verify --noise-scale``: the simple noise scale B_simple = tr(Sigma)/|G|^2 of
     the program's model (``noise_scale.measure``: the two-batch estimator, McCandlish et al. 2018,
     appendix A) over ``steps`` steps of the program's batches, on the single-device model with the
     verification's optimizer: at each step the squared gradient norms of ``small`` sequences
     (averaged over the global batch's pieces) and of the whole global batch, then a step with
-    the global batch's gradient. Sequences are the batch's unit; tokens are sequences x seq_len."""
+    the global batch's gradient. Sequences are the batch's unit; tokens are sequences x seq_len.
+    ``data``: token files (``train.py --data``'s), else the program's synthetic tokens."""
     plan, program = _read_program(Path(out))
     optim = {k: v for k, v in (optim or {}).items() if v is not None}
     if steps < 1:
@@ -159,7 +162,10 @@ def measure_noise_scale(out: str | Path, steps: int, seed: int = 0, optim: dict 
         opt.step()
         done[0] += 1
 
-    batches = (global_batch(s, plan.global_batch, plan.seq_len, program.vocab, seed) for s in range(steps))
+    if data is not None and not Path(data).exists():
+        raise AutoshardError(f"--data {data}: no such file or directory")
+    path = Path(data) if data is not None else None
+    batches = (global_batch(s, plan.global_batch, plan.seq_len, program.vocab, seed, path) for s in range(steps))
     found = noise_scale.measure(params, lambda tokens: loss(model, tokens), batches, small, step)
     tokens = lambda b: None if b is None else b * plan.seq_len  # noqa: E731
     return {
