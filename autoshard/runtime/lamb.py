@@ -30,6 +30,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _square_norm(t: torch.Tensor) -> torch.Tensor:
+    """``||t||^2`` as an fp64 scalar (the norm in fp32, as ``clip_grad_norm_``'s: no fp64 copy)."""
+    return torch.linalg.vector_norm(t).double().square()
+
+
 def trust_ratio(w_norm: float, u_norm: float) -> float:
     """``||w|| / ||u||``, or 1 where either is 0 (a zero-initialised bias, a zero update)."""
     return w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
@@ -85,7 +90,7 @@ class Lamb(torch.optim.Optimizer):
             _local(st["exp_avg"]).lerp_(g, 1 - b1)
             _local(st["exp_avg_sq"]).mul_(b2).addcmul_(g, g, value=1 - b2)
             u = self._update(group, w)
-            out.append((w, _local(w).double().square().sum(), u.double().square().sum()))
+            out.append((w, _square_norm(_local(w)), _square_norm(u)))
         return out
 
     @torch.no_grad()
