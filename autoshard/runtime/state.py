@@ -260,8 +260,8 @@ def trust_norms(items: list[Entry], optim, prepared: list, keys: Sequence[str], 
     mine = _counts_here(replicated)
     entry_of = {id(_stepped(opt, e.param)): e for e, opt in _optimized(items, optim)}
     index = {k: i for i, k in enumerate(keys)}
-    device = prepared[0][1].device if prepared else torch.device("cpu")
-    total = torch.zeros(2 * len(keys), dtype=torch.float64, device=device)
+    device = prepared[0][1].device if prepared else next((e.param.device for e in items), torch.device("cpu"))
+    total = torch.zeros(2 * len(keys), dtype=torch.float64, device=device)  # (NCCL reduces on the GPU)
     where = {}
     for w, w_sq, u_sq in prepared:
         e = entry_of[id(w)]
