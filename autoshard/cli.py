@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write each rewrite pass's graph before and after it to DIR as readable code (NN_pass.before.py)",
     )
+    p.add_argument(
+        "--noise-scale",
+        type=_positive(float),
+        metavar="TOKENS",
+        help="the gradient noise scale B_noise in tokens (autoshard verify --noise-scale measures one): warn "
+        "where the global batch is past this critical batch and say how many steps its size still saves",
+    )
     p.add_argument("-o", "--out", required=True, help="output directory")
     p.set_defaults(run=_compile)
 
@@ -187,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds before the run counts as hung (default 600; with --at-scale 3600 per rank: a rank of a "
         "671B plan runs 120 micro-batches on one core)",
     )
+    p.add_argument("--optimizer", choices=("adamw", "lamb"), help="the optimizer on both sides (default adamw)")
     p.add_argument("--max-grad-norm", type=_positive(float), help="clip the gradient norm on both sides")
     p.add_argument("--warmup", type=int, help="learning-rate warm-up steps on both sides")
     p.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), help="the schedule on both sides")
@@ -205,6 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-within", type=_positive(float), default=0.10, help="with --at-scale: peak memory bound")
     p.add_argument("--flops-within", type=_positive(float), default=0.03, help="with --at-scale: FLOPs bound")
     p.add_argument("--comm-within", type=_positive(float), default=0.10, help="with --at-scale: bytes per dimension")
+    p.add_argument(
+        "--noise-scale",
+        action="store_true",
+        help="instead: measure the simple gradient noise scale tr(Sigma)/|G|^2 of the single-device model over "
+        "--steps steps of the program's batches (one sequence against the global batch), for compile --noise-scale",
+    )
+    p.add_argument(
+        "--data", help="with --noise-scale: token files to measure on (as train.py --data; default synthetic)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_verify)
 
@@ -341,6 +358,7 @@ def _compile(args) -> int:
         plan_only=args.plan_only,
         compare=planner.parse_force(args.compare) if args.compare else None,
         dump_passes=args.dump_passes,
+        noise_scale=args.noise_scale,
     )
     plan, extra = compiled.plan, compiled.files
     out = compiled.write(args.out)
@@ -350,6 +368,11 @@ def _compile(args) -> int:
         f"{plan.microbatches} micro-batches: {p.step_time_s:.3f} s/step, {p.mfu * 100:.1f}% MFU, "
         f"{p.memory_bytes_per_gpu['total'] / 1e9:.1f} GB/GPU"
     )
+    if args.noise_scale:
+        from autoshard.noise_scale import critical_batch_note
+
+        past, note = critical_batch_note(plan.global_batch, plan.seq_len, args.noise_scale)
+        print(f"warning: {note}" if past else note)
     if extra:
         last = len(plan.stage_layers) - 1
         layers = " layers.py," if "layers.py" in compiled.files else ""
@@ -413,7 +436,13 @@ def _verify(args) -> int:
         return 0 if report.ok else 1
     from autoshard.verify import format_report, verify
 
-    flags = {k: getattr(args, k) for k in ("max_grad_norm", "warmup", "lr_schedule", "min_lr")}
+    flags = {k: getattr(args, k) for k in ("optimizer", "max_grad_norm", "warmup", "lr_schedule", "min_lr")}
+    if args.noise_scale:
+        from autoshard.verify import format_noise_scale, measure_noise_scale
+
+        found = measure_noise_scale(args.out, args.steps, args.seed, flags, data=args.data)
+        print(json.dumps(found, indent=2) if args.json else format_noise_scale(found))
+        return 0 if found["b_simple_tokens"] is not None else 1
     result = verify(args.out, args.steps, args.tolerance, args.seed, args.timeout or 600.0, flags)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0 if result["ok"] else 1

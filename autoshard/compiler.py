@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from autoshard.cost_models.analyze import analyze
 from autoshard.errors import AutoshardError
 from autoshard.ir import capabilities
 from autoshard.ir.plan import Plan
+from autoshard.noise_scale import critical_batch_note
 from autoshard.passes.contract import Refusal
 from autoshard.planner.candidates import family_options, meshes
 from autoshard.rebuild import for_file
@@ -88,9 +90,12 @@ def compile_file(
     plan_only: bool = False,
     compare: dict | None = None,
     dump_passes: str | Path | None = None,
+    noise_scale: float | None = None,
 ) -> Compiled:
     """``autoshard compile``: the whole pipeline for the model file ``spec`` (``model.py[:builder]``)
-    at ``config``; the arguments are the command's."""
+    at ``config``; the arguments are the command's. ``noise_scale``: the gradient noise scale in
+    tokens, against which the plan notes whether its global batch is past the critical batch
+    (``noise_scale.critical_batch_note``)."""
     profile = _hardware(hardware, memory_headroom)  # a bad profile fails before a long capture
     check_run(gpus, seq_len, global_batch)
     observe = passes.dump_to(dump_passes) if dump_passes else None
@@ -99,7 +104,8 @@ def compile_file(
     name = Path(path).stem + (f":{config}" if config else "")
     problem_ = problem(captured, profile, gpus, seq_len, global_batch, precision, pins, name)
     recipe = for_file(path, builder or None, config)
-    return compile_plan(problem_, captured, recipe, plan_only, compare, observe, consume=True)
+    notes = [critical_batch_note(global_batch, seq_len, noise_scale)[1]] if noise_scale else []
+    return compile_plan(problem_, captured, recipe, plan_only, compare, observe, consume=True, notes=notes)
 
 
 def problem(
@@ -138,18 +144,21 @@ def compile_plan(
     compare: dict | None = None,
     dump_passes: str | Path | passes.Observer | None = None,
     consume: bool = False,
+    notes: Sequence[str] = (),
 ) -> Compiled:
     """Search ``problem`` and, unless ``plan_only``, rewrite the graph for the plan found and emit
     the program; the program rebuilds the single-device model with ``rebuild``. ``dump_passes``:
     a folder for each pass's graph before and after it, or the observer (``passes.dump_to``).
     ``consume``: the caller never reads ``captured`` again, so the plan-only dry run may rewrite
-    its graph in place instead of a copy (copying a 61-layer graph costs a quarter of a second)."""
+    its graph in place instead of a copy (copying a 61-layer graph costs a quarter of a second).
+    ``notes``: said in the plan (its rationale, in plan.md) besides the search's own."""
 
     problem.emit = not plan_only
     observe = passes.dump_to(dump_passes) if isinstance(dump_passes, (str, Path)) else dump_passes
     for _ in range(MAX_ROUNDS):
         with phase("search"):
             plan, result = planner.solve(problem)
+        plan.notes.extend(notes)
         comparison = planner.compare(problem, result, compare) if compare is not None else None
         if comparison:
             plan.notes.append(comparison)

@@ -221,7 +221,7 @@ def clip_gradients(items: list[Entry], max_norm: float | None, replicated: bool 
     ``replicated``: every rank holds every gradient whole and reduced (data parallelism alone at
     ZeRO-0, as under DDP); each computes the same norm from its own copies, with no collective
     in the step (the reduced gradients agree bit for bit over the replicas)."""
-    mine = (lambda e: e.tie_first and (e.expert or e.tp_first)) if replicated else (lambda e: e.counted)
+    mine = _counts_here(replicated)
     counted = [e.grad.detach() for e in items if mine(e) and e.grad is not None]
     device = counted[0].device if counted else next((e.param.device for e in items), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)  # on the device the backend reduces (NCCL: GPU)
@@ -240,6 +240,39 @@ def clip_gradients(items: list[Entry], max_norm: float | None, replicated: bool 
         if coef < 1.0:
             torch._foreach_mul_([e.grad for e in items if e.grad is not None], coef)
     return norm
+
+
+def _counts_here(replicated: bool):
+    """Whether this rank's copy of an entry is the one a norm over every shard counts: once per
+    full-tensor block over the world, or, ``replicated`` (every rank holds every tensor whole),
+    once on each rank, which then needs no collective."""
+    return (lambda e: e.tie_first and (e.expert or e.tp_first)) if replicated else (lambda e: e.counted)
+
+
+def trust_norms(items: list[Entry], optim, prepared: list, keys: Sequence[str], replicated: bool = False) -> dict:
+    """LAMB's per-tensor norms (``runtime.lamb``), each over the WHOLE single-device tensor:
+    ``prepared`` is what the optimizer parts' ``prepare`` returned (stepped tensor, this rank's
+    squared norms of its ``w`` and ``u``). Squares of the copies that count (as the gradient norm
+    counts them: one copy of each TP, EP, ZeRO-1 row or FSDP shard block, a tensor replicated
+    over TP or DP once) are added into one vector indexed by the model's state-dict ``keys``,
+    the same on every rank, and summed by one all-reduce over the world. Returns id of stepped
+    tensor -> (||w||, ||u||)."""
+    mine = _counts_here(replicated)
+    entry_of = {id(_stepped(opt, e.param)): e for e, opt in _optimized(items, optim)}
+    index = {k: i for i, k in enumerate(keys)}
+    device = prepared[0][1].device if prepared else next((e.param.device for e in items), torch.device("cpu"))
+    total = torch.zeros(2 * len(keys), dtype=torch.float64, device=device)  # (NCCL reduces on the GPU)
+    where = {}
+    for w, w_sq, u_sq in prepared:
+        e = entry_of[id(w)]
+        at = where[id(w)] = 2 * index[e.held.key]
+        if mine(e):
+            total[at] += w_sq
+            total[at + 1] += u_sq
+    if dist.is_initialized() and not replicated:
+        dist.all_reduce(total)
+    norms = total.sqrt().tolist()
+    return {i: (norms[at], norms[at + 1]) for i, at in where.items()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import io
 import json
@@ -70,6 +71,13 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     )
     p.add_argument(
         "--grad-accum", type=int, default=1, help="global batches per optimizer step (their gradients add up)"
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "lamb"],
+        default="adamw",
+        help="adamw, or lamb: AdamW's moments scaled per tensor by the trust ratio ||w|| / ||update||, both "
+        "norms over the whole tensor (every shard of every parallel dimension)",
     )
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--adam-eps", type=float, default=1e-8)
@@ -729,8 +737,9 @@ class Trainer:
         zero_group = rt.zero_mesh(plan, mesh).get_group()  # ZeRO shards over dp x cp, as planned
         fsdp_experts = rt.shards_experts(plan)
         optim = rt.optimizer(
-            params, plan.zero_stage, zero_group, args.lr, args.weight_decay, args.adam_eps, experts, fsdp_experts
-        )
+            params, plan.zero_stage, zero_group, args.lr, args.weight_decay, args.adam_eps, experts, fsdp_experts,
+            getattr(args, "optimizer", "adamw"),
+        )  # fmt: skip
         # 4. the plan's pipeline schedule (torch.distributed.pipelining) over the chunks
         schedule = None
         if plan.mesh.pp > 1:
@@ -745,10 +754,15 @@ class Trainer:
         biases = rt.routing_biases(stages)
         held = state.entries(stages, chunk_ids, ranks, program.tied)
         state.use_stepped(held, optim)  # bf16 masters, ZeRO-1's rows: what checkpoints and the norm count
-        return cls(
+        trainer = cls(
             args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule,
             experts, biases, zero_group, reductions, held,
         )  # fmt: skip
+        if getattr(args, "optimizer", "adamw") == "lamb":  # trust ratios of whole tensors, counted as the norm is
+            optim.trust_norms = functools.partial(
+                state.trust_norms, held, optim, keys=program.state_dict_keys, replicated=trainer.replicated
+            )
+        return trainer
 
     def expert_load(self) -> dict:
         """The last step's expert imbalance per MoE layer (max load / mean load over every rank
@@ -895,6 +909,7 @@ class Trainer:
             "grad_accum": args.grad_accum,
             "lr": {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr,
                    "steps": schedule_end(args)},
+            "optimizer": getattr(args, "optimizer", "adamw"),
             "plan_sha256": self.program.plan_sha256, "gpus": plan.gpus, "model": plan.model.get("name"),
             "mesh": plan.mesh.degrees(), "zero_stage": plan.zero_stage,
             "tied": [list(e.names) for e in self.program.tied],
