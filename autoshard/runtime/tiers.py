@@ -207,15 +207,16 @@ class Stragglers:
         found = []
         if len(compute_s) < 2:
             return found
-        for r, mine in enumerate(compute_s):
-            median = statistics.median(compute_s[:r] + compute_s[r + 1 :])
+        medians = [statistics.median(compute_s[:r] + compute_s[r + 1 :]) for r in range(len(compute_s))]
+        for r, (mine, median) in enumerate(zip(compute_s, medians)):
             self.ratios[r].append(mine / median if median > 0 else 1.0)
             slow = len(self.ratios[r]) == self.window and min(self.ratios[r]) > self.factor
             if slow and r not in self.named:
                 found.append(
                     {"event": "straggler", "step": step, "rank": r, "host": self.hosts[r],
                      "factor": round(statistics.mean(self.ratios[r]), 3), "threshold": self.factor,
-                     "window": self.window, "compute_s": round(mine, 6)}
+                     "window": self.window, "compute_s": round(mine, 6),
+                     "others_median_s": round(median, 6)}
                 )  # fmt: skip
                 self.named.add(r)
             elif not slow:

@@ -526,7 +526,7 @@ def restore_newest_tier(
     disk = max((s for s in (local, mirror) if s is not None), default=None)
     snapshots = guards.snapshots if guards is not None else None
     if snapshots is not None:
-        step = guards.snapshot_step()
+        step = guards.snapshot_step(log)
         if step is not None and (disk is None or step >= disk):
             run = trainer.restore_snapshot(snapshots.load(step))
             if run is not None:
@@ -689,13 +689,22 @@ class Safeguards:
         if self.checkpoints % self.args.mirror_every == 0 or durable.step_of(path) == self.args.steps:
             self.mirror.copy(path)
 
-    def snapshot_step(self) -> int | None:
-        """The newest step every rank holds an intact snapshot of, or None."""
-        mine = self.snapshots.intact()
+    def snapshot_step(self, log: StepLog) -> int | None:
+        """The newest step every rank holds an intact snapshot of, or None; a rank whose newest
+        snapshot is missing or damaged where others hold it is said (a ``host-memory snapshot``
+        event with each rank's intact steps)."""
+        mine = (self.snapshots.intact(), self.snapshots.steps())
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-        common = set(every[0]).intersection(*every[1:])
-        return max(common, default=None)
+        intact = [e[0] for e in every]
+        common = set(intact[0]).intersection(*intact[1:])
+        step = max(common, default=None)
+        newest = max((s for e in every for s in e[1]), default=None)
+        if newest is not None and step != newest:
+            lacking = [r for r, steps in enumerate(intact) if newest not in steps]
+            log.event({"event": "host-memory snapshot incomplete", "step": newest, "ranks_without_it": lacking,
+                       "intact_steps": intact, "using": step})  # fmt: skip
+        return step
 
     def after_step(self, trainer: Trainer, run: Run, log: StepLog, ckpt, fault: Fault | None) -> None:
         args = self.args
