@@ -24,8 +24,8 @@ Slow ranks (:class:`Stragglers`): each rank's compute time per step is the time 
 and backward (``trainer.Progress``: from the step's start to the gradient reductions' wait;
 CUDA events on GPUs), which excludes the waits in the data-parallel reductions, where in a
 synchronous job every rank's wall time is the same. A rank whose compute time exceeds the
-median of the other ranks' by ``--straggler-factor`` in every step of ``--straggler-window``
-is named in a ``straggler`` event, with its host.
+median of the other ranks' by ``--straggler-factor`` (the median of that ratio over the last
+``--straggler-window`` steps) is named in a ``straggler`` event, with its host.
 """
 
 from __future__ import annotations
@@ -195,7 +195,9 @@ class Mirror:
 
 class Stragglers:
     """Per-rank compute times per step, and the ranks that stay ``factor`` times above the other
-    ranks' median over ``window`` steps (each named once until it recovers)."""
+    ranks' median over ``window`` steps: the median over the window of a rank's time divided by
+    the others' median exceeds ``factor``, so that one step's noise neither names a rank nor
+    clears it. Each is named once until it recovers."""
 
     def __init__(self, factor: float, window: int, hosts: list[str]):
         self.factor, self.window, self.hosts = factor, window, hosts
@@ -210,11 +212,11 @@ class Stragglers:
         medians = [statistics.median(compute_s[:r] + compute_s[r + 1 :]) for r in range(len(compute_s))]
         for r, (mine, median) in enumerate(zip(compute_s, medians)):
             self.ratios[r].append(mine / median if median > 0 else 1.0)
-            slow = len(self.ratios[r]) == self.window and min(self.ratios[r]) > self.factor
+            slow = len(self.ratios[r]) == self.window and statistics.median(self.ratios[r]) > self.factor
             if slow and r not in self.named:
                 found.append(
                     {"event": "straggler", "step": step, "rank": r, "host": self.hosts[r],
-                     "factor": round(statistics.mean(self.ratios[r]), 3), "threshold": self.factor,
+                     "factor": round(statistics.median(self.ratios[r]), 3), "threshold": self.factor,
                      "window": self.window, "compute_s": round(mine, 6),
                      "others_median_s": round(median, 6)}
                 )  # fmt: skip

@@ -654,6 +654,7 @@ class Safeguards:
         self.snapshots: tiers.HostSnapshots | None = None
         self.mirror: tiers.Mirror | None = None
         self.checkpoints = 0  # disk checkpoints completed by this attempt (``--mirror-every``)
+        self.excluded: list[str] = []  # hosts an earlier attempt's --drop-stragglers left out
 
     @classmethod
     def build(cls, args: argparse.Namespace, trainer: Trainer, log: StepLog) -> Safeguards:
@@ -674,7 +675,7 @@ class Safeguards:
         if args.mirror_dir is not None and rank == 0:
             self.mirror = tiers.Mirror(args.mirror_dir, args.keep or None)
             ckpt.finished = self._written
-        out = tiers.excluded(args.checkpoint_dir)
+        self.excluded = out = tiers.excluded(args.checkpoint_dir)
         if out:
             here = sorted({r for r, h in enumerate(self.hosts) if h in out})
             log.event({"event": "excluded hosts", "hosts": out, "ranks_on_them": here})
@@ -716,8 +717,11 @@ class Safeguards:
             every = [torch.zeros_like(mine) for _ in self.hosts]
             dist.all_gather(every, mine)
             for event in self.stragglers.observe(run.step - 1, [float(t) for t in every]):
-                log.event(event)
-                if args.drop_stragglers:
+                # a host left out before that the launcher started this attempt on anyway: ending
+                # the attempt again would only restart it there again
+                again = event["host"] in self.excluded
+                log.event({**event, "already_excluded": True} if again else event)
+                if args.drop_stragglers and not again:
                     self._drop(trainer, run, ckpt, event)
         if self.snapshots is not None and run.step % args.snapshot_every == 0 and run.step < args.steps:
             self.snapshots.save(run.step, trainer.snapshot(run))

@@ -133,7 +133,10 @@ def test_a_slow_rank_is_named_and_dropped_and_the_restart_resumes(straight, prog
     args = ["--checkpoint-dir", str(ck), "--straggler-window", "4", "--drop-stragglers"]
     proc = _train(program, tmp_path, "slow", *args, restarts=1, env={"AUTOSHARD_FAULT": "slow:1:3"}, timeout=240)
     log = _same_as(straight, tmp_path, "slow")
-    (named,) = _events(log, "straggler")  # the first attempt's; the restart runs without the fault
+    restart = next(i for i, r in enumerate(log) if r.get("event") == "excluded hosts")
+    (named,) = _events(log[:restart], "straggler")  # the first attempt's; the restart runs without the fault
+    # (on a loaded machine the restart may find a slow rank too: on the excluded host, it trains on)
+    assert all(e.get("already_excluded") for e in _events(log[restart:], "straggler"))
     host = socket.gethostname()
     assert named["rank"] == 1 and named["host"] == host and named["factor"] > 1.5, named
     assert f"rank 1 on host {host} computed" in proc.stderr and "--drop-stragglers ends this attempt" in proc.stderr
@@ -143,12 +146,12 @@ def test_a_slow_rank_is_named_and_dropped_and_the_restart_resumes(straight, prog
     assert resumed["tier"] == "disk" and resumed["step"] == named["step"] + 1  # checkpointed as it ended
 
 
-def test_a_rank_is_named_only_once_it_stays_slow_for_the_window():
+def test_a_rank_is_named_once_it_stays_slow_over_the_window_and_again_after_it_recovered():
     watch = Stragglers(1.5, 3, ["a", "b", "c", "d"])
-    times = [[1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 1.1, 0.9], [1.0, 2.0, 1.0, 1.0], [1.0, 1.4, 1.0, 1.0]]
-    times += [[1.0, 2.0, 1.0, 1.0]] * 3 + [[1.0, 2.5, 1.0, 1.0]]
+    slow, fine = [1.0, 2.0, 1.1, 0.9], [1.0, 1.0, 1.0, 1.0]  # rank b at 2x the others' median (1.0), or not
+    times = [fine, slow, fine, fine, slow, slow, slow, fine, fine, slow, slow]
     found = [watch.observe(step, t) for step, t in enumerate(times)]
-    # steps 1 and 2 slow, 3 not (1.4x): named only at step 6, the third slow step in a row, and once
-    assert [step for step, events in enumerate(found) if events] == [6]
-    (event,) = found[6]
-    assert (event["rank"], event["host"], event["factor"]) == (1, "b", 2.0)
+    # one slow step in a window of 3 is noise; two name it (step 5), once; two fine ones clear it
+    assert [step for step, events in enumerate(found) if events] == [5, 10]
+    (event,) = found[5]
+    assert (event["rank"], event["host"], event["factor"], event["window"]) == (1, "b", 2.0, 3)
