@@ -41,6 +41,7 @@ import socket
 import statistics
 import sys
 import threading
+import time
 import zlib
 from collections import deque
 from pathlib import Path
@@ -77,6 +78,8 @@ class HostSnapshots:
         self.rank = rank
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.write_s: list[float] = []  # per snapshot: serialising and writing, in the background
+        self.bytes = 0  # the last snapshot's size
         self.directory.mkdir(parents=True, exist_ok=True)
         for tmp in self.directory.glob(f"*.rank{rank:05d}.*.tmp"):  # a write a kill cut short
             tmp.unlink(missing_ok=True)
@@ -92,6 +95,7 @@ class HostSnapshots:
 
     def _write(self, step: int, payload: dict) -> None:
         try:
+            start = time.perf_counter()
             buf = io.BytesIO()
             torch.save(payload, buf)
             data = buf.getbuffer()
@@ -102,6 +106,8 @@ class HostSnapshots:
             mark = self._name(step, f"complete.{os.getpid()}.tmp")
             mark.write_text(json.dumps({"step": step, "size": len(data), "crc32": f"{zlib.crc32(data):08x}"}))
             os.replace(mark, self._name(step, "complete"))  # last: the snapshot counts from here
+            self.write_s.append(time.perf_counter() - start)
+            self.bytes = len(data)
             for old in self.steps()[:-SNAPSHOTS_KEPT]:
                 self._name(old, "complete").unlink(missing_ok=True)
                 self._name(old, "pt").unlink(missing_ok=True)
@@ -116,6 +122,14 @@ class HostSnapshots:
             e, self.error = self.error, None
             print(f"warning: host-memory snapshot in {self.directory} failed ({e}); disk checkpoints go on",
                   file=sys.stderr)  # fmt: skip
+
+    def discard_from(self, step: int) -> None:
+        """Remove this rank's snapshots of ``step`` and later."""
+        self.wait()
+        for s in self.steps():
+            if s >= step:
+                self._name(s, "complete").unlink(missing_ok=True)
+                self._name(s, "pt").unlink(missing_ok=True)
 
     def steps(self) -> list[int]:
         """The steps this rank has a marker for, oldest first."""

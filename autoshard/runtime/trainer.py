@@ -655,6 +655,8 @@ class Safeguards:
         self.mirror: tiers.Mirror | None = None
         self.checkpoints = 0  # disk checkpoints completed by this attempt (``--mirror-every``)
         self.excluded: list[str] = []  # hosts an earlier attempt's --drop-stragglers left out
+        self.high = -1  # the furthest step reached (a step at or below it again: a rollback)
+        self.blocked_s: list[float] = []  # the step's time per snapshot (host copy, the previous write's wait)
 
     @classmethod
     def build(cls, args: argparse.Namespace, trainer: Trainer, log: StepLog) -> Safeguards:
@@ -723,8 +725,24 @@ class Safeguards:
                 log.event({**event, "already_excluded": True} if again else event)
                 if args.drop_stragglers and not again:
                     self._drop(trainer, run, ckpt, event)
+        if run.step <= self.high:  # a loss-spike rollback: what the tiers hold past its checkpoint is abandoned
+            self._abandon(run.step)
+        self.high = run.step
         if self.snapshots is not None and run.step % args.snapshot_every == 0 and run.step < args.steps:
+            start = time.perf_counter()
             self.snapshots.save(run.step, trainer.snapshot(run))
+            self.blocked_s.append(time.perf_counter() - start)
+
+    def _abandon(self, step: int) -> None:
+        """Drop the snapshots of ``step`` and later and set the mirror's checkpoints after ``step - 1``
+        aside (``step_N.rolled-back``), as the rollback did on disk: no restart takes them."""
+        if self.snapshots is not None:
+            self.snapshots.discard_from(step)
+        if self.mirror is not None:
+            self.mirror.wait()
+            for s, p in durable.checkpoints(self.mirror.directory):
+                if s >= step:
+                    durable.set_aside(p, durable.ROLLED_BACK)
 
     def _drop(self, trainer: Trainer, run: Run, ckpt, event: dict) -> None:
         """End the attempt for the launcher to restart without the straggler's host: a checkpoint
@@ -752,6 +770,12 @@ class Safeguards:
             for done in self.mirror.done:
                 log.event({"event": "mirrored checkpoint", **done})
         if self.snapshots is not None:
+            self.snapshots.wait()
+            if self.blocked_s:
+                n, writes = len(self.blocked_s), self.snapshots.write_s
+                log.event({"event": "host-memory snapshots", "count": n, "bytes": self.snapshots.bytes,
+                           "blocked_s": round(sum(self.blocked_s) / n, 6),
+                           "write_s": round(sum(writes) / max(1, len(writes)), 6)})  # fmt: skip
             self.snapshots.remove()
 
 
