@@ -7,7 +7,8 @@ puts this rank's part of the plan together (mesh, pipeline chunks, precision, da
 the plan's ZeRO stage, AdamW, the pipeline schedule); ``Trainer.step`` runs one optimizer step;
 ``train`` loops over the steps up to ``--steps`` (resuming from the newest complete checkpoint in
 ``--checkpoint-dir``), sets the learning rate of each step, guards against loss spikes, writes
-checkpoints (``autoshard.runtime.state``) and prints one JSON line per step (``step``, ``loss``,
+checkpoints (``autoshard.runtime.state``; host-memory snapshots and a mirror beside them, and a
+watch for slow ranks: ``autoshard.runtime.tiers``) and prints one JSON line per step (``step``, ``loss``,
 ``grad_norm``, ``lr``, throughput, MFU, memory, the slowest rank), and a human line on a terminal.
 """
 
@@ -159,7 +160,9 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
         default=1.5,
         help="name a rank whose compute time per step exceeds the other ranks' median by this factor",
     )
-    p.add_argument("--straggler-window", type=int, default=10, help="... in every one of this many steps")
+    p.add_argument(
+        "--straggler-window", type=int, default=10, help="... as the median of that ratio over this many steps"
+    )
     p.add_argument(
         "--drop-stragglers",
         action="store_true",
@@ -522,7 +525,7 @@ def restore_newest_tier(
     checkpoint of the local directory or of the mirror (``--mirror-dir``, the newer of the two
     first). Returns where training stands, what was read and its tier ("memory", "disk",
     "mirror"); Nones when there is nothing."""
-    local, mirror = _agreed_newest(args.checkpoint_dir), _agreed_newest(getattr(args, "mirror_dir", None))
+    local, mirror = _agreed_newest(args.checkpoint_dir), _agreed_newest(args.mirror_dir)
     disk = max((s for s in (local, mirror) if s is not None), default=None)
     snapshots = guards.snapshots if guards is not None else None
     if snapshots is not None:
@@ -532,10 +535,10 @@ def restore_newest_tier(
             if run is not None:
                 return run, str(snapshots.directory), "memory"
             log.event({"event": "host-memory snapshot unusable", "step": step})
-    tiers_ = [(args.checkpoint_dir, "disk"), (getattr(args, "mirror_dir", None), "mirror")]
+    order = [(args.checkpoint_dir, "disk"), (args.mirror_dir, "mirror")]
     if mirror is not None and (local is None or mirror > local):
-        tiers_.reverse()
-    for directory, tier in tiers_:
+        order.reverse()
+    for directory, tier in order:
         if directory is not None and (run := _restore_intact(trainer, directory, None, log)) is not None:
             return run, str(durable.step_dir(directory, run.step)), tier
     return None, None, None

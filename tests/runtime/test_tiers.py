@@ -155,3 +155,21 @@ def test_a_rank_is_named_once_it_stays_slow_over_the_window_and_again_after_it_r
     assert [step for step, events in enumerate(found) if events] == [5, 10]
     (event,) = found[5]
     assert (event["rank"], event["host"], event["factor"], event["window"]) == (1, "b", 2.0, 3)
+
+
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        (["--snapshot-every", "2"], "--snapshot-every works with the disk checkpoints: give --checkpoint-dir too"),
+        (["--checkpoint-dir", "ck", "--snapshot-every", "2", "--snapshot-dir", "/no/such"], "--snapshot-dir /no/such"),
+        (["--drop-stragglers"], "--drop-stragglers works with the disk checkpoints"),
+        (["--straggler-factor", "0.5"], "--straggler-factor must be a finite number above 1"),
+        (["--checkpoint-dir", "ck", "--mirror-dir", "m", "--mirror-every", "0"], "--mirror-every must be at least 1"),
+    ],
+)
+def test_tier_flags_that_cannot_work_are_one_line(argv, said, capsys):
+    from autoshard.runtime.trainer import check_tier_args, parse_args
+
+    with pytest.raises(SystemExit) as e:
+        check_tier_args(parse_args(argv))
+    assert e.value.code == 2 and said in capsys.readouterr().err
