@@ -407,6 +407,23 @@ def load_targets(items: list[Entry], optim, saved: dict) -> list[dict]:
     return split_duplicates(out)
 
 
+def local_state(items: list[Entry], optim, create: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the training state as this rank holds it (no resharding: a host-memory
+    snapshot of the same plan, ``runtime.tiers``), by a name unique on this rank: its tensor of
+    each parameter (what the optimizer steps: an fp32 master or ZeRO-1's rows where it keeps
+    them; ``write_back`` after copying into them) and buffer, and their AdamW states (made, zero,
+    with ``create``). The tensors themselves: copy out of them or into them."""
+    index = {id(e.param): i for i, e in enumerate(items)}
+    out = {f"{i}/model/{e.held.key}": e.held.local for i, e in enumerate(items)}
+    for e, opt in _optimized(items, optim):
+        st = _moments(opt, e.param, create)
+        if st:
+            i = index[id(e.param)]
+            for m in (*MOMENTS, "step"):
+                out[f"{i}/optim/{m}/{e.held.key}"] = local_of(st[m])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # the checkpoint's contents
 
