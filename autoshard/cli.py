@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write each rewrite pass's graph before and after it to DIR as readable code (NN_pass.before.py)",
     )
+    p.add_argument(
+        "--islands",
+        type=int,
+        default=1,
+        help="DiLoCo: split the data-parallel ranks into this many islands that sync every --sync-every steps",
+    )
+    p.add_argument("--sync-every", type=int, help="DiLoCo: inner steps between the islands' outer steps (H)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo: the outer Nesterov SGD's learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo: the outer Nesterov SGD's momentum")
     p.add_argument("-o", "--out", required=True, help="output directory")
     p.set_defaults(run=_compile)
 
@@ -286,6 +295,19 @@ def _headroom(text: str) -> float:
     return value
 
 
+def _islands(args):
+    """DiLoCo's flags as the plan records them; None without ``--islands`` above 1."""
+    from autoshard.ir.plan import Islands
+
+    if args.islands == 1 and args.sync_every is None:
+        return None
+    if args.islands == 1:
+        raise AutoshardError(f"--sync-every {args.sync_every} needs --islands 2 or more (DiLoCo's islands)")
+    if args.sync_every is None:
+        raise AutoshardError(f"--islands {args.islands} needs --sync-every H: the inner steps between syncs")
+    return Islands(args.islands, args.sync_every, args.outer_lr, args.outer_momentum)
+
+
 def _compile(args) -> int:
     from autoshard import planner
     from autoshard.compiler import compile_file
@@ -303,6 +325,7 @@ def _compile(args) -> int:
         plan_only=args.plan_only,
         compare=planner.parse_force(args.compare) if args.compare else None,
         dump_passes=args.dump_passes,
+        islands=_islands(args),
     )
     plan, extra = compiled.plan, compiled.files
     out = compiled.write(args.out)

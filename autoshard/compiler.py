@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,10 +42,11 @@ from autoshard.capture import Captured, capture_file
 from autoshard.capture.timing import phase
 from autoshard.codegen import write_plan
 from autoshard.cost_models import hardware as hw
+from autoshard.cost_models import islands as island_costs
 from autoshard.cost_models.analyze import analyze
 from autoshard.errors import AutoshardError
 from autoshard.ir import capabilities
-from autoshard.ir.plan import Plan
+from autoshard.ir.plan import Islands, Plan
 from autoshard.passes.contract import Refusal
 from autoshard.planner.candidates import family_options, meshes
 from autoshard.rebuild import for_file
@@ -88,18 +90,20 @@ def compile_file(
     plan_only: bool = False,
     compare: dict | None = None,
     dump_passes: str | Path | None = None,
+    islands: Islands | None = None,
 ) -> Compiled:
     """``autoshard compile``: the whole pipeline for the model file ``spec`` (``model.py[:builder]``)
-    at ``config``; the arguments are the command's."""
+    at ``config``; the arguments are the command's (``islands``: DiLoCo's, ``--islands``)."""
     profile = _hardware(hardware, memory_headroom)  # a bad profile fails before a long capture
     check_run(gpus, seq_len, global_batch)
+    check_islands(islands, gpus, pins or {})
     observe = passes.dump_to(dump_passes) if dump_passes else None
     captured = capture_file(spec, config, seq_len, observe=observe)
     path, _, builder = spec.partition(":")
     name = Path(path).stem + (f":{config}" if config else "")
     problem_ = problem(captured, profile, gpus, seq_len, global_batch, precision, pins, name)
     recipe = for_file(path, builder or None, config)
-    return compile_plan(problem_, captured, recipe, plan_only, compare, observe, consume=True)
+    return compile_plan(problem_, captured, recipe, plan_only, compare, observe, consume=True, islands=islands)
 
 
 def problem(
@@ -130,6 +134,47 @@ def check_run(gpus, seq_len, global_batch) -> None:
             raise AutoshardError(f"{key}={value!r}: must be a positive whole number")
 
 
+def check_islands(islands: Islands | None, gpus: int, pins: dict) -> None:
+    """DiLoCo's flags, before the capture: ``count`` islands of whole data-parallel groups."""
+    if islands is None:
+        return
+    k = islands.count
+    if not isinstance(k, int) or k < 1:
+        raise AutoshardError(f"--islands {k}: give a whole number of islands, 1 or more")
+    if not isinstance(islands.sync_every, int) or islands.sync_every < 1:
+        raise AutoshardError(f"--sync-every {islands.sync_every}: give a whole number of steps, 1 or more")
+    if not (math.isfinite(islands.outer_lr) and islands.outer_lr > 0):
+        raise AutoshardError(f"--outer-lr {islands.outer_lr}: give a finite learning rate above 0 (DiLoCo: 0.7)")
+    if not (math.isfinite(islands.outer_momentum) and 0 <= islands.outer_momentum < 1):
+        raise AutoshardError(f"--outer-momentum {islands.outer_momentum}: give a momentum in [0, 1) (DiLoCo: 0.9)")
+    if gpus % k:
+        raise AutoshardError(f"--islands {k} does not divide --gpus {gpus}; give a divisor of {gpus}")
+    if "dp" in pins and pins["dp"] % k:
+        raise AutoshardError(
+            f"--islands {k} does not divide the pinned dp={pins['dp']}; pin a dp that {k} divides, or give "
+            f"--islands dividing {pins['dp']}"
+        )
+
+
+def _split_islands(problem: planner.Problem, islands: Islands) -> None:
+    """Islands split the data-parallel ranks: the search keeps to dp that ``islands.count`` divides."""
+    if islands.count > 1:
+        dp = {d for d in range(1, problem.gpus + 1) if problem.gpus % d == 0 and d % islands.count}
+        problem.excluded.setdefault("dp", set()).update(dp)
+
+
+def _islands(plan: Plan, problem: planner.Problem, islands: Islands | None) -> None:
+    """Record (and price) DiLoCo's islands in ``plan``."""
+    if islands is None or islands.count <= 1:
+        return
+    if plan.mesh.dp % islands.count:
+        raise AutoshardError(
+            f"--islands {islands.count} does not divide the plan's dp={plan.mesh.dp}; give --islands dividing "
+            f"{plan.mesh.dp}, or --force dp=N with N a multiple of {islands.count}"
+        )
+    plan.islands = island_costs.price(plan, problem.hw, islands)
+
+
 def compile_plan(
     problem: planner.Problem,
     captured: Captured,
@@ -138,6 +183,7 @@ def compile_plan(
     compare: dict | None = None,
     dump_passes: str | Path | passes.Observer | None = None,
     consume: bool = False,
+    islands: Islands | None = None,
 ) -> Compiled:
     """Search ``problem`` and, unless ``plan_only``, rewrite the graph for the plan found and emit
     the program; the program rebuilds the single-device model with ``rebuild``. ``dump_passes``:
@@ -146,10 +192,13 @@ def compile_plan(
     its graph in place instead of a copy (copying a 61-layer graph costs a quarter of a second)."""
 
     problem.emit = not plan_only
+    if islands is not None:
+        _split_islands(problem, islands)
     observe = passes.dump_to(dump_passes) if isinstance(dump_passes, (str, Path)) else dump_passes
     for _ in range(MAX_ROUNDS):
         with phase("search"):
             plan, result = planner.solve(problem)
+        _islands(plan, problem, islands)
         comparison = planner.compare(problem, result, compare) if compare is not None else None
         if comparison:
             plan.notes.append(comparison)

@@ -14,6 +14,7 @@ checkpoints (``autoshard.runtime.state``) and prints one JSON line per step (``s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import io
@@ -35,7 +36,7 @@ from torch import nn
 from autoshard.errors import ProgramError
 from autoshard.ir.plan import Plan
 from autoshard.ir.program import Program
-from autoshard.runtime import collectives, data, durable, fake, fp8, groups, moe, state
+from autoshard.runtime import collectives, data, diloco, durable, fake, fp8, groups, moe, state
 from autoshard.runtime import program as rt
 from autoshard.runtime.host import keep_freed_memory
 from autoshard.runtime.weights import open_weights
@@ -150,6 +151,7 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     plan, program = rt.read_program(out)
     rt.check_program(out, plan, program)
     rt.check_world(plan)
+    check_islands(args, plan)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -250,6 +252,20 @@ def check_args(args: argparse.Namespace) -> None:
         raise ProgramError("--spike-window must be at least 2 steps")
 
 
+def check_islands(args: argparse.Namespace, plan: Plan) -> None:
+    """What a run over DiLoCo islands cannot do yet, in one line before anything starts."""
+    if diloco.islands_of(plan) is None:
+        return
+    if args.checkpoint_dir is not None:
+        raise ProgramError(
+            f"the plan trains {plan.islands.count} DiLoCo islands, whose checkpoints are not written yet (each "
+            "island's optimizer state differs); drop --checkpoint-dir (and --spike-zscore), or recompile without "
+            "--islands"
+        )
+    if plan.model.get("experts"):
+        raise ProgramError("DiLoCo islands are not emitted for MoE models yet; recompile without --islands")
+
+
 def check_paths(args: argparse.Namespace) -> None:
     """The files the run writes can be written, before any step is spent: ``--log-file`` (opened
     for appending, as each step does) and ``--save-params`` (a directory)."""
@@ -336,7 +352,7 @@ def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ck
                 run = back
                 continue
         if not finite:
-            if trainer.reports:
+            if trainer.prints:
                 log.step(step, stats, norm, lr, {})
             if ckpt is not None:
                 ckpt.wait()  # the checkpoint in flight was written from finite steps: it completes
@@ -348,8 +364,8 @@ def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ck
                 "with --max-grad-norm, or give --spike-zscore (with --checkpoint-dir) to roll back and skip the batches"
             )
         run.advance(stats["loss"], args.grad_accum, args.spike_window)
-        if trainer.reports:
-            log.step(step, stats, norm, lr, trainer.expert_load())
+        if trainer.prints:
+            log.step(step, stats, norm, lr, {**trainer.expert_load(), **trainer.island_traffic()})
         if ckpt is not None:
             ckpt.poll()
             if args.checkpoint_every and run.step % args.checkpoint_every == 0 and run.step < args.steps:
@@ -361,7 +377,8 @@ def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ck
         for t in ckpt.timings:
             log.event({"event": "checkpoint", **t})
     if args.save_params:
-        rt.save_parameters(args.save_params, trainer.stages, trainer.ranks, trainer.chunk_ids, trainer.program.tied)
+        ranks = dataclasses.replace(trainer.ranks, dp=trainer.ranks.dp + trainer.island * trainer.plan.mesh.dp)
+        rt.save_parameters(args.save_params, trainer.stages, ranks, trainer.chunk_ids, trainer.program.tied)
 
 
 def _agreed(path: Path | None) -> Path | None:
@@ -668,6 +685,13 @@ class Trainer:
     dropped: int | None = None  # routed rows the capacity dropped in the last step, all ranks
     restored_lr: dict | None = None  # the learning-rate flags of the run whose checkpoint was loaded
     restored_meta: dict | None = None  # the trainer.json of the checkpoint loaded
+    # DiLoCo (``runtime.diloco``): this rank's island of ``islands``, the outer optimizer over the
+    # island group and the group of this rank's island (None: one island); ``plan`` is then the
+    # plan of one island
+    island: int = 0
+    islands: int = 1
+    outer: diloco.OuterStep | None = None
+    island_world: object = None
 
     @property
     def microbatches(self) -> int:
@@ -683,7 +707,12 @@ class Trainer:
         microbatches = plan.microbatches * args.grad_accum
         scale = 1.0 if plan.mesh.pp > 1 else 1.0 / microbatches
         moe.set_aux_loss(args.aux_loss, args.aux_alpha, scale)
-        mesh, ranks = rt.build_mesh(plan, device.type)
+        islands = diloco.islands_of(plan)
+        if islands is not None:  # each island runs the plan at dp/count, over its own ranks
+            mesh, ranks, island, island_group, island_world = diloco.build_mesh(plan, device.type)
+            plan = diloco.inner_plan(plan)
+        else:
+            mesh, ranks = rt.build_mesh(plan, device.type)
         experts_mesh = None
         if program.routing:  # MoE layers: the expert-parallel and expert-data-parallel groups
             experts_mesh = rt.build_expert_mesh(plan, device.type, ranks)
@@ -730,10 +759,14 @@ class Trainer:
         biases = rt.routing_biases(stages)
         held = state.entries(stages, chunk_ids, ranks, program.tied)
         state.use_stepped(held, optim)  # bf16 masters, ZeRO-1's rows: what checkpoints and the norm count
-        return cls(
+        trainer = cls(
             args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule,
             experts, biases, zero_group, reductions, held,
         )  # fmt: skip
+        if islands is not None:
+            trainer.island, trainer.islands, trainer.island_world = island, islands.count, island_world
+            trainer.outer = diloco.OuterStep(islands, diloco.targets(held), island_group)
+        return trainer
 
     def expert_load(self) -> dict:
         """The last step's expert imbalance per MoE layer (max load / mean load over every rank
@@ -742,6 +775,19 @@ class Trainer:
             return {}
         out = {"expert_load": {k: round(mx / mean, 4) if mean else 0.0 for k, (mx, mean) in self.loads.items()}}
         return out if self.dropped is None else {**out, "dropped_tokens": self.dropped}
+
+    def island_traffic(self) -> dict:
+        """For the step's log line, the bytes this rank has handed so far to the all-reduce between
+        DiLoCo islands (``island_bytes``) and to the data-parallel gradient all-reduce (``dp_bytes``,
+        where the program runs one: ZeRO-0)."""
+        dp = sum(getattr(r, "sent_bytes", 0) for r in self.reductions)
+        out = {"dp_bytes": dp} if dp else {}
+        return out if self.outer is None else {**out, "island_bytes": self.outer.sent_bytes}
+
+    @property
+    def prints(self) -> bool:
+        """This rank writes the step's line: the reporting rank of the first island."""
+        return self.reports and self.island == 0
 
     @property
     def replicated(self) -> bool:
@@ -771,11 +817,11 @@ class Trainer:
         ``position + grad_accum``, one after the other."""
         plan, args = self.plan, self.args
         rows = plan.microbatches * plan.microbatch_size  # sequences per data-parallel rank per batch
-        first = self.ranks.dp * rows
+        first = (self.island * plan.mesh.dp + self.ranks.dp) * rows  # (islands: dp coordinate's outer part)
         batches = [
             data.batch_rows(
                 index,
-                plan.global_batch,
+                plan.global_batch * self.islands,
                 plan.seq_len,
                 self.program.vocab,
                 args.seed,
@@ -826,7 +872,7 @@ class Trainer:
             r.finish()
         if self.fsdp:
             rt.sum_tied_gradients(self.ties)
-        norm = state.clip_gradients(self.entries, self.args.max_grad_norm, self.replicated)
+        norm = state.clip_gradients(self.entries, self.args.max_grad_norm, self.replicated, self.island_world)
         if fault is not None:
             fault(step)
         if not math.isfinite(norm) and not fake.active():  # (the same norm on every rank: all skip) the caller decides
@@ -834,6 +880,9 @@ class Trainer:
             return (mean_loss(losses, dp) if self.last else None), norm
         PROGRESS.mark(step, 2)
         self.optim.step()
+        if self.outer is not None and self.outer.due(step):  # DiLoCo: the islands sync
+            self.outer()
+            state.write_back(self.optim)  # the synced masters rounded into the parameters
         fp8.new_step()  # the weights changed: their FP8 copies are made again next step
         if self.program.routing:  # MoE: routing biases nudged toward balance, loads for the log
             self.loads = moe.update_biases(self.biases, self.args.balance_gamma)

@@ -1,0 +1,70 @@
+"""The price of DiLoCo islands (Douillard et al., arXiv 2311.08105): what crosses the link between
+islands (the profile's ``wan_gbps``, ``wan_latency_ms``) per optimizer step, against synchronous
+data parallelism whose gradient reduction would cross it every step.
+
+Both are counted per GPU, on a ring over the ``count`` islands (``comm.wire_bytes``), in fp32
+(the program's outer gradients and its gradient reductions are fp32):
+
+- **outer step**: every ``sync_every`` steps each GPU all-reduces the parameters its optimizer
+  steps (``outer_params``) with the GPUs at its place in the other islands: a GPU at ZeRO-0 holds
+  its tensor- and pipeline-parallel piece whole; at ZeRO-1/2/3 its rows of it, ``1/(dp/count *
+  cp)`` of the piece.
+- **synchronous DP across islands**: a gradient reduction that crosses the link as cheaply as it
+  can, hierarchically (inside an island first, then each GPU's ``1/(dp/count * cp)`` share of the
+  gradient all-reduced over the islands), every step.
+
+A profile without ``wan_gbps`` prices both on its inter-node network (``network_gbps``,
+``network_latency_us``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autoshard.cost_models.comm import wire_bytes
+from autoshard.cost_models.hardware import Hardware
+from autoshard.ir.plan import Islands, Plan
+
+FP32 = 4
+
+
+def piece_params(plan: Plan) -> float:
+    """Parameters of one GPU's tensor- and pipeline-parallel piece of the model (the mean over
+    pipeline stages)."""
+    return plan.model["params"] / (plan.mesh.tp * plan.mesh.pp)
+
+
+def outer_params(plan: Plan, count: int) -> float:
+    """Parameters each GPU all-reduces over the islands at an outer step: those its optimizer
+    steps (``runtime.diloco``)."""
+    inner = plan.mesh.dp // count * plan.mesh.cp
+    return piece_params(plan) / (inner if plan.zero_stage >= 1 else 1)
+
+
+def link(hw: Hardware) -> tuple[float, float]:
+    """(bytes/s, seconds of latency per ring step) of the link between islands."""
+    if hw.wan_gbps > 0:
+        return hw.wan_gbps * 1e9, hw.wan_latency_ms * 1e-3
+    return hw.network_gbps * 1e9 * hw.link_efficiency, hw.network_latency_us * 1e-6
+
+
+def all_reduce_s(nbytes: float, count: int, hw: Hardware) -> float:
+    """A ring all-reduce of ``nbytes`` over ``count`` islands on the link between them."""
+    if count <= 1:
+        return 0.0
+    rate, latency = link(hw)
+    return 2 * (count - 1) * latency + wire_bytes("all_reduce", nbytes, count) / rate
+
+
+def price(plan: Plan, hw: Hardware, asked: Islands) -> Islands:
+    """``asked`` (count, sync_every, the outer optimizer) for ``plan``, with its costs."""
+    count, every = asked.count, asked.sync_every
+    outer = outer_params(plan, count) * FP32
+    grads = piece_params(plan) / (plan.mesh.dp // count * plan.mesh.cp) * FP32
+    return dataclasses.replace(
+        asked,
+        outer_bytes_per_step=wire_bytes("all_reduce", outer, count) / every,
+        outer_s_per_step=all_reduce_s(outer, count, hw) / every,
+        sync_dp_bytes_per_step=wire_bytes("all_reduce", grads, count),
+        sync_dp_s_per_step=all_reduce_s(grads, count, hw),
+    )

@@ -1,0 +1,137 @@
+"""DiLoCo islands in emitted programs (``autoshard compile --islands K --sync-every H``), run as
+users run them (torchrun, gloo, fp32, the tiny LLaMA on two CPU processes, one rank per island):
+
+- with a sync every step, outer learning rate 1 and no outer momentum, the outer step averages
+  the islands' parameters after every inner step. Averaging parameters equals averaging gradients
+  only for an inner optimizer linear in the gradient; AdamW with ``eps`` far above the root of its
+  second moment (``--adam-eps 1e8``) is one (momentum SGD at ``lr/eps``), and there the islands
+  equal synchronous DP to fp32 rounding; with AdamW as usual they do not (the check has teeth);
+- 2 islands syncing every 10 steps for 200 steps end within a stated margin of synchronous DP's
+  loss at the same tokens, and the bytes the program hands to the island all-reduce (its step
+  log's ``island_bytes``) are a tenth of the gradient bytes synchronous DP all-reduces across
+  the same two ranks (``dp_bytes``);
+- bad flags are one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autoshard.verify import assemble
+from tests.distributed import torchrun
+
+ROOT = Path(__file__).parents[2]
+BASE = ["examples/llama3.py", "--config", "tiny", "--hardware", "cpu", "--gpus", "2", "--seq-len", "32"]
+BASE += ["--global-batch", "8", "--force", "dp=2"]
+
+
+def _autoshard(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "autoshard", "compile", *BASE, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def _compile(out: Path, *islands: str) -> Path:
+    proc = _autoshard(*islands, "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def _train(out: Path, work: Path, name: str, *args: str) -> tuple[list[dict], dict]:
+    log = work / f"{name}.jsonl"
+    proc = torchrun(out, 2, "--log-file", str(log), "--save-params", str(work / name), *args, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [r for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
+    return lines, assemble(work / name)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("diloco")
+    # a learnable stream: each id follows from the one before (x -> 3x + 7 mod 256) 80% of the time
+    rng = np.random.default_rng(0)
+    ids = np.empty(1 << 16, dtype=np.int32)
+    ids[0] = 1
+    noise = rng.integers(0, 256, ids.size)
+    keep = rng.random(ids.size) < 0.8
+    for i in range(1, ids.size):
+        ids[i] = (3 * ids[i - 1] + 7) % 256 if keep[i] else noise[i]
+    ids.tofile(root / "tokens.bin")
+    every1 = ["--islands", "2", "--sync-every", "1", "--outer-lr", "1", "--outer-momentum", "0"]
+    return {
+        "root": root,
+        "data": str(root / "tokens.bin"),
+        "sync": _compile(root / "sync"),
+        "every1": _compile(root / "every1", *every1),
+        "every10": _compile(root / "every10", "--islands", "2", "--sync-every", "10"),
+    }
+
+
+def _params(out: Path) -> int:
+    return json.loads((out / "plan.json").read_text())["model"]["params"]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_sync_every_step_equals_synchronous_dp(work):
+    """H=1, outer lr 1, momentum 0, a linear inner optimizer: the same parameters as synchronous
+    DP after 6 steps, within 1e-6 (fp32: the islands sum parameters, DP sums gradients, in other
+    orders); with AdamW's usual eps the same runs differ by far more."""
+    root, steps = work["root"], ["--steps", "6", "--data", work["data"], "--weight-decay", "0"]
+    linear = [*steps, "--lr", "1e6", "--adam-eps", "1e8"]  # AdamW as momentum SGD at lr 1e-2
+    sync_log, sync = _train(work["sync"], root, "sync-linear", *linear)
+    isl_log, isl = _train(work["every1"], root, "every1-linear", *linear)
+    assert _max_diff(sync, isl) < 1e-6
+    assert [r["loss"] for r in isl_log] == pytest.approx([r["loss"] for r in sync_log], abs=1e-5)
+    # a sync every step moves what DP's gradient all-reduce moves: every fp32 parameter, each step
+    assert isl_log[-1]["island_bytes"] == sync_log[-1]["dp_bytes"] == 6 * 4 * _params(work["every1"])
+
+    adam = [*steps, "--lr", "1e-2"]
+    _, sync = _train(work["sync"], root, "sync-adam", *adam)
+    _, isl = _train(work["every1"], root, "every1-adam", *adam)
+    assert _max_diff(sync, isl) > 1e-4
+
+
+def test_two_islands_train_like_synchronous_dp_with_a_tenth_of_the_bytes(work):
+    """2 islands, H=10, 200 steps at the same tokens as synchronous DP: the mean loss of the last
+    20 steps within 0.15 nats of DP's (both well below the first steps'), and a tenth of DP's
+    bytes between the two ranks."""
+    root, args = work["root"], ["--steps", "200", "--data", work["data"], "--lr", "3e-3"]
+    sync_log, _ = _train(work["sync"], root, "sync-200", *args)
+    isl_log, _ = _train(work["every10"], root, "every10-200", *args)
+    tail = lambda log: sum(r["loss"] for r in log[-20:]) / 20  # noqa: E731
+    assert tail(sync_log) < sync_log[0]["loss"] - 1.0
+    assert abs(tail(isl_log) - tail(sync_log)) < 0.15, (tail(isl_log), tail(sync_log))
+    dp_bytes, island_bytes = sync_log[-1]["dp_bytes"], isl_log[-1]["island_bytes"]
+    assert "dp_bytes" not in isl_log[-1]  # inside an island of one rank nothing is reduced
+    assert dp_bytes == 200 * 4 * _params(work["sync"])
+    assert island_bytes * 10 == dp_bytes
+    # the plan's price (a ring over 2 islands sends what it is handed) is what the program sent
+    islands = json.loads((work["every10"] / "plan.json").read_text())["islands"]
+    assert islands["outer_bytes_per_step"] * 200 == pytest.approx(island_bytes)
+    assert islands["sync_dp_bytes_per_step"] * 200 == pytest.approx(dp_bytes)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--islands", "3"], "--islands 3 does not divide --gpus 2"),
+        (["--islands", "2"], "--islands 2 needs --sync-every H"),
+        (["--sync-every", "5"], "--sync-every 5 needs --islands 2 or more"),
+        (["--islands", "2", "--sync-every", "0"], "--sync-every 0: give a whole number of steps"),
+        (["--islands", "2", "--sync-every", "4", "--outer-lr", "-1"], "--outer-lr -1.0: give a finite"),
+        (["--islands", "2", "--sync-every", "4", "--outer-momentum", "1"], "--outer-momentum 1.0: give a momentum"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(tmp_path, flags, message):
+    proc = _autoshard(*flags, "--plan-only", "-o", str(tmp_path))
+    assert proc.returncode == 2
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
