@@ -21,6 +21,7 @@ from torch import nn
 from autoshard.ir.plan import Islands, Plan
 from autoshard.runtime import fake, groups
 from autoshard.runtime.program import Ranks, _flatten
+from autoshard.runtime.state import split_duplicates
 
 
 def islands_of(plan: Plan) -> Islands | None:
@@ -74,11 +75,23 @@ class OuterStep:
     place): the synced copy of each and its Nesterov momentum (fp32), and the bytes this rank has
     handed to the island all-reduce (``sent_bytes``)."""
 
-    def __init__(self, islands: Islands, targets: list[torch.Tensor], group):
-        self.islands, self.targets, self.group = islands, targets, group
-        self.synced = [t.detach().float().clone() for t in targets]
-        self.momentum = [torch.zeros_like(s) for s in self.synced]
+    def __init__(self, islands: Islands, entries: list, group, island: int):
+        self.islands, self.group, self.island = islands, group, island
+        self.entries = [e for e in entries if isinstance(e.param, nn.Parameter)]
         self.sent_bytes = 0
+        self.restored = False  # the last checkpoint loaded held the outer state
+        self.reset()
+
+    @property
+    def targets(self) -> list[torch.Tensor]:
+        """Each trained parameter's tensor the inner optimizer steps (the fp32 master, ZeRO-1's
+        rows, an FSDP shard, or the parameter)."""
+        return [e.held.local for e in self.entries]
+
+    def reset(self) -> None:
+        """Sync from where the parameters stand, with no momentum (the start)."""
+        self.synced = [t.detach().float().clone() for t in self.targets]
+        self.momentum = [torch.zeros_like(s) for s in self.synced]
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` (0-based) ends with a sync."""
@@ -101,9 +114,51 @@ class OuterStep:
             s.sub_(g.add(m, alpha=mu), alpha=lr)
             t.copy_(s)
 
+    # -- checkpoints: each island's parameters and inner optimizer states under ``island<i>/``,
+    # the outer state (the same in every island) under ``outer/``, written by island 0
 
-def targets(entries) -> list[torch.Tensor]:
-    """What the outer step syncs of a rank's ``state.Entry`` list: each trained parameter's
-    tensor the inner optimizer steps (the fp32 master, ZeRO-1's rows, an FSDP shard, or the
-    parameter)."""
-    return [e.held.local for e in entries if isinstance(e.param, nn.Parameter)]
+    def state(self, copy: bool) -> dict:
+        """The outer state to save, in DCP form: the synced copy and the momentum of the
+        counted pieces (``state.Entry.counted``), from island 0."""
+        if self.island != 0:
+            return {}
+        out = {}
+        for e, s, m in zip(self.entries, self.synced, self.momentum):
+            if e.counted:
+                out[f"outer/synced/{e.held.key}"] = e.held.pieces(copy, s)
+                out[f"outer/momentum/{e.held.key}"] = e.held.pieces(copy, m)
+        return out
+
+    def load_passes(self, passes: list[dict], saved: dict) -> list[dict]:
+        """DCP load passes (``state.load_targets``'s, in the keys of one island) for this island:
+        its own ``island<i>/`` keys, and the outer state where the checkpoint has it (one written
+        without islands has not: the outer step then starts from the loaded parameters, ``reset``
+        after the load)."""
+        passes = [island_keys(p, self.island) for p in passes]
+        wanted: dict[str, list] = {}
+        for e, s, m in zip(self.entries, self.synced, self.momentum):
+            if f"outer/synced/{e.held.key}" in saved:
+                wanted.setdefault(f"outer/synced/{e.held.key}", []).append(e.held.pieces(False, s))
+                wanted.setdefault(f"outer/momentum/{e.held.key}", []).append(e.held.pieces(False, m))
+        self.restored = bool(wanted)
+        for i, extra in enumerate(split_duplicates(wanted)):
+            if i == len(passes):
+                passes.append({})
+            passes[i].update(extra)
+        return passes
+
+
+def island_keys(state: dict, island: int) -> dict:
+    """``state``'s parameters and optimizer states (``model/``, ``optim/``) under ``island<i>/``."""
+    return {(f"island{island}/{k}" if k.startswith(("model/", "optim/")) else k): v for k, v in state.items()}
+
+
+def own_keys(saved: dict, island: int) -> dict:
+    """A checkpoint's keys (``state.saved_keys``) as island ``island`` reads them: its own without
+    their prefix, no other island's; a checkpoint written without islands as it is."""
+    prefix = f"island{island}/"
+    return {
+        (k[len(prefix) :] if k.startswith(prefix) else k): v
+        for k, v in saved.items()
+        if k.startswith(prefix) or not k.startswith("island")
+    }

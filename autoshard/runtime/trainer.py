@@ -256,12 +256,6 @@ def check_islands(args: argparse.Namespace, plan: Plan) -> None:
     """What a run over DiLoCo islands cannot do yet, in one line before anything starts."""
     if diloco.islands_of(plan) is None:
         return
-    if args.checkpoint_dir is not None:
-        raise ProgramError(
-            f"the plan trains {plan.islands.count} DiLoCo islands, whose checkpoints are not written yet (each "
-            "island's optimizer state differs); drop --checkpoint-dir (and --spike-zscore), or recompile without "
-            "--islands"
-        )
     if plan.model.get("experts"):
         raise ProgramError("DiLoCo islands are not emitted for MoE models yet; recompile without --islands")
 
@@ -765,7 +759,7 @@ class Trainer:
         )  # fmt: skip
         if islands is not None:
             trainer.island, trainer.islands, trainer.island_world = island, islands.count, island_world
-            trainer.outer = diloco.OuterStep(islands, diloco.targets(held), island_group)
+            trainer.outer = diloco.OuterStep(islands, held, island_group, island)
         return trainer
 
     def expert_load(self) -> dict:
@@ -919,13 +913,15 @@ class Trainer:
         copy = not self.args.checkpoint_sync  # a background write needs copies; one in the step, views
         out = state.model_state(self.entries, copy, save=True)
         out.update(state.optim_state(self.entries, self.optim, copy))
+        if self.outer is not None:  # DiLoCo: each island's own, and the outer state
+            out = {**diloco.island_keys(out, self.island), **self.outer.state(copy)}
         out[f"rng/{dist.get_rank()}"] = state.object_state(state.rng_state())
         args, plan = self.args, self.plan
         meta = {
             "format": state.FORMAT, "step": run.step, "position": run.position,
-            "samples": run.position * plan.global_batch, "window": run.window, "skipped": run.skipped,
+            "samples": run.position * plan.global_batch * self.islands, "window": run.window, "skipped": run.skipped,
             "rollbacks": run.rollbacks,
-            "seed": args.seed, "global_batch": plan.global_batch, "seq_len": plan.seq_len,
+            "seed": args.seed, "global_batch": plan.global_batch * self.islands, "seq_len": plan.seq_len,
             "grad_accum": args.grad_accum,
             "lr": {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr,
                    "steps": args.steps},
@@ -940,6 +936,8 @@ class Trainer:
     def _check_compatible(self, path: Path, meta: dict) -> dict:
         """The checkpoint holds this model: every tensor this rank needs, at its full shape."""
         saved = state.saved_keys(path)
+        if self.outer is not None:  # DiLoCo: this island's keys
+            saved = diloco.own_keys(saved, self.island)
         for e in self.entries:
             key = f"model/{e.held.key}"
             if key not in saved:
@@ -967,6 +965,8 @@ class Trainer:
             raise ProgramError(f"checkpoint {path}: format {meta.get('format')}, this program reads {state.FORMAT}")
         saved = self._check_compatible(path, meta)
         passes = state.load_targets(self.entries, self.optim, saved)
+        if self.outer is not None:
+            passes = self.outer.load_passes(passes, saved)
         same_plan = meta.get("plan_sha256") == self.program.plan_sha256 and meta["gpus"] == self.plan.gpus
         rng_key = f"rng/{dist.get_rank()}"
         if same_plan:
@@ -974,17 +974,19 @@ class Trainer:
         with torch.no_grad():
             state.load(path, passes)
         state.write_back(self.optim)  # loaded into fp32 masters: round them into the parameters
+        if self.outer is not None and not self.outer.restored:  # a checkpoint without islands
+            self.outer.reset()
         if same_plan:
             buf = passes[0][rng_key]
             buf.seek(0)
             state.set_rng_state(torch.load(buf, weights_only=False))
-        samples = meta["samples"]
-        if samples % self.plan.global_batch:
+        samples, batch = meta["samples"], self.plan.global_batch * self.islands  # (islands: all of them)
+        if samples % batch:
             raise ProgramError(
                 f"checkpoint {path} read {samples} sequences, not a whole number of this plan's global batches "
-                f"of {self.plan.global_batch}; recompile with a global batch that divides it"
+                f"of {batch}; recompile with a global batch that divides it"
             )
-        return Run(meta["step"], samples // self.plan.global_batch, list(meta.get("window", [])),
+        return Run(meta["step"], samples // batch, list(meta.get("window", [])),
                    list(meta.get("skipped", [])), rollbacks=list(meta.get("rollbacks", [])))  # fmt: skip
 
 

@@ -16,12 +16,14 @@ users run them (torchrun, gloo, fp32, the tiny LLaMA on two CPU processes, one r
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from autoshard.verify import assemble
 from tests.distributed import torchrun
@@ -118,6 +120,22 @@ def test_two_islands_train_like_synchronous_dp_with_a_tenth_of_the_bytes(work):
     islands = json.loads((work["every10"] / "plan.json").read_text())["islands"]
     assert islands["outer_bytes_per_step"] * 200 == pytest.approx(island_bytes)
     assert islands["sync_dp_bytes_per_step"] * 200 == pytest.approx(dp_bytes)
+
+
+def test_resume_between_syncs_is_exact(work):
+    """A run of 2 islands (H=10) resumed from its checkpoint at step 15, between syncs (each
+    island's own parameters and AdamW states, the outer state), through the sync after step 20,
+    ends where the uninterrupted run does, bit for bit."""
+    root, args = work["root"], ["--steps", "24", "--data", work["data"], "--lr", "3e-3"]
+    ck = root / "resume-ck"
+    straight_log, straight = _train(work["every10"], root, "straight", *args, "--checkpoint-dir", str(ck),
+                                    "--checkpoint-every", "15", "--keep", "0")  # fmt: skip
+    shutil.copytree(ck, root / "resume-ck2")
+    shutil.rmtree(root / "resume-ck2" / "step_00000024")
+    resumed_log, resumed = _train(work["every10"], root, "resumed", *args, "--checkpoint-dir", str(root / "resume-ck2"))
+    assert [r["step"] for r in resumed_log] == list(range(15, 24))
+    assert [r["loss"] for r in resumed_log] == [r["loss"] for r in straight_log[15:]]
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 @pytest.mark.parametrize(
