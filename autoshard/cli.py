@@ -335,6 +335,14 @@ def _compile(args) -> int:
         f"{plan.microbatches} micro-batches: {p.step_time_s:.3f} s/step, {p.mfu * 100:.1f}% MFU, "
         f"{p.memory_bytes_per_gpu['total'] / 1e9:.1f} GB/GPU"
     )
+    if plan.islands is not None:
+        isl = plan.islands
+        print(
+            f"DiLoCo: {isl.count} islands of dp={plan.mesh.dp // isl.count}, an outer step every {isl.sync_every} "
+            f"steps: {isl.outer_bytes_per_step / 1e6:.3g} MB/step per GPU between islands against "
+            f"{isl.sync_dp_bytes_per_step / 1e6:.3g} MB for synchronous DP ({isl.outer_s_per_step:.3g} s against "
+            f"{isl.sync_dp_s_per_step:.3g} s)"
+        )
     if extra:
         last = len(plan.stage_layers) - 1
         layers = " layers.py," if "layers.py" in compiled.files else ""

@@ -211,7 +211,7 @@ def _islands(plan: Plan) -> list[str]:
         f"every island average their parameters' change since the last sync and take an outer Nesterov SGD step "
         f"(lr {isl.outer_lr:g}, momentum {isl.outer_momentum:g}).",
         "",
-        f"Between islands, per GPU per step{ratio}:",
+        f"Between islands, per GPU per step{ratio}, on {isl.link or 'the link between islands'}:",
         "",
         *_table(["", "MB sent", "seconds"], rows),
         "",

@@ -48,6 +48,16 @@ def link(hw: Hardware) -> tuple[float, float]:
     return hw.network_gbps * 1e9 * hw.link_efficiency, hw.network_latency_us * 1e-6
 
 
+def link_text(hw: Hardware) -> str:
+    """The link between islands ``link`` prices, in words."""
+    if hw.wan_gbps > 0:
+        return f"the profile's link between islands: {hw.wan_gbps:g} GB/s per GPU, {hw.wan_latency_ms:g} ms"
+    return (
+        f"the profile names no link between islands (wan_gbps): priced on its inter-node network, "
+        f"{hw.network_gbps:g} GB/s per GPU"
+    )
+
+
 def all_reduce_s(nbytes: float, count: int, hw: Hardware) -> float:
     """A ring all-reduce of ``nbytes`` over ``count`` islands on the link between them."""
     if count <= 1:
@@ -67,4 +77,5 @@ def price(plan: Plan, hw: Hardware, asked: Islands) -> Islands:
         outer_s_per_step=all_reduce_s(outer, count, hw) / every,
         sync_dp_bytes_per_step=wire_bytes("all_reduce", grads, count),
         sync_dp_s_per_step=all_reduce_s(grads, count, hw),
+        link=link_text(hw),
     )

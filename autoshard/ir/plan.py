@@ -110,6 +110,7 @@ class Islands:
     outer_s_per_step: float = 0.0  # the outer all-reduce's time, per step (amortised)
     sync_dp_bytes_per_step: float = 0.0  # what synchronous DP over the islands would send
     sync_dp_s_per_step: float = 0.0  # and its time
+    link: str = ""  # the link priced, in words
 
 
 @dataclass

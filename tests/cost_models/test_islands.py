@@ -1,0 +1,75 @@
+"""The price of DiLoCo islands (``cost_models.islands``): the outer all-reduce amortised over H
+steps against synchronous DP's gradient reduction over the link between islands, in the plan and
+in plan.md."""
+
+import dataclasses
+import json
+
+import pytest
+
+from autoshard.cost_models import hardware
+from autoshard.cost_models.islands import price
+from autoshard.errors import AutoshardError
+from autoshard.ir.plan import Islands, Plan
+from autoshard.report import plan_markdown
+
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    """LLaMA-3 405B on 8192 H100s: TP2 x PP64 x CP8 x DP8, ZeRO-1."""
+    return Plan.from_dict(json.loads((ROOT / "tests/golden/llama3_405b_8k_h100.json").read_text())["plan"])
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wan") / "h100-wan.toml"
+    path.write_text('name = "h100-wan"\nextends = "h100"\nwan_gbps = 0.5\nwan_latency_ms = 20\n')
+    return hardware.load(str(path))
+
+
+def test_the_outer_step_sends_h_times_fewer_bytes_than_synchronous_dp(plan, wan):
+    isl = price(plan, wan, Islands(count=2, sync_every=50))
+    shard = 4 * plan.model["params"] / (2 * 64) / (4 * 8)  # fp32, a ZeRO-1 rank's rows of its piece
+    assert isl.sync_dp_bytes_per_step == pytest.approx(shard)  # a ring over 2 islands sends what it is handed
+    assert isl.outer_bytes_per_step == pytest.approx(shard / 50)
+    assert isl.sync_dp_s_per_step == pytest.approx(2 * 0.020 + shard / 0.5e9)
+    assert isl.outer_s_per_step == pytest.approx(isl.sync_dp_s_per_step / 50)
+    four = price(plan, wan, Islands(count=4, sync_every=50))  # more islands: 2(K-1)/K of a larger shard
+    assert four.sync_dp_bytes_per_step == pytest.approx(2 * 3 / 4 * 4 * plan.model["params"] / 128 / 16)
+
+
+def test_zero_0_syncs_its_whole_piece(plan, wan):
+    """At ZeRO-0 every rank steps its whole piece, so the outer step sends dp/K times more than a
+    hierarchical gradient reduction's share: the saving is H/(dp/K)."""
+    isl = price(dataclasses.replace(plan, zero_stage=0), wan, Islands(count=2, sync_every=50))
+    assert isl.sync_dp_bytes_per_step / isl.outer_bytes_per_step == pytest.approx(50 / (4 * 8))
+
+
+def test_without_a_wan_the_network_is_priced(plan):
+    h100 = hardware.load("h100")
+    isl = price(plan, h100, Islands(count=2, sync_every=10))
+    assert "no link between islands" in isl.link
+    assert isl.sync_dp_s_per_step == pytest.approx(
+        2 * h100.network_latency_us * 1e-6
+        + isl.sync_dp_bytes_per_step / (h100.network_gbps * 1e9 * h100.link_efficiency)
+    )
+
+
+def test_islands_round_trip_and_show_in_plan_md(plan, wan):
+    with_islands = dataclasses.replace(plan, islands=price(plan, wan, Islands(count=2, sync_every=50)))
+    again = Plan.from_dict(json.loads(with_islands.to_json()))
+    assert again.islands == with_islands.islands
+    md = plan_markdown(again)
+    assert "## Islands (DiLoCo)" in md and "50.0x fewer bytes" in md and "| saved |" in md
+    assert "## Islands" not in plan_markdown(plan)
+    with pytest.raises(AutoshardError, match="islands.count 3 does not divide dp = 8"):
+        Plan.from_dict({**json.loads(with_islands.to_json()), "islands": {"count": 3}})
+
+
+def test_a_negative_wan_is_refused(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('name = "bad"\nextends = "h100"\nwan_gbps = -1\n')
+    with pytest.raises(AutoshardError, match="wan_gbps"):
+        hardware.load(str(path))
