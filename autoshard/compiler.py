@@ -167,6 +167,8 @@ def _islands(plan: Plan, problem: planner.Problem, islands: Islands | None) -> N
     """Record (and price) DiLoCo's islands in ``plan``."""
     if islands is None or islands.count <= 1:
         return
+    if plan.model.get("experts"):
+        raise AutoshardError("--islands: DiLoCo islands are not emitted for MoE models yet; compile without --islands")
     if plan.mesh.dp % islands.count:
         raise AutoshardError(
             f"--islands {islands.count} does not divide the plan's dp={plan.mesh.dp}; give --islands dividing "

@@ -114,8 +114,9 @@ class OuterStep:
             s.sub_(g.add(m, alpha=mu), alpha=lr)
             t.copy_(s)
 
-    # -- checkpoints: each island's parameters and inner optimizer states under ``island<i>/``,
-    # the outer state (the same in every island) under ``outer/``, written by island 0
+    # -- checkpoints: island 0's parameters and inner optimizer states under their usual keys
+    # (what ``autoshard export`` and a plan without islands read), each other island's under
+    # ``island<i>/``; the outer state (the same in every island) under ``outer/``, from island 0
 
     def state(self, copy: bool) -> dict:
         """The outer state to save, in DCP form: the synced copy and the momentum of the
@@ -129,12 +130,14 @@ class OuterStep:
                 out[f"outer/momentum/{e.held.key}"] = e.held.pieces(copy, m)
         return out
 
-    def load_passes(self, passes: list[dict], saved: dict) -> list[dict]:
-        """DCP load passes (``state.load_targets``'s, in the keys of one island) for this island:
-        its own ``island<i>/`` keys, and the outer state where the checkpoint has it (one written
-        without islands has not: the outer step then starts from the loaded parameters, ``reset``
-        after the load)."""
-        passes = [island_keys(p, self.island) for p in passes]
+    def load_passes(self, passes: list[dict], saved: dict, raw: dict) -> list[dict]:
+        """DCP load passes (``state.load_targets``'s, in the usual keys) for this island of
+        checkpoint keys ``raw`` (``saved``: as ``own_keys`` reads them): its own ``island<i>/``
+        keys where it has them (else island 0's: a checkpoint written by fewer islands or none),
+        and the outer state where it has it (else the outer step starts from the loaded
+        parameters: ``restored`` is false)."""
+        prefix = f"island{self.island}/"
+        passes = [{(prefix + k if prefix + k in raw else k): v for k, v in p.items()} for p in passes]
         wanted: dict[str, list] = {}
         for e, s, m in zip(self.entries, self.synced, self.momentum):
             if f"outer/synced/{e.held.key}" in saved:
@@ -149,16 +152,17 @@ class OuterStep:
 
 
 def island_keys(state: dict, island: int) -> dict:
-    """``state``'s parameters and optimizer states (``model/``, ``optim/``) under ``island<i>/``."""
+    """``state``'s parameters and optimizer states (``model/``, ``optim/``) under ``island<i>/``
+    (island 0's as they are)."""
+    if island == 0:
+        return state
     return {(f"island{island}/{k}" if k.startswith(("model/", "optim/")) else k): v for k, v in state.items()}
 
 
 def own_keys(saved: dict, island: int) -> dict:
-    """A checkpoint's keys (``state.saved_keys``) as island ``island`` reads them: its own without
-    their prefix, no other island's; a checkpoint written without islands as it is."""
+    """A checkpoint's keys (``state.saved_keys``) as island ``island`` reads them: its own
+    ``island<i>/`` keys without the prefix, over the usual ones (island 0's, or a run's without
+    islands), no other island's."""
     prefix = f"island{island}/"
-    return {
-        (k[len(prefix) :] if k.startswith(prefix) else k): v
-        for k, v in saved.items()
-        if k.startswith(prefix) or not k.startswith("island")
-    }
+    plain = {k: v for k, v in saved.items() if not k.startswith("island")}
+    return {**plain, **{k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}}

@@ -966,7 +966,7 @@ class Trainer:
         saved = self._check_compatible(path, meta)
         passes = state.load_targets(self.entries, self.optim, saved)
         if self.outer is not None:
-            passes = self.outer.load_passes(passes, saved)
+            passes = self.outer.load_passes(passes, saved, state.saved_keys(path))
         same_plan = meta.get("plan_sha256") == self.program.plan_sha256 and meta["gpus"] == self.plan.gpus
         rng_key = f"rng/{dist.get_rank()}"
         if same_plan:
