@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from autoshard.cli import main
 from autoshard.verify import assemble
 from tests.distributed import torchrun
 
@@ -86,7 +87,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_sync_every_step_equals_synchronous_dp(work):
     """H=1, outer lr 1, momentum 0, a linear inner optimizer: the same parameters as synchronous
     DP after 6 steps, within 1e-6 (fp32: the islands sum parameters, DP sums gradients, in other
-    orders); with AdamW's usual eps the same runs differ by far more."""
+    orders)."""
     root, steps = work["root"], ["--steps", "6", "--data", work["data"], "--weight-decay", "0"]
     linear = [*steps, "--lr", "1e6", "--adam-eps", "1e8"]  # AdamW as momentum SGD at lr 1e-2
     sync_log, sync = _train(work["sync"], root, "sync-linear", *linear)
@@ -96,6 +97,11 @@ def test_sync_every_step_equals_synchronous_dp(work):
     # a sync every step moves what DP's gradient all-reduce moves: every fp32 parameter, each step
     assert isl_log[-1]["island_bytes"] == sync_log[-1]["dp_bytes"] == 6 * 4 * _params(work["every1"])
 
+
+def test_sync_every_step_is_not_synchronous_dp_under_adamw(work):
+    """The same runs with AdamW as usual: averaging parameters is not averaging gradients, and
+    the comparison above sees the difference."""
+    root, steps = work["root"], ["--steps", "6", "--data", work["data"], "--weight-decay", "0"]
     adam = [*steps, "--lr", "1e-2"]
     _, sync = _train(work["sync"], root, "sync-adam", *adam)
     _, isl = _train(work["every1"], root, "every1-adam", *adam)
@@ -141,15 +147,18 @@ def test_resume_between_syncs_is_exact(work):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--islands", "3"], "--islands 3 does not divide --gpus 2"),
+        (["--islands", "3", "--sync-every", "4"], "--islands 3 does not divide --gpus 2"),
+        (["--islands", "2", "--sync-every", "4", "--force", "dp=1"], "--islands 2 does not divide the pinned dp=1"),
         (["--islands", "2"], "--islands 2 needs --sync-every H"),
         (["--sync-every", "5"], "--sync-every 5 needs --islands 2 or more"),
+        (["--islands", "0", "--sync-every", "5"], "--islands 0: give a whole number of islands"),
         (["--islands", "2", "--sync-every", "0"], "--sync-every 0: give a whole number of steps"),
         (["--islands", "2", "--sync-every", "4", "--outer-lr", "-1"], "--outer-lr -1.0: give a finite"),
         (["--islands", "2", "--sync-every", "4", "--outer-momentum", "1"], "--outer-momentum 1.0: give a momentum"),
     ],
 )
-def test_bad_flags_are_one_line_errors(tmp_path, flags, message):
-    proc = _autoshard(*flags, "--plan-only", "-o", str(tmp_path))
-    assert proc.returncode == 2
-    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+def test_bad_flags_are_one_line_errors(tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.chdir(ROOT)
+    assert main(["compile", *BASE, *flags, "--plan-only", "-o", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
