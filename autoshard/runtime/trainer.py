@@ -151,7 +151,7 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     plan, program = rt.read_program(out)
     rt.check_program(out, plan, program)
     rt.check_world(plan)
-    check_islands(args, plan)
+    check_islands(plan)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -252,8 +252,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ProgramError("--spike-window must be at least 2 steps")
 
 
-def check_islands(args: argparse.Namespace, plan: Plan) -> None:
-    """What a run over DiLoCo islands cannot do yet, in one line before anything starts."""
+def check_islands(plan: Plan) -> None:
+    """What a run over DiLoCo islands cannot do yet (a hand-edited plan: compile refuses it), in
+    one line before anything starts."""
     if diloco.islands_of(plan) is None:
         return
     if plan.model.get("experts"):
