@@ -5,10 +5,11 @@ data parallelism whose gradient reduction would cross it every step.
 Both are counted per GPU, on a ring over the ``count`` islands (``comm.wire_bytes``), in fp32
 (the program's outer gradients and its gradient reductions are fp32):
 
-- **outer step**: every ``sync_every`` steps each GPU all-reduces the parameters its optimizer
-  steps (``outer_params``) with the GPUs at its place in the other islands: a GPU at ZeRO-0 holds
-  its tensor- and pipeline-parallel piece whole; at ZeRO-1/2/3 its rows of it, ``1/(dp/count *
-  cp)`` of the piece.
+- **outer step**: every ``sync_every`` steps each GPU all-reduces ``1/(dp/count * cp)`` of its
+  tensor- and pipeline-parallel piece (``outer_params``) with the GPUs at its place in the other
+  islands: at ZeRO-1/2/3 the rows its optimizer steps; at ZeRO-0, where the island's dp x cp
+  ranks hold the same piece, a share of it, gathered back inside the island
+  (``runtime.diloco.OuterStep``).
 - **synchronous DP across islands**: a gradient reduction that crosses the link as cheaply as it
   can, hierarchically (inside an island first, then each GPU's ``1/(dp/count * cp)`` share of the
   gradient all-reduced over the islands), every step.
@@ -35,10 +36,8 @@ def piece_params(plan: Plan) -> float:
 
 
 def outer_params(plan: Plan, count: int) -> float:
-    """Parameters each GPU all-reduces over the islands at an outer step: those its optimizer
-    steps (``runtime.diloco``)."""
-    inner = plan.mesh.dp // count * plan.mesh.cp
-    return piece_params(plan) / (inner if plan.zero_stage >= 1 else 1)
+    """Parameters each GPU all-reduces over the islands at an outer step (``runtime.diloco``)."""
+    return piece_params(plan) / (plan.mesh.dp // count * plan.mesh.cp)
 
 
 def link(hw: Hardware) -> tuple[float, float]:

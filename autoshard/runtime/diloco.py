@@ -73,10 +73,14 @@ def build_mesh(plan: Plan, device_type: str):
 class OuterStep:
     """The outer optimizer over ``targets`` (the tensors this rank's inner optimizer steps, in
     place): the synced copy of each and its Nesterov momentum (fp32), and the bytes this rank has
-    handed to the island all-reduce (``sent_bytes``)."""
+    handed to the island all-reduce (``sent_bytes``). ``share``: the ranks of this island that
+    hold the same tensors (ZeRO-0's dp x cp replicas): each all-reduces its ``1/n`` of the outer
+    gradient over the islands and they gather the rest from each other, inside the island, so
+    that what crosses between islands is the model once per island, not once per replica."""
 
-    def __init__(self, islands: Islands, entries: list, group, island: int):
+    def __init__(self, islands: Islands, entries: list, group, island: int, share=None):
         self.islands, self.group, self.island = islands, group, island
+        self.share = share if share is not None and dist.get_world_size(share) > 1 else None
         self.entries = [e for e in entries if isinstance(e.param, nn.Parameter)]
         self.sent_bytes = 0
         self.restored = False  # the last checkpoint loaded held the outer state
@@ -104,15 +108,28 @@ class OuterStep:
         if not self.targets:
             return
         flat = torch.cat([(s - t.float()).reshape(-1) for s, t in zip(self.synced, self.targets)])
-        dist.all_reduce(flat, group=self.group)
-        self.sent_bytes += flat.numel() * flat.element_size()
-        flat.div_(self.islands.count)
+        flat = self._all_reduce(flat).div_(self.islands.count)
         lr, mu = self.islands.outer_lr, self.islands.outer_momentum
         for s, m, t, g in zip(self.synced, self.momentum, self.targets, flat.split([s.numel() for s in self.synced])):
             g = g.view_as(s)
             m.mul_(mu).add_(g)
             s.sub_(g.add(m, alpha=mu), alpha=lr)
             t.copy_(s)
+
+    def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` summed over the islands (this rank's share of it, then gathered in the island)."""
+        if self.share is None:
+            dist.all_reduce(flat, group=self.group)
+            self.sent_bytes += flat.numel() * flat.element_size()
+            return flat
+        n, me = dist.get_world_size(self.share), dist.get_rank(self.share)
+        size = -(-flat.numel() // n)
+        parts = list(torch.nn.functional.pad(flat, (0, size * n - flat.numel())).split(size))
+        mine = parts[me].clone()
+        dist.all_reduce(mine, group=self.group)
+        self.sent_bytes += mine.numel() * mine.element_size()
+        dist.all_gather(parts, mine, group=self.share)
+        return torch.cat(parts)[: flat.numel()]
 
     # -- checkpoints: island 0's parameters and inner optimizer states under their usual keys
     # (what ``autoshard export`` and a plan without islands read), each other island's under

@@ -760,7 +760,8 @@ class Trainer:
         )  # fmt: skip
         if islands is not None:
             trainer.island, trainer.islands, trainer.island_world = island, islands.count, island_world
-            trainer.outer = diloco.OuterStep(islands, held, island_group, island)
+            share = zero_group if plan.zero_stage == 0 else None  # ZeRO-0's replicas split the outer all-reduce
+            trainer.outer = diloco.OuterStep(islands, held, island_group, island, share)
         return trainer
 
     def expert_load(self) -> dict:
