@@ -149,6 +149,12 @@ def check_islands(islands: Islands | None, gpus: int, pins: dict) -> None:
         raise AutoshardError(f"--outer-momentum {islands.outer_momentum}: give a momentum in [0, 1) (DiLoCo: 0.9)")
     if gpus % k:
         raise AutoshardError(f"--islands {k} does not divide --gpus {gpus}; give a divisor of {gpus}")
+    order = pins.get("order")
+    if k > 1 and order is not None and tuple(order.split("-") if isinstance(order, str) else order)[-1] != "dp":
+        raise AutoshardError(
+            f"--islands {k} splits the outermost ranks by their dp coordinate: pin an order with dp last "
+            f"(e.g. order=tp-cp-pp-dp), or leave order to the search"
+        )
     if "dp" in pins and pins["dp"] % k:
         raise AutoshardError(
             f"--islands {k} does not divide the pinned dp={pins['dp']}; pin a dp that {k} divides, or give "
@@ -157,15 +163,22 @@ def check_islands(islands: Islands | None, gpus: int, pins: dict) -> None:
 
 
 def _split_islands(problem: planner.Problem, islands: Islands) -> None:
-    """Islands split the data-parallel ranks: the search keeps to dp that ``islands.count`` divides."""
+    """Islands split the data-parallel ranks: the search keeps to dp that ``islands.count`` divides,
+    with dp the outermost axis (each island a block of consecutive ranks)."""
     if islands.count > 1:
+        problem.dp_outermost = True
         dp = {d for d in range(1, problem.gpus + 1) if problem.gpus % d == 0 and d % islands.count}
         problem.excluded.setdefault("dp", set()).update(dp)
 
 
 def _islands(plan: Plan, problem: planner.Problem, islands: Islands | None) -> None:
-    """Record (and price) DiLoCo's islands in ``plan``."""
+    """Record (and price) DiLoCo's islands in ``plan``: the user's, or where the profile's link
+    between islands splits the GPUs (``sync_every`` 0: not asked for), the cost model's choice."""
     if islands is None or islands.count <= 1:
+        return
+    if not islands.sync_every:
+        plan.islands, why = island_costs.choose(plan, problem.hw, islands.count)
+        plan.notes.append(why)
         return
     if plan.model.get("experts"):
         raise AutoshardError("--islands: DiLoCo islands are not emitted for MoE models yet; compile without --islands")
@@ -194,6 +207,10 @@ def compile_plan(
     its graph in place instead of a copy (copying a 61-layer graph costs a quarter of a second)."""
 
     problem.emit = not plan_only
+    moe = problem.cost.facts.get("experts")
+    spans = island_costs.spanned(problem.hw, problem.gpus) if islands is None and not moe else 1
+    if spans > 1:  # the profile's link between islands splits the GPUs: DP is what crosses it
+        islands = Islands(count=spans, sync_every=0)
     if islands is not None:
         _split_islands(problem, islands)
     observe = passes.dump_to(dump_passes) if isinstance(dump_passes, (str, Path)) else dump_passes

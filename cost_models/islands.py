@@ -16,11 +16,15 @@ Both are counted per GPU, on a ring over the ``count`` islands (``comm.wire_byte
 
 A profile without ``wan_gbps`` prices both on its inter-node network (``network_gbps``,
 ``network_latency_us``).
+
+Where the profile says the run's GPUs span several islands (``wan_island_gpus``), ``choose``
+decides from these prices whether to train them as DiLoCo islands and how often to sync.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from autoshard.cost_models.comm import wire_bytes
 from autoshard.cost_models.hardware import Hardware
@@ -78,3 +82,39 @@ def price(plan: Plan, hw: Hardware, asked: Islands) -> Islands:
         sync_dp_s_per_step=all_reduce_s(grads, count, hw),
         link=link_text(hw),
     )
+
+
+# the share of the predicted step time the amortised outer step may take when compile picks H
+OUTER_SHARE = 0.05
+
+
+def spanned(hw: Hardware, gpus: int) -> int:
+    """The islands a run on ``gpus`` GPUs spans by the profile (``wan_island_gpus``); 1: one."""
+    per = hw.wan_island_gpus
+    if hw.wan_gbps <= 0 or per <= 0 or gpus <= per or gpus % per:
+        return 1
+    return gpus // per
+
+
+def choose(plan: Plan, hw: Hardware, count: int, sync_every: int | None = None) -> tuple[Islands | None, str]:
+    """Whether ``plan``, spanning ``count`` islands, trains as DiLoCo islands, and why in words.
+    Synchronous DP stays where its gradient reduction over the link between islands fits behind
+    the step's compute (the program overlaps it with the backward); otherwise islands, syncing
+    every ``sync_every`` steps, or by default the fewest steps that keep the amortised outer step
+    within ``OUTER_SHARE`` of the step time."""
+    sync_s = price(plan, hw, Islands(count=count)).sync_dp_s_per_step
+    compute = plan.predicted.compute_s
+    if sync_s <= compute:
+        return None, (
+            f"The run spans {count} islands of the profile's link; synchronous DP over it ({sync_s:.3g} s per step) "
+            f"fits behind the step's compute ({compute:.3g} s): no DiLoCo islands."
+        )
+    outer = price(plan, hw, Islands(count=count, sync_every=1)).outer_s_per_step
+    every = sync_every or max(1, math.ceil(outer / (OUTER_SHARE * plan.predicted.step_time_s)))
+    why = (
+        f"The run spans {count} islands of the profile's link; synchronous DP over it would take {sync_s:.3g} s per "
+        f"step, more than the step's compute ({compute:.3g} s): DiLoCo islands, an outer step every {every} steps "
+        f"({outer / every:.3g} s per step amortised"
+        + (")." if sync_every else f", within {OUTER_SHARE:.0%} of the {plan.predicted.step_time_s:.3g} s step).")
+    )
+    return price(plan, hw, Islands(count=count, sync_every=every)), why

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from autoshard.cost_models import hardware
-from autoshard.cost_models.islands import price
+from autoshard.cost_models.islands import OUTER_SHARE, choose, price, spanned
 from autoshard.errors import AutoshardError
 from autoshard.ir.plan import Islands, Plan
 from autoshard.report import plan_markdown
@@ -73,3 +73,34 @@ def test_a_negative_wan_is_refused(tmp_path):
     path.write_text('name = "bad"\nextends = "h100"\nwan_gbps = -1\n')
     with pytest.raises(AutoshardError, match="wan_gbps"):
         hardware.load(str(path))
+
+
+def test_a_slow_link_between_islands_picks_diloco_with_the_fewest_steps_between_syncs(plan, tmp_path):
+    """Synchronous DP over a 0.01 GB/s link (40 s for a ZeRO-1 rank's 0.4 GB of gradients) takes
+    longer than the step's compute (7.8 s): islands, with H the fewest steps that keep the
+    amortised outer step within 5% of the 8.9 s step."""
+    path = tmp_path / "slow.toml"
+    path.write_text('name = "slow"\nextends = "h100"\nwan_gbps = 0.01\nwan_latency_ms = 20\nwan_island_gpus = 4096\n')
+    wan = hardware.load(str(path))
+    chosen, why = choose(plan, wan, 2)
+    step = plan.predicted.step_time_s
+    assert chosen is not None and "DiLoCo islands" in why
+    assert chosen.sync_dp_s_per_step > plan.predicted.compute_s
+    once = price(plan, wan, Islands(count=2, sync_every=1)).outer_s_per_step
+    assert chosen.outer_s_per_step <= OUTER_SHARE * step < once / (chosen.sync_every - 1)
+    assert choose(plan, wan, 2, sync_every=7)[0].sync_every == 7  # the user's H, where given
+
+
+def test_a_link_whose_traffic_hides_behind_compute_keeps_synchronous_dp(plan, wan):
+    """0.5 GB/s: 0.8 s of gradient reduction per step behind 7.8 s of compute."""
+    chosen, why = choose(plan, wan, 2)
+    assert chosen is None and "fits behind the step's compute" in why
+
+
+def test_a_fast_link_keeps_synchronous_dp(plan, tmp_path):
+    path = tmp_path / "fast.toml"
+    path.write_text('name = "fast"\nextends = "h100"\nwan_gbps = 50\nwan_latency_ms = 0.01\nwan_island_gpus = 4096\n')
+    fast = hardware.load(str(path))
+    chosen, why = choose(plan, fast, 2)
+    assert chosen is None and "fits behind the step's compute" in why
+    assert spanned(fast, 8192) == 2 and spanned(fast, 4096) == 1 and spanned(hardware.load("h100"), 8192) == 1

@@ -146,6 +146,27 @@ def test_resume_between_syncs_is_exact(work):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+@pytest.mark.parametrize("wan_gbps, wan_latency_ms, chosen", [(0.001, 30, True), (100.0, 0.001, False)])
+def test_compile_trains_islands_where_the_profile_link_between_them_is_slow(
+    tmp_path, capsys, monkeypatch, wan_gbps, wan_latency_ms, chosen
+):
+    """A profile whose 4 GPUs sit 2 by 2 on either side of a link: islands (dp outermost, so each
+    is 2 consecutive ranks) where synchronous DP over the link would outlast the step's compute,
+    synchronous DP where it fits behind it; the plan says why."""
+    monkeypatch.chdir(ROOT)
+    profile = tmp_path / "wan.toml"
+    link = f"wan_gbps = {wan_gbps}\nwan_latency_ms = {wan_latency_ms}\nwan_island_gpus = 2\n"
+    profile.write_text(f'name = "wan"\nextends = "cpu"\n{link}')
+    args = ["compile", *MODEL[:3], "--hardware", str(profile), *MODEL[5:], "--gpus", "4", "--plan-only"]
+    assert main([*args, "-o", str(tmp_path / "out")]) == 0
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert (plan["islands"] is not None) == chosen
+    assert any("The run spans 2 islands" in n for n in plan["notes"])
+    assert plan["mesh"]["dp"] % 2 == 0
+    active = [a for a in plan["mesh"]["order"] if plan["mesh"][a] > 1]
+    assert active[-1] == "dp"
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -153,6 +174,7 @@ def test_resume_between_syncs_is_exact(work):
         (["--islands", "2", "--sync-every", "4", "--force", "dp=1"], "--islands 2 does not divide the pinned dp=1"),
         (["--islands", "2"], "--islands 2 needs --sync-every H"),
         (["--sync-every", "5"], "--sync-every 5 needs --islands 2 or more"),
+        (["--islands", "2", "--sync-every", "4", "--force", "order=dp-tp-cp-pp"], "pin an order with dp last"),
         (["--islands", "0", "--sync-every", "5"], "--islands 0: give a whole number of islands"),
         (["--islands", "2", "--sync-every", "0"], "--sync-every 0: give a whole number of steps"),
         (["--islands", "2", "--sync-every", "4", "--outer-lr", "-1"], "--outer-lr -1.0: give a finite"),
