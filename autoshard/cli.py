@@ -146,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the gradient noise scale B_noise in tokens (autoshard verify --noise-scale measures one): warn "
         "where the global batch is past this critical batch and say how many steps its size still saves",
     )
+    p.add_argument(
+        "--islands",
+        type=int,
+        default=1,
+        help="DiLoCo: split the data-parallel ranks into this many islands that sync every --sync-every steps",
+    )
+    p.add_argument("--sync-every", type=int, help="DiLoCo: inner steps between the islands' outer steps (H)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo: the outer Nesterov SGD's learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo: the outer Nesterov SGD's momentum")
     p.add_argument("-o", "--out", required=True, help="output directory")
     p.set_defaults(run=_compile)
 
@@ -339,6 +348,19 @@ def _headroom(text: str) -> float:
     return value
 
 
+def _islands(args):
+    """DiLoCo's flags as the plan records them; None without ``--islands`` above 1."""
+    from autoshard.ir.plan import Islands
+
+    if args.islands == 1 and args.sync_every is None:
+        return None
+    if args.islands == 1:
+        raise AutoshardError(f"--sync-every {args.sync_every} needs --islands 2 or more (DiLoCo's islands)")
+    if args.sync_every is None:
+        raise AutoshardError(f"--islands {args.islands} needs --sync-every H: the inner steps between syncs")
+    return Islands(args.islands, args.sync_every, args.outer_lr, args.outer_momentum)
+
+
 def _compile(args) -> int:
     if len(args.seq_len) > 1 or args.tokens_per_stage is not None:
         return _compile_ramp(args)
@@ -359,6 +381,7 @@ def _compile(args) -> int:
         compare=planner.parse_force(args.compare) if args.compare else None,
         dump_passes=args.dump_passes,
         noise_scale=args.noise_scale,
+        islands=_islands(args),
     )
     plan, extra = compiled.plan, compiled.files
     out = compiled.write(args.out)
@@ -373,6 +396,14 @@ def _compile(args) -> int:
 
         past, note = critical_batch_note(plan.global_batch, plan.seq_len, args.noise_scale)
         print(f"warning: {note}" if past else note)
+    if plan.islands is not None:
+        isl = plan.islands
+        print(
+            f"DiLoCo: {isl.count} islands of dp={plan.mesh.dp // isl.count}, an outer step every {isl.sync_every} "
+            f"steps: {isl.outer_bytes_per_step / 1e6:.3g} MB/step per GPU between islands against "
+            f"{isl.sync_dp_bytes_per_step / 1e6:.3g} MB for synchronous DP ({isl.outer_s_per_step:.3g} s against "
+            f"{isl.sync_dp_s_per_step:.3g} s)"
+        )
     if extra:
         last = len(plan.stage_layers) - 1
         layers = " layers.py," if "layers.py" in compiled.files else ""

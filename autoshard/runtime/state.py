@@ -214,13 +214,14 @@ def entries(stages: list[nn.Module], chunk_ids: list[int], ranks, tied: Sequence
 # the gradient norm over every shard
 
 
-def clip_gradients(items: list[Entry], max_norm: float | None, replicated: bool = False) -> float:
+def clip_gradients(items: list[Entry], max_norm: float | None, replicated: bool = False, group=None) -> float:
     """The global L2 norm of the gradients, each full tensor counted once over every parallel
     dimension (one all-reduce of this rank's counted squares), and, with ``max_norm``, every
     gradient scaled as ``torch.nn.utils.clip_grad_norm_`` scales the single-device model's.
     ``replicated``: every rank holds every gradient whole and reduced (data parallelism alone at
     ZeRO-0, as under DDP); each computes the same norm from its own copies, with no collective
-    in the step (the reduced gradients agree bit for bit over the replicas)."""
+    in the step (the reduced gradients agree bit for bit over the replicas). ``group``: the ranks
+    that hold the model between them (default: all; one DiLoCo island's)."""
     mine = _counts_here(replicated)
     counted = [e.grad.detach() for e in items if mine(e) and e.grad is not None]
     device = counted[0].device if counted else next((e.param.device for e in items), torch.device("cpu"))
@@ -233,7 +234,7 @@ def clip_gradients(items: list[Entry], max_norm: float | None, replicated: bool 
     for grads in by_dtype.values():
         total += torch.stack(torch._foreach_norm(grads)).double().square().sum()
     if dist.is_initialized() and not replicated:
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
     norm = fake.value(total.sqrt())
     if max_norm is not None and max_norm > 0:
         coef = min(1.0, max_norm / (norm + 1e-6))

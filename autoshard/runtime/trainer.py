@@ -15,6 +15,7 @@ watch for slow ranks: ``autoshard.runtime.tiers``) and prints one JSON line per 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import gc
@@ -37,7 +38,7 @@ from torch import nn
 from autoshard.errors import ProgramError
 from autoshard.ir.plan import Plan
 from autoshard.ir.program import Program
-from autoshard.runtime import collectives, data, durable, fake, fp8, groups, moe, state, tiers
+from autoshard.runtime import collectives, data, diloco, durable, fake, fp8, groups, moe, state, tiers
 from autoshard.runtime import program as rt
 from autoshard.runtime.host import keep_freed_memory
 from autoshard.runtime.weights import open_weights
@@ -215,6 +216,7 @@ def main(out: Path, argv: list[str] | None = None, description: str | None = Non
     plan, program = rt.read_program(out)
     rt.check_program(out, plan, program)
     rt.check_world(plan)
+    check_islands(plan)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -336,6 +338,15 @@ def check_args(args: argparse.Namespace) -> None:
         raise ProgramError("--spike-window must be at least 2 steps")
 
 
+def check_islands(plan: Plan) -> None:
+    """What a run over DiLoCo islands cannot do yet (a hand-edited plan: compile refuses it), in
+    one line before anything starts."""
+    if diloco.islands_of(plan) is None:
+        return
+    if plan.model.get("experts"):
+        raise ProgramError("DiLoCo islands are not emitted for MoE models yet; recompile without --islands")
+
+
 def check_paths(args: argparse.Namespace) -> None:
     """The files the run writes can be written, before any step is spent: ``--log-file`` (opened
     for appending, as each step does) and ``--save-params`` (a directory)."""
@@ -432,7 +443,7 @@ def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ck
                 run = back
                 continue
         if not finite:
-            if trainer.reports:
+            if trainer.prints:
                 log.step(step, stats, norm, lr, {})
             if ckpt is not None:
                 ckpt.wait()  # the checkpoint in flight was written from finite steps: it completes
@@ -444,8 +455,8 @@ def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ck
                 "with --max-grad-norm, or give --spike-zscore (with --checkpoint-dir) to roll back and skip the batches"
             )
         run.advance(stats["loss"], args.grad_accum, args.spike_window)
-        if trainer.reports:
-            log.step(step, stats, norm, lr, trainer.expert_load())
+        if trainer.prints:
+            log.step(step, stats, norm, lr, {**trainer.expert_load(), **trainer.island_traffic()})
         if ckpt is not None:
             ckpt.poll()
             if args.checkpoint_every and run.step % args.checkpoint_every == 0 and run.step < args.steps:
@@ -459,7 +470,8 @@ def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ck
         for t in ckpt.timings:
             log.event({"event": "checkpoint", **t})
     if args.save_params:
-        rt.save_parameters(args.save_params, trainer.stages, trainer.ranks, trainer.chunk_ids, trainer.program.tied)
+        ranks = dataclasses.replace(trainer.ranks, dp=trainer.ranks.dp + trainer.island * trainer.plan.mesh.dp)
+        rt.save_parameters(args.save_params, trainer.stages, ranks, trainer.chunk_ids, trainer.program.tied)
 
 
 def _agreed(path: Path | None) -> Path | None:
@@ -963,6 +975,13 @@ class Trainer:
     dropped: int | None = None  # routed rows the capacity dropped in the last step, all ranks
     restored_lr: dict | None = None  # the learning-rate flags of the run whose checkpoint was loaded
     restored_meta: dict | None = None  # the trainer.json of the checkpoint loaded
+    # DiLoCo (``runtime.diloco``): this rank's island of ``islands``, the outer optimizer over the
+    # island group and the group of this rank's island (None: one island); ``plan`` is then the
+    # plan of one island
+    island: int = 0
+    islands: int = 1
+    outer: diloco.OuterStep | None = None
+    island_world: object = None
 
     @property
     def microbatches(self) -> int:
@@ -978,7 +997,12 @@ class Trainer:
         microbatches = plan.microbatches * args.grad_accum
         scale = 1.0 if plan.mesh.pp > 1 else 1.0 / microbatches
         moe.set_aux_loss(args.aux_loss, args.aux_alpha, scale)
-        mesh, ranks = rt.build_mesh(plan, device.type)
+        islands = diloco.islands_of(plan)
+        if islands is not None:  # each island runs the plan at dp/count, over its own ranks
+            mesh, ranks, island, island_group, island_world = diloco.build_mesh(plan, device.type)
+            plan = diloco.inner_plan(plan)
+        else:
+            mesh, ranks = rt.build_mesh(plan, device.type)
         experts_mesh = None
         if program.routing:  # MoE layers: the expert-parallel and expert-data-parallel groups
             experts_mesh = rt.build_expert_mesh(plan, device.type, ranks)
@@ -1034,6 +1058,10 @@ class Trainer:
             optim.trust_norms = functools.partial(
                 state.trust_norms, held, optim, keys=program.state_dict_keys, replicated=trainer.replicated
             )
+        if islands is not None:
+            trainer.island, trainer.islands, trainer.island_world = island, islands.count, island_world
+            share = zero_group if plan.zero_stage == 0 else None  # ZeRO-0's replicas split the outer all-reduce
+            trainer.outer = diloco.OuterStep(islands, held, island_group, island, share)
         return trainer
 
     def expert_load(self) -> dict:
@@ -1043,6 +1071,19 @@ class Trainer:
             return {}
         out = {"expert_load": {k: round(mx / mean, 4) if mean else 0.0 for k, (mx, mean) in self.loads.items()}}
         return out if self.dropped is None else {**out, "dropped_tokens": self.dropped}
+
+    def island_traffic(self) -> dict:
+        """For the step's log line, the bytes this rank has handed so far to the all-reduce between
+        DiLoCo islands (``island_bytes``) and to the data-parallel gradient all-reduce (``dp_bytes``,
+        where the program runs one: ZeRO-0)."""
+        dp = sum(getattr(r, "sent_bytes", 0) for r in self.reductions)
+        out = {"dp_bytes": dp} if dp else {}
+        return out if self.outer is None else {**out, "island_bytes": self.outer.sent_bytes}
+
+    @property
+    def prints(self) -> bool:
+        """This rank writes the step's line: the reporting rank of the first island."""
+        return self.reports and self.island == 0
 
     @property
     def replicated(self) -> bool:
@@ -1072,11 +1113,11 @@ class Trainer:
         ``position + grad_accum``, one after the other."""
         plan, args = self.plan, self.args
         rows = plan.microbatches * plan.microbatch_size  # sequences per data-parallel rank per batch
-        first = self.ranks.dp * rows
+        first = (self.island * plan.mesh.dp + self.ranks.dp) * rows  # (islands: dp coordinate's outer part)
         batches = [
             data.batch_rows(
                 index,
-                plan.global_batch,
+                plan.global_batch * self.islands,
                 plan.seq_len,
                 self.program.vocab,
                 args.seed,
@@ -1128,7 +1169,7 @@ class Trainer:
             r.finish()
         if self.fsdp:
             rt.sum_tied_gradients(self.ties)
-        norm = state.clip_gradients(self.entries, self.args.max_grad_norm, self.replicated)
+        norm = state.clip_gradients(self.entries, self.args.max_grad_norm, self.replicated, self.island_world)
         if fault is not None:
             fault(step)
         if not math.isfinite(norm) and not fake.active():  # (the same norm on every rank: all skip) the caller decides
@@ -1136,6 +1177,9 @@ class Trainer:
             return (mean_loss(losses, dp) if self.last else None), norm
         PROGRESS.mark(step, 2)
         self.optim.step()
+        if self.outer is not None and self.outer.due(step):  # DiLoCo: the islands sync
+            self.outer()
+            state.write_back(self.optim)  # the synced masters rounded into the parameters
         fp8.new_step()  # the weights changed: their FP8 copies are made again next step
         if self.program.routing:  # MoE: routing biases nudged toward balance, loads for the log
             self.loads = moe.update_biases(self.biases, self.args.balance_gamma)
@@ -1172,13 +1216,15 @@ class Trainer:
         copy = not self.args.checkpoint_sync  # a background write needs copies; one in the step, views
         out = state.model_state(self.entries, copy, save=True)
         out.update(state.optim_state(self.entries, self.optim, copy))
+        if self.outer is not None:  # DiLoCo: each island's own, and the outer state
+            out = {**diloco.island_keys(out, self.island), **self.outer.state(copy)}
         out[f"rng/{dist.get_rank()}"] = state.object_state(state.rng_state())
         args, plan = self.args, self.plan
         meta = {
             "format": state.FORMAT, "step": run.step, "position": run.position,
-            "samples": run.position * plan.global_batch, "window": run.window, "skipped": run.skipped,
+            "samples": run.position * plan.global_batch * self.islands, "window": run.window, "skipped": run.skipped,
             "rollbacks": run.rollbacks,
-            "seed": args.seed, "global_batch": plan.global_batch, "seq_len": plan.seq_len,
+            "seed": args.seed, "global_batch": plan.global_batch * self.islands, "seq_len": plan.seq_len,
             "grad_accum": args.grad_accum,
             "lr": {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr,
                    "steps": schedule_end(args)},
@@ -1234,6 +1280,8 @@ class Trainer:
     def _check_compatible(self, path: Path, meta: dict) -> dict:
         """The checkpoint holds this model: every tensor this rank needs, at its full shape."""
         saved = state.saved_keys(path)
+        if self.outer is not None:  # DiLoCo: this island's keys
+            saved = diloco.own_keys(saved, self.island)
         for e in self.entries:
             key = f"model/{e.held.key}"
             if key not in saved:
@@ -1261,6 +1309,8 @@ class Trainer:
             raise ProgramError(f"checkpoint {path}: format {meta.get('format')}, this program reads {state.FORMAT}")
         saved = self._check_compatible(path, meta)
         passes = state.load_targets(self.entries, self.optim, saved)
+        if self.outer is not None:
+            passes = self.outer.load_passes(passes, saved, state.saved_keys(path))
         same_plan = meta.get("plan_sha256") == self.program.plan_sha256 and meta["gpus"] == self.plan.gpus
         rng_key = f"rng/{dist.get_rank()}"
         if same_plan:
@@ -1268,17 +1318,20 @@ class Trainer:
         with torch.no_grad():
             state.load(path, passes)
         state.write_back(self.optim)  # loaded into fp32 masters: round them into the parameters
+        if self.outer is not None and not self.outer.restored:  # a checkpoint without islands
+            self.outer.reset()
         if same_plan:
             buf = passes[0][rng_key]
             buf.seek(0)
             state.set_rng_state(torch.load(buf, weights_only=False))
         samples = samples_at(meta, self.plan.seq_len, path)
-        if samples % self.plan.global_batch:
+        batch = self.plan.global_batch * self.islands  # (islands: all of them)
+        if samples % batch:
             raise ProgramError(
                 f"checkpoint {path} read {samples} sequences, not a whole number of this plan's global batches "
-                f"of {self.plan.global_batch}; recompile with a global batch that divides it"
+                f"of {batch}; recompile with a global batch that divides it"
             )
-        return Run(meta["step"], samples // self.plan.global_batch, list(meta.get("window", [])),
+        return Run(meta["step"], samples // batch, list(meta.get("window", [])),
                    list(meta.get("skipped", [])), rollbacks=list(meta.get("rollbacks", [])))  # fmt: skip
 
 
