@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from autoshard import progress
 from autoshard.errors import AutoshardError
@@ -31,6 +32,17 @@ def _positive(kind):
         return value
 
     parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _positive_list(kind):
+    """A comma-separated list of positive numbers (``8192,32768``), each read as ``_positive``."""
+    one = _positive(kind)
+
+    def parse(text: str) -> list:
+        return [one(x.strip()) for x in text.split(",")]
+
+    parse.__name__ = f"list of positive {kind.__name__}s"
     return parse
 
 
@@ -81,15 +93,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="config name passed to the builder")
     p.add_argument("--hardware", required=True, help="profile name or path to a .toml profile")
     p.add_argument("--gpus", type=_positive(int), required=True, help="GPUs to plan for")
-    p.add_argument("--seq-len", type=_positive(int), required=True, help="sequence length, tokens")
-    p.add_argument("--global-batch", type=_positive(int), required=True, help="sequences per optimizer step")
+    p.add_argument(
+        "--seq-len",
+        type=_positive_list(int),
+        required=True,
+        help="sequence length, tokens; a comma list (8192,32768,131072) with --tokens-per-stage compiles a "
+        "long-context ramp: one program per stage under -o, each its own best plan, ramp.md and the driver ramp.py",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=_positive(int),
+        required=True,
+        help="sequences per optimizer step; in a ramp, the first stage's: every stage keeps its tokens per step, "
+        "so stage k's batch is this x the first length / stage k's, which must be whole (else a one-line error)",
+    )
+    p.add_argument(
+        "--tokens-per-stage",
+        type=_positive_list(float),
+        metavar="T1,T2,...",
+        help="a ramp's training tokens per stage, one per --seq-len (e.g. 14.8e12,2e11): each stage's steps are "
+        "its tokens over the tokens per step, rounded up",
+    )
     p.add_argument(
         "--precision",
         choices=("bf16", "fp8", "auto"),
         default="bf16",
         help="bf16 (default), fp8 matmuls, or auto: let the planner decide",
     )
-    p.add_argument("--force", metavar="PINS", help="pin fields, e.g. tp=8,pp=16,schedule=interleaved,zero=1")
+    p.add_argument(
+        "--force",
+        metavar="PINS",
+        help="pin fields, e.g. tp=8,pp=16,schedule=interleaved,zero=1; in a ramp, for every stage, or one set per "
+        "stage separated by ';' (\"dp=2;cp=2\")",
+    )
     p.add_argument(
         "--memory-headroom",
         type=_headroom,
@@ -103,6 +139,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write each rewrite pass's graph before and after it to DIR as readable code (NN_pass.before.py)",
     )
+    p.add_argument(
+        "--noise-scale",
+        type=_positive(float),
+        metavar="TOKENS",
+        help="the gradient noise scale B_noise in tokens (autoshard verify --noise-scale measures one): warn "
+        "where the global batch is past this critical batch and say how many steps its size still saves",
+    )
+    p.add_argument(
+        "--islands",
+        type=int,
+        default=1,
+        help="DiLoCo: split the data-parallel ranks into this many islands that sync every --sync-every steps",
+    )
+    p.add_argument("--sync-every", type=int, help="DiLoCo: inner steps between the islands' outer steps (H)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo: the outer Nesterov SGD's learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo: the outer Nesterov SGD's momentum")
     p.add_argument("-o", "--out", required=True, help="output directory")
     p.set_defaults(run=_compile)
 
@@ -151,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds before the run counts as hung (default 600; with --at-scale 3600 per rank: a rank of a "
         "671B plan runs 120 micro-batches on one core)",
     )
+    p.add_argument("--optimizer", choices=("adamw", "lamb"), help="the optimizer on both sides (default adamw)")
     p.add_argument("--max-grad-norm", type=_positive(float), help="clip the gradient norm on both sides")
     p.add_argument("--warmup", type=int, help="learning-rate warm-up steps on both sides")
     p.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), help="the schedule on both sides")
@@ -169,6 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-within", type=_positive(float), default=0.10, help="with --at-scale: peak memory bound")
     p.add_argument("--flops-within", type=_positive(float), default=0.03, help="with --at-scale: FLOPs bound")
     p.add_argument("--comm-within", type=_positive(float), default=0.10, help="with --at-scale: bytes per dimension")
+    p.add_argument(
+        "--noise-scale",
+        action="store_true",
+        help="instead: measure the simple gradient noise scale tr(Sigma)/|G|^2 of the single-device model over "
+        "--steps steps of the program's batches (one sequence against the global batch), for compile --noise-scale",
+    )
+    p.add_argument(
+        "--data", help="with --noise-scale: token files to measure on (as train.py --data; default synthetic)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_verify)
 
@@ -286,7 +348,22 @@ def _headroom(text: str) -> float:
     return value
 
 
+def _islands(args):
+    """DiLoCo's flags as the plan records them; None without ``--islands`` above 1."""
+    from autoshard.ir.plan import Islands
+
+    if args.islands == 1 and args.sync_every is None:
+        return None
+    if args.islands == 1:
+        raise AutoshardError(f"--sync-every {args.sync_every} needs --islands 2 or more (DiLoCo's islands)")
+    if args.sync_every is None:
+        raise AutoshardError(f"--islands {args.islands} needs --sync-every H: the inner steps between syncs")
+    return Islands(args.islands, args.sync_every, args.outer_lr, args.outer_momentum)
+
+
 def _compile(args) -> int:
+    if len(args.seq_len) > 1 or args.tokens_per_stage is not None:
+        return _compile_ramp(args)
     from autoshard import planner
     from autoshard.compiler import compile_file
 
@@ -295,7 +372,7 @@ def _compile(args) -> int:
         args.config,
         hardware=args.hardware,
         gpus=args.gpus,
-        seq_len=args.seq_len,
+        seq_len=args.seq_len[0],
         global_batch=args.global_batch,
         precision=args.precision,
         pins=planner.parse_force(args.force),
@@ -303,6 +380,8 @@ def _compile(args) -> int:
         plan_only=args.plan_only,
         compare=planner.parse_force(args.compare) if args.compare else None,
         dump_passes=args.dump_passes,
+        noise_scale=args.noise_scale,
+        islands=_islands(args),
     )
     plan, extra = compiled.plan, compiled.files
     out = compiled.write(args.out)
@@ -312,6 +391,19 @@ def _compile(args) -> int:
         f"{plan.microbatches} micro-batches: {p.step_time_s:.3f} s/step, {p.mfu * 100:.1f}% MFU, "
         f"{p.memory_bytes_per_gpu['total'] / 1e9:.1f} GB/GPU"
     )
+    if args.noise_scale:
+        from autoshard.noise_scale import critical_batch_note
+
+        past, note = critical_batch_note(plan.global_batch, plan.seq_len, args.noise_scale)
+        print(f"warning: {note}" if past else note)
+    if plan.islands is not None:
+        isl = plan.islands
+        print(
+            f"DiLoCo: {isl.count} islands of dp={plan.mesh.dp // isl.count}, an outer step every {isl.sync_every} "
+            f"steps: {isl.outer_bytes_per_step / 1e6:.3g} MB/step per GPU between islands against "
+            f"{isl.sync_dp_bytes_per_step / 1e6:.3g} MB for synchronous DP ({isl.outer_s_per_step:.3g} s against "
+            f"{isl.sync_dp_s_per_step:.3g} s)"
+        )
     if extra:
         last = len(plan.stage_layers) - 1
         layers = " layers.py," if "layers.py" in compiled.files else ""
@@ -330,6 +422,41 @@ def _compile(args) -> int:
     return 0
 
 
+def _compile_ramp(args) -> int:
+    """``compile --seq-len A,B,... --tokens-per-stage TA,TB,...``: a long-context ramp."""
+    if args.tokens_per_stage is None:
+        raise AutoshardError(
+            f"--seq-len {','.join(map(str, args.seq_len))} is a ramp of {len(args.seq_len)} stages: give "
+            "--tokens-per-stage, one token count per stage"
+        )
+    for flag, value in (("--compare", args.compare), ("--dump-passes", args.dump_passes)):
+        if value is not None:
+            raise AutoshardError(f"{flag} goes with one --seq-len; compile the stage on its own for it")
+    from autoshard import ramp
+
+    ramp.compile_ramp(
+        args.model,
+        args.config,
+        hardware=args.hardware,
+        gpus=args.gpus,
+        seq_lens=args.seq_len,
+        global_batch=args.global_batch,
+        tokens=args.tokens_per_stage,
+        force=args.force,
+        precision=args.precision,
+        memory_headroom=args.memory_headroom,
+        plan_only=args.plan_only,
+        out=args.out,
+    )
+    print((Path(args.out) / "ramp.md").read_text(), end="")
+    if args.plan_only:
+        progress.note(f"wrote {args.out}/: ramp.md, ramp.json and each stage's plan.json and plan.md")
+    else:
+        progress.note(f"wrote {args.out}/: ramp.md, ramp.json, ramp.py and each stage's program")
+        progress.note(f"run: python {Path(args.out) / ramp.DRIVER} [-- train.py flags for every stage]")
+    return 0
+
+
 def _verify(args) -> int:
     if args.at_scale:
         from autoshard import atscale
@@ -340,7 +467,13 @@ def _verify(args) -> int:
         return 0 if report.ok else 1
     from autoshard.verify import format_report, verify
 
-    flags = {k: getattr(args, k) for k in ("max_grad_norm", "warmup", "lr_schedule", "min_lr")}
+    flags = {k: getattr(args, k) for k in ("optimizer", "max_grad_norm", "warmup", "lr_schedule", "min_lr")}
+    if args.noise_scale:
+        from autoshard.verify import format_noise_scale, measure_noise_scale
+
+        found = measure_noise_scale(args.out, args.steps, args.seed, flags, data=args.data)
+        print(json.dumps(found, indent=2) if args.json else format_noise_scale(found))
+        return 0 if found["b_simple_tokens"] is not None else 1
     result = verify(args.out, args.steps, args.tolerance, args.seed, args.timeout or 600.0, flags)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0 if result["ok"] else 1

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,10 +43,12 @@ from autoshard.capture import Captured, capture_file
 from autoshard.capture.timing import phase
 from autoshard.codegen import write_plan
 from autoshard.cost_models import hardware as hw
+from autoshard.cost_models import islands as island_costs
 from autoshard.cost_models.analyze import analyze
 from autoshard.errors import AutoshardError
 from autoshard.ir import capabilities
-from autoshard.ir.plan import Plan
+from autoshard.ir.plan import Islands, Plan
+from autoshard.noise_scale import critical_batch_note
 from autoshard.passes.contract import Refusal
 from autoshard.planner.candidates import family_options, meshes
 from autoshard.rebuild import for_file
@@ -88,18 +92,26 @@ def compile_file(
     plan_only: bool = False,
     compare: dict | None = None,
     dump_passes: str | Path | None = None,
+    noise_scale: float | None = None,
+    islands: Islands | None = None,
 ) -> Compiled:
     """``autoshard compile``: the whole pipeline for the model file ``spec`` (``model.py[:builder]``)
-    at ``config``; the arguments are the command's."""
+    at ``config``; the arguments are the command's (``islands``: DiLoCo's, ``--islands``).
+    ``noise_scale``: the gradient noise scale in tokens, against which the plan notes whether its
+    global batch is past the critical batch (``noise_scale.critical_batch_note``)."""
     profile = _hardware(hardware, memory_headroom)  # a bad profile fails before a long capture
     check_run(gpus, seq_len, global_batch)
+    check_islands(islands, gpus, pins or {})
     observe = passes.dump_to(dump_passes) if dump_passes else None
     captured = capture_file(spec, config, seq_len, observe=observe)
     path, _, builder = spec.partition(":")
     name = Path(path).stem + (f":{config}" if config else "")
     problem_ = problem(captured, profile, gpus, seq_len, global_batch, precision, pins, name)
     recipe = for_file(path, builder or None, config)
-    return compile_plan(problem_, captured, recipe, plan_only, compare, observe, consume=True)
+    notes = [critical_batch_note(global_batch, seq_len, noise_scale)[1]] if noise_scale else []
+    return compile_plan(
+        problem_, captured, recipe, plan_only, compare, observe, consume=True, notes=notes, islands=islands
+    )
 
 
 def problem(
@@ -130,6 +142,62 @@ def check_run(gpus, seq_len, global_batch) -> None:
             raise AutoshardError(f"{key}={value!r}: must be a positive whole number")
 
 
+def check_islands(islands: Islands | None, gpus: int, pins: dict) -> None:
+    """DiLoCo's flags, before the capture: ``count`` islands of whole data-parallel groups."""
+    if islands is None:
+        return
+    k = islands.count
+    if not isinstance(k, int) or k < 1:
+        raise AutoshardError(f"--islands {k}: give a whole number of islands, 1 or more")
+    if not isinstance(islands.sync_every, int) or islands.sync_every < 1:
+        raise AutoshardError(f"--sync-every {islands.sync_every}: give a whole number of steps, 1 or more")
+    if not (math.isfinite(islands.outer_lr) and islands.outer_lr > 0):
+        raise AutoshardError(f"--outer-lr {islands.outer_lr}: give a finite learning rate above 0 (DiLoCo: 0.7)")
+    if not (math.isfinite(islands.outer_momentum) and 0 <= islands.outer_momentum < 1):
+        raise AutoshardError(f"--outer-momentum {islands.outer_momentum}: give a momentum in [0, 1) (DiLoCo: 0.9)")
+    if gpus % k:
+        raise AutoshardError(f"--islands {k} does not divide --gpus {gpus}; give a divisor of {gpus}")
+    order = pins.get("order")
+    if k > 1 and order is not None and tuple(order.split("-") if isinstance(order, str) else order)[-1] != "dp":
+        raise AutoshardError(
+            f"--islands {k} splits the outermost ranks by their dp coordinate: pin an order with dp last "
+            f"(e.g. order=tp-cp-pp-dp), or leave order to the search"
+        )
+    if "dp" in pins and pins["dp"] % k:
+        raise AutoshardError(
+            f"--islands {k} does not divide the pinned dp={pins['dp']}; pin a dp that {k} divides, or give "
+            f"--islands dividing {pins['dp']}"
+        )
+
+
+def _split_islands(problem: planner.Problem, islands: Islands) -> None:
+    """Islands split the data-parallel ranks: the search keeps to dp that ``islands.count`` divides,
+    with dp the outermost axis (each island a block of consecutive ranks)."""
+    if islands.count > 1:
+        problem.dp_outermost = True
+        dp = {d for d in range(1, problem.gpus + 1) if problem.gpus % d == 0 and d % islands.count}
+        problem.excluded.setdefault("dp", set()).update(dp)
+
+
+def _islands(plan: Plan, problem: planner.Problem, islands: Islands | None) -> None:
+    """Record (and price) DiLoCo's islands in ``plan``: the user's, or where the profile's link
+    between islands splits the GPUs (``sync_every`` 0: not asked for), the cost model's choice."""
+    if islands is None or islands.count <= 1:
+        return
+    if not islands.sync_every:
+        plan.islands, why = island_costs.choose(plan, problem.hw, islands.count)
+        plan.notes.append(why)
+        return
+    if plan.model.get("experts"):
+        raise AutoshardError("--islands: DiLoCo islands are not emitted for MoE models yet; compile without --islands")
+    if plan.mesh.dp % islands.count:
+        raise AutoshardError(
+            f"--islands {islands.count} does not divide the plan's dp={plan.mesh.dp}; give --islands dividing "
+            f"{plan.mesh.dp}, or --force dp=N with N a multiple of {islands.count}"
+        )
+    plan.islands = island_costs.price(plan, problem.hw, islands)
+
+
 def compile_plan(
     problem: planner.Problem,
     captured: Captured,
@@ -138,18 +206,29 @@ def compile_plan(
     compare: dict | None = None,
     dump_passes: str | Path | passes.Observer | None = None,
     consume: bool = False,
+    notes: Sequence[str] = (),
+    islands: Islands | None = None,
 ) -> Compiled:
     """Search ``problem`` and, unless ``plan_only``, rewrite the graph for the plan found and emit
     the program; the program rebuilds the single-device model with ``rebuild``. ``dump_passes``:
     a folder for each pass's graph before and after it, or the observer (``passes.dump_to``).
     ``consume``: the caller never reads ``captured`` again, so the plan-only dry run may rewrite
-    its graph in place instead of a copy (copying a 61-layer graph costs a quarter of a second)."""
+    its graph in place instead of a copy (copying a 61-layer graph costs a quarter of a second).
+    ``notes``: said in the plan (its rationale, in plan.md) besides the search's own."""
 
     problem.emit = not plan_only
+    moe = problem.cost.facts.get("experts")
+    spans = island_costs.spanned(problem.hw, problem.gpus) if islands is None and not moe else 1
+    if spans > 1:  # the profile's link between islands splits the GPUs: DP is what crosses it
+        islands = Islands(count=spans, sync_every=0)
+    if islands is not None:
+        _split_islands(problem, islands)
     observe = passes.dump_to(dump_passes) if isinstance(dump_passes, (str, Path)) else dump_passes
     for _ in range(MAX_ROUNDS):
         with phase("search"):
             plan, result = planner.solve(problem)
+        plan.notes.extend(notes)
+        _islands(plan, problem, islands)
         comparison = planner.compare(problem, result, compare) if compare is not None else None
         if comparison:
             plan.notes.append(comparison)

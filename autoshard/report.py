@@ -68,6 +68,7 @@ def plan_markdown(plan: Plan, comparison: str | None = None, pictures_to: Path |
     out = _headline(plan)
     for title, section in _SECTIONS:
         out += [f"## {title}", "", *section(plan), ""]
+    out += _islands(plan)
     drawn = pictures(plan, pictures_to, _domain(plan))
     out += ["## Pictures", "", *drawn] if drawn else []
     out += _alternatives(plan)
@@ -180,6 +181,39 @@ def _alternatives(plan: Plan) -> list[str]:
         "## Alternatives that lost",
         "",
         *_table(["mesh", "schedule", "ZeRO", "step s", "MFU", "why it lost"], rows),
+        "",
+    ]
+
+
+def _islands(plan: Plan) -> list[str]:
+    """DiLoCo's islands: how the data-parallel ranks split, the outer optimizer, and what crosses
+    the link between islands against synchronous data parallelism over it."""
+    isl = plan.islands
+    if isl is None or isl.count <= 1:
+        return []
+    saved_b = isl.sync_dp_bytes_per_step - isl.outer_bytes_per_step
+    saved_s = isl.sync_dp_s_per_step - isl.outer_s_per_step
+    ratio = (
+        f" ({isl.sync_dp_bytes_per_step / isl.outer_bytes_per_step:.1f}x fewer bytes)"
+        if isl.outer_bytes_per_step
+        else ""
+    )
+    rows = [
+        ["DiLoCo outer step (amortised)", f"{isl.outer_bytes_per_step / 1e6:.3f}", f"{isl.outer_s_per_step:.4f}"],
+        ["synchronous DP across islands", f"{isl.sync_dp_bytes_per_step / 1e6:.3f}", f"{isl.sync_dp_s_per_step:.4f}"],
+        ["saved", f"{saved_b / 1e6:.3f}", f"{saved_s:.4f}"],
+    ]
+    return [
+        "## Islands (DiLoCo)",
+        "",
+        f"{isl.count} islands of dp={plan.mesh.dp // isl.count} each ({plan.gpus // isl.count} GPUs); inside an "
+        f"island the plan above runs synchronously. Every {isl.sync_every} steps the ranks at the same place in "
+        f"every island average their parameters' change since the last sync and take an outer Nesterov SGD step "
+        f"(lr {isl.outer_lr:g}, momentum {isl.outer_momentum:g}).",
+        "",
+        f"Between islands, per GPU per step{ratio}, on {isl.link or 'the link between islands'}:",
+        "",
+        *_table(["", "MB sent", "seconds"], rows),
         "",
     ]
 

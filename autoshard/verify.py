@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from autoshard import rebuild
+from autoshard import noise_scale, rebuild
 from autoshard.capture import causal_lm_loss
 from autoshard.errors import AutoshardError
 from autoshard.ir import ops
 from autoshard.ir.plan import Plan
 from autoshard.ir.program import Program, Routing
 from autoshard.runtime import fp8, moe
+from autoshard.runtime.lamb import Lamb
 from autoshard.runtime.program import global_batch
 from autoshard.runtime.rebuild import Recipe
 from autoshard.runtime.stages import piece_axis, unslice
@@ -87,12 +88,8 @@ def run_reference(
     """The single-device model's losses and final parameters, its matmuls in FP8 where the
     program's are (``with_fp8`` False: all in fp32)."""
 
-    recipe = Recipe.from_dict(program.rebuild)
-    torch.manual_seed(seed)
-    model = rebuild.build(recipe, device="cpu").float()
-    model.train()
-    loss_fn = recipe.loss_function() or (lambda out, tokens: causal_lm_loss(out, tokens))
-    adamw = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
+    model, loss_fn = _reference_model(program, seed)
+    adamw = _optimizer(model, (optim or {}).get("optimizer", "adamw"))
     losses = []
     schedule = _schedule(steps, optim or {})
     max_norm = (optim or {}).get("max_grad_norm")
@@ -105,9 +102,7 @@ def run_reference(
             adamw.zero_grad(set_to_none=True)
             for group in adamw.param_groups:
                 group["lr"] = learning_rate(schedule, step)
-            out = model(tokens)
-            out = out["logits"] if isinstance(out, dict) else out[0] if isinstance(out, (tuple, list)) else out
-            loss = loss_fn(out, tokens)
+            loss = loss_fn(model, tokens)
             loss.backward()
             if max_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -117,6 +112,97 @@ def run_reference(
                 moe.update_biases(biases, BALANCE_GAMMA)
             losses.append(loss.item())
     return losses, {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+
+
+def _reference_model(program: Program, seed: int):
+    """The single-device model, seeded as the program's ``--init-from-model``, in fp32 and
+    training mode, and its loss: ``loss(model, tokens)``."""
+    recipe = Recipe.from_dict(program.rebuild)
+    torch.manual_seed(seed)
+    model = rebuild.build(recipe, device="cpu").float()
+    model.train()
+    loss_fn = recipe.loss_function() or (lambda out, tokens: causal_lm_loss(out, tokens))
+
+    def loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        out = model(tokens)
+        out = out["logits"] if isinstance(out, dict) else out[0] if isinstance(out, (tuple, list)) else out
+        return loss_fn(out, tokens)
+
+    return model, loss
+
+
+def measure_noise_scale(
+    out: str | Path, steps: int, seed: int = 0, optim: dict | None = None, small: int = 1, data: str | None = None
+) -> dict:
+    """``autoshard verify --noise-scale``: the simple noise scale B_simple = tr(Sigma)/|G|^2 of
+    the program's model (``noise_scale.measure``: the two-batch estimator, McCandlish et al. 2018,
+    appendix A) over ``steps`` steps of the program's batches, on the single-device model with the
+    verification's optimizer: at each step the squared gradient norms of ``small`` sequences
+    (averaged over the global batch's pieces) and of the whole global batch, then a step with
+    the global batch's gradient. Sequences are the batch's unit; tokens are sequences x seq_len.
+    ``data``: token files (``train.py --data``'s), else the program's synthetic tokens."""
+    plan, program = _read_program(Path(out))
+    optim = {k: v for k, v in (optim or {}).items() if v is not None}
+    if steps < 1:
+        raise AutoshardError(f"--steps {steps}: must be at least 1")
+    if plan.global_batch <= small or plan.global_batch % small:
+        raise AutoshardError(
+            f"the global batch of {plan.global_batch} sequences must hold several batches of {small} to compare "
+            "gradient norms at two sizes; compile with --global-batch 8 or more"
+        )
+    model, loss = _reference_model(program, seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(model, optim.get("optimizer", "adamw"))
+    schedule = _schedule(steps, optim)
+    done = [0]
+
+    def step() -> None:
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(schedule, done[0])
+        opt.step()
+        done[0] += 1
+
+    if data is not None and not Path(data).exists():
+        raise AutoshardError(f"--data {data}: no such file or directory")
+    path = Path(data) if data is not None else None
+    batches = (global_batch(s, plan.global_batch, plan.seq_len, program.vocab, seed, path) for s in range(steps))
+    found = noise_scale.measure(params, lambda tokens: loss(model, tokens), batches, small, step)
+    tokens = lambda b: None if b is None else b * plan.seq_len  # noqa: E731
+    return {
+        "b_simple_sequences": found.b_simple,
+        "b_simple_tokens": tokens(found.b_simple),
+        "stderr_tokens": tokens(found.spread),
+        "trace_sigma": found.trace,
+        "grad_sq": found.grad_sq,
+        "steps": found.samples,
+        "small_sequences": found.small,
+        "big_sequences": found.big,
+        "seq_len": plan.seq_len,
+        "optimizer": optim.get("optimizer", "adamw"),
+    }
+
+
+def format_noise_scale(found: dict) -> str:
+    head = (
+        f"simple noise scale over {found['steps']} step(s) ({found['optimizer']}), gradient norms at "
+        f"{found['small_sequences']} and {found['big_sequences']} sequences of {found['seq_len']} tokens: "
+        f"tr(Sigma) {found['trace_sigma']:.4g}, |G|^2 {found['grad_sq']:.4g}"
+    )
+    if found["b_simple_tokens"] is None:
+        return head + "\n|G|^2 came out non-positive: the noise swamps the gradient; measure over more --steps"
+    spread = f" +- {found['stderr_tokens']:,.0f}" if found["stderr_tokens"] is not None else ""
+    return (
+        f"{head}\nB_simple = {found['b_simple_tokens']:,.0f}{spread} tokens "
+        f"({found['b_simple_sequences']:.2f} sequences)\n"
+        f"use it: autoshard compile ... --noise-scale {found['b_simple_tokens']:.0f}"
+    )
+
+
+def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
+    """The program's optimizer (``--optimizer``) on one device, with the flags verify gives it:
+    torch's AdamW, or the program's own LAMB (``runtime.lamb.Lamb``), each tensor's norms its own."""
+    rule = Lamb if name == "lamb" else torch.optim.AdamW
+    return rule(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
 
 
 def _schedule(steps: int, optim: dict):
@@ -264,8 +350,8 @@ def verify(
     timeout: float = 600,
     optim: dict | None = None,
 ) -> dict:
-    """``optim``: the program's optimisation flags to use on both sides (``max_grad_norm``,
-    ``warmup``, ``lr_schedule``, ``min_lr``), as ``{flag name: value}``. ``tolerance``: None for
+    """``optim``: the program's optimisation flags to use on both sides (``optimizer``,
+    ``max_grad_norm``, ``warmup``, ``lr_schedule``, ``min_lr``), as ``{flag name: value}``. ``tolerance``: None for
     ``TOLERANCE``, or ``FP8_TOLERANCE`` for a program with FP8 matmuls, which is compared with the
     single-device model running the same FP8 emulation (and, for information, without it)."""
     out = Path(out)
@@ -302,6 +388,7 @@ def verify(
         "tolerance": tolerance,
         "param_tolerance": param_tolerance,
         "fp8": fp8,
+        "optimizer": optim.get("optimizer", "adamw"),
         # FP8's own effect: the FP8 reference's losses against the same model in fp32
         "fp8_gap": max(_relative(a, b) for a, b in zip(reference, high)) if high else None,
         "ok": ok,
@@ -346,7 +433,8 @@ def _parameters_apart(params: dict[str, torch.Tensor], ref_params: dict[str, tor
 
 def format_report(result: dict) -> str:
     lines = [
-        f"verify: {result['plan']} against single-device, fp32 on CPU, AdamW lr {LR:g} eps {ADAM_EPS:g}",
+        f"verify: {result['plan']} against single-device, fp32 on CPU, "
+        f"{'LAMB' if result.get('optimizer') == 'lamb' else 'AdamW'} lr {LR:g} eps {ADAM_EPS:g}",
         "",
     ]
     if result.get("fp8"):

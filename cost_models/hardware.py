@@ -11,6 +11,13 @@ Fields (all per GPU; GB = 1e9 bytes):
 ``nvlink_gbps``      float    intra-node (NVLink) bandwidth per GPU per direction, GB/s
 ``nvlink_domain``    int      GPUs sharing one NVLink domain (8 for HGX, 72 for NVL72)
 ``network_gbps``     float    inter-node bandwidth per GPU per direction, GB/s
+``wan_gbps``         float    optional (default 0: none): bandwidth per GPU per direction of the link
+                              between islands (datacenters) DiLoCo training syncs over, GB/s: the
+                              link's capacity divided by an island's GPUs (``cost_models.islands``)
+``wan_latency_ms``   float    optional (default 0): per-step latency of a collective over that link, ms
+``wan_island_gpus``  int      optional (default 0: one island): GPUs on each side of that link; a run
+                              on more GPUs spans several islands, and compile may train it as
+                              DiLoCo islands (``cost_models.islands.choose``)
 ``price_per_gpu_hour`` float  USD
 ``matmul_efficiency`` float   optional (default 0.8): best achievable share of peak for large GEMMs
 ``matmul_efficiency_fp8`` float optional (default: matmul_efficiency): the same for FP8 GEMMs
@@ -148,12 +155,18 @@ _OPTIONAL = {
     "cores": (float, 0.0),
     "oversubscribed_cores": (float, 0.0),
     "optimizer_bytes_per_param": (float, 38.0),
+    "wan_gbps": (float, 0.0),
+    "wan_latency_ms": (float, 0.0),
+    "wan_island_gpus": (int, 0),
 }
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 OVERLAP_KINDS = ("dp", "tp", "cp", "pp", "ep")
 
 _MAY_BE_ZERO = (
+    "wan_gbps",
+    "wan_latency_ms",
+    "wan_island_gpus",
     "price_per_gpu_hour",
     "memory_reserve_gb",
     "memory_headroom",
@@ -213,6 +226,9 @@ class Hardware:
     cores: float = 0.0
     oversubscribed_cores: float = 0.0
     optimizer_bytes_per_param: float = 38.0
+    wan_gbps: float = 0.0  # the link between islands, per GPU per direction (0: the profile has none)
+    wan_latency_ms: float = 0.0
+    wan_island_gpus: int = 0  # GPUs on each side of it (0: one island)
     source: str = ""
 
     def peak_flops(self, dtype: str = "bf16") -> float:

@@ -14,7 +14,9 @@ from autoshard.ir.schedules import SCHEDULES as TABLE
 
 PLAN_VERSION = 1
 # the fields plan.json may leave out
-OPTIONAL_FIELDS = ("alternatives", "forced", "notes", "not_emitted", "stage_checkpoint", "dp_bucket_bytes")
+OPTIONAL_FIELDS = (
+    "alternatives", "forced", "notes", "not_emitted", "stage_checkpoint", "dp_bucket_bytes", "islands",
+)  # fmt: skip
 AXES = ("tp", "pp", "cp", "ep", "dp")  # the mesh's degrees, in the order a mesh tuple lists them
 GRID_AXES = ("tp", "cp", "pp", "dp")  # the rank grid's axes (ep folds into cp x dp), innermost first by default
 SCHEDULES = NAMES  # the schedule table's rows (autoshard.ir.schedules)
@@ -88,6 +90,30 @@ class Alternative:
 
 
 @dataclass
+class Islands:
+    """DiLoCo (Douillard et al., arXiv 2311.08105): the data-parallel ranks split into ``count``
+    islands (the dp coordinate's outer part: island ``i`` holds dp ranks ``[i*dp/count,
+    (i+1)*dp/count)``). Inside an island the plan runs as chosen (synchronous DP/ZeRO over its
+    ``dp/count`` ranks); every ``sync_every`` steps the ranks at the same place in every island
+    average their parameters' change since the last sync (the outer gradient) and take an outer
+    Nesterov SGD step (``outer_lr``, ``outer_momentum``) from the synced copy.
+
+    The cost fields (per GPU, per optimizer step, over the link between islands: the profile's
+    ``wan_gbps``/``wan_latency_ms``) price the outer all-reduce amortised over ``sync_every`` steps
+    against the synchronous data-parallel gradient reduction crossing that link every step."""
+
+    count: int = 1
+    sync_every: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_bytes_per_step: float = 0.0  # bytes each GPU sends between islands, per step (amortised)
+    outer_s_per_step: float = 0.0  # the outer all-reduce's time, per step (amortised)
+    sync_dp_bytes_per_step: float = 0.0  # what synchronous DP over the islands would send
+    sync_dp_s_per_step: float = 0.0  # and its time
+    link: str = ""  # the link priced, in words
+
+
+@dataclass
 class Plan:
     version: int
     model: dict  # name, params, layers, hidden, heads, kv_heads, experts, vocab, training FLOPs/token
@@ -123,6 +149,8 @@ class Plan:
     # backward (ZeRO-0/1; ``runtime.reduction``), from the cost model's latency and bandwidth of
     # that collective (``cost_models.comm.bucket_bytes``); 0: the program's own rule
     dp_bucket_bytes: int = 0
+    # DiLoCo islands (``Islands``); None: one island, synchronous data parallelism throughout
+    islands: Islands | None = None
 
     # -- serialisation ---------------------------------------------------------------------
 
@@ -154,6 +182,8 @@ class Plan:
             kwargs["mesh"] = Mesh(**data["mesh"])
             kwargs["predicted"] = Predicted(**data["predicted"])
             kwargs["alternatives"] = [Alternative(**a) for a in data.get("alternatives", [])]
+            if data.get("islands") is not None:
+                kwargs["islands"] = Islands(**data["islands"])
             plan = cls(**kwargs)
         except TypeError as e:
             raise AutoshardError(f"{source}: malformed plan ({e}); recompile the plan") from e
@@ -231,6 +261,8 @@ class Plan:
         if bad:
             problems.append(f"checkpoint entry {bad[0]!r} is not category -> save|recompute")
         problems += self._stage_checkpoint_problems()
+        if self.islands is not None and (self.islands.count < 1 or m.dp % self.islands.count):
+            problems.append(f"islands.count {self.islands.count} does not divide dp = {m.dp}")
         if problems:
             raise AutoshardError(f"{source}: inconsistent plan: {problems[0]}; recompile instead of editing by hand")
 

@@ -60,6 +60,9 @@ class Problem:
     # "*": every value but the trivial one), found by ``compile``'s dry run of the passes
     excluded: dict = field(default_factory=dict)
     exclusion_reasons: list = field(default_factory=list)
+    # DiLoCo islands split the dp coordinate's outer part: dp the outermost axis of size > 1, so
+    # that each island is a block of consecutive ranks (a datacenter's)
+    dp_outermost: bool = False
 
     def __post_init__(self) -> None:
         if not self.cost.blocks:
@@ -413,7 +416,8 @@ def orders(c: Candidate, problem: Problem) -> list[tuple[str, ...]]:
     sizes = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp}
     active = [a for a in GRID_AXES if sizes[a] > 1]
     idle = [a for a in GRID_AXES if sizes[a] == 1]
-    return [tuple(p) + tuple(idle) for p in permutations(active)] or [GRID_AXES]
+    outer = [p for p in permutations(active) if not problem.dp_outermost or p[-1] == "dp"]
+    return [tuple(p) + tuple(idle) for p in outer] or [GRID_AXES]
 
 
 def with_fields(c: Candidate, **kw) -> Candidate:

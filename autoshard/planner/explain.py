@@ -101,6 +101,14 @@ def rationale(plan: Plan) -> str:
         f"Compute per step: {p.compute_s:.3f} s (of which recompute {p.recompute_s:.3f} s), "
         f"plus {p.overlap_s:.3f} s it loses to the communication running beside it"
     )
+    if plan.islands is not None and plan.islands.count > 1:
+        isl = plan.islands
+        lines.append(
+            f"DiLoCo: {isl.count} islands of dp={m.dp // isl.count}, an outer Nesterov SGD step (lr {isl.outer_lr:g}, "
+            f"momentum {isl.outer_momentum:g}) every {isl.sync_every} steps: {isl.outer_bytes_per_step / 1e6:.3g} MB "
+            f"and {isl.outer_s_per_step:.3g} s per step per GPU between islands, against "
+            f"{isl.sync_dp_bytes_per_step / 1e6:.3g} MB and {isl.sync_dp_s_per_step:.3g} s for synchronous DP"
+        )
     if plan.alternatives:
         lines.append("Why not:")
         for alt in plan.alternatives:

@@ -334,6 +334,7 @@ class Checkpointer:
         self.sync = dist.new_group(backend="gloo") if distributed else None
         self.pending = None  # (future, path, meta, started, blocked)
         self.timings: list[dict] = []
+        self.finished = None  # called with each checkpoint's path on rank 0 once it is complete
 
     def save(self, state: dict, meta: dict) -> None:
         import torch.distributed.checkpoint as dcp
@@ -377,6 +378,8 @@ class Checkpointer:
         sums = self._sums(path)
         if self.sync is None or dist.get_rank(self.sync) == 0:
             finish(path, meta, self.keep, sums, self.keep_previous)
+            if self.finished is not None:
+                self.finished(path)
         self.timings.append({"step": meta["step"], "blocked_s": blocked, "write_s": time.perf_counter() - started})
 
     def _sums(self, path: Path) -> dict:

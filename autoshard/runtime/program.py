@@ -22,6 +22,7 @@ from autoshard.ir.schedules import schedule, torch_schedule
 from autoshard.runtime import data as token_data
 from autoshard.runtime import fake, groups, moe, phase
 from autoshard.runtime.checkpoint import Checkpoint
+from autoshard.runtime.lamb import Lamb
 from autoshard.runtime.rebuild import Recipe
 from autoshard.runtime.reduction import BucketedReduction
 from autoshard.runtime.stages import load_stage_file, materialise, put_parameter, stage_tables
@@ -999,9 +1000,11 @@ def optimizer(
     eps: float = 1e-8,
     experts: list[nn.Parameter] = (),
     fsdp_experts: bool = False,
+    algorithm: str = "adamw",
 ):
-    """AdamW; for ZeRO-1 its masters and states sharded by rows over ``zero_group`` (dp x cp,
-    ``zero.ShardedAdamW``).
+    """AdamW (``algorithm`` "lamb": LAMB, ``runtime.lamb``, its trust ratios over whole tensors
+    once ``Optimizers.trust_norms`` is set); for ZeRO-1 its masters and states sharded by rows
+    over ``zero_group`` (dp x cp, ``zero.ShardedAdamW``).
     Stacked expert weights (``experts``, also in ``params``) are held alike only by their
     expert-data-parallel ranks: at any ZeRO stage their states are sharded over that group, by
     rows as ZeRO-1's, or, where FSDP2 shards them (``fsdp_experts``), as its shards. (Their own
@@ -1010,18 +1013,23 @@ def optimizer(
     expert_ids = {id(p) for p in experts}
     dense = [p for p in params if id(p) not in expert_ids]
     return Optimizers(
-        _adamw(dense, zero == 1, zero_group, kwargs) if dense else None,
-        _adamw(list(experts), zero >= 1 and not fsdp_experts, groups.edp_group(), kwargs) if experts else None,
+        _adamw(dense, zero == 1, zero_group, kwargs, algorithm) if dense else None,
+        _adamw(list(experts), zero >= 1 and not fsdp_experts, groups.edp_group(), kwargs, algorithm)
+        if experts
+        else None,
     )
 
 
-def _adamw(params: list[nn.Parameter], shard: bool, group, kwargs: dict):
+def _adamw(params: list[nn.Parameter], shard: bool, group, kwargs: dict, algorithm: str = "adamw"):
     if params and (params[0].is_cuda or fake.active()):
         # one fused kernel over every tensor: the foreach implementation makes temporaries the size
         # of all the parameters it steps (a fake tensor stands for the GPU program)
         kwargs = {**kwargs, "fused": True}
+    rule = Lamb if algorithm == "lamb" else torch.optim.AdamW
     if shard and group is not None and dist.get_world_size(group) > 1:
-        return ShardedAdamW(params, group, **kwargs)  # ZeRO-1: rows, masters and moments sharded
+        return ShardedAdamW(params, group, rule, **kwargs)  # ZeRO-1: rows, masters and moments sharded
+    if rule is Lamb:
+        return Lamb(params, **kwargs)  # (keeps fp32 masters of bf16 parameters itself)
     lower = any(p.dtype != torch.float32 for p in params)
     return (MasterAdamW if lower else torch.optim.AdamW)(params, **kwargs)  # bf16 parameters: fp32 masters
 
@@ -1033,14 +1041,24 @@ class Optimizers:
     def __init__(self, dense, experts=None):
         self.dense, self.experts = dense, experts
         self.parts = [o for o in (dense, experts) if o is not None]
+        # LAMB: (prepared) -> id of stepped tensor -> whole (||w||, ||u||), summed over every rank
+        # holding a piece (``state.trust_norms``); None: each part's own, as on one device
+        self.trust_norms = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.parts:
             o.zero_grad(set_to_none=set_to_none)
 
     def step(self) -> None:
+        if self.trust_norms is None:
+            for o in self.parts:
+                o.step()
+            return
+        # LAMB: every part's first pass, the whole tensors' norms in one collective, the updates
+        prepared = [x for o in self.parts for x in o.prepare()]
+        norms = self.trust_norms(prepared)
         for o in self.parts:
-            o.step()
+            o.apply(norms)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,6 +93,7 @@ class BucketedReduction:
         self.group, self.divide, self.sharded, self.scale = group, divide, sharded, scale
         self.cap = cap  # bytes per bucket after the first (the plan's ``dp_bucket_bytes``); 0: ``bucket_cap``
         self.size = dist.get_world_size(group) if group is not None else 1
+        self.sent_bytes = 0  # handed to the all-reduce so far (the step log's ``dp_bytes``)
         late_ids = {id(p) for p in late}
         self.early = {id(p) for p in self.params if id(p) not in late_ids} if self.size > 1 else set()
         self.observed: list[int] | None = []  # indices in the order they became final (first step only)
@@ -162,6 +163,7 @@ class BucketedReduction:
             return None, None, bucket
         single = len(grads) == 1 and grads[0].is_contiguous()
         flat = grads[0] if single else self._flat(bucket, grads)
+        self.sent_bytes += flat.numel() * flat.element_size()
         return dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket
 
     def _flat(self, bucket: list[nn.Parameter], grads: list[torch.Tensor]) -> torch.Tensor:

@@ -214,14 +214,15 @@ def entries(stages: list[nn.Module], chunk_ids: list[int], ranks, tied: Sequence
 # the gradient norm over every shard
 
 
-def clip_gradients(items: list[Entry], max_norm: float | None, replicated: bool = False) -> float:
+def clip_gradients(items: list[Entry], max_norm: float | None, replicated: bool = False, group=None) -> float:
     """The global L2 norm of the gradients, each full tensor counted once over every parallel
     dimension (one all-reduce of this rank's counted squares), and, with ``max_norm``, every
     gradient scaled as ``torch.nn.utils.clip_grad_norm_`` scales the single-device model's.
     ``replicated``: every rank holds every gradient whole and reduced (data parallelism alone at
     ZeRO-0, as under DDP); each computes the same norm from its own copies, with no collective
-    in the step (the reduced gradients agree bit for bit over the replicas)."""
-    mine = (lambda e: e.tie_first and (e.expert or e.tp_first)) if replicated else (lambda e: e.counted)
+    in the step (the reduced gradients agree bit for bit over the replicas). ``group``: the ranks
+    that hold the model between them (default: all; one DiLoCo island's)."""
+    mine = _counts_here(replicated)
     counted = [e.grad.detach() for e in items if mine(e) and e.grad is not None]
     device = counted[0].device if counted else next((e.param.device for e in items), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)  # on the device the backend reduces (NCCL: GPU)
@@ -233,13 +234,46 @@ def clip_gradients(items: list[Entry], max_norm: float | None, replicated: bool 
     for grads in by_dtype.values():
         total += torch.stack(torch._foreach_norm(grads)).double().square().sum()
     if dist.is_initialized() and not replicated:
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
     norm = fake.value(total.sqrt())
     if max_norm is not None and max_norm > 0:
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
             torch._foreach_mul_([e.grad for e in items if e.grad is not None], coef)
     return norm
+
+
+def _counts_here(replicated: bool):
+    """Whether this rank's copy of an entry is the one a norm over every shard counts: once per
+    full-tensor block over the world, or, ``replicated`` (every rank holds every tensor whole),
+    once on each rank, which then needs no collective."""
+    return (lambda e: e.tie_first and (e.expert or e.tp_first)) if replicated else (lambda e: e.counted)
+
+
+def trust_norms(items: list[Entry], optim, prepared: list, keys: Sequence[str], replicated: bool = False) -> dict:
+    """LAMB's per-tensor norms (``runtime.lamb``), each over the WHOLE single-device tensor:
+    ``prepared`` is what the optimizer parts' ``prepare`` returned (stepped tensor, this rank's
+    squared norms of its ``w`` and ``u``). Squares of the copies that count (as the gradient norm
+    counts them: one copy of each TP, EP, ZeRO-1 row or FSDP shard block, a tensor replicated
+    over TP or DP once) are added into one vector indexed by the model's state-dict ``keys``,
+    the same on every rank, and summed by one all-reduce over the world. Returns id of stepped
+    tensor -> (||w||, ||u||)."""
+    mine = _counts_here(replicated)
+    entry_of = {id(_stepped(opt, e.param)): e for e, opt in _optimized(items, optim)}
+    index = {k: i for i, k in enumerate(keys)}
+    device = prepared[0][1].device if prepared else next((e.param.device for e in items), torch.device("cpu"))
+    total = torch.zeros(2 * len(keys), dtype=torch.float64, device=device)  # (NCCL reduces on the GPU)
+    where = {}
+    for w, w_sq, u_sq in prepared:
+        e = entry_of[id(w)]
+        at = where[id(w)] = 2 * index[e.held.key]
+        if mine(e):
+            total[at] += w_sq
+            total[at + 1] += u_sq
+    if dist.is_initialized() and not replicated:
+        dist.all_reduce(total)
+    norms = total.sqrt().tolist()
+    return {i: (norms[at], norms[at + 1]) for i, at in where.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,6 +406,23 @@ def load_targets(items: list[Entry], optim, saved: dict) -> list[dict]:
             out.setdefault(f"optim/{m}/{e.held.key}", []).append(e.held.pieces(False, local_of(st[m])))
         out.setdefault(f"optim/step/{e.held.key}", []).append(st["step"])
     return split_duplicates(out)
+
+
+def local_state(items: list[Entry], optim, create: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the training state as this rank holds it (no resharding: a host-memory
+    snapshot of the same plan, ``runtime.tiers``), by a name unique on this rank: its tensor of
+    each parameter (what the optimizer steps: an fp32 master or ZeRO-1's rows where it keeps
+    them; ``write_back`` after copying into them) and buffer, and their AdamW states (made, zero,
+    with ``create``). The tensors themselves: copy out of them or into them."""
+    index = {id(e.param): i for i, e in enumerate(items)}
+    out = {f"{i}/model/{e.held.key}": e.held.local for i, e in enumerate(items)}
+    for e, opt in _optimized(items, optim):
+        st = _moments(opt, e.param, create)
+        if st:
+            i = index[id(e.param)]
+            for m in (*MOMENTS, "step"):
+                out[f"{i}/optim/{m}/{e.held.key}"] = local_of(st[m])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

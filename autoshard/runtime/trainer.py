@@ -7,14 +7,17 @@ puts this rank's part of the plan together (mesh, pipeline chunks, precision, da
 the plan's ZeRO stage, AdamW, the pipeline schedule); ``Trainer.step`` runs one optimizer step;
 ``train`` loops over the steps up to ``--steps`` (resuming from the newest complete checkpoint in
 ``--checkpoint-dir``), sets the learning rate of each step, guards against loss spikes, writes
-checkpoints (``autoshard.runtime.state``) and prints one JSON line per step (``step``, ``loss``,
+checkpoints (``autoshard.runtime.state``; host-memory snapshots and a mirror beside them, and a
+watch for slow ranks: ``autoshard.runtime.tiers``) and prints one JSON line per step (``step``, ``loss``,
 ``grad_norm``, ``lr``, throughput, MFU, memory, the slowest rank), and a human line on a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import gc
 import io
 import json
@@ -35,7 +38,7 @@ from torch import nn
 from autoshard.errors import ProgramError
 from autoshard.ir.plan import Plan
 from autoshard.ir.program import Program
-from autoshard.runtime import collectives, data, durable, fake, fp8, groups, moe, state
+from autoshard.runtime import collectives, data, diloco, durable, fake, fp8, groups, moe, state, tiers
 from autoshard.runtime import program as rt
 from autoshard.runtime.host import keep_freed_memory
 from autoshard.runtime.weights import open_weights
@@ -58,12 +61,25 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     )
     p.add_argument("--min-lr", type=float, default=0.0, help="the decay's final learning rate")
     p.add_argument(
+        "--schedule-steps",
+        type=int,
+        help="the step the decay reaches --min-lr at (default: --steps); a run in stages (a long-context ramp's "
+        "ramp.py) gives every stage the last stage's, so that one schedule spans them all",
+    )
+    p.add_argument(
         "--max-grad-norm",
         type=float,
         help="clip the global gradient norm (over every shard of every parallel dimension) to this",
     )
     p.add_argument(
         "--grad-accum", type=int, default=1, help="global batches per optimizer step (their gradients add up)"
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "lamb"],
+        default="adamw",
+        help="adamw, or lamb: AdamW's moments scaled per tensor by the trust ratio ||w|| / ||update||, both "
+        "norms over the whole tensor (every shard of every parallel dimension)",
     )
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--adam-eps", type=float, default=1e-8)
@@ -138,18 +154,69 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         default="auto",
         help="auto: the plan's precision on GPUs (bf16 autocast over fp32 master weights), fp32 on CPUs",
     )
+    add_tier_args(p)
     return p.parse_args(argv)
+
+
+def add_tier_args(p: argparse.ArgumentParser) -> None:
+    """The flags of checkpoint tiers and slow ranks (``runtime.tiers``)."""
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        help="steps between host-memory snapshots of every rank's state (tmpfs, survives a worker restart; 0: none)",
+    )
+    p.add_argument("--snapshot-dir", type=Path, default=Path("/dev/shm"), help="the host-memory (tmpfs) directory")
+    p.add_argument("--mirror-dir", type=Path, help="copy complete disk checkpoints here too (the remote tier)")
+    p.add_argument("--mirror-every", type=int, default=1, help="mirror every this-many-th disk checkpoint")
+    p.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=1.5,
+        help="name a rank whose compute time per step exceeds the other ranks' median by this factor",
+    )
+    p.add_argument(
+        "--straggler-window", type=int, default=10, help="... as the median of that ratio over this many steps"
+    )
+    p.add_argument(
+        "--drop-stragglers",
+        action="store_true",
+        help="end the attempt when a straggler is named (after a checkpoint), recording its host in "
+        "CHECKPOINT_DIR/excluded_hosts, for the launcher to restart without it",
+    )
+
+
+def check_tier_args(args: argparse.Namespace) -> None:
+    """One-line errors for the tier and straggler flags."""
+    if args.snapshot_every < 0:
+        raise ProgramError("--snapshot-every must not be negative")
+    if args.mirror_every < 1:
+        raise ProgramError("--mirror-every must be at least 1")
+    if not (math.isfinite(args.straggler_factor) and args.straggler_factor > 1):
+        raise ProgramError(f"--straggler-factor must be a finite number above 1; got {args.straggler_factor}")
+    if args.straggler_window < 1:
+        raise ProgramError("--straggler-window must be at least 1 step")
+    for flag, given in [("--snapshot-every", args.snapshot_every), ("--mirror-dir", args.mirror_dir),
+                        ("--drop-stragglers", args.drop_stragglers)]:  # fmt: skip
+        if given and args.checkpoint_dir is None:
+            raise ProgramError(f"{flag} works with the disk checkpoints: give --checkpoint-dir too")
+    if args.snapshot_every and not args.snapshot_dir.is_dir():
+        raise ProgramError(f"--snapshot-dir {args.snapshot_dir}: no such directory; give a tmpfs directory (/dev/shm)")
+    if args.mirror_dir is not None and (why := durable.unusable(args.mirror_dir)) is not None:
+        raise ProgramError(f"--mirror-dir {args.mirror_dir}: {why}; give a writable directory")
 
 
 def main(out: Path, argv: list[str] | None = None, description: str | None = None) -> None:
     """Train the program in directory ``out`` on the processes torchrun started."""
     args = parse_args(argv, description)
     check_args(args)
+    check_tier_args(args)
     Fault.from_env()  # a malformed AUTOSHARD_FAULT is said before anything starts
     check_paths(args)
     plan, program = rt.read_program(out)
     rt.check_program(out, plan, program)
     rt.check_world(plan)
+    check_islands(plan)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -188,14 +255,33 @@ class Progress:
 
     def __init__(self):
         self.store = None
+        self.stamps: dict = {}  # phase -> when this rank's step reached it (``compute_s``)
 
     def mark(self, step: int, phase: int) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.stamps[phase] = torch.cuda.Event(enable_timing=True)
+            self.stamps[phase].record()
+        else:
+            self.stamps[phase] = time.perf_counter()
         try:
             if self.store is None:
                 self.store = dist.distributed_c10d._get_default_store()
             self.store.set(f"{self.KEY}{dist.get_rank()}", f"{step} {phase}")
         except Exception:  # noqa: BLE001 - a store that cannot say only loses the naming
             self.store = False
+
+    def compute_s(self) -> float | None:
+        """The last step's forward and backward on this rank, seconds: from the step's start to
+        the gradient reductions' wait, so no wait for a slower rank's reduction (on GPUs, the
+        stream's time between CUDA events). Under FSDP (its all-gathers) and a pipeline (its
+        receives) waits for other ranks fall inside."""
+        start, end = self.stamps.get(0), self.stamps.get(1)
+        if start is None or end is None:
+            return None
+        if isinstance(start, float):
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def behind(self) -> str | None:
         """The ranks furthest behind, in words ("rank 1 last reported step 3, optimizer step"),
@@ -235,6 +321,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise ProgramError(f"{flag} must not be negative")
     if args.checkpoint_every < 0:
         raise ProgramError("--checkpoint-every must not be negative")
+    if args.schedule_steps is not None and args.schedule_steps < 1:
+        raise ProgramError(f"--schedule-steps must be a positive number of steps; got {args.schedule_steps}")
     for flag in ("lr", "min_lr", "weight_decay", "adam_eps", "max_grad_norm", "spike_zscore", "timeout", "aux_alpha",
                  "balance_gamma"):  # fmt: skip
         value = getattr(args, flag, None)
@@ -248,6 +336,15 @@ def check_args(args: argparse.Namespace) -> None:
         raise ProgramError("--spike-zscore rolls back to a checkpoint: give --checkpoint-dir too")
     if args.spike_window < 2:
         raise ProgramError("--spike-window must be at least 2 steps")
+
+
+def check_islands(plan: Plan) -> None:
+    """What a run over DiLoCo islands cannot do yet (a hand-edited plan: compile refuses it), in
+    one line before anything starts."""
+    if diloco.islands_of(plan) is None:
+        return
+    if plan.model.get("experts"):
+        raise ProgramError("DiLoCo islands are not emitted for MoE models yet; recompile without --islands")
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -282,15 +379,22 @@ def init_process_group(backend: str, timeout: float) -> None:
 
 def learning_rate(args: argparse.Namespace, step: int) -> float:
     """The learning rate of optimizer step ``step`` (0-based): linear warm-up over ``--warmup``
-    steps, then constant or a cosine or linear decay to ``--min-lr`` at ``--steps``."""
+    steps, then constant or a cosine or linear decay to ``--min-lr`` at ``--schedule-steps``
+    (default ``--steps``)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     if args.lr_schedule == "constant":
         return args.lr
-    span = max(1, args.steps - args.warmup)
+    span = max(1, schedule_end(args) - args.warmup)
     t = min(1.0, (step - args.warmup) / span)
     shape = 0.5 * (1 + math.cos(math.pi * t)) if args.lr_schedule == "cosine" else 1 - t
     return args.min_lr + (args.lr - args.min_lr) * shape
+
+
+def schedule_end(args: argparse.Namespace) -> int:
+    """The step the learning-rate decay ends at: ``--schedule-steps``, else ``--steps``."""
+    end = getattr(args, "schedule_steps", None)
+    return args.steps if end is None else end
 
 
 def train(args: argparse.Namespace, out: Path, plan: Plan, program: Program, device: torch.device) -> None:
@@ -304,6 +408,7 @@ def train(args: argparse.Namespace, out: Path, plan: Plan, program: Program, dev
             if dist.get_rank() == 0:
                 print(f"warning: {note}", file=sys.stderr)
     ckpt = lock = None
+    guards = Safeguards.build(args, trainer, log)
     try:
         if args.checkpoint_dir is not None:
             lock = open_checkpoint_dir(args.checkpoint_dir, trainer)
@@ -311,14 +416,16 @@ def train(args: argparse.Namespace, out: Path, plan: Plan, program: Program, dev
             ckpt = durable.Checkpointer(
                 args.checkpoint_dir, args.keep or None, asynchronous=not args.checkpoint_sync, keep_previous=guarded
             )
-            run = resume(trainer, args, log)
-        _loop(trainer, args, log, run, ckpt)
+            guards.open(ckpt, trainer, log)
+            run = resume(trainer, args, log, guards)
+        _loop(trainer, args, log, run, ckpt, guards)
+        guards.close(log)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ckpt) -> None:
+def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ckpt, guards=None) -> None:
     fault = Fault.from_env()
     while run.step < args.steps:
         step = run.step
@@ -336,7 +443,7 @@ def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ck
                 run = back
                 continue
         if not finite:
-            if trainer.reports:
+            if trainer.prints:
                 log.step(step, stats, norm, lr, {})
             if ckpt is not None:
                 ckpt.wait()  # the checkpoint in flight was written from finite steps: it completes
@@ -348,12 +455,14 @@ def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ck
                 "with --max-grad-norm, or give --spike-zscore (with --checkpoint-dir) to roll back and skip the batches"
             )
         run.advance(stats["loss"], args.grad_accum, args.spike_window)
-        if trainer.reports:
-            log.step(step, stats, norm, lr, trainer.expert_load())
+        if trainer.prints:
+            log.step(step, stats, norm, lr, {**trainer.expert_load(), **trainer.island_traffic()})
         if ckpt is not None:
             ckpt.poll()
             if args.checkpoint_every and run.step % args.checkpoint_every == 0 and run.step < args.steps:
                 ckpt.save(*trainer.checkpoint(run))
+        if guards is not None:
+            guards.after_step(trainer, run, log, ckpt, fault)
     if ckpt is not None:
         if not durable.complete(durable.step_dir(args.checkpoint_dir, run.step)):
             ckpt.save(*trainer.checkpoint(run))
@@ -361,7 +470,8 @@ def _loop(trainer: Trainer, args: argparse.Namespace, log: StepLog, run: Run, ck
         for t in ckpt.timings:
             log.event({"event": "checkpoint", **t})
     if args.save_params:
-        rt.save_parameters(args.save_params, trainer.stages, trainer.ranks, trainer.chunk_ids, trainer.program.tied)
+        ranks = dataclasses.replace(trainer.ranks, dp=trainer.ranks.dp + trainer.island * trainer.plan.mesh.dp)
+        rt.save_parameters(args.save_params, trainer.stages, ranks, trainer.chunk_ids, trainer.program.tied)
 
 
 def _agreed(path: Path | None) -> Path | None:
@@ -405,18 +515,20 @@ def open_checkpoint_dir(directory: Path, trainer: Trainer) -> durable.DirectoryL
     return lock
 
 
-def resume(trainer: Trainer, args: argparse.Namespace, log: StepLog) -> Run:
+def resume(trainer: Trainer, args: argparse.Namespace, log: StepLog, guards: Safeguards | None = None) -> Run:
     """Where the run continues: the newest intact checkpoint in ``--checkpoint-dir`` (a damaged
-    one is set aside, said in one line, and the next older tried), or the start."""
+    one is set aside, said in one line, and the next older tried), or the newest tier
+    (``restore_newest_tier``), or the start."""
     directory = args.checkpoint_dir
     if dist.get_rank() == 0:
         for p in durable.remove_incomplete(directory):
             log.event({"event": "removed incomplete checkpoint", "checkpoint": str(p)})
-    run = _restore_intact(trainer, directory, None, log)
+    run, found, tier = restore_newest_tier(trainer, args, log, guards)
     if run is None:
         return Run()
-    found = durable.step_dir(directory, run.step)
-    log.event({"event": "resumed", "checkpoint": str(found), "step": run.step, "position": run.position})
+    log.event({"event": "resumed", "checkpoint": str(found), "step": run.step, "position": run.position,
+               "tier": tier})  # fmt: skip
+    found = Path(found)
     if changed := lr_flags_changed(trainer.restored_lr, args):
         log.event({"event": "learning-rate flags differ from the checkpoint's", "changed": changed})
         if dist.get_rank() == 0:
@@ -430,6 +542,41 @@ def resume(trainer: Trainer, args: argparse.Namespace, log: StepLog) -> Run:
             print(f"warning: resumed with other data than the run that wrote {found.name} ({was}): the batches "
                   "from here on are not the ones that run would have read", file=sys.stderr)  # fmt: skip
     return run
+
+
+def _agreed_newest(directory: Path | None) -> int | None:
+    """The step of the newest complete checkpoint in ``directory`` (rank 0's look, on every rank)."""
+    found = durable.checkpoints(directory) if directory is not None and dist.get_rank() == 0 else []
+    box = [found[-1][0] if found else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def restore_newest_tier(
+    trainer: Trainer, args: argparse.Namespace, log: StepLog, guards: Safeguards | None
+) -> tuple[Run | None, str | None, str | None]:
+    """Load the newest tier complete for every rank: the host-memory snapshot (where every rank
+    holds an intact one of the same step, no older than the disk's), else the newest intact
+    checkpoint of the local directory or of the mirror (``--mirror-dir``, the newer of the two
+    first). Returns where training stands, what was read and its tier ("memory", "disk",
+    "mirror"); Nones when there is nothing."""
+    local, mirror = _agreed_newest(args.checkpoint_dir), _agreed_newest(args.mirror_dir)
+    disk = max((s for s in (local, mirror) if s is not None), default=None)
+    snapshots = guards.snapshots if guards is not None else None
+    if snapshots is not None:
+        step = guards.snapshot_step(log)
+        if step is not None and (disk is None or step >= disk):
+            run = trainer.restore_snapshot(snapshots.load(step))
+            if run is not None:
+                return run, str(snapshots.directory), "memory"
+            log.event({"event": "host-memory snapshot unusable", "step": step})
+    order = [(args.checkpoint_dir, "disk"), (args.mirror_dir, "mirror")]
+    if mirror is not None and (local is None or mirror > local):
+        order.reverse()
+    for directory, tier in order:
+        if directory is not None and (run := _restore_intact(trainer, directory, None, log)) is not None:
+            return run, str(durable.step_dir(directory, run.step)), tier
+    return None, None, None
 
 
 def _restore_intact(trainer: Trainer, directory: Path, before: int | None, log: StepLog) -> Run | None:
@@ -536,19 +683,168 @@ class Run:
         self.window = [*self.window, loss][-size:]
 
 
+class Safeguards:
+    """The checkpoint tiers beyond the disk (host-memory snapshots, the mirror) and the watch for
+    slow ranks (``runtime.tiers``), at their points of the loop. Every rank calls each method."""
+
+    def __init__(self, args: argparse.Namespace, hosts: list[str], stragglers: tiers.Stragglers | None):
+        self.args, self.hosts, self.stragglers = args, hosts, stragglers
+        self.snapshots: tiers.HostSnapshots | None = None
+        self.mirror: tiers.Mirror | None = None
+        self.checkpoints = 0  # disk checkpoints completed by this attempt (``--mirror-every``)
+        self.excluded: list[str] = []  # hosts an earlier attempt's --drop-stragglers left out
+        self.high = -1  # the furthest step reached (a step at or below it again: a rollback)
+        self.blocked_s: list[float] = []  # the step's time per snapshot (host copy, the previous write's wait)
+
+    @classmethod
+    def build(cls, args: argparse.Namespace, trainer: Trainer, log: StepLog) -> Safeguards:
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, tiers.hostname())
+        watch = tiers.Stragglers(args.straggler_factor, args.straggler_window, hosts) if len(hosts) > 1 else None
+        return cls(args, hosts, watch)
+
+    def open(self, ckpt: durable.Checkpointer, trainer: Trainer, log: StepLog) -> None:
+        """With the checkpoint directory open: the run's snapshot directory, the mirror, and the
+        hosts an earlier attempt's ``--drop-stragglers`` left out (said, and where this attempt
+        runs on one of them, warned: the launcher decides where ranks run)."""
+        args, rank = self.args, dist.get_rank()
+        if args.snapshot_every:
+            token = tiers.run_token(args.checkpoint_dir) if rank == 0 else None
+            key = tiers.snapshot_key(_agreed_text(token), trainer.program.plan_sha256, dist.get_world_size())
+            self.snapshots = tiers.HostSnapshots(args.snapshot_dir, key, rank)
+        if args.mirror_dir is not None and rank == 0:
+            self.mirror = tiers.Mirror(args.mirror_dir, args.keep or None)
+            ckpt.finished = self._written
+        self.excluded = out = tiers.excluded(args.checkpoint_dir)
+        if out:
+            here = sorted({r for r, h in enumerate(self.hosts) if h in out})
+            log.event({"event": "excluded hosts", "hosts": out, "ranks_on_them": here})
+            if rank == 0 and here:
+                record = args.checkpoint_dir / tiers.EXCLUDED
+                print(f"warning: ranks {here} run on hosts an earlier attempt left out ({', '.join(out)}, "
+                      f"{record}): start the job without them", file=sys.stderr)  # fmt: skip
+
+    def _written(self, path: Path) -> None:
+        """Rank 0, a disk checkpoint complete: every ``--mirror-every``-th, and the last, go to the mirror."""
+        self.checkpoints += 1
+        if self.checkpoints % self.args.mirror_every == 0 or durable.step_of(path) == self.args.steps:
+            self.mirror.copy(path)
+
+    def snapshot_step(self, log: StepLog) -> int | None:
+        """The newest step every rank holds an intact snapshot of, or None; a rank whose newest
+        snapshot is missing or damaged where others hold it is said (a ``host-memory snapshot``
+        event with each rank's intact steps)."""
+        mine = (self.snapshots.intact(), self.snapshots.steps())
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        intact = [e[0] for e in every]
+        common = set(intact[0]).intersection(*intact[1:])
+        step = max(common, default=None)
+        newest = max((s for e in every for s in e[1]), default=None)
+        if newest is not None and step != newest:
+            lacking = [r for r, steps in enumerate(intact) if newest not in steps]
+            log.event({"event": "host-memory snapshot incomplete", "step": newest, "ranks_without_it": lacking,
+                       "intact_steps": intact, "using": step})  # fmt: skip
+        return step
+
+    def after_step(self, trainer: Trainer, run: Run, log: StepLog, ckpt, fault: Fault | None) -> None:
+        args = self.args
+        compute = PROGRESS.compute_s()
+        if fault is not None:
+            fault.measured(compute)
+        if self.stragglers is not None and compute is not None:
+            mine = torch.tensor([compute], dtype=torch.float64, device=trainer.device)
+            every = [torch.zeros_like(mine) for _ in self.hosts]
+            dist.all_gather(every, mine)
+            for event in self.stragglers.observe(run.step - 1, [float(t) for t in every]):
+                # a host left out before that the launcher started this attempt on anyway: ending
+                # the attempt again would only restart it there again
+                again = event["host"] in self.excluded
+                log.event({**event, "already_excluded": True} if again else event)
+                if args.drop_stragglers and not again:
+                    self._drop(trainer, run, ckpt, event)
+        if run.step <= self.high:  # a loss-spike rollback: what the tiers hold past its checkpoint is abandoned
+            self._abandon(run.step)
+        self.high = run.step
+        if self.snapshots is not None and run.step % args.snapshot_every == 0 and run.step < args.steps:
+            start = time.perf_counter()
+            self.snapshots.save(run.step, trainer.snapshot(run))
+            self.blocked_s.append(time.perf_counter() - start)
+
+    def _abandon(self, step: int) -> None:
+        """Drop the snapshots of ``step`` and later and set the mirror's checkpoints after ``step - 1``
+        aside (``step_N.rolled-back``), as the rollback did on disk: no restart takes them."""
+        if self.snapshots is not None:
+            self.snapshots.discard_from(step)
+        if self.mirror is not None:
+            self.mirror.wait()
+            for s, p in durable.checkpoints(self.mirror.directory):
+                if s >= step:
+                    durable.set_aside(p, durable.ROLLED_BACK)
+
+    def _drop(self, trainer: Trainer, run: Run, ckpt, event: dict) -> None:
+        """End the attempt for the launcher to restart without the straggler's host: a checkpoint
+        of where training stands first, the host recorded in the checkpoint directory."""
+        directory = self.args.checkpoint_dir
+        if not durable.complete(durable.step_dir(directory, run.step)):
+            ckpt.save(*trainer.checkpoint(run))
+        ckpt.wait()
+        if self.mirror is not None:
+            self.mirror.wait()
+        if dist.get_rank() == 0:
+            tiers.record_excluded(directory, event["host"])
+        dist.barrier()
+        raise ProgramError(
+            f"rank {event['rank']} on host {event['host']} computed {event['factor']:g}x the other ranks' median "
+            f"time per step over the last {event['window']} steps (--straggler-factor {event['threshold']:g}): "
+            f"--drop-stragglers ends this attempt at step {run.step}, checkpointed; {event['host']} is recorded in "
+            f"{directory / tiers.EXCLUDED}: restart the job without it"
+        )
+
+    def close(self, log: StepLog) -> None:
+        """The run ended: the mirror's last copy finished, this rank's snapshots removed."""
+        if self.mirror is not None:
+            self.mirror.wait()
+            for done in self.mirror.done:
+                log.event({"event": "mirrored checkpoint", **done})
+        if self.snapshots is not None:
+            self.snapshots.wait()
+            if self.blocked_s:
+                n, writes = len(self.blocked_s), self.snapshots.write_s
+                log.event({"event": "host-memory snapshots", "count": n, "bytes": self.snapshots.bytes,
+                           "blocked_s": round(sum(self.blocked_s) / n, 6),
+                           "write_s": round(sum(writes) / max(1, len(writes)), 6)})  # fmt: skip
+            self.snapshots.remove()
+
+
 class Fault:
     """Fault injection for recovery tests, on a job's first attempt only:
     ``AUTOSHARD_FAULT=kill:RANK:STEP`` SIGKILLs that rank in the middle of that step (after its
     backward, before the optimizer step), ``hang:RANK:STEP`` stops it there for an hour,
     ``lr:0:STEP`` multiplies that step's learning rate by 1000 once (a genuine loss spike on the
-    next step), and ``nan:RANK:STEP`` turns that rank's first parameter into NaN before the
-    step's forward once (weights gone bad)."""
+    next step), ``nan:RANK:STEP`` turns that rank's first parameter into NaN before the
+    step's forward once (weights gone bad), and ``slow:RANK:FACTOR`` makes that rank's forward
+    and backward take FACTOR times their time, every step (a sleep of FACTOR - 1 times the
+    rank's last measured compute: a slow host)."""
 
-    KINDS = ("kill", "hang", "lr", "nan")
+    KINDS = ("kill", "hang", "lr", "nan", "slow")
 
-    def __init__(self, kind: str, rank: int, step: int):
-        self.kind, self.rank, self.step = kind, rank, step
+    def __init__(self, kind: str, rank: int, step: int, factor: float = 1.0):
+        self.kind, self.rank, self.step, self.factor = kind, rank, step, factor
         self.fired = False
+        self.slept = 0.0  # the sleep in this step's compute (``slow``)
+        self.compute_s = 0.0  # this rank's last compute time without the sleep
+
+    def slow_down(self) -> None:
+        if self.kind != "slow" or dist.get_rank() != self.rank:
+            return
+        self.slept = (self.factor - 1) * self.compute_s
+        time.sleep(self.slept)
+
+    def measured(self, compute_s: float | None) -> None:
+        """This rank's compute time of the step just run (the sleep included)."""
+        if compute_s is not None:
+            self.compute_s = max(0.0, compute_s - self.slept)
 
     def learning_rate(self, step: int, lr: float) -> float:
         if self.kind != "lr" or step != self.step or self.fired:
@@ -569,10 +865,13 @@ class Fault:
         if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             return None
         parts = spec.split(":")
+        if len(parts) == 3 and parts[0] == "slow" and parts[1].isdigit() and _factor(parts[2]) is not None:
+            return cls("slow", int(parts[1]), 0, _factor(parts[2]))
         if len(parts) != 3 or parts[0] not in cls.KINDS or not all(x.isdigit() for x in parts[1:]):
             raise ProgramError(
                 f"AUTOSHARD_FAULT={spec!r}: expected KIND:RANK:STEP with KIND one of {', '.join(cls.KINDS)} "
-                "and RANK, STEP whole numbers (e.g. kill:1:3); unset it to train without a fault"
+                "and RANK, STEP whole numbers (e.g. kill:1:3), or slow:RANK:FACTOR with FACTOR at least 1; "
+                "unset it to train without a fault"
             )
         return cls(parts[0], int(parts[1]), int(parts[2]))
 
@@ -582,6 +881,14 @@ class Fault:
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(3600)
+
+
+def _factor(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value >= 1 else None
 
 
 class StepLog:
@@ -668,6 +975,13 @@ class Trainer:
     dropped: int | None = None  # routed rows the capacity dropped in the last step, all ranks
     restored_lr: dict | None = None  # the learning-rate flags of the run whose checkpoint was loaded
     restored_meta: dict | None = None  # the trainer.json of the checkpoint loaded
+    # DiLoCo (``runtime.diloco``): this rank's island of ``islands``, the outer optimizer over the
+    # island group and the group of this rank's island (None: one island); ``plan`` is then the
+    # plan of one island
+    island: int = 0
+    islands: int = 1
+    outer: diloco.OuterStep | None = None
+    island_world: object = None
 
     @property
     def microbatches(self) -> int:
@@ -683,7 +997,12 @@ class Trainer:
         microbatches = plan.microbatches * args.grad_accum
         scale = 1.0 if plan.mesh.pp > 1 else 1.0 / microbatches
         moe.set_aux_loss(args.aux_loss, args.aux_alpha, scale)
-        mesh, ranks = rt.build_mesh(plan, device.type)
+        islands = diloco.islands_of(plan)
+        if islands is not None:  # each island runs the plan at dp/count, over its own ranks
+            mesh, ranks, island, island_group, island_world = diloco.build_mesh(plan, device.type)
+            plan = diloco.inner_plan(plan)
+        else:
+            mesh, ranks = rt.build_mesh(plan, device.type)
         experts_mesh = None
         if program.routing:  # MoE layers: the expert-parallel and expert-data-parallel groups
             experts_mesh = rt.build_expert_mesh(plan, device.type, ranks)
@@ -714,8 +1033,9 @@ class Trainer:
         zero_group = rt.zero_mesh(plan, mesh).get_group()  # ZeRO shards over dp x cp, as planned
         fsdp_experts = rt.shards_experts(plan)
         optim = rt.optimizer(
-            params, plan.zero_stage, zero_group, args.lr, args.weight_decay, args.adam_eps, experts, fsdp_experts
-        )
+            params, plan.zero_stage, zero_group, args.lr, args.weight_decay, args.adam_eps, experts, fsdp_experts,
+            getattr(args, "optimizer", "adamw"),
+        )  # fmt: skip
         # 4. the plan's pipeline schedule (torch.distributed.pipelining) over the chunks
         schedule = None
         if plan.mesh.pp > 1:
@@ -730,10 +1050,19 @@ class Trainer:
         biases = rt.routing_biases(stages)
         held = state.entries(stages, chunk_ids, ranks, program.tied)
         state.use_stepped(held, optim)  # bf16 masters, ZeRO-1's rows: what checkpoints and the norm count
-        return cls(
+        trainer = cls(
             args, plan, program, device, ranks, chunk_ids, stages, loss, fsdp, ties, params, optim, schedule,
             experts, biases, zero_group, reductions, held,
         )  # fmt: skip
+        if getattr(args, "optimizer", "adamw") == "lamb":  # trust ratios of whole tensors, counted as the norm is
+            optim.trust_norms = functools.partial(
+                state.trust_norms, held, optim, keys=program.state_dict_keys, replicated=trainer.replicated
+            )
+        if islands is not None:
+            trainer.island, trainer.islands, trainer.island_world = island, islands.count, island_world
+            share = zero_group if plan.zero_stage == 0 else None  # ZeRO-0's replicas split the outer all-reduce
+            trainer.outer = diloco.OuterStep(islands, held, island_group, island, share)
+        return trainer
 
     def expert_load(self) -> dict:
         """The last step's expert imbalance per MoE layer (max load / mean load over every rank
@@ -742,6 +1071,19 @@ class Trainer:
             return {}
         out = {"expert_load": {k: round(mx / mean, 4) if mean else 0.0 for k, (mx, mean) in self.loads.items()}}
         return out if self.dropped is None else {**out, "dropped_tokens": self.dropped}
+
+    def island_traffic(self) -> dict:
+        """For the step's log line, the bytes this rank has handed so far to the all-reduce between
+        DiLoCo islands (``island_bytes``) and to the data-parallel gradient all-reduce (``dp_bytes``,
+        where the program runs one: ZeRO-0)."""
+        dp = sum(getattr(r, "sent_bytes", 0) for r in self.reductions)
+        out = {"dp_bytes": dp} if dp else {}
+        return out if self.outer is None else {**out, "island_bytes": self.outer.sent_bytes}
+
+    @property
+    def prints(self) -> bool:
+        """This rank writes the step's line: the reporting rank of the first island."""
+        return self.reports and self.island == 0
 
     @property
     def replicated(self) -> bool:
@@ -771,11 +1113,11 @@ class Trainer:
         ``position + grad_accum``, one after the other."""
         plan, args = self.plan, self.args
         rows = plan.microbatches * plan.microbatch_size  # sequences per data-parallel rank per batch
-        first = self.ranks.dp * rows
+        first = (self.island * plan.mesh.dp + self.ranks.dp) * rows  # (islands: dp coordinate's outer part)
         batches = [
             data.batch_rows(
                 index,
-                plan.global_batch,
+                plan.global_batch * self.islands,
                 plan.seq_len,
                 self.program.vocab,
                 args.seed,
@@ -796,6 +1138,7 @@ class Trainer:
         PROGRESS.mark(step, 0)
         if fault is not None:
             fault.poison(step, self.params)
+            fault.slow_down()
         losses: list[torch.Tensor] = []
         if self.schedule is not None:
             # (the last chunk's outputs are not kept for the step's return: m logits of the vocabulary)
@@ -826,7 +1169,7 @@ class Trainer:
             r.finish()
         if self.fsdp:
             rt.sum_tied_gradients(self.ties)
-        norm = state.clip_gradients(self.entries, self.args.max_grad_norm, self.replicated)
+        norm = state.clip_gradients(self.entries, self.args.max_grad_norm, self.replicated, self.island_world)
         if fault is not None:
             fault(step)
         if not math.isfinite(norm) and not fake.active():  # (the same norm on every rank: all skip) the caller decides
@@ -834,6 +1177,9 @@ class Trainer:
             return (mean_loss(losses, dp) if self.last else None), norm
         PROGRESS.mark(step, 2)
         self.optim.step()
+        if self.outer is not None and self.outer.due(step):  # DiLoCo: the islands sync
+            self.outer()
+            state.write_back(self.optim)  # the synced masters rounded into the parameters
         fp8.new_step()  # the weights changed: their FP8 copies are made again next step
         if self.program.routing:  # MoE: routing biases nudged toward balance, loads for the log
             self.loads = moe.update_biases(self.biases, self.args.balance_gamma)
@@ -870,16 +1216,19 @@ class Trainer:
         copy = not self.args.checkpoint_sync  # a background write needs copies; one in the step, views
         out = state.model_state(self.entries, copy, save=True)
         out.update(state.optim_state(self.entries, self.optim, copy))
+        if self.outer is not None:  # DiLoCo: each island's own, and the outer state
+            out = {**diloco.island_keys(out, self.island), **self.outer.state(copy)}
         out[f"rng/{dist.get_rank()}"] = state.object_state(state.rng_state())
         args, plan = self.args, self.plan
         meta = {
             "format": state.FORMAT, "step": run.step, "position": run.position,
-            "samples": run.position * plan.global_batch, "window": run.window, "skipped": run.skipped,
+            "samples": run.position * plan.global_batch * self.islands, "window": run.window, "skipped": run.skipped,
             "rollbacks": run.rollbacks,
-            "seed": args.seed, "global_batch": plan.global_batch, "seq_len": plan.seq_len,
+            "seed": args.seed, "global_batch": plan.global_batch * self.islands, "seq_len": plan.seq_len,
             "grad_accum": args.grad_accum,
             "lr": {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr,
-                   "steps": args.steps},
+                   "steps": schedule_end(args)},
+            "optimizer": getattr(args, "optimizer", "adamw"),
             "plan_sha256": self.program.plan_sha256, "gpus": plan.gpus, "model": plan.model.get("name"),
             "mesh": plan.mesh.degrees(), "zero_stage": plan.zero_stage,
             "tied": [list(e.names) for e in self.program.tied],
@@ -888,9 +1237,51 @@ class Trainer:
         }  # fmt: skip
         return out, meta
 
+    def snapshot(self, run: Run) -> dict:
+        """This rank's state after ``run.step`` steps, copied to the host: what a disk checkpoint
+        holds of it, as this rank holds it (``state.local_state``), for ``runtime.tiers``."""
+        held = state.local_state(self.entries, self.optim)
+        meta = {
+            "step": run.step, "position": run.position, "window": run.window, "skipped": run.skipped,
+            "rollbacks": run.rollbacks, "seed": self.args.seed, "seq_len": self.plan.seq_len,
+            "lr": {"lr": self.args.lr, "schedule": self.args.lr_schedule, "warmup": self.args.warmup,
+                   "min_lr": self.args.min_lr, "steps": self.args.steps},
+            "plan_sha256": self.program.plan_sha256, "gpus": self.plan.gpus, "time": time.time(),
+        }  # fmt: skip
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in held.items()}
+        return {"meta": meta, "tensors": tensors, "rng": state.rng_state()}
+
+    def restore_snapshot(self, payload: dict | None) -> Run | None:
+        """Load a host-memory snapshot (every rank its own); None on every rank, nothing loaded,
+        where any rank's does not fit this plan."""
+        fits = payload is not None and payload["meta"].get("plan_sha256") == self.program.plan_sha256
+        if fits:
+            saved = payload["tensors"]
+            model = state.local_state(self.entries, self.optim)
+            names = {k for k in saved if "/model/" in k}
+            fits = names == set(model) and all(saved[k].shape == model[k].shape for k in names)
+        flag = torch.tensor([int(fits)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not int(flag):
+            return None
+        held = state.local_state(self.entries, self.optim, create=any("/optim/" in k for k in saved))
+        if held.keys() != saved.keys():
+            raise ProgramError("a host-memory snapshot does not match this rank's optimizer states; remove it")
+        with torch.no_grad():
+            for k, t in held.items():
+                t.copy_(saved[k])
+        state.write_back(self.optim)
+        state.set_rng_state(payload["rng"])
+        meta = payload["meta"]
+        self.restored_lr, self.restored_meta = meta.get("lr"), meta
+        return Run(meta["step"], meta["position"], list(meta["window"]), list(meta["skipped"]),
+                   rollbacks=list(meta["rollbacks"]))  # fmt: skip
+
     def _check_compatible(self, path: Path, meta: dict) -> dict:
         """The checkpoint holds this model: every tensor this rank needs, at its full shape."""
         saved = state.saved_keys(path)
+        if self.outer is not None:  # DiLoCo: this island's keys
+            saved = diloco.own_keys(saved, self.island)
         for e in self.entries:
             key = f"model/{e.held.key}"
             if key not in saved:
@@ -918,6 +1309,8 @@ class Trainer:
             raise ProgramError(f"checkpoint {path}: format {meta.get('format')}, this program reads {state.FORMAT}")
         saved = self._check_compatible(path, meta)
         passes = state.load_targets(self.entries, self.optim, saved)
+        if self.outer is not None:
+            passes = self.outer.load_passes(passes, saved, state.saved_keys(path))
         same_plan = meta.get("plan_sha256") == self.program.plan_sha256 and meta["gpus"] == self.plan.gpus
         rng_key = f"rng/{dist.get_rank()}"
         if same_plan:
@@ -925,18 +1318,35 @@ class Trainer:
         with torch.no_grad():
             state.load(path, passes)
         state.write_back(self.optim)  # loaded into fp32 masters: round them into the parameters
+        if self.outer is not None and not self.outer.restored:  # a checkpoint without islands
+            self.outer.reset()
         if same_plan:
             buf = passes[0][rng_key]
             buf.seek(0)
             state.set_rng_state(torch.load(buf, weights_only=False))
-        samples = meta["samples"]
-        if samples % self.plan.global_batch:
+        samples = samples_at(meta, self.plan.seq_len, path)
+        batch = self.plan.global_batch * self.islands  # (islands: all of them)
+        if samples % batch:
             raise ProgramError(
                 f"checkpoint {path} read {samples} sequences, not a whole number of this plan's global batches "
-                f"of {self.plan.global_batch}; recompile with a global batch that divides it"
+                f"of {batch}; recompile with a global batch that divides it"
             )
-        return Run(meta["step"], samples // self.plan.global_batch, list(meta.get("window", [])),
+        return Run(meta["step"], samples // batch, list(meta.get("window", [])),
                    list(meta.get("skipped", [])), rollbacks=list(meta.get("rollbacks", [])))  # fmt: skip
+
+
+def samples_at(meta: dict, seq_len: int, path: Path) -> int:
+    """The sequences a checkpoint's run read, counted in sequences of ``seq_len``: a checkpoint
+    written at another sequence length (the stage before in a long-context ramp) read the same
+    tokens as ``samples * its seq_len / seq_len`` sequences of this length, so the data position
+    carries the tokens read over."""
+    samples, then = meta["samples"], meta.get("seq_len") or seq_len
+    if samples * then % seq_len:
+        raise ProgramError(
+            f"checkpoint {path} read {samples} sequences of {then} tokens, not a whole number of sequences of "
+            f"{seq_len}; resume at a sequence length that divides the tokens it read"
+        )
+    return samples * then // seq_len
 
 
 def lr_flags_changed(saved: dict | None, args: argparse.Namespace) -> dict:
@@ -945,7 +1355,7 @@ def lr_flags_changed(saved: dict | None, args: argparse.Namespace) -> dict:
     ``lr``): flag -> (then, now). Empty when they agree or the checkpoint does not say."""
     now = {"lr": args.lr, "schedule": args.lr_schedule, "warmup": args.warmup, "min_lr": args.min_lr}
     if args.lr_schedule != "constant":  # only a decay reads the last step (running on is no change)
-        now["steps"] = args.steps
+        now["steps"] = schedule_end(args)
     flags = {"schedule": "lr_schedule"}
     return {flags.get(k, k): (saved[k], v) for k, v in now.items() if saved and k in saved and saved[k] != v}
 

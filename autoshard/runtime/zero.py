@@ -55,7 +55,7 @@ class ShardedAdamW:
     before the step: ``reduction.BucketedReduction``; or ``reduce_gradients`` after the backward),
     then ``step``."""
 
-    def __init__(self, params: list[nn.Parameter], group, **kwargs):
+    def __init__(self, params: list[nn.Parameter], group, algorithm=torch.optim.AdamW, **kwargs):
         self.params = list(params)
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
@@ -73,7 +73,8 @@ class ShardedAdamW:
                 master = _rows(p, dim)[:, lo:hi].float().clone()
                 shape = (*p.shape[:dim], hi - lo, *p.shape[dim + 1 :]) if p.dim() else (hi - lo,)
                 self.masters[id(p)] = master.view(shape)
-        self.optim = torch.optim.AdamW(list(self.masters.values()), **kwargs)
+        # the rule stepping the rows: AdamW, or LAMB (``runtime.lamb``: prepare, whole norms, apply)
+        self.optim = algorithm(list(self.masters.values()), **kwargs)
 
     # the optimizer's face (the program sets learning rates, checkpoints read states)
 
@@ -180,6 +181,17 @@ class ShardedAdamW:
     @torch.no_grad()
     def step(self) -> None:
         self.optim.step()
+        self.write_back()
+
+    def prepare(self) -> list:
+        """LAMB's first pass over this rank's rows (``runtime.lamb.Lamb.prepare``)."""
+        return self.optim.prepare()
+
+    @torch.no_grad()
+    def apply(self, norms: dict) -> None:
+        """LAMB's second pass over this rank's rows with the whole tensors' norms, then the rows
+        gathered into the parameters."""
+        self.optim.apply(norms)
         self.write_back()
 
     @torch.no_grad()
