@@ -214,7 +214,9 @@ def compile_plan(
     a folder for each pass's graph before and after it, or the observer (``passes.dump_to``).
     ``consume``: the caller never reads ``captured`` again, so the plan-only dry run may rewrite
     its graph in place instead of a copy (copying a 61-layer graph costs a quarter of a second).
-    ``notes``: said in the plan (its rationale, in plan.md) besides the search's own."""
+    ``notes``: said in the plan (its rationale, in plan.md) besides the search's own. Long
+    because its arguments are the command's and its body the retry loop around the passes'
+    refusals, which reads as one piece."""
 
     problem.emit = not plan_only
     moe = problem.cost.facts.get("experts")

@@ -109,7 +109,8 @@ def compile_ramp(
     """Search and write each stage (``compile_file`` at its sequence length and batch) under
     ``out``, then ``ramp.json``, ``ramp.md`` and, unless ``plan_only``, the driver ``ramp.py``.
     A stage that does not plan is recorded with why, the others are still written, and the
-    ramp then fails with one line naming it. Returns ramp.json's content."""
+    ramp then fails with one line naming it. Returns ramp.json's content. Long because its
+    keyword arguments are ``compile``'s, passed through to every stage."""
     ramp = stages(seq_lens, global_batch, tokens)
     pins = [planner.parse_force(p) for p in stage_pins(force, len(ramp))]  # bad pins fail before any search
     out = Path(out)

@@ -105,7 +105,9 @@ class Tree:
     def branch_and_bound(self, share: tuple[int, int] = (0, 1)):
         """Best first over the families whose rank by floor is ``share[0]`` modulo ``share[1]``
         (dealt out like cards, so every share holds good families and prunes early): (best or
-        None, infeasible leaves, nodes, leaves)."""
+        None, infeasible leaves, nodes, leaves). Long because its loop is one piece: families
+        opened, nodes bounded lazily, expanded, a dive sent, leaves evaluated, each step reading
+        the heap and the incumbent the others change."""
         bounds = self.bounds
         heap: list = []
         tick = itertools.count()
