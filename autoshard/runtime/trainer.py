@@ -991,7 +991,8 @@ class Trainer:
     @classmethod
     def build(cls, args: argparse.Namespace, out: Path, plan: Plan, program: Program, device: torch.device) -> Trainer:
         """The trainer of ``program`` on this rank. Long because it is the program's set-up in
-        numbered steps (mesh, islands, stages, optimizer, data), each reading the ones before."""
+        numbered steps (mesh, chunks, data parallelism, schedule, reductions), each reading the ones
+        before."""
         # 1. the device mesh: tp innermost (NVLink), then the plan's order outwards
         moe.set_capacity_factor(args.capacity_factor)
         # a balance loss's gradient is scaled as one micro-batch's loss is before its backward:
