@@ -40,14 +40,15 @@ def trust_ratio(w_norm: float, u_norm: float) -> float:
     return w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
 
 
-class Lamb(torch.optim.Optimizer):
-    """LAMB over ``params`` (see the module docstring). ``fused`` is accepted and ignored (the
-    program asks AdamW for it on GPUs)."""
+class Masters:
+    """fp32 master copies of an optimizer's low-precision parameters (``masters``, by parameter
+    id), made after the optimizer's own ``__init__`` by ``_make_masters``: LAMB and the program's
+    ``MasterAdamW`` step those and round them back."""
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
-                 fused: bool | None = None):  # fmt: skip
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-        self.masters: dict[int, torch.Tensor] = {}
+    masters: dict[int, torch.Tensor]
+
+    def _make_masters(self) -> None:
+        self.masters = {}
         with torch.no_grad():
             for group in self.param_groups:
                 for p in group["params"]:
@@ -57,6 +58,16 @@ class Lamb(torch.optim.Optimizer):
     def master(self, p: torch.Tensor) -> torch.Tensor:
         """The tensor stepped for ``p`` (and keying its states): its fp32 master, or ``p``."""
         return self.masters.get(id(p), p)
+
+
+class Lamb(Masters, torch.optim.Optimizer):
+    """LAMB over ``params`` (see the module docstring). ``fused`` is accepted and ignored (the
+    program asks AdamW for it on GPUs)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
+                 fused: bool | None = None):  # fmt: skip
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self._make_masters()
 
     def _stepped(self):
         """(group, parameter, the tensor stepped for it, its fp32 gradient) of every parameter with one."""

@@ -22,7 +22,7 @@ from autoshard.ir.schedules import schedule, torch_schedule
 from autoshard.runtime import data as token_data
 from autoshard.runtime import fake, groups, moe, phase
 from autoshard.runtime.checkpoint import Checkpoint
-from autoshard.runtime.lamb import Lamb
+from autoshard.runtime.lamb import Lamb, Masters
 from autoshard.runtime.rebuild import Recipe
 from autoshard.runtime.reduction import BucketedReduction
 from autoshard.runtime.stages import load_stage_file, materialise, put_parameter, stage_tables
@@ -248,7 +248,7 @@ def lower_parameters(params, dtype: str) -> None:
                 p.grad_dtype = torch.float32
 
 
-class MasterAdamW(torch.optim.AdamW):
+class MasterAdamW(Masters, torch.optim.AdamW):
     """AdamW whose low-precision parameters are stepped through fp32 master copies it keeps (4
     bytes each, beside the two 4-byte moments): each step gives a master the parameter's fp32
     gradient, steps the masters, and writes them back rounded. (ZeRO-1 shards masters and
@@ -256,16 +256,7 @@ class MasterAdamW(torch.optim.AdamW):
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
-        self.masters: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.is_floating_point() and p.dtype != torch.float32:
-                        self.masters[id(p)] = p.detach().float()
-
-    def master(self, p: torch.Tensor) -> torch.Tensor:
-        """The tensor this optimizer steps for ``p`` (and keys its states by): its master, or ``p``."""
-        return self.masters.get(id(p), p)
+        self._make_masters()
 
     @torch.no_grad()
     def step(self, closure=None):
