@@ -228,43 +228,74 @@ def point_matrix(points: tuple[Point, ...]):
     return hit[1]
 
 
-def _frontier(points: set[Point]) -> tuple[Point, ...]:
-    """The points no other point reaches or exceeds on every coordinate (they are distinct)."""
+def _frontier(points) -> tuple[Point, ...]:
+    """The points no other point reaches or exceeds on every coordinate, sorted: of a set of
+    ``Point``s, or of an int array with one moment a row (its chunks' counts, pending weight
+    passes and gradients side by side), repeats allowed."""
     import numpy as np
 
-    order = sorted(points)
-    coords = np.array([hs + ps + gs for hs, ps, gs in order], dtype=np.int32)
-    covers = np.ones((len(order), len(order)), dtype=bool)  # [j, i]: j reaches i everywhere
+    if isinstance(points, np.ndarray):
+        coords, n = _distinct_rows(points), points.shape[1] // 3
+    else:
+        coords = np.array([hs + ps + gs for hs, ps, gs in points], dtype=np.int32)
+        n = len(next(iter(points))[0])
+    # first against the few largest points (by sum): most moments fall to one of them, and a point
+    # beaten by one that falls is beaten by what beat that one, so the rest is exact among the
+    # survivors alone
+    top = coords[np.argsort(-coords.sum(axis=1), kind="stable")[:16]]
+    beaten = ((top[:, None, :] >= coords[None]).all(axis=2) & (top[:, None, :] != coords[None]).any(axis=2)).any(0)
+    coords = coords[~beaten]
+    covers = np.ones((len(coords), len(coords)), dtype=bool)  # [j, i]: j reaches i everywhere
     for column in coords.T:  # one coordinate at a time: no points x points x coordinates array
         covers &= column[:, None] >= column[None, :]
-    np.fill_diagonal(covers, False)
-    return tuple(pt for pt, beaten in zip(order, covers.any(axis=0)) if not beaten)
+    covers &= ~covers.T  # ... and is not the same point
+    kept = {tuple(r) for r in coords[~covers.any(axis=0)].tolist()}
+    return tuple(sorted((r[:n], r[n : 2 * n], r[2 * n :]) for r in kept))
 
 
-class _Counts:
-    """A rank's per-chunk counts as its order runs, noting each moment that can be a peak:
+_MIX = None  # random odd 64-bit multipliers: a row's hash is its dot product with them
+
+
+def _distinct_rows(rows):
+    """``rows`` without repeats (any order): by a 64-bit hash of each row, checked row by row
+    against the one kept for its hash, and by sorting the rows themselves if two differ (a
+    quarter of the time of sorting them, which ``numpy.unique`` does, at the planner's sizes)."""
+    import numpy as np
+
+    global _MIX
+    if _MIX is None or len(_MIX) < rows.shape[1]:
+        _MIX = np.random.default_rng(0).integers(1, 2**62, size=max(64, rows.shape[1]), dtype=np.int64) | 1
+    keys = rows.astype(np.int64) @ _MIX[: rows.shape[1]]  # wraps around: a hash, not a number
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    if (rows[first][inverse.ravel()] == rows).all():
+        return rows[first]
+    return np.unique(rows, axis=0)
+
+
+# a rank's order as events: (kind, chunk of the rank) with these kinds
+FORWARD, INPUT, WEIGHT, FULL = 0, 1, 2, 3
+
+
+def _moments(kinds, chunks, n: int):
+    """The moments of a rank's order that can be its peak, one row each (``_frontier``'s array):
     forwards and input passes only add, so those are the moments a weight pass or a full
-    backward starts (its chunk's gradients made, its micro-batch not yet freed), and the end."""
+    backward (``kinds`` ``WEIGHT``, ``FULL``) starts, its chunk's gradients made and its
+    micro-batch not yet freed, and the end. ``chunks``: each event's chunk among the rank's ``n``."""
+    import numpy as np
 
-    def __init__(self, chunks: int):
-        self.f, self.i, self.w, self.g = ([0] * chunks for _ in range(4))
-        self.moments: set[Point] = set()
-
-    def note(self) -> None:
-        f, i, w = self.f, self.i, self.w
-        self.moments.add((tuple(a - b for a, b in zip(f, w)), tuple(a - b for a, b in zip(i, w)), tuple(self.g)))
-
-    def forward(self, j: int) -> None:
-        self.f[j] += 1
-
-    def input(self, j: int) -> None:
-        self.i[j] += 1
-
-    def weight(self, j: int, full: bool = False) -> None:
-        self.g[j] = 1
-        self.note()
-        self.w[j] += 1
-        self.i[j] += full
+    kinds, chunks = np.asarray(kinds), np.asarray(chunks)
+    hot = np.zeros((len(kinds), n), dtype=np.int32)
+    hot[np.arange(len(kinds)), chunks] = 1
+    f, i, w = (hot * mask[:, None] for mask in (kinds == FORWARD, (kinds == INPUT) | (kinds == FULL), kinds >= WEIGHT))
+    counts = [np.cumsum(x, axis=0) for x in (f, i, w)]
+    grads = np.maximum.accumulate(w, axis=0)  # a chunk's gradients exist from its first weight pass on
+    held, pending = counts[0] - counts[2], counts[1] - counts[2]
+    # at a weight pass: what ran before it (held and pending by its own event's count, which
+    # only a weight pass or full backward changes)
+    at = kinds >= WEIGHT
+    before = np.hstack([held + w, pending + w - i, grads])[at]
+    end = np.hstack([held[-1:], pending[-1:], grads[-1:]])
+    return np.vstack([before, end])
 
 
 @lru_cache(maxsize=4096)  # a search evaluates a few hundred shapes, 64 ranks at most
@@ -275,10 +306,10 @@ def _occupancy(name: str, pp: int, m: int, v: int) -> tuple[tuple[Point, ...], .
     out = []
     for r in range(pp):
         if row.rounds:
-            moments = _interleaved_moments(r, pp, m, v, row.split_backward)
+            kinds, chunks = _interleaved_events(r, pp, m, v, row.split_backward)
         else:
-            moments = _moments(_rank_order(row, r, pp, m, v), row.chunks_of_rank(r, pp, v))
-        out.append(_frontier(moments))
+            kinds, chunks, _ = _rank_events(name, r, pp, m, v)
+        out.append(_frontier(_moments(kinds, chunks, v)))
     return tuple(out)
 
 
@@ -287,54 +318,78 @@ def _split_share(name: str, pp: int, m: int, v: int) -> tuple[float, ...]:
     row = SCHEDULES[name]
     if not row.split_backward:
         return (0.0,) * pp
-    if row.rounds:  # ZB1P: an input pass then a weight pass for every backward (_interleaved_moments)
+    if row.rounds:  # ZB1P: an input pass then a weight pass for every backward (_interleaved_events)
         return (1.0,) * pp
-    out = []
-    for r in range(pp):
-        split = full = 0
-        for action in _rank_order(row, r, pp, m, v):
-            kind = action.computation_type.name
-            for part in action.sub_actions if kind == "OVERLAP_F_B" else (action,):
-                split += part.computation_type.name == "BACKWARD_INPUT"
-                full += part.computation_type.name == "FULL_BACKWARD"
-        out.append(split / max(1, split + full))
-    return tuple(out)
+    return tuple(_rank_events(name, r, pp, m, v)[2] for r in range(pp))
 
 
-def _interleaved_moments(rank: int, pp: int, m: int, v: int, zero_bubble: bool) -> set[Point]:
-    """``_moments`` of the order torch's interleaved 1F1B and ZB1P classes give rank ``rank``,
-    without building it (building torch's actions costs 20 ms a rank at 64 ranks). The order: a
-    warm-up of forwards, ``v - 1`` rounds plus two (ZB1P: one) per rank below the last; then one
-    forward and one backward at a time; then the remaining backwards. Forwards walk the rank's
-    chunks up a round at a time, backwards down. ZB1P runs the k-th weight pass right after
-    the (k + rank)-th input pass, the last ``rank`` at the end. ``tests/runtime/test_schedules.py``
-    checks it against the torch classes' orders."""
+def _interleaved_events(rank: int, pp: int, m: int, v: int, zero_bubble: bool):
+    """The events (kinds, chunks) of the order torch's interleaved 1F1B and ZB1P classes give
+    rank ``rank``, without building it (building torch's actions costs 20 ms a rank at 64
+    ranks). The order: a warm-up of forwards, ``v - 1`` rounds plus two (ZB1P: one) per rank
+    below the last; then one forward and one backward at a time; then the remaining backwards.
+    Forwards walk the rank's chunks up a round at a time, backwards down. ZB1P runs the k-th
+    weight pass right after the (k + rank)-th input pass, the last ``rank`` at the end.
+    ``tests/runtime/test_schedules.py`` checks it against the torch classes' orders."""
+    import numpy as np
+
     per_round = m // max(1, m // pp)
     ops = v * m
     warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (pp - 1 - rank), ops)
-    counts = _Counts(v)
 
-    def back(step: int) -> int:
+    def back(step):
         return v - 1 - ((step - warmup) // per_round) % v
 
-    weights = 0
-    for op in range(ops + warmup):  # warm-up forwards, forward-backward pairs, cool-down backwards
-        if op < ops:
-            counts.forward((op // per_round) % v)
-        if op < warmup:
+    op = np.arange(ops + warmup)
+    # per step up to three slots: its forward, its backward (or input pass), its weight pass
+    kinds = np.full((len(op), 3), -1)
+    chunks = np.zeros((len(op), 3), dtype=np.int64)
+    kinds[op < ops, 0], chunks[:, 0] = FORWARD, (op // per_round) % v
+    steady = op >= warmup
+    kinds[steady, 1] = INPUT if zero_bubble else FULL
+    chunks[steady, 1] = back(op[steady])
+    if zero_bubble:  # the k-th weight pass after the (k + rank)-th input pass
+        weighs = op - warmup >= rank
+        kinds[weighs, 2] = WEIGHT
+        chunks[weighs, 2] = back(op[weighs] - rank)
+    kinds, chunks = kinds.ravel(), chunks.ravel()
+    keep = kinds >= 0
+    kinds, chunks = kinds[keep], chunks[keep]
+    if zero_bubble:  # the weight passes left at the end
+        rest = np.arange(max(0, ops - rank), ops)
+        kinds = np.concatenate([kinds, np.full(len(rest), WEIGHT)])
+        chunks = np.concatenate([chunks, back(warmup + rest)])
+    return kinds, chunks
+
+
+_KINDS = {"FORWARD": FORWARD, "BACKWARD_INPUT": INPUT, "BACKWARD_WEIGHT": WEIGHT, "FULL_BACKWARD": FULL}
+
+
+@lru_cache(maxsize=4096)
+def _rank_events(name: str, rank: int, pp: int, m: int, v: int) -> tuple:
+    """Rank ``rank``'s order under torch's class for schedule ``name`` as events: (kinds, chunks
+    of the rank, the share of its backwards split into an input and a weight pass). An
+    overlapped forward-backward pair runs its forward first."""
+    row = SCHEDULES[name]
+    index = {c: j for j, c in enumerate(row.chunks_of_rank(rank, pp, v))}
+    kinds, chunks = [], []
+    kind_of: dict = {}  # torch's computation type -> our kind (an enum's ``name`` is slow to read)
+    for action in _rank_order(row, rank, pp, m, v):
+        what = action.computation_type
+        if what not in kind_of:
+            kind_of[what] = _KINDS.get(what.name, -1)  # -1: an overlapped pair
+        if kind_of[what] >= 0:
+            kinds.append(kind_of[what])
+            chunks.append(index[action.stage_index])
             continue
-        if not zero_bubble:
-            counts.weight(back(op), full=True)
-            continue
-        counts.input(back(op))
-        if op - warmup >= rank:
-            counts.weight(back(warmup + weights))
-            weights += 1
-    while zero_bubble and weights < ops:
-        counts.weight(back(warmup + weights))
-        weights += 1
-    counts.note()
-    return counts.moments
+        parts = action.sub_actions
+        for part in [p for p in parts if p.computation_type.name == "FORWARD"] + [
+            p for p in parts if p.computation_type.name != "FORWARD"
+        ]:
+            kinds.append(_KINDS[part.computation_type.name])
+            chunks.append(index[part.stage_index])
+    split, full = kinds.count(INPUT), kinds.count(FULL)
+    return tuple(kinds), tuple(chunks), split / max(1, split + full)
 
 
 def _rank_order(row: Schedule, rank: int, pp: int, m: int, v: int) -> list:
@@ -350,26 +405,6 @@ def _rank_order(row: Schedule, rank: int, pp: int, m: int, v: int) -> list:
     shape.number_of_rounds, shape.microbatches_per_round = rounds, m // rounds
     shape.rank = rank
     return [a for a in cls._calculate_single_rank_operations(shape, rank) if a is not None]
-
-
-def _moments(actions: list, chunks: list[int]) -> set[Point]:
-    """The ``_Counts`` moments of a rank's ``actions`` over its ``chunks`` (an overlapped
-    forward-backward pair runs its forward first)."""
-    index = {c: j for j, c in enumerate(chunks)}
-    counts = _Counts(len(chunks))
-    step = {
-        "FORWARD": counts.forward,
-        "BACKWARD_INPUT": counts.input,
-        "BACKWARD_WEIGHT": counts.weight,
-        "FULL_BACKWARD": lambda j: counts.weight(j, full=True),
-    }
-    for action in actions:
-        kind = action.computation_type.name
-        parts = action.sub_actions if kind == "OVERLAP_F_B" else (action,)
-        for part in sorted(parts, key=lambda a: a.computation_type.name != "FORWARD"):
-            step[part.computation_type.name](index[part.stage_index])
-    counts.note()
-    return counts.moments
 
 
 SCHEDULES: dict[str, Schedule] = {

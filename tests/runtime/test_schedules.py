@@ -194,3 +194,26 @@ def test_split_share_is_the_share_of_torchs_backwards_split_in_two(name):
             split, full = parts.count("BACKWARD_INPUT"), parts.count("FULL_BACKWARD")
             share = SCHEDULES[name].split_share(pp, m, v)[rank]
             assert share == pytest.approx(split / max(1, split + full)), (name, pp, m, v, rank)
+
+
+def test_frontier_of_moment_rows_equals_the_frontier_of_their_points(monkeypatch):
+    """``_frontier`` of an array of moments (repeats allowed, up to 24 chunks) keeps what it
+    keeps of the same moments as distinct points, also when every row hashes alike (the rows
+    are then told apart by sorting them)."""
+    import random
+
+    import numpy as np
+
+    from autoshard.ir import schedules
+
+    rng = random.Random(1)
+    for trial in range(60):
+        chunks = rng.choice([1, 2, 3, 8, 24])
+        rows = np.array(
+            [[rng.randint(0, 2) for _ in range(3 * chunks)] for _ in range(rng.randint(1, 30))], dtype=np.int64
+        )
+        rows = np.vstack([rows, rows[: rng.randint(0, len(rows))]])  # repeats
+        points = {(tuple(r[:chunks]), tuple(r[chunks : 2 * chunks]), tuple(r[2 * chunks :])) for r in rows.tolist()}
+        if trial % 2:
+            monkeypatch.setattr(schedules, "_MIX", np.zeros(3 * chunks, dtype=np.int64))  # every key the same
+        assert schedules._frontier(rows) == schedules._frontier(points), trial
