@@ -158,37 +158,43 @@ class Bounds:
         if found is None:
             import numpy as np
 
-            costs, usable, values = self.costs, self.p.hw.usable_bytes, self.memo.in_flight_values
+            usable, values = self.p.hw.usable_bytes, self.memo.in_flight_values
+            rows, peak, with_grads, lazy = self._shape_arrays(c, m, shapes)
+            fits = np.zeros((len(rows), len(zeros)), dtype=bool)
+            if rows:  # ``_memory_stage`` of every shape and stage: one array per stage and moment
+                moments = ((True, 0), (False, 0), (False, 1))  # (lazy, flights): at the peak, then with gradients
+                cases = [(z, lazy_, f) for z in zeros for lazy_, f in moments]
+                bounds = self._memory_bounds(c, w0, c.recompute, cases, (peak, with_grads))
+                for j in range(len(zeros)):
+                    lazy_bound, eager, grads = bounds[3 * j : 3 * j + 3]
+                    fits[:, j] = np.where(lazy, np.maximum(lazy_bound, grads), eager) <= usable
+            some = fits.any(axis=1)
+            fitting = [rows[i][:3] for i in np.flatnonzero(some)]
+            fit_zeros = tuple(z for z, ok in zip(zeros, fits.any(axis=0)) if ok)
+            least = tuple(peak[some].min(axis=0).tolist()) if fitting else ()
+            least_grads = tuple(with_grads[some].min(axis=0).tolist()) if fitting else ()
+            found = (fitting, fit_zeros, values.setdefault(least, least), values.setdefault(least_grads, least_grads))
+            self.memo.fitting_shapes[layout] = found
+        return found
+
+    def _shape_arrays(self, c: Candidate, m: int, shapes: list) -> tuple:
+        """The shapes of ``shapes`` that run with ``c``'s recompute set (``runnable``), with
+        their per-rank in-flight counts at the peak and with every chunk's gradients as arrays
+        (one row a shape) and whether each has several chunks: memoised, one per list of shapes
+        and what ``runnable`` reads of ``c``."""
+        key = (id(shapes), c.pp, m, c.recompute, c.dp * c.cp)
+        found = self.memo.shape_arrays.get(key)
+        if found is None:
+            import numpy as np
+
+            costs = self.costs
             rows = [
                 (sched, v, flight, costs.in_flight_with_grads(sched, v, c.pp, m))
                 for sched, v, flight in shapes
                 if runnable(sched.name, c.pp, c.recompute, costs.model_categories, 0, c.dp * c.cp)
             ]
-            fits = np.zeros((len(rows), len(zeros)), dtype=bool)
-            if rows:  # ``_memory_stage`` of every shape and stage, one array per stage and moment
-                peak, with_grads = (np.array([r[i] for r in rows], dtype=np.float64) for i in (2, 3))
-                lazy = np.array([r[1] > 1 for r in rows])
-                for j, z in enumerate(zeros):
-                    lazy_bound = self._memory_bounds(c, z, w0, peak, c.recompute, True)
-                    eager = self._memory_bounds(c, z, w0, peak, c.recompute, False)
-                    grads = self._memory_bounds(c, z, w0, with_grads, c.recompute, False)
-                    fits[:, j] = np.where(lazy, np.maximum(lazy_bound, grads), eager) <= usable
-            fitting, fit_zeros, flights, grads = [], set(), [], []
-            for (sched, v, flight, held), fit in zip(rows, fits):
-                if fit.any():
-                    fitting.append((sched, v, flight))
-                    fit_zeros.update(z for z, ok in zip(zeros, fit) if ok)
-                    flights.append(flight)
-                    grads.append(held)
-            least = tuple(map(min, *flights)) if len(flights) > 1 else (flights[0] if flights else ())
-            least_grads = tuple(map(min, *grads)) if len(grads) > 1 else (grads[0] if grads else ())
-            found = (
-                fitting,
-                tuple(sorted(fit_zeros)),
-                values.setdefault(least, least),
-                values.setdefault(least_grads, least_grads),
-            )
-            self.memo.fitting_shapes[layout] = found
+            peak, with_grads = (np.array([r[i] for r in rows], dtype=np.float64).reshape(len(rows), -1) for i in (2, 3))
+            found = self.memo.shape_arrays[key] = (rows, peak, with_grads, np.array([r[1] > 1 for r in rows]))
         return found
 
     def schedule_floor(self, parent: Candidate, c: Candidate) -> float:
@@ -451,20 +457,29 @@ class Bounds:
         self.memo.memory[key] = value
         return value
 
-    def _memory_bounds(self, c: Candidate, zero: int, w: Work, flights, recompute: frozenset, lazy: bool):
-        """``_memory_bound`` of many in-flight counts at once (``flights``: an array, one row of
-        per-rank counts each), as an array."""
+    def _memory_bounds(self, c: Candidate, w: Work, recompute: frozenset, cases: list, flights: tuple):
+        """``_memory_bound`` of many in-flight counts at once, for each case (ZeRO stage, lazy,
+        which array of ``flights``: one row of per-rank counts a shape each), as one array a
+        case, computed together: a few operations on one array instead of many on small ones."""
         import numpy as np
 
-        items, act_avg, st_avg, buffers, states = self._memory_profile(c, zero, w, recompute, lazy)
-        total = (1.0 / np.maximum(act_avg * flights + st_avg, 1e-9)).sum(axis=1)
-        fewest, most = flights.min(axis=1), flights.max(axis=1)
-        under_fewest = np.maximum(act_avg * fewest + st_avg, 1e-9)
-        under_most = np.maximum(act_avg * most + st_avg, 1e-9)
-        bound = sum(
-            n * np.minimum((a * fewest + st) / under_fewest, (a * most + st) / under_most) / total for n, a, st in items
+        profiles = [self._memory_profile(c, z, w, recompute, lazy) for z, lazy, _ in cases]
+        f = np.stack([flights[i] for _, _, i in cases])  # (case, shape, rank)
+        act = np.array([p[1] for p in profiles])[:, None]
+        st = np.array([p[2] for p in profiles])[:, None]
+        total = (1.0 / np.maximum(act[:, :, None] * f + st[:, :, None], 1e-9)).sum(axis=2)
+        fewest, most = f.min(axis=2), f.max(axis=2)
+        under_fewest = np.maximum(act * fewest + st, 1e-9)
+        under_most = np.maximum(act * most + st, 1e-9)
+        counts = np.array([n for n, _, _ in profiles[0][0]], dtype=np.float64)
+        a = np.array([[x for _, x, _ in p[0]] for p in profiles])[:, :, None]  # (case, block, 1)
+        s = np.array([[x for _, _, x in p[0]] for p in profiles])[:, :, None]
+        per_block = np.minimum(
+            (a * fewest[:, None, :] + s) / under_fewest[:, None, :], (a * most[:, None, :] + s) / under_most[:, None, :]
         )
-        return np.maximum(bound, states / c.pp if lazy else 0.0) + buffers
+        bound = np.einsum("k,jks->js", counts, per_block) / total
+        floor = np.array([p[4] / c.pp if lazy else 0.0 for p, (_, lazy, _) in zip(profiles, cases)])[:, None]
+        return np.maximum(bound, floor) + np.array([p[3] for p in profiles])[:, None]
 
     def _memory_profile(self, c: Candidate, zero: int, w: Work, recompute: frozenset | None, lazy: bool) -> tuple:
         """The per-layer memory ``_memory_bound`` weighs, shared by every schedule's in-flight
@@ -568,20 +583,32 @@ class Bounds:
         return caps
 
 
-def _least_cover(caps: list[int], lead: list[int], layers: int) -> int:
+class _Plain:
+    """sum_r min(cap_r, x) over ranks' ``caps`` for any x >= 0, in O(log ranks): from the sorted
+    caps and their prefix sums (the caps below x count whole, the rest x each)."""
+
+    def __init__(self, caps: list[int]):
+        self.caps = sorted(caps)
+        self.prefix = list(itertools.accumulate(self.caps, initial=0))
+
+    def held(self, x: int) -> int:
+        i = bisect.bisect_left(self.caps, x)
+        return self.prefix[i] + x * (len(self.caps) - i)
+
+
+def _least_cover(caps: list[int], lead: list[int], layers: int, plain: _Plain | None = None) -> int:
     """The least k with sum_r min(cap_r, max(0, k - lead_r)) >= ``layers`` (the caller checks
     that sum_r cap_r reaches it), by bisection. Only the ranks holding the embedding or the head
-    have a lead, so the others' sum, sum_r min(cap_r, k), comes from their sorted caps and prefix
-    sums: O(log pp) per probe instead of a pass over every rank."""
-    plain = sorted(cap for cap, d in zip(caps, lead) if d == 0)
-    others = [(cap, d) for cap, d in zip(caps, lead) if d > 0]
-    prefix = list(itertools.accumulate(plain, initial=0))
-    lo, hi = 0, layers + max(lead)
+    have a lead, so the others' sum comes from ``_Plain``: O(log pp) per probe instead of a pass
+    over every rank. Given ``plain``, ``caps`` and ``lead`` are the other ranks' alone."""
+    others = list(zip(caps, lead))
+    if plain is None:
+        plain = _Plain([cap for cap, d in others if d == 0])
+        others = [(cap, d) for cap, d in others if d > 0]
+    lo, hi = 0, layers + max(lead, default=0)
     while lo < hi:
         mid = (lo + hi) // 2
-        i = bisect.bisect_left(plain, mid)  # the caps below mid count whole, the rest mid each
-        held = prefix[i] + mid * (len(plain) - i) + sum(min(cap, max(0, mid - d)) for cap, d in others)
-        if held >= layers:
+        if plain.held(mid) + sum(min(cap, max(0, mid - d)) for cap, d in others) >= layers:
             hi = mid
         else:
             lo = mid + 1
@@ -594,15 +621,19 @@ def _least_time(caps: list[int], fixed: list[float], layers: int, t: float) -> f
     and takes ``fixed_r`` besides (the embedding, the head). With each fixed time rounded up to
     whole layers, ``_least_cover``'s k is the least k with k t enough, so T lies in ((k-1) t, k t],
     where only the ranks with a fixed time hold one layer more as T grows, each at n t + fixed_r:
-    the least of those that holds every layer, else k t. Rounding errs low (a lower bound)."""
+    the least of those that holds every layer, else k t. Rounding errs low (a lower bound). The
+    ranks with no fixed time all count alike (``_Plain``); only the two ends are counted apart."""
     lead = [max(0, math.ceil(f / t - 1e-9)) for f in fixed]
-    k = _least_cover(caps, lead, layers)
+    plain = _Plain([cap for cap, f in zip(caps, fixed) if f == 0])
+    ends = [(cap, f) for cap, f in zip(caps, fixed) if f != 0]
+    k = _least_cover([cap for cap, _ in ends], [d for d, f in zip(lead, fixed) if f != 0], layers, plain)
     best = k * t
     for d, f in zip(lead, fixed):
         n = k - d  # this rank holds n layers at n t + f, inside ((k-1) t, k t]
         if f <= 0 or n < 0 or n * t + f >= best:
             continue
-        held = sum(min(cap, max(0, n + math.floor((f - g) / t + 1e-9))) for cap, g in zip(caps, fixed))
+        held = plain.held(max(0, n + math.floor(f / t + 1e-9)))
+        held += sum(min(cap, max(0, n + math.floor((f - g) / t + 1e-9))) for cap, g in ends)
         if held >= layers:
             best = n * t + f
     return best

@@ -56,6 +56,9 @@ class Memo:
     those stages, the per-rank least in-flight counts over those shapes at the peak and with every
     chunk's gradients): ``Bounds._fitting_shapes`` (memory does not depend on the axis order, so
     every order's node shares them)."""
+    shape_arrays: dict = _table()
+    """(id of a memoised list of schedule shapes, pp, micro-batches, recompute set, dp x cp) -> the
+    shapes that run with that set and their in-flight counts as arrays (``Bounds._shape_arrays``)."""
     dp_traffic: dict = _table()
     """(tp, pp, cp, ep, dp, zero, layout key) -> data-parallel seconds (after backward, before
     forward, per micro-batch) of all the layers."""
