@@ -150,6 +150,7 @@ class LayerCosts:
         self._gemm = gemm_floor if floor else gemm_time
         self.sp = sp
         self._layers: dict = {}
+        self._params: dict = {}  # (block, tp, ep) -> ``params``
 
     def block(self, block: int) -> BlockCost:
         """The analysed block: a layer kind's index, ``PRE`` or ``POST``."""
@@ -600,6 +601,12 @@ class LayerCosts:
 
     def params(self, block: int, tp: int, ep: int) -> tuple[float, float]:
         """(dense, expert) parameters one GPU holds of one copy of ``block``."""
+        key = (block, tp, ep)
+        if key not in self._params:
+            self._params[key] = self._params_of(block, tp, ep)
+        return self._params[key]
+
+    def _params_of(self, block: int, tp: int, ep: int) -> tuple[float, float]:
         blk = self.block(block)
         expert = blk.params_experts
         dense_tp = blk.params_tp - expert

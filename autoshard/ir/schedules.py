@@ -64,6 +64,20 @@ def _any(pp: int, m: int, v: int) -> str | None:
     return None
 
 
+def _none_split(rank: int, pp: int, m: int, v: int) -> float:
+    return 0.0
+
+
+def _all_split(rank: int, pp: int, m: int, v: int) -> float:
+    return 1.0
+
+
+def _ends_split(rank: int, pp: int, m: int, v: int) -> float:
+    """DualPipeV: of a rank's 2m backwards, the ``2 pp - 1 - rank`` of its warm-up and cool-down
+    are split; its steady state runs whole backwards beside forwards."""
+    return min(1.0, (2 * pp - 1 - rank) / (2 * m))
+
+
 def _fill_drain(pp: int, m: int, v: int, t: float, split: bool, f: float, b: float, w: float) -> float:
     """1F1B: (p-1)(F+B+W), whatever the micro-batches."""
     return (pp - 1) * t
@@ -90,6 +104,7 @@ class Schedule:
     held: Callable[[int, int, int, int, int], float]  # (rank, pp, m, v, round) -> ``in_flight``
     rounds: bool  # its order is interleaved 1F1B's, chunks filled a round at a time (``least_held``)
     fill: Callable[..., float]  # the bubble's rule (``bubble``)
+    splits: Callable[[int, int, int, int], float]  # (rank, pp, m, v) -> ``split_share``
 
     def chunk_rank(self, chunk: int, pp: int) -> int:
         """The pipeline rank that holds ``chunk``."""
@@ -178,7 +193,8 @@ class Schedule:
         weight pass: two autograd calls, in each of which a checkpointed layer is recomputed
         (torch's checkpoint remakes a layer once per backward call that reads it). ZB1P and ZB-V
         split every backward; DualPipeV the ``2 pp - 1 - rank`` of its warm-up and cool-down,
-        its steady state running whole backwards beside forwards (torch's orders)."""
+        its steady state running whole backwards beside forwards (torch's orders, which
+        ``tests/runtime/test_schedules.py`` counts)."""
         return _split_share(self.name, pp, m, v)
 
     def bubble(self, pp: int, m: int, v: int, f: float, b: float, w: float) -> float:
@@ -308,7 +324,7 @@ def _occupancy(name: str, pp: int, m: int, v: int) -> tuple[tuple[Point, ...], .
         if row.rounds:
             kinds, chunks = _interleaved_events(r, pp, m, v, row.split_backward)
         else:
-            kinds, chunks, _ = _rank_events(name, r, pp, m, v)
+            kinds, chunks = _rank_events(name, r, pp, m, v)
         out.append(_frontier(_moments(kinds, chunks, v)))
     return tuple(out)
 
@@ -316,11 +332,7 @@ def _occupancy(name: str, pp: int, m: int, v: int) -> tuple[tuple[Point, ...], .
 @lru_cache(maxsize=4096)
 def _split_share(name: str, pp: int, m: int, v: int) -> tuple[float, ...]:
     row = SCHEDULES[name]
-    if not row.split_backward:
-        return (0.0,) * pp
-    if row.rounds:  # ZB1P: an input pass then a weight pass for every backward (_interleaved_events)
-        return (1.0,) * pp
-    return tuple(_rank_events(name, r, pp, m, v)[2] for r in range(pp))
+    return tuple(row.splits(r, pp, m, v) for r in range(pp))
 
 
 def _interleaved_events(rank: int, pp: int, m: int, v: int, zero_bubble: bool):
@@ -368,8 +380,7 @@ _KINDS = {"FORWARD": FORWARD, "BACKWARD_INPUT": INPUT, "BACKWARD_WEIGHT": WEIGHT
 @lru_cache(maxsize=4096)
 def _rank_events(name: str, rank: int, pp: int, m: int, v: int) -> tuple:
     """Rank ``rank``'s order under torch's class for schedule ``name`` as events: (kinds, chunks
-    of the rank, the share of its backwards split into an input and a weight pass). An
-    overlapped forward-backward pair runs its forward first."""
+    of the rank). An overlapped forward-backward pair runs its forward first."""
     row = SCHEDULES[name]
     index = {c: j for j, c in enumerate(row.chunks_of_rank(rank, pp, v))}
     kinds, chunks = [], []
@@ -388,8 +399,7 @@ def _rank_events(name: str, rank: int, pp: int, m: int, v: int) -> tuple:
         ]:
             kinds.append(_KINDS[part.computation_type.name])
             chunks.append(index[part.stage_index])
-    split, full = kinds.count(INPUT), kinds.count(FULL)
-    return tuple(kinds), tuple(chunks), split / max(1, split + full)
+    return tuple(kinds), tuple(chunks)
 
 
 def _rank_order(row: Schedule, rank: int, pp: int, m: int, v: int) -> list:
@@ -413,29 +423,30 @@ SCHEDULES: dict[str, Schedule] = {
         Schedule(
             "1f1b", False, False, 1, False, "Schedule1F1B", "ScheduleInterleaved1F1B", "one forward, one backward",
             runs=_one_per_stage, held=lambda r, pp, m, v, rnd: min(m, pp - r), rounds=False, fill=_fill_drain,
+            splits=_none_split,
         ),
         Schedule(
             "interleaved", False, False, None, False, None, "ScheduleInterleaved1F1B", "1F1B over v chunks per rank",
             runs=_whole_rounds, held=lambda r, pp, m, v, rnd: min(m * v, (v - 1) * rnd + 2 * (pp - r - 1) + 1) / v,
-            rounds=True, fill=_fill_over_chunks,
+            rounds=True, fill=_fill_over_chunks, splits=_none_split,
         ),
         Schedule(
             "zero-bubble", False, True, None, False, None, "ScheduleInterleavedZeroBubble",
             "interleaved, weight gradients deferred into the bubble",
             runs=_whole_rounds, held=lambda r, pp, m, v, rnd: min(m * v, (v - 1) * rnd + pp) / v,
-            rounds=True, fill=_fill_over_chunks,
+            rounds=True, fill=_fill_over_chunks, splits=_all_split,
         ),
         Schedule(
             "zbv", True, True, 2, False, None, "ScheduleZBVZeroBubble", "zero-bubble over a V of two chunks",
             runs=_any, held=lambda r, pp, m, v, rnd: min(2 * pp, 2 * m, m + 1 + r) / 2,
-            rounds=False, fill=_fill_over_chunks,
+            rounds=False, fill=_fill_over_chunks, splits=_all_split,
         ),
         Schedule(
             "dualpipev", True, True, 2, True, None, "ScheduleDualPipeV",
             "V of two chunks, forward and backward of two micro-batches overlapped",
             # one more forward inside its overlapped F&B steps
             runs=_paired, held=lambda r, pp, m, v, rnd: (2 * min(m, pp) + 1) / 2,
-            rounds=False, fill=_fill_over_chunks,
+            rounds=False, fill=_fill_over_chunks, splits=_ends_split,
         ),
     )
 }  # fmt: skip

@@ -553,6 +553,8 @@ class Bounds:
         table = self.memo.caps
         if key in table:
             return table[key]
+        import numpy as np
+
         per, pre_state, post_state = self.costs.states(c, w, zero, grads=False)
         per_all, pre_all, post_all = self.costs.states(c, w, zero)
         buffers, post_buffers = self.costs.buffers(c, w, zero)
@@ -560,23 +562,21 @@ class Bounds:
         first, last = ends
         a_min = min(k.activation_bytes for k in w.kinds)
         s_min, s_all = min(per), min(per_all)
-        caps: list | None = []
-        for r in range(c.pp):
-            fixed, everything = buffers, buffers
-            held = with_grads[r] if with_grads is not None else 0.0
-            if r == first:
-                fixed += w.pre.activation_bytes * in_flight[r] + pre_state
-                everything += w.pre.activation_bytes * held + pre_all
-            if r == last:
-                fixed += w.post.activation_bytes * in_flight[r] + post_state + post_buffers
-                everything += w.post.activation_bytes * held + post_all + post_buffers
-            room, room_all = usable - fixed, usable - everything
-            if min(room, room_all) < 0:
-                caps = None
-                break
-            unit, unit_all = a_min * in_flight[r] + s_min, a_min * held + s_all
-            cap = layers if unit <= 0 else min(layers, int(room // unit))
-            caps.append(cap if unit_all <= 0 else min(cap, int(room_all // unit_all)))
+        # every rank at once (numpy's float // is Python's): the ends add their own parts
+        flight = np.asarray(in_flight, dtype=np.float64)
+        held = np.asarray(with_grads, dtype=np.float64) if with_grads is not None else np.zeros(c.pp)
+        fixed, everything = np.full(c.pp, float(buffers)), np.full(c.pp, float(buffers))
+        fixed[first] += w.pre.activation_bytes * flight[first] + pre_state
+        everything[first] += w.pre.activation_bytes * held[first] + pre_all
+        fixed[last] += w.post.activation_bytes * flight[last] + post_state + post_buffers
+        everything[last] += w.post.activation_bytes * held[last] + post_all + post_buffers
+        room, room_all = usable - fixed, usable - everything
+        caps: list | None = None
+        if not (np.minimum(room, room_all) < 0).any():
+            unit, unit_all = a_min * flight + s_min, a_min * held + s_all
+            cap = np.where(unit <= 0, layers, np.minimum(layers, room // np.where(unit <= 0, 1.0, unit)))
+            cap = np.where(unit_all <= 0, cap, np.minimum(cap, room_all // np.where(unit_all <= 0, 1.0, unit_all)))
+            caps = cap.astype(np.int64).tolist()
         if caps is not None and sum(caps) < layers:
             caps = None
         table[key] = caps
