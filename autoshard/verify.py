@@ -6,7 +6,6 @@ the persistent buffers (a causal mask the model keeps as a buffer), as the progr
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from autoshard.runtime.lamb import Lamb
 from autoshard.runtime.program import global_batch
 from autoshard.runtime.rebuild import Recipe
 from autoshard.runtime.stages import piece_axis, unslice
-from autoshard.runtime.trainer import learning_rate
+from autoshard.runtime.trainer import learning_rate, step_records
 
 LR = 1e-3
 WEIGHT_DECAY = 0.1
@@ -78,8 +77,7 @@ def run_distributed(
         raise AutoshardError(
             f"the emitted program failed (exit {proc.returncode}): {' | '.join(tail) or proc.stderr[-300:]}"
         )
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    return [r["loss"] for r in sorted(records, key=lambda r: r["step"])]
+    return [r["loss"] for r in sorted(step_records(log.read_text()), key=lambda r: r["step"])]
 
 
 def run_reference(

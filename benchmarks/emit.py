@@ -13,13 +13,14 @@ its gradient reduction with the last backward as DDP does).
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from autoshard.runtime.trainer import step_records
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {
@@ -33,7 +34,7 @@ def _torchrun(nproc: int, script: str, *args: str) -> list[float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *args]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=True).stdout
-    times = [json.loads(line)["seconds"] for line in out.splitlines() if line.startswith("{")]
+    times = [r["seconds"] for r in step_records(out)]
     return times[WARMUP:]
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from autoshard.runtime.data import write_tokens
+from autoshard.runtime.trainer import step_records
 from tests.distributed import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,7 @@ def _train(out: Path, steps: int, data: Path) -> list[float]:
     args = ["--steps", str(steps), "--data", str(data), "--seed", "0", "--lr", "3e-3", "--warmup", "20"]
     proc = torchrun(out, 2, *args, "--lr-schedule", "cosine", "--loss-log", str(log), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = sorted(map(json.loads, log.read_text().splitlines()), key=lambda r: r["step"])
+    records = sorted(step_records(log.read_text()), key=lambda r: r["step"])
     return [r["loss"] for r in records]
 
 

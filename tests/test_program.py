@@ -12,6 +12,7 @@ from autoshard.cli import main
 from autoshard.errors import AutoshardError, ProgramError
 from autoshard.ir.plan import Plan
 from autoshard.ir.program import Chunk, Fp8, Loss, Program, Routing, Tied
+from autoshard.runtime.trainer import step_records
 from autoshard.verify import verify
 
 from conftest import EXAMPLES
@@ -209,19 +210,17 @@ def test_fp8_without_fp8_units_is_refused_at_compile_and_nothing_is_written(tmp_
 
 
 def test_default_initialisation_trains_from_a_sensible_loss(program):
-    import json
     import math
 
     proc = _torchrun(program, 2, "--steps", "2")
     assert proc.returncode == 0, proc.stderr[-500:]
-    losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    losses = [r["loss"] for r in step_records(proc.stdout)]
     assert len(losses) == 2
     assert all(math.isfinite(x) and abs(x - math.log(256)) < 1.5 for x in losses)  # near uniform over 256 tokens
 
 
 def test_token_file_and_bf16_compute(program, tmp_path):
     import array
-    import json
     import math
     import random
 
@@ -230,7 +229,7 @@ def test_token_file_and_bf16_compute(program, tmp_path):
     data.write_bytes(array.array("i", [rng.randrange(256) for _ in range(10_000)]).tobytes())
     proc = _torchrun(program, 2, "--steps", "2", "--data", str(data), "--compute-dtype", "bf16")
     assert proc.returncode == 0, proc.stderr[-500:]
-    losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    losses = [r["loss"] for r in step_records(proc.stdout)]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
 

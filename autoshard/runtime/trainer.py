@@ -940,6 +940,14 @@ class StepLog:
                 f.write(text + "\n")
 
 
+def step_records(text: str) -> list[dict]:
+    """The step lines of what a ``StepLog`` wrote (its ``--log`` file or the program's stdout), in
+    the order written: the JSON lines with a loss and no ``event`` key. Events (a straggler
+    named, a resume, checkpoint timings) share the log and may come at any step."""
+    records = (json.loads(line) for line in text.splitlines() if line.startswith("{"))
+    return [r for r in records if "loss" in r and "event" not in r]
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """This process's peak memory: the CUDA caching allocator's on GPUs, the resident set on CPUs."""
     if device.type == "cuda":

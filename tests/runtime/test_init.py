@@ -20,6 +20,7 @@ from autoshard.capture.init import record_build
 from autoshard.cli import main
 from autoshard.errors import AutoshardError
 from autoshard.runtime.stages import load_stage_file, materialise, stage_tables, unslice
+from autoshard.runtime.trainer import step_records
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 ZOO = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2", "gpt_neox", "olmo", "olmo2"]
@@ -235,7 +236,7 @@ def test_a_hand_written_model_trains_without_init_from_model(programs):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-1000:]
-    losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    losses = [r["loss"] for r in step_records(proc.stdout)]
     assert len(losses) == 2 and all(abs(x - math.log(128)) < 0.5 for x in losses), losses
 
 
