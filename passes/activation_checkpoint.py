@@ -42,7 +42,7 @@ def activation_checkpoint(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphMo
         meta["op"] = "checkpoint"
         name = f"checkpoint_{layer}"
         sub = layer_graph(body)
-        gm.add_submodule(name, Checkpoint(fx.GraphModule(gm, sub, class_name=f"Layer{layer}"), recompute, fp8_saved))
+        gm.add_submodule(name, Checkpoint(_layer_module(gm, sub, f"Layer{layer}"), recompute, fp8_saved))
         call = call_in_place(gm.graph, body, name, meta)
         kept = f"; keep {', '.join(fp8_saved)} as fp8 copies" if fp8_saved else ""
         recomputed = ", ".join(sorted(recompute))
@@ -50,6 +50,17 @@ def activation_checkpoint(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphMo
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _layer_module(gm: fx.GraphModule, graph: fx.Graph, name: str) -> fx.GraphModule:
+    """``graph`` as a module over ``gm``'s attributes, its Python code written when first run or
+    read (torch's lazy graph module, private since 2.2): a plan-only dry run, and the emitter,
+    which writes code of its own, never need it, and writing it costs milliseconds a layer."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # a torch without it: the code is written now
+        return fx.GraphModule(gm, graph, class_name=name)
+    return _LazyGraphModule(gm, graph, class_name=name)
 
 
 def layer_bodies(graph: fx.Graph) -> dict[int, list[fx.Node]]:
