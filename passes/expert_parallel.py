@@ -141,8 +141,9 @@ def find_regions(gm: fx.GraphModule, ep: int | None = None) -> list[Region]:
     regions: list[Region] = []
     done: set[fx.Node] = set()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for gemm in gm.graph.nodes:
-        if gemm.meta.get("op_class") != "experts" or gemm in done:
+    products = [n for n in gm.graph.nodes if n.meta.get("op_class") == "experts"]
+    for gemm in products:
+        if gemm in done:
             continue
         parts = _gemm_parts(gemm)
         target = _weight_target(parts[1]) if parts is not None else None
@@ -159,11 +160,7 @@ def find_regions(gm: fx.GraphModule, ep: int | None = None) -> list[Region]:
         experts = _experts(gm, target)
         region = Region("grouped" if offs is not None else "buffer", experts, act, offs, [], [])
         _grow(region, gm, order)
-        loose = [
-            n
-            for n in gm.graph.nodes
-            if n.meta.get("op_class") == "experts" and n not in region.members and _shares_inlet(n, region)
-        ]
+        loose = [n for n in products if n not in region.members and _shares_inlet(n, region)]
         if loose and ep is None:
             done |= set(loose)
             continue
@@ -187,7 +184,12 @@ def _grow(region: Region, gm: fx.GraphModule, order: dict) -> None:
     inside = {region.inlet}
     rows = _rows(region.inlet, region.kind)
     start = order[region.inlet]
+    # no node past the last reader of what is inside can join: the walk stops there (it would
+    # otherwise run to the graph's end once per MoE layer)
+    last = max((order[u] for u in region.inlet.users), default=start)
     for node in list(gm.graph.nodes)[start + 1 :]:
+        if order[node] > last:
+            break
         ins = node.all_input_nodes
         if not any(i in inside for i in ins):
             continue
@@ -205,6 +207,7 @@ def _grow(region: Region, gm: fx.GraphModule, order: dict) -> None:
         elif not _keeps_rows(node, rows, region.kind):
             continue
         inside.add(node)
+        last = max(last, *(order[u] for u in node.users)) if node.users else last
     region.members = inside - {region.inlet}
 
 

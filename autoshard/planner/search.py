@@ -63,7 +63,7 @@ class Planner:
             if best is None:
                 raise AutoshardError(self._nothing_fits(infeasible))
             with progress.stage("per-rank recompute"):
-                best = self.refine(best)
+                best = self.refine(best, helper)
             ranked = [best]
             if self.k > 1:
                 valid = set(meshes(replace(self.p, forced={})))
@@ -87,7 +87,7 @@ class Planner:
                 ranked = [ranked[0]] + sorted(ranked[1:], key=lambda e: e.step_time_s)
         return SearchResult(best, ranked, infeasible, nodes, leaves)
 
-    def refine(self, best: Evaluation) -> Evaluation:
+    def refine(self, best: Evaluation, helper: Helper | None = None) -> Evaluation:
         """``best`` or a quicker plan of its layout (mesh, order, schedule, ZeRO stage,
         micro-batch) where pipeline ranks recompute different sets, each chosen jointly with the
         stage partition (``Evaluator.evaluate(per_rank=True)``). A rank holding fewer in-flight
@@ -95,19 +95,35 @@ class Planner:
         each set that recomputes no more than ``best``'s is tried as the least any rank
         recomputes. The search ranks layouts under one set for all ranks (its bounds are for
         that), so a layout it ranked behind ``best`` could gain more from per-rank sets than
-        ``best`` did: the refinement improves the plan found, it does not search again."""
+        ``best`` did: the refinement improves the plan found, it does not search again.
+
+        The sets are evaluated in ``SHARES`` parts (in two processes where ``helper`` has two),
+        each against ``best`` as found, then taken in order as if one after another: an
+        evaluation only skips work it proves cannot beat its incumbent (``Evaluator._per_rank``),
+        and what it finds then is no better than that incumbent, so a better one met earlier in
+        the order changes nothing but the work."""
         c, tree = best.candidate, self.tree
         if c.pp == 1:
             return best
-        fixed = self.p.forced.get("stage_layers")
-        for rc in undominated_sets(tree.costs, c):
-            base = replace(c, recompute=rc)
-            if c.recompute not in stage_choices(tree.costs, base, c.schedule, c.zero):
-                continue  # some block recomputes more under ``rc`` than under ``best``'s set
-            ev = tree.evaluator.evaluate(base, fixed, best.step_time_s, per_rank=True)
+        sets = [
+            rc
+            for rc in undominated_sets(tree.costs, c)
+            # not where some block recomputes more under ``rc`` than under ``best``'s set
+            if c.recompute in stage_choices(tree.costs, replace(c, recompute=rc), c.schedule, c.zero)
+        ]
+        dealt = [(best, sets[i::SHARES]) for i in range(SHARES)]
+        parts = helper.map(_refine_sets, dealt) if helper is not None else [_refine_sets(self, d) for d in dealt]
+        found = {rc: ev for (_, share), evs in zip(dealt, parts) for rc, ev in zip(share, evs)}
+        for rc in sets:
+            ev = found[rc]
             if ev.feasible and ev.step_time_s < best.step_time_s * (1 - REFINE_GAIN):
                 best = ev
         return best
+
+    def _refine(self, best: Evaluation, rc: frozenset) -> Evaluation:
+        """``best``'s layout with ``rc`` the least any rank recomputes, each rank choosing its set."""
+        base = replace(best.candidate, recompute=rc)
+        return self.tree.evaluator.evaluate(base, self.p.forced.get("stage_layers"), best.step_time_s, per_rank=True)
 
     def best_of_mesh(self, mesh: tuple) -> tuple:
         """(the best plan of ``mesh`` or None, nodes, leaves), the other pins kept."""
@@ -134,6 +150,11 @@ class Planner:
 
 def _search_share(planner: Planner, share: tuple[int, int]):
     return planner.tree.branch_and_bound(share)
+
+
+def _refine_sets(planner: Planner, part: tuple) -> list[Evaluation]:
+    best, sets = part
+    return [planner._refine(best, rc) for rc in sets]
 
 
 def _search_meshes(planner: Planner, mesh_list: list[tuple]) -> list[tuple]:

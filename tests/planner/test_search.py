@@ -57,7 +57,7 @@ def test_search_finds_the_exhaustive_optimum(name, gpus, batch, hw):
                             fits += 1
     assert fits > 0
     planner = Planner(problem, alternatives=1)
-    planner.refine = lambda ev: ev  # the search proper: one recompute set for every pipeline rank
+    planner.refine = lambda ev, helper=None: ev  # the search proper: one recompute set for every pipeline rank
     found = planner.run().best
     assert found.step_time_s == pytest.approx(best, rel=1e-9)
     # each rank choosing its own set afterwards (``Planner.refine``) only ever improves on it
