@@ -596,13 +596,16 @@ def _solve_prefix(kinds, q: Quantities, pp, v, chunk_rank, microbatches) -> Part
                     extras[chunk_rank(chunk)][key] += count * getattr(o, key)[head_kind]
             layout = _Layout(o, pp, chunks, chunk_rank, rest_kind, {c: {head_kind: n} for c, n in enumerate(split)}, j)
             built.append((o, extras, layout))
+        # a split whose every time alone reaches the best objective so far cannot beat it
         if q.options:
-            found = _best_counts_choice(rest, built, pp, v, chunk_rank, microbatches, closed, caches)
+            beat = None if best is None else best[0][0]
+            found = _best_counts_choice(rest, built, pp, v, chunk_rank, microbatches, closed, caches, beat)
             if found is not None and (best is None or found[0] < best[0][0]):
                 best = (found, built, split)
             continue
         _, extras, layout = built[0]
-        found = _best_counts(rest, layout, q, pp, v, chunk_rank, microbatches, extras, closed, caches[0])
+        beat = None if best is None else best[0]
+        found = _best_counts(rest, layout, q, pp, v, chunk_rank, microbatches, extras, closed, caches[0], beat)
         if found is not None and (best is None or found[0] < best[0]):
             best = (*found, split, extras, layout)
     if best is None:
@@ -656,13 +659,14 @@ def _spread(counts, pp, chunks, chunk_rank, prefix: dict, first_open: int = 0) -
     return stage_layers
 
 
-def _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed, cache=None):
+def _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed, cache=None, beat=None):
     """Exact: the slowest rank's time can only be one of the values const_r + n * t; for each, in
     increasing order, the least data-parallel exposure with every rank under that time and within
     memory is found by bisection over the finitely many exposure values (each rank's exposure is
     convex in n, so the counts allowed under a bound form an interval). The scan stops once a
     larger time cannot pay for itself: microbatches x (T - T_first) >= the exposure at T_first.
-    Returns (objective, t_max, d_max, counts) in microseconds, or None."""
+    Returns (objective, t_max, d_max, counts) in microseconds, or None; None too where nothing
+    is below ``beat`` (an objective found already, which the caller keeps on a tie)."""
     terms = _per_rank_terms(layers, layout, q, pp, v, chunk_rank, microbatches, extras, closed, cache=cache)
     if terms is None:
         return None
@@ -687,7 +691,7 @@ def _best_counts(layers, layout, q, pp, v, chunk_rank, microbatches, extras, clo
             lo = mid + 1
     best = None
     for t_max in times[lo:]:
-        if best is not None and microbatches * t_max >= best[0]:
+        if best is not None and microbatches * t_max >= best[0] or beat is not None and microbatches * t_max >= beat:
             break
         tops = allowed(t_max)
         if any(top < 0 for top in tops):
@@ -718,7 +722,7 @@ def _chosen_partition(found, built, pp, chunks, chunk_rank, prefix: dict, first_
     )
 
 
-def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed, caches=None):
+def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed, caches=None, beat=None):
     """``_best_counts`` where each rank also chooses its recompute set (``built``: per choice its
     quantities, per-rank extras and layout). Exact by the same scan: a rank's time under choice
     s is const_rs + n * t_s, so the slowest rank's time is one of those values; under a bound T
@@ -728,7 +732,7 @@ def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed, 
     (``bubble``), which this objective leaves out; so no rank recomputes more but to fit or to
     shorten the slowest rank, each takes the quickest choice that allows its count, and the
     search's exposure bound under the first choice holds. Returns (objective, t_max, d_max,
-    counts, choice per rank), or None."""
+    counts, choice per rank), or None (as for nothing below ``beat``: ``_best_counts``)."""
     terms = [
         _per_rank_terms(layers, layout, o, pp, v, chunk_rank, microbatches, extras, closed, True, cache)
         for (o, extras, layout), cache in zip(built, caches or [None] * len(built))
@@ -758,7 +762,7 @@ def _best_counts_choice(layers, built, pp, v, chunk_rank, microbatches, closed, 
         lo, hi = (lo, mid) if sum(max(0, a) for a in allowed(times[mid])) >= layers else (mid + 1, hi)
     base, best = terms[0][1], None
     for t_max in times[lo:]:
-        if best is not None and microbatches * t_max >= best[0]:
+        if best is not None and microbatches * t_max >= best[0] or beat is not None and microbatches * t_max >= beat:
             break
         top = allowed(t_max)
         if any(x < 0 for x in top):
