@@ -430,6 +430,13 @@ class _Layout:
             self.mine[chunk_rank(c)].append(c)
         self.open = [[c for c in cs if c >= first_open] for cs in self.mine]
         self._ranks: dict[int, tuple] = {}
+        # what ``fixed`` holds besides ``q``'s own (the same for every split of one prefix search)
+        self._prefix = {c: tuple(sorted(counts.items())) for c, counts in prefix.items()}
+
+    def rank_key(self, r: int) -> tuple:
+        """What rank ``r``'s chunks hold of the prefix: with ``q`` and the chunks, all its fixed bytes
+        depend on (``_per_rank_terms``' cache key)."""
+        return tuple(self._prefix.get(c) for c in self.mine[r])
 
     def _rank(self, r: int) -> tuple:
         """Rank ``r``'s peak as a function of its chunks' layer counts: per point of its
@@ -493,9 +500,8 @@ def _per_rank_terms(
     for r in range(pp):
         key = None
         if cache is not None:
-            mine = layout.mine[r]
             extra = tuple(extras[r][k] for k in KEYS)
-            key = (r, layout.fixed[:, mine].tobytes(), tuple(layout.open[r]), r in closed, extra)
+            key = (r, layout.rank_key(r), tuple(layout.open[r]), r in closed, extra)
         entry = cache.get(key, False) if cache is not None else False
         if entry is False:  # not cached (None: cached as not fitting)
             entry = _rank_terms(layers, layout, q, r, v, microbatches, extras[r], r in closed, soft)
