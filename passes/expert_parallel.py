@@ -308,7 +308,8 @@ def _rewrite(gm: fx.GraphModule, region: Region, ctx: RewriteContext) -> None:
         if region.offs is not None:
             node.replace_input_with(region.offs, local_offs)
     _localise_weights(gm, region, ctx)
-    for leaving in sorted(_exits(region), key=lambda n: list(gm.graph.nodes).index(n)):
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for leaving in sorted(_exits(region), key=order.__getitem__):
         _combine(gm, leaving, region, ctx, offs, recv, share)
 
 
